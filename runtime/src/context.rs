@@ -1,0 +1,86 @@
+//! The thread-local handle to the runtime that is running on this thread.
+//!
+//! Everything a task touches — the driver, the ready queue, the timers, the
+//! completion sources — is reached through this context, so futures need no
+//! handle of their own. One runtime is entered per thread at a time.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use slab::Slab;
+
+use crate::driver::{Driver, Unparker};
+use crate::executor::Task;
+use crate::source::Sources;
+use crate::stats::Counters;
+use crate::time::Timers;
+
+/// Per-runtime state shared by everything on the runtime's thread.
+pub(crate) struct Context {
+    /// Unique id of this runtime (tells a local wake from a remote one).
+    pub(crate) id: usize,
+    pub(crate) driver: RefCell<Driver>,
+    /// Tasks ready to be polled, by task id.
+    pub(crate) ready: RefCell<VecDeque<u64>>,
+    pub(crate) tasks: RefCell<Slab<Task>>,
+    pub(crate) timers: RefCell<Timers>,
+    pub(crate) sources: RefCell<Sources>,
+    /// Cross-thread wake plumbing.
+    pub(crate) unparker: Arc<Unparker>,
+    pub(crate) counters: Counters,
+    /// Operations left in the current task's cooperative budget.
+    pub(crate) budget: Cell<u32>,
+}
+
+thread_local! {
+    static CURRENT: RefCell<Option<Rc<Context>>> = const { RefCell::new(None) };
+    /// Id of the runtime entered on this thread (0: none); read by wakers.
+    static CURRENT_ID: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Runs `f` with the current runtime's context, or `None` outside any runtime.
+pub(crate) fn try_with<R>(f: impl FnOnce(Option<&Rc<Context>>) -> R) -> R {
+    CURRENT.with(|c| {
+        let cx = c.borrow().clone();
+        f(cx.as_ref())
+    })
+}
+
+/// Runs `f` with the current runtime's context.
+///
+/// # Panics
+/// Outside a runtime: I/O, timers and `spawn_local` need one.
+pub(crate) fn with<R>(f: impl FnOnce(&Rc<Context>) -> R) -> R {
+    try_with(|cx| {
+        f(cx.expect("quiesce: this needs a runtime; call it from inside Runtime::block_on"))
+    })
+}
+
+/// Id of the runtime entered on this thread, 0 when none.
+pub(crate) fn current_id() -> usize {
+    CURRENT_ID.with(Cell::get)
+}
+
+/// Restores the previous context when dropped.
+pub(crate) struct Enter {
+    prev: Option<Rc<Context>>,
+    prev_id: usize,
+}
+
+/// Makes `cx` the current context until the guard drops.
+pub(crate) fn enter(cx: Rc<Context>) -> Enter {
+    let id = cx.id;
+    let prev = CURRENT.with(|c| c.borrow_mut().replace(cx));
+    let prev_id = CURRENT_ID.with(|c| c.replace(id));
+    Enter { prev, prev_id }
+}
+
+impl Drop for Enter {
+    fn drop(&mut self) {
+        let prev = self.prev.take();
+        CURRENT.with(|c| *c.borrow_mut() = prev);
+        CURRENT_ID.with(|c| c.set(self.prev_id));
+    }
+}

@@ -1,0 +1,502 @@
+//! The io_uring backend.
+//!
+//! Operations live in a slab; `user_data` is `generation << 32 | key`, so a
+//! late cancel or CQE can never hit a slot that was reused. SQEs are pushed
+//! as operations are created and flushed in one `io_uring_enter` at park; a
+//! full submission queue is submitted early and pushing carries on.
+
+use std::io;
+use std::mem::ManuallyDrop;
+use std::os::fd::RawFd;
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use slab::Slab;
+
+use super::lifecycle::{cqe_result, Lifecycle, Parked};
+use super::ParkEvents;
+use crate::stats::Counters;
+
+/// `user_data` of async-cancel SQEs (their CQEs are ignored).
+const CANCEL_TOKEN: u64 = 1 << 63;
+/// `user_data` of the multishot poll on the runtime's eventfd.
+const WAKE_TOKEN: u64 = (1 << 63) | 1;
+/// Tag of completion-source fd polls: `SOURCE_TAG | source token`.
+const SOURCE_TAG: u64 = 1 << 62;
+/// `IORING_ENTER_GETEVENTS` (the crate keeps its `sys` module private).
+const ENTER_GETEVENTS: u32 = 1;
+
+/// Ring set-up knobs (see `Builder`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RingConfig {
+    pub(crate) entries: u32,
+    pub(crate) cq_entries: Option<u32>,
+    pub(crate) sqpoll_idle: Option<Duration>,
+    pub(crate) single_issuer: bool,
+    pub(crate) defer_taskrun: bool,
+    pub(crate) coop_taskrun: bool,
+}
+
+struct Slot {
+    gen: u32,
+    life: Lifecycle,
+}
+
+/// An io_uring instance and the operations in flight on it.
+pub(crate) struct Uring {
+    /// Dropped with the driver, unless `leaked` (a drain timed out).
+    ring: ManuallyDrop<IoUring>,
+    leaked: bool,
+    ops: Slab<Slot>,
+    /// SQEs pushed since the last submit.
+    unsubmitted: u32,
+    defer_taskrun: bool,
+    wake_fd: RawFd,
+    wake_armed: bool,
+    next_bgid: u16,
+    pub(crate) events: ParkEvents,
+}
+
+impl Uring {
+    pub(crate) fn new(cfg: &RingConfig, wake_fd: RawFd) -> io::Result<Uring> {
+        let mut b = IoUring::builder();
+        if let Some(cq) = cfg.cq_entries {
+            b.setup_cqsize(cq);
+        }
+        if let Some(idle) = cfg.sqpoll_idle {
+            b.setup_sqpoll(idle.as_millis().min(u32::MAX as u128) as u32);
+        }
+        if cfg.single_issuer || cfg.defer_taskrun {
+            b.setup_single_issuer();
+        }
+        if cfg.defer_taskrun {
+            b.setup_defer_taskrun();
+        }
+        if cfg.coop_taskrun {
+            b.setup_coop_taskrun();
+        }
+        b.setup_clamp();
+        let ring = b.build(cfg.entries)?;
+        if !ring.params().is_feature_nodrop() || !ring.params().is_feature_ext_arg() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "io_uring lacks IORING_FEAT_NODROP or IORING_FEAT_EXT_ARG (kernel older than 5.11)",
+            ));
+        }
+        Ok(Uring {
+            ring: ManuallyDrop::new(ring),
+            leaked: false,
+            ops: Slab::with_capacity(cfg.entries as usize),
+            unsubmitted: 0,
+            defer_taskrun: cfg.defer_taskrun,
+            wake_fd,
+            wake_armed: false,
+            next_bgid: 0,
+            events: ParkEvents::default(),
+        })
+    }
+
+    /// Operations the kernel may still produce completions for.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.ops.iter().filter(|(_, s)| s.life.is_live()).count()
+    }
+
+    /// Queues an SQE, submitting early if the queue is full.
+    fn push(&mut self, entry: &squeue::Entry, counters: &Counters) {
+        loop {
+            // SAFETY: every pointer in the entry refers to memory owned by the op's
+            // struct (heap), which the op future or the driver's Ignored slot keeps
+            // alive until the op's final CQE is reaped.
+            if unsafe { self.ring.submission().push(entry) }.is_ok() {
+                self.unsubmitted += 1;
+                return;
+            }
+            Counters::bump(&counters.submit_full);
+            match self.ring.submit() {
+                Ok(_) => self.unsubmitted = 0,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => self.reap(counters),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "io_uring submit failed while the SQ was full; reaping and retrying");
+                    self.reap(counters);
+                }
+            }
+        }
+    }
+
+    /// Submits an operation; returns its token.
+    pub(crate) fn submit(
+        &mut self,
+        entry: squeue::Entry,
+        life: Lifecycle,
+        counters: &Counters,
+    ) -> u64 {
+        let gen = counters.next_gen();
+        let key = self.ops.insert(Slot { gen, life });
+        let token = (u64::from(gen) << 32) | key as u64;
+        self.push(&entry.user_data(token), counters);
+        Counters::bump(&counters.ops_submitted);
+        token
+    }
+
+    fn slot(&mut self, token: u64) -> Option<&mut Slot> {
+        let key = (token & 0xffff_ffff) as usize;
+        let gen = (token >> 32) as u32;
+        self.ops.get_mut(key).filter(|s| s.gen == gen)
+    }
+
+    fn remove(&mut self, token: u64) {
+        self.ops.remove((token & 0xffff_ffff) as usize);
+    }
+
+    /// Polls a one-shot op: its result and flags once it is fully done.
+    pub(crate) fn poll_op(&mut self, token: u64, waker: &Waker) -> Option<(io::Result<u32>, u32)> {
+        let slot = self.slot(token).expect("polled op has a slot");
+        match &mut slot.life {
+            Lifecycle::Completed {
+                res,
+                flags,
+                more: false,
+                ..
+            } => {
+                let out = (cqe_result(*res), *flags);
+                self.remove(token);
+                Some(out)
+            }
+            Lifecycle::Completed { waker: w, .. } => {
+                *w = Some(waker.clone());
+                None
+            }
+            life @ (Lifecycle::Submitted | Lifecycle::Waiting(_)) => {
+                if !matches!(life, Lifecycle::Waiting(w) if w.will_wake(waker)) {
+                    *life = Lifecycle::Waiting(waker.clone());
+                }
+                None
+            }
+            Lifecycle::Ignored(_) | Lifecycle::Multi { .. } => {
+                unreachable!("poll_op on a parked or multishot op")
+            }
+        }
+    }
+
+    /// Polls a multishot op: the next queued CQE and whether it was the last.
+    pub(crate) fn poll_multi(&mut self, token: u64, waker: &Waker) -> Option<(i32, u32, bool)> {
+        let slot = self.slot(token).expect("polled multishot op has a slot");
+        let Lifecycle::Multi {
+            queue,
+            waker: w,
+            done,
+        } = &mut slot.life
+        else {
+            unreachable!("poll_multi on a one-shot op")
+        };
+        match queue.pop_front() {
+            Some((res, flags)) => {
+                let last = queue.is_empty() && *done;
+                if last {
+                    self.remove(token);
+                }
+                Some((res, flags, last))
+            }
+            None => {
+                *w = Some(waker.clone());
+                None
+            }
+        }
+    }
+
+    /// The op's future was dropped. If the kernel is done with it, the op is
+    /// handed back to be dropped by the caller; otherwise it is parked and
+    /// cancelled.
+    pub(crate) fn park_op(
+        &mut self,
+        token: u64,
+        mut op: Box<dyn Parked>,
+        counters: &Counters,
+    ) -> Option<Box<dyn Parked>> {
+        let slot = self.slot(token).expect("dropped op has a slot");
+        let needs_cancel = match &mut slot.life {
+            Lifecycle::Completed { more: false, .. } => {
+                self.remove(token);
+                return Some(op);
+            }
+            Lifecycle::Multi { queue, done, .. } => {
+                for (res, flags) in queue.drain(..) {
+                    op.cqe(res, flags);
+                }
+                if *done {
+                    self.remove(token);
+                    return Some(op);
+                }
+                true
+            }
+            // Only the zero-copy notification is outstanding: nothing to cancel.
+            Lifecycle::Completed { more: true, .. } => false,
+            Lifecycle::Submitted | Lifecycle::Waiting(_) => true,
+            Lifecycle::Ignored(_) => unreachable!("an op parked twice"),
+        };
+        slot.life = Lifecycle::Ignored(op);
+        Counters::bump(&counters.ops_parked);
+        if needs_cancel {
+            self.cancel(token, counters);
+        }
+        None
+    }
+
+    /// Posts an async cancel for `token` if it is still live.
+    pub(crate) fn cancel(&mut self, token: u64, counters: &Counters) {
+        let live = self.slot(token).is_some_and(|s| match &s.life {
+            Lifecycle::Completed { .. } => false,
+            l => l.is_live(),
+        });
+        if live {
+            self.push(
+                &opcode::AsyncCancel::new(token)
+                    .build()
+                    .user_data(CANCEL_TOKEN),
+                counters,
+            );
+            Counters::bump(&counters.cancels_posted);
+        }
+    }
+
+    /// Watches a completion source's fd (one-shot poll).
+    pub(crate) fn watch_source(&mut self, fd: RawFd, token: u64, counters: &Counters) {
+        let e = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32).build();
+        self.push(&e.user_data(SOURCE_TAG | token), counters);
+    }
+
+    pub(crate) fn unwatch_source(&mut self, token: u64, counters: &Counters) {
+        let e = opcode::PollRemove::new(SOURCE_TAG | token).build();
+        self.push(&e.user_data(CANCEL_TOKEN), counters);
+    }
+
+    /// Registers a provided-buffer ring; returns its buffer group id.
+    pub(crate) fn register_buf_ring(
+        &mut self,
+        ring: *mut types::BufRingEntry,
+        count: u16,
+    ) -> io::Result<u16> {
+        let bgid = self.next_bgid;
+        self.next_bgid = self.next_bgid.wrapping_add(1);
+        // SAFETY: `ring` points to `count` zeroed, page-aligned entries that the pool
+        // keeps alive until it calls unregister_buf_ring (or the ring is destroyed).
+        unsafe {
+            self.ring
+                .submitter()
+                .register_buf_ring_with_flags(ring as u64, count, bgid, 0)
+        }?;
+        Ok(bgid)
+    }
+
+    pub(crate) fn unregister_buf_ring(&mut self, bgid: u16) -> io::Result<()> {
+        self.ring.submitter().unregister_buf_ring(bgid)
+    }
+
+    /// Flushes SQEs, waits up to `timeout` for a completion, reaps all.
+    pub(crate) fn park(
+        &mut self,
+        timeout: Option<Duration>,
+        counters: &Counters,
+    ) -> io::Result<()> {
+        if !self.wake_armed {
+            let e = opcode::PollAdd::new(types::Fd(self.wake_fd), libc::POLLIN as u32)
+                .multi(true)
+                .build();
+            self.push(&e.user_data(WAKE_TOKEN), counters);
+            self.wake_armed = true;
+        }
+        let res = match timeout {
+            Some(d) if d.is_zero() => {
+                if self.unsubmitted == 0 && !self.defer_taskrun {
+                    Ok(0)
+                } else if self.defer_taskrun {
+                    // SAFETY: no signal mask or argument pointers are passed.
+                    unsafe {
+                        self.ring.submitter().enter::<libc::sigset_t>(
+                            self.unsubmitted,
+                            0,
+                            ENTER_GETEVENTS,
+                            None,
+                        )
+                    }
+                    .map(|n| n)
+                } else {
+                    self.ring.submit()
+                }
+            }
+            Some(d) => {
+                Counters::bump(&counters.parks);
+                let ts = types::Timespec::from(d);
+                let args = types::SubmitArgs::new().timespec(&ts);
+                self.ring.submitter().submit_with_args(1, &args)
+            }
+            None => {
+                Counters::bump(&counters.parks);
+                self.ring.submit_and_wait(1)
+            }
+        };
+        match res {
+            Ok(_) => self.unsubmitted = 0,
+            Err(e) => match e.raw_os_error() {
+                Some(libc::ETIME) | Some(libc::EINTR) => self.unsubmitted = 0,
+                Some(libc::EBUSY) => {}
+                _ => return Err(e),
+            },
+        }
+        self.reap(counters);
+        Ok(())
+    }
+
+    /// Reaps every CQE in the completion queue.
+    fn reap(&mut self, counters: &Counters) {
+        loop {
+            let mut cq = self.ring.completion();
+            cq.sync();
+            if cq.is_empty() {
+                return;
+            }
+            let batch: Vec<cqueue::Entry> = cq.by_ref().take(256).collect();
+            drop(cq);
+            for cqe in batch {
+                self.dispatch(cqe.user_data(), cqe.result(), cqe.flags(), counters);
+            }
+        }
+    }
+
+    fn dispatch(&mut self, ud: u64, res: i32, flags: u32, counters: &Counters) {
+        Counters::bump(&counters.completions);
+        if ud == CANCEL_TOKEN {
+            return;
+        }
+        if ud == WAKE_TOKEN {
+            self.events.woken = true;
+            if !cqueue::more(flags) {
+                self.wake_armed = false;
+            }
+            return;
+        }
+        if ud & SOURCE_TAG != 0 && ud & CANCEL_TOKEN == 0 {
+            if res != -libc::ECANCELED {
+                self.events.sources_ready.push(ud & !SOURCE_TAG);
+            }
+            return;
+        }
+        let last = !cqueue::more(flags);
+        let notif = cqueue::notif(flags);
+        if notif {
+            Counters::bump(&counters.zc_notifications);
+        }
+        let Some(slot) = self.slot(ud) else {
+            tracing::warn!(user_data = ud, "CQE for an unknown operation");
+            return;
+        };
+        match &mut slot.life {
+            life @ (Lifecycle::Submitted | Lifecycle::Waiting(_)) => {
+                let waker = match std::mem::replace(life, Lifecycle::Submitted) {
+                    Lifecycle::Waiting(w) => Some(w),
+                    _ => None,
+                };
+                if last {
+                    *life = Lifecycle::Completed {
+                        res,
+                        flags,
+                        more: false,
+                        waker: None,
+                    };
+                    if let Some(w) = waker {
+                        w.wake();
+                    }
+                } else {
+                    *life = Lifecycle::Completed {
+                        res,
+                        flags,
+                        more: true,
+                        waker,
+                    };
+                }
+            }
+            Lifecycle::Completed { more, waker, .. } => {
+                // The zero-copy notification: the kernel has let go of the buffer.
+                if last {
+                    *more = false;
+                    if let Some(w) = waker.take() {
+                        w.wake();
+                    }
+                }
+            }
+            Lifecycle::Ignored(op) => {
+                op.cqe(res, flags);
+                if last {
+                    let slot = self.ops.remove((ud & 0xffff_ffff) as usize);
+                    if let Lifecycle::Ignored(op) = slot.life {
+                        self.events.released.push(op);
+                    }
+                    Counters::bump(&counters.parked_released);
+                }
+            }
+            Lifecycle::Multi { queue, waker, done } => {
+                queue.push_back((res, flags));
+                *done = last;
+                if let Some(w) = waker.take() {
+                    w.wake();
+                }
+            }
+        }
+    }
+
+    /// Cancels everything and reaps until no operation is live, or until
+    /// `limit` passes. Returns how many operations were still live then.
+    pub(crate) fn drain(&mut self, limit: Duration, counters: &Counters) -> usize {
+        let tokens: Vec<u64> = self
+            .ops
+            .iter()
+            .filter(|(_, s)| s.life.is_live())
+            .map(|(k, s)| (u64::from(s.gen) << 32) | k as u64)
+            .collect();
+        for t in tokens {
+            self.cancel(t, counters);
+        }
+        let start = Instant::now();
+        loop {
+            let live = self.in_flight();
+            if live == 0 {
+                return 0;
+            }
+            let left = limit.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return live;
+            }
+            if let Err(e) = self.park(Some(left.min(Duration::from_millis(50))), counters) {
+                tracing::error!(error = %e, "io_uring wait failed while draining");
+                return self.in_flight();
+            }
+        }
+    }
+
+    /// Leaks every parked op (used when draining timed out: the kernel may still
+    /// write into their buffers, so they must never be freed).
+    pub(crate) fn leak_parked(&mut self) {
+        for slot in self.ops.drain() {
+            if let Lifecycle::Ignored(op) = slot.life {
+                std::mem::forget(op);
+            }
+        }
+    }
+
+    /// Leaks the ring itself (after a failed drain): closing it would let the
+    /// kernel's teardown race with memory handed back to the allocator.
+    pub(crate) fn set_leak(&mut self) {
+        self.leaked = true;
+    }
+}
+
+impl Drop for Uring {
+    fn drop(&mut self) {
+        if !self.leaked {
+            // SAFETY: dropped exactly once, here; nothing uses the ring afterwards.
+            unsafe { ManuallyDrop::drop(&mut self.ring) };
+        }
+    }
+}

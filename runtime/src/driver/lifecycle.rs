@@ -1,0 +1,296 @@
+//! The lifecycle of one operation, and the future that drives it.
+//!
+//! On io_uring an operation is a slot in the driver's slab, keyed by the
+//! CQE's `user_data` (slab key + generation). The slot's [`Lifecycle`] says who
+//! owns the operation's buffers at each moment; the rule it enforces is the
+//! crate's first promise: **a buffer is released only after the kernel's last
+//! completion for it has been reaped** — the CQE, and for `SEND_ZC` the
+//! zero-copy notification that follows it.
+//!
+//! On epoll nothing is ever in the kernel's hands between polls: the syscall
+//! either completes during `poll` or returns `EWOULDBLOCK`, so dropping the
+//! future releases its buffers at once.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context as TaskCx, Poll, Waker};
+
+use super::op::Operation;
+use super::Driver;
+use crate::context;
+
+/// Where an io_uring operation is, and who owns its buffers.
+pub(crate) enum Lifecycle {
+    /// The SQE is queued or in the kernel and no task has polled the op yet.
+    /// The `Op` future owns the buffers; the kernel may use them.
+    Submitted,
+    /// As `Submitted`, and a task waits: the waker is woken on the final CQE.
+    Waiting(Waker),
+    /// The `Op` future was dropped before its final CQE. The driver owns the
+    /// buffers (boxed here) and an async cancel has been posted; the box is
+    /// released when the final CQE is reaped, never before.
+    Ignored(Box<dyn Parked>),
+    /// The result CQE arrived. While `more` is set the kernel still holds the
+    /// buffers (a `SEND_ZC` notification is outstanding) and the op is not done.
+    Completed {
+        res: i32,
+        flags: u32,
+        more: bool,
+        waker: Option<Waker>,
+    },
+    /// A multishot op: CQEs are queued for the stream; `done` once the final
+    /// one (without `IORING_CQE_F_MORE`) arrived.
+    Multi {
+        queue: VecDeque<(i32, u32)>,
+        waker: Option<Waker>,
+        done: bool,
+    },
+}
+
+impl Lifecycle {
+    /// True while the kernel may still produce completions for this op.
+    pub(crate) fn is_live(&self) -> bool {
+        match self {
+            Lifecycle::Submitted | Lifecycle::Waiting(_) | Lifecycle::Ignored(_) => true,
+            Lifecycle::Completed { more, .. } => *more,
+            Lifecycle::Multi { done, .. } => !*done,
+        }
+    }
+}
+
+/// An operation whose future is gone, parked in the driver until it drains.
+pub(crate) trait Parked {
+    /// Sees every CQE that arrives while parked (to recycle provided buffers).
+    fn cqe(&mut self, res: i32, flags: u32);
+}
+
+impl<T: Operation> Parked for T {
+    fn cqe(&mut self, res: i32, flags: u32) {
+        self.parked_cqe(res, flags)
+    }
+}
+
+/// Converts a CQE result into an `io::Result`.
+pub(crate) fn cqe_result(res: i32) -> io::Result<u32> {
+    if res < 0 {
+        Err(io::Error::from_raw_os_error(-res))
+    } else {
+        Ok(res as u32)
+    }
+}
+
+/// Shared between an [`Op`] and its [`Canceller`]s.
+#[derive(Default)]
+struct CancelState {
+    requested: Cell<bool>,
+    /// io_uring `user_data` once submitted (0: not submitted there).
+    token: Cell<u64>,
+    runtime: Cell<usize>,
+    waker: RefCell<Option<Waker>>,
+}
+
+/// Cancels an operation in flight without giving up its future.
+///
+/// The future then completes — with `ECANCELED`, or with its real result if
+/// the operation won the race — and only then returns its buffers. This is
+/// what a fence uses: cancel, then await, and the buffers are quiescent.
+#[derive(Clone)]
+pub struct Canceller {
+    state: Rc<CancelState>,
+}
+
+impl Canceller {
+    /// Requests cancellation (io_uring: posts an async cancel; epoll: the
+    /// waiting op completes with `ECANCELED` at its next poll). Idempotent.
+    pub fn cancel(&self) {
+        let st = &self.state;
+        if st.requested.replace(true) {
+            return;
+        }
+        let token = st.token.get();
+        if token != 0 {
+            context::try_with(|cx| {
+                if let Some(cx) = cx.filter(|cx| cx.id == st.runtime.get()) {
+                    if let Driver::Uring(u) = &mut *cx.driver.borrow_mut() {
+                        u.cancel(token, &cx.counters);
+                    }
+                }
+            });
+        }
+        if let Some(w) = st.waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+}
+
+enum State<T> {
+    /// Not yet started (epoll backend; io_uring ops start at creation).
+    Idle(T),
+    /// Submitted to the io_uring of runtime `runtime`, slot `token`.
+    Uring { token: u64, runtime: usize, spec: T },
+    /// The future completed.
+    Done,
+}
+
+/// The future of one operation over owned buffers.
+///
+/// On io_uring the operation is submitted when the `Op` is created (the SQE
+/// is flushed at the next park, together with every other pushed SQE). On
+/// epoll it starts at the first poll. Dropping the `Op` early never frees a
+/// buffer the kernel may touch: see the [module docs](self).
+#[must_use = "an operation does nothing useful unless awaited"]
+pub struct Op<'fd, T: Operation> {
+    state: State<T>,
+    cancel: Option<Rc<CancelState>>,
+    /// Borrows the fd the op works on; `Rc` keeps the op on its thread.
+    _marker: PhantomData<(&'fd (), Rc<()>)>,
+}
+
+impl<T: Operation> Op<'_, T> {
+    /// Starts `spec` on the current runtime.
+    pub(crate) fn new(mut spec: T) -> Self {
+        let state = context::with(|cx| {
+            let mut d = cx.driver.borrow_mut();
+            match &mut *d {
+                Driver::Uring(u) => {
+                    let token = u.submit(spec.uring_entry(), Lifecycle::Submitted, &cx.counters);
+                    State::Uring {
+                        token,
+                        runtime: cx.id,
+                        spec,
+                    }
+                }
+                Driver::Poll(_) => State::Idle(spec),
+            }
+        });
+        Op {
+            state,
+            cancel: None,
+            _marker: PhantomData,
+        }
+    }
+
+    /// A handle that cancels this operation while it is in flight.
+    pub fn canceller(&mut self) -> Canceller {
+        let st = self.cancel.get_or_insert_with(Default::default).clone();
+        if let State::Uring { token, runtime, .. } = &self.state {
+            st.token.set(*token);
+            st.runtime.set(*runtime);
+        }
+        Canceller { state: st }
+    }
+
+    fn cancel_requested(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|c| c.requested.get())
+    }
+}
+
+impl<T: Operation> Future for Op<'_, T> {
+    type Output = T::Output;
+
+    fn poll(mut self: Pin<&mut Self>, tcx: &mut TaskCx<'_>) -> Poll<T::Output> {
+        let this = &mut *self;
+        match std::mem::replace(&mut this.state, State::Done) {
+            State::Uring {
+                token,
+                runtime,
+                spec,
+            } => {
+                let done = context::try_with(|cx| match cx {
+                    Some(cx) if cx.id == runtime => match &mut *cx.driver.borrow_mut() {
+                        Driver::Uring(u) => u.poll_op(token, tcx.waker()),
+                        Driver::Poll(_) => unreachable!("an io_uring op on an epoll runtime"),
+                    },
+                    // Its runtime is gone; it reaped every completion first…
+                    _ if !crate::runtime::was_undrained(runtime) => {
+                        Some((Err(io::Error::other("the op's runtime has shut down")), 0))
+                    }
+                    // …unless its drain timed out: the kernel may still use the buffers.
+                    _ => {
+                        panic!("quiesce: op polled after its runtime shut down without draining it")
+                    }
+                });
+                match done {
+                    None => {
+                        this.state = State::Uring {
+                            token,
+                            runtime,
+                            spec,
+                        };
+                        Poll::Pending
+                    }
+                    Some((res, flags)) => Poll::Ready(spec.complete(res, flags)),
+                }
+            }
+            State::Idle(mut spec) => {
+                if this.cancel_requested() {
+                    return Poll::Ready(spec.complete(Err(canceled()), 0));
+                }
+                if crate::executor::poll_budget(tcx).is_pending() {
+                    this.state = State::Idle(spec);
+                    return Poll::Pending;
+                }
+                match spec.poll_try() {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        let (fd, interest) =
+                            spec.poll_fd().expect("WouldBlock from an op without an fd");
+                        let reg = context::with(|cx| match &mut *cx.driver.borrow_mut() {
+                            Driver::Poll(p) => p.wait(fd, interest, tcx.waker()),
+                            Driver::Uring(_) => unreachable!("an epoll op on an io_uring runtime"),
+                        });
+                        if let Err(e) = reg {
+                            return Poll::Ready(spec.complete(Err(e), 0));
+                        }
+                        if let Some(c) = &this.cancel {
+                            *c.waker.borrow_mut() = Some(tcx.waker().clone());
+                        }
+                        this.state = State::Idle(spec);
+                        Poll::Pending
+                    }
+                    res => {
+                        context::with(|cx| crate::stats::Counters::bump(&cx.counters.completions));
+                        Poll::Ready(spec.complete(res, 0))
+                    }
+                }
+            }
+            State::Done => panic!("Op polled after it completed"),
+        }
+    }
+}
+
+impl<T: Operation> Drop for Op<'_, T> {
+    fn drop(&mut self) {
+        let State::Uring {
+            token,
+            runtime,
+            spec,
+        } = std::mem::replace(&mut self.state, State::Done)
+        else {
+            return;
+        };
+        let leftover = context::try_with(|cx| match cx {
+            Some(cx) if cx.id == runtime => match &mut *cx.driver.borrow_mut() {
+                Driver::Uring(u) => u.park_op(token, Box::new(spec), &cx.counters),
+                Driver::Poll(_) => None,
+            },
+            // Its runtime reaped every completion before it shut down…
+            _ if !crate::runtime::was_undrained(runtime) => Some(Box::new(spec) as Box<dyn Parked>),
+            // …unless its drain timed out: never free what the kernel may touch.
+            _ => {
+                std::mem::forget(spec);
+                None
+            }
+        });
+        // Dropped here, with the driver no longer borrowed.
+        drop(leftover);
+    }
+}
+
+pub(crate) fn canceled() -> io::Error {
+    io::Error::from_raw_os_error(libc::ECANCELED)
+}

@@ -1,0 +1,59 @@
+//! `recv(2)` into an owned buffer.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use io_uring::{opcode, types};
+
+use super::{cvt, sealed, Operation};
+use crate::buf::{BufResult, IoBufMut};
+use crate::driver::Interest;
+
+/// Receives into `buf` from its first byte up to `bytes_total()`; on success
+/// the first `n` bytes are marked initialised.
+pub struct Recv<B> {
+    fd: RawFd,
+    buf: B,
+}
+
+impl<B: IoBufMut> Recv<B> {
+    pub(crate) fn new(fd: RawFd, buf: B) -> Self {
+        Recv { fd, buf }
+    }
+
+    fn target(&mut self) -> (*mut u8, usize) {
+        (
+            self.buf.stable_mut_ptr(),
+            self.buf.bytes_total().min(u32::MAX as usize),
+        )
+    }
+}
+
+impl<B> sealed::Sealed for Recv<B> {}
+
+impl<B: IoBufMut> Operation for Recv<B> {
+    type Output = BufResult<usize, B>;
+
+    fn uring_entry(&mut self) -> io_uring::squeue::Entry {
+        let (ptr, len) = self.target();
+        opcode::Recv::new(types::Fd(self.fd), ptr, len as u32).build()
+    }
+
+    fn complete(mut self, res: io::Result<u32>, _flags: u32) -> Self::Output {
+        if let Ok(n) = res {
+            // SAFETY: the kernel wrote the first `n` bytes.
+            unsafe { self.buf.set_init(n as usize) };
+        }
+        (res.map(|n| n as usize), self.buf)
+    }
+
+    fn poll_fd(&self) -> Option<(RawFd, Interest)> {
+        Some((self.fd, Interest::Read))
+    }
+
+    fn poll_try(&mut self) -> io::Result<u32> {
+        let (ptr, len) = self.target();
+        // SAFETY: `ptr..ptr+len` is writable capacity of the owned buffer.
+        cvt(unsafe { libc::recv(self.fd, ptr.cast(), len, libc::MSG_DONTWAIT) })
+    }
+}

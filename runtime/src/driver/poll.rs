@@ -1,0 +1,158 @@
+//! The epoll backend (through `mio`): the same operations as non-blocking
+//! syscalls, retried when epoll reports the fd ready.
+//!
+//! fds are registered once, edge-triggered, for both directions, and stay
+//! registered until their owner (a socket, an `Fd`, a timer) forgets them on
+//! drop. An op that hits `EWOULDBLOCK` leaves its waker on the fd; the next
+//! edge in that direction wakes every waiter, and each retries its syscall.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::RawFd;
+use std::task::Waker;
+use std::time::Duration;
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest as MioInterest, Poll, Token};
+use slab::Slab;
+
+use super::{Interest, ParkEvents};
+use crate::stats::Counters;
+
+const WAKE: Token = Token(usize::MAX);
+/// Tokens at or above this are completion sources: `SOURCE_BASE + index`.
+const SOURCE_BASE: usize = 1 << 48;
+
+struct IoSlot {
+    fd: RawFd,
+    readers: Vec<Waker>,
+    writers: Vec<Waker>,
+}
+
+/// An epoll instance and the fds registered with it.
+pub(crate) struct Poller {
+    poll: Poll,
+    mio_events: Events,
+    fds: HashMap<RawFd, usize>,
+    io: Slab<IoSlot>,
+    /// fds of completion sources, by source token.
+    sources: HashMap<u64, RawFd>,
+    pub(crate) events: ParkEvents,
+}
+
+impl Poller {
+    pub(crate) fn new(wake_fd: RawFd) -> io::Result<Poller> {
+        let poll = Poll::new()?;
+        poll.registry()
+            .register(&mut SourceFd(&wake_fd), WAKE, MioInterest::READABLE)?;
+        Ok(Poller {
+            poll,
+            mio_events: Events::with_capacity(1024),
+            fds: HashMap::new(),
+            io: Slab::new(),
+            sources: HashMap::new(),
+            events: ParkEvents::default(),
+        })
+    }
+
+    /// Ops waiting for readiness.
+    pub(crate) fn waiting(&self) -> usize {
+        self.io
+            .iter()
+            .map(|(_, s)| s.readers.len() + s.writers.len())
+            .sum()
+    }
+
+    /// Leaves `waker` on `fd` until the fd is ready for `interest`.
+    pub(crate) fn wait(&mut self, fd: RawFd, interest: Interest, waker: &Waker) -> io::Result<()> {
+        let key = match self.fds.get(&fd) {
+            Some(&k) => k,
+            None => {
+                let entry = self.io.vacant_entry();
+                let key = entry.key();
+                self.poll.registry().register(
+                    &mut SourceFd(&fd),
+                    Token(key),
+                    MioInterest::READABLE | MioInterest::WRITABLE,
+                )?;
+                entry.insert(IoSlot {
+                    fd,
+                    readers: Vec::new(),
+                    writers: Vec::new(),
+                });
+                self.fds.insert(fd, key);
+                key
+            }
+        };
+        let slot = &mut self.io[key];
+        let list = match interest {
+            Interest::Read => &mut slot.readers,
+            Interest::Write => &mut slot.writers,
+        };
+        if !list.iter().any(|w| w.will_wake(waker)) {
+            list.push(waker.clone());
+        }
+        Ok(())
+    }
+
+    /// Deregisters `fd` (its owner is about to close it); wakes its waiters.
+    pub(crate) fn forget(&mut self, fd: RawFd) {
+        if let Some(key) = self.fds.remove(&fd) {
+            let slot = self.io.remove(key);
+            let _ = self.poll.registry().deregister(&mut SourceFd(&slot.fd));
+            for w in slot.readers.into_iter().chain(slot.writers) {
+                w.wake();
+            }
+        }
+    }
+
+    pub(crate) fn watch_source(&mut self, fd: RawFd, token: u64) -> io::Result<()> {
+        if self.sources.contains_key(&token) {
+            return Ok(());
+        }
+        self.poll.registry().register(
+            &mut SourceFd(&fd),
+            Token(SOURCE_BASE + token as usize),
+            MioInterest::READABLE,
+        )?;
+        self.sources.insert(token, fd);
+        Ok(())
+    }
+
+    pub(crate) fn unwatch_source(&mut self, fd: RawFd) {
+        self.sources.retain(|_, f| *f != fd);
+        let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+    }
+
+    pub(crate) fn park(
+        &mut self,
+        timeout: Option<Duration>,
+        counters: &Counters,
+    ) -> io::Result<()> {
+        if timeout != Some(Duration::ZERO) {
+            Counters::bump(&counters.parks);
+        }
+        match self.poll.poll(&mut self.mio_events, timeout) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        for ev in self.mio_events.iter() {
+            let Token(t) = ev.token();
+            if ev.token() == WAKE {
+                self.events.woken = true;
+            } else if t >= SOURCE_BASE {
+                self.events.sources_ready.push((t - SOURCE_BASE) as u64);
+            } else if let Some(slot) = self.io.get_mut(t) {
+                let err = ev.is_error();
+                if ev.is_readable() || ev.is_read_closed() || err {
+                    slot.readers.drain(..).for_each(Waker::wake);
+                }
+                if ev.is_writable() || ev.is_write_closed() || err {
+                    slot.writers.drain(..).for_each(Waker::wake);
+                }
+            }
+        }
+        Ok(())
+    }
+}

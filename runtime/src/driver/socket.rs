@@ -1,0 +1,98 @@
+//! Socket and fd set-up syscalls that the backends need.
+
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use super::op::cvt;
+use super::Driver;
+use crate::context;
+
+/// A new TCP socket for `addr`'s family; non-blocking for epoll.
+pub(crate) fn tcp_socket(addr: &SocketAddr, nonblocking: bool) -> io::Result<OwnedFd> {
+    let domain = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    let ty =
+        libc::SOCK_STREAM | libc::SOCK_CLOEXEC | if nonblocking { libc::SOCK_NONBLOCK } else { 0 };
+    // SAFETY: socket takes no pointers; the result is checked.
+    let fd = cvt(unsafe { libc::socket(domain, ty, 0) } as isize)? as RawFd;
+    // SAFETY: a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Sets or clears `O_NONBLOCK`.
+pub(crate) fn set_nonblocking(fd: &impl AsRawFd, on: bool) -> io::Result<()> {
+    let fd = fd.as_raw_fd();
+    // SAFETY: fcntl F_GETFL/F_SETFL take no pointers.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFL) } as isize)? as i32;
+    let new = if on {
+        flags | libc::O_NONBLOCK
+    } else {
+        flags & !libc::O_NONBLOCK
+    };
+    if new != flags {
+        // SAFETY: as above.
+        cvt(unsafe { libc::fcntl(fd, libc::F_SETFL, new) } as isize)?;
+    }
+    Ok(())
+}
+
+/// True if epoll can watch `fd` (not a regular file or block device).
+pub(crate) fn is_pollable(fd: &impl AsRawFd) -> io::Result<bool> {
+    // SAFETY: stat is plain old data; all-zero is valid, and fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a live, writable stat buffer.
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } as isize)?;
+    let fmt = st.st_mode & libc::S_IFMT;
+    Ok(fmt != libc::S_IFREG && fmt != libc::S_IFBLK && fmt != libc::S_IFDIR)
+}
+
+/// True if the current runtime uses epoll.
+pub(crate) fn current_is_epoll() -> bool {
+    context::with(|cx| matches!(*cx.driver.borrow(), Driver::Poll(_)))
+}
+
+/// Tells the epoll backend that `fd` is about to be closed.
+pub(crate) fn forget_fd(fd: RawFd) {
+    context::try_with(|cx| {
+        if let Some(cx) = cx {
+            if let Ok(mut d) = cx.driver.try_borrow_mut() {
+                if let Driver::Poll(p) = &mut *d {
+                    p.forget(fd);
+                }
+            }
+        }
+    });
+}
+
+/// The cores this process may run on, in order.
+pub(crate) fn allowed_cores() -> io::Result<Vec<usize>> {
+    // SAFETY: cpu_set_t is plain old data; all-zero is an empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is live and its size is passed.
+    cvt(
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }
+            as isize,
+    )?;
+    // SAFETY: CPU_ISSET reads the live set; the index is below CPU_SETSIZE.
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}
+
+/// Pins the calling thread to `core`.
+pub(crate) fn pin_to_core(core: usize) -> io::Result<()> {
+    // SAFETY: cpu_set_t is plain old data; all-zero is an empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: CPU_SET writes into the live set; the caller passes a core below CPU_SETSIZE.
+    unsafe { libc::CPU_SET(core, &mut set) };
+    // SAFETY: `set` is live and its size is passed; 0 means the calling thread.
+    cvt(
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) }
+            as isize,
+    )?;
+    Ok(())
+}

@@ -1,0 +1,298 @@
+//! Single-threaded task executor: `spawn_local`, `JoinHandle`, wakers that
+//! work from any thread, and the cooperative budget.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context as TaskCx, Poll, Wake, Waker};
+
+use crate::context;
+use crate::driver::Unparker;
+
+/// Task id of the future given to `block_on`.
+pub(crate) const MAIN_TASK: u64 = u64::MAX;
+
+/// Operations a task may complete in one poll before it must yield.
+pub(crate) const OP_BUDGET: u32 = 128;
+
+/// A spawned task: its future, and the waker that queues it again.
+pub(crate) struct Task {
+    pub(crate) gen: u32,
+    pub(crate) fut: Option<Pin<Box<dyn Future<Output = ()>>>>,
+    pub(crate) waker: Arc<TaskWaker>,
+}
+
+/// Wakes one task, from this thread or any other.
+pub(crate) struct TaskWaker {
+    pub(crate) id: u64,
+    /// Set while the task sits in a ready queue, so it is queued once.
+    pub(crate) queued: AtomicBool,
+    pub(crate) unparker: Arc<Unparker>,
+}
+
+impl TaskWaker {
+    pub(crate) fn new(id: u64, unparker: Arc<Unparker>) -> Arc<Self> {
+        Arc::new(TaskWaker {
+            id,
+            queued: AtomicBool::new(false),
+            unparker,
+        })
+    }
+}
+
+impl Wake for TaskWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref()
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if context::current_id() == self.unparker.runtime_id {
+            context::with(|cx| cx.ready.borrow_mut().push_back(self.id));
+        } else {
+            self.unparker.wake_remote(self.id);
+        }
+    }
+}
+
+/// Why a task produced no value.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    /// The task was aborted through its `JoinHandle`, or its runtime shut down.
+    #[error("task was cancelled")]
+    Cancelled,
+    /// The task panicked; the payload is the panic's.
+    #[error("task panicked")]
+    Panicked(Box<dyn Any + Send + 'static>),
+}
+
+struct JoinState<T> {
+    output: Option<Result<T, JoinError>>,
+    waiter: Option<Waker>,
+    aborted: bool,
+    /// The task's own waker, to get it polled (and dropped) on abort.
+    task_waker: Option<Waker>,
+}
+
+/// Owned permission to await a spawned task's output or abort it.
+///
+/// Dropping the handle detaches the task: it runs on to completion.
+pub struct JoinHandle<T> {
+    state: Rc<RefCell<JoinState<T>>>,
+}
+
+impl<T> JoinHandle<T> {
+    /// Asks the task to stop. Its future is dropped at its next poll, which
+    /// parks any operation it had in flight in the driver until the kernel is
+    /// done with the operation's buffers. Awaiting the handle then gives
+    /// `Err(JoinError::Cancelled)` unless the task had already finished.
+    pub fn abort(&self) {
+        let mut st = self.state.borrow_mut();
+        st.aborted = true;
+        if let Some(w) = st.task_waker.take() {
+            w.wake();
+        }
+    }
+
+    /// True once the task has produced its output (or was cancelled).
+    pub fn is_finished(&self) -> bool {
+        self.state.borrow().output.is_some()
+    }
+}
+
+impl<T> Future for JoinHandle<T> {
+    type Output = Result<T, JoinError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Self::Output> {
+        let mut st = self.state.borrow_mut();
+        match st.output.take() {
+            Some(out) => Poll::Ready(out),
+            None => {
+                st.waiter = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// The future actually stored for a task: runs the user's future, and
+/// publishes its output to the `JoinHandle`.
+struct Harness<F: Future> {
+    fut: Option<Pin<Box<F>>>,
+    state: Rc<RefCell<JoinState<F::Output>>>,
+}
+
+impl<F: Future> Harness<F> {
+    fn finish(&mut self, out: Result<F::Output, JoinError>) {
+        self.fut = None;
+        let mut st = self.state.borrow_mut();
+        if let Err(JoinError::Panicked(_)) = &out {
+            tracing::error!("a quiesce task panicked");
+        }
+        st.output = Some(out);
+        st.task_waker = None;
+        if let Some(w) = st.waiter.take() {
+            drop(st);
+            w.wake();
+        }
+    }
+}
+
+impl<F: Future> Future for Harness<F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<()> {
+        // Harness is Unpin: the user future is boxed.
+        let this = self.get_mut();
+        let aborted = {
+            let mut st = this.state.borrow_mut();
+            if !st.aborted {
+                st.task_waker = Some(cx.waker().clone());
+            }
+            st.aborted
+        };
+        if aborted {
+            // Drop the future first: that is what parks its in-flight ops.
+            this.fut = None;
+            this.finish(Err(JoinError::Cancelled));
+            return Poll::Ready(());
+        }
+        let Some(fut) = this.fut.as_mut() else {
+            return Poll::Ready(());
+        };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(v)) => {
+                this.finish(Ok(v));
+                Poll::Ready(())
+            }
+            Err(payload) => {
+                this.finish(Err(JoinError::Panicked(payload)));
+                Poll::Ready(())
+            }
+        }
+    }
+}
+
+impl<F: Future> Drop for Harness<F> {
+    fn drop(&mut self) {
+        if self.fut.take().is_some() {
+            // Dropped by a shutting-down runtime before it finished.
+            let mut st = self.state.borrow_mut();
+            st.output = Some(Err(JoinError::Cancelled));
+            if let Some(w) = st.waiter.take() {
+                drop(st);
+                w.wake();
+            }
+        }
+    }
+}
+
+/// Spawns a `!Send` future on the runtime of the current thread.
+///
+/// # Panics
+/// Outside a runtime.
+pub fn spawn_local<F>(fut: F) -> JoinHandle<F::Output>
+where
+    F: Future + 'static,
+    F::Output: 'static,
+{
+    let state = Rc::new(RefCell::new(JoinState {
+        output: None,
+        waiter: None,
+        aborted: false,
+        task_waker: None,
+    }));
+    let harness = Harness {
+        fut: Some(Box::pin(fut)),
+        state: state.clone(),
+    };
+    context::with(|cx| {
+        let mut tasks = cx.tasks.borrow_mut();
+        let entry = tasks.vacant_entry();
+        let key = entry.key() as u64;
+        let gen = cx.counters.next_gen();
+        let id = (u64::from(gen) << 32) | key;
+        let waker = TaskWaker::new(id, cx.unparker.clone());
+        waker.queued.store(true, Ordering::Relaxed);
+        entry.insert(Task {
+            gen,
+            fut: Some(Box::pin(harness)),
+            waker,
+        });
+        cx.ready.borrow_mut().push_back(id);
+        cx.counters
+            .tasks_spawned
+            .set(cx.counters.tasks_spawned.get() + 1);
+    });
+    JoinHandle { state }
+}
+
+/// Polls the task with id `id` once, if it still exists.
+pub(crate) fn run_task(cx: &context::Context, id: u64) {
+    let key = (id & 0xffff_ffff) as usize;
+    let gen = (id >> 32) as u32;
+    let (mut fut, waker) = {
+        let mut tasks = cx.tasks.borrow_mut();
+        match tasks.get_mut(key) {
+            Some(t) if t.gen == gen => match t.fut.take() {
+                Some(f) => (f, t.waker.clone()),
+                None => return,
+            },
+            _ => return,
+        }
+    };
+    waker.queued.store(false, Ordering::Release);
+    let w = Waker::from(waker);
+    let mut tcx = TaskCx::from_waker(&w);
+    cx.budget.set(OP_BUDGET);
+    let done = fut.as_mut().poll(&mut tcx).is_ready();
+    cx.counters.polls.set(cx.counters.polls.get() + 1);
+    if done {
+        cx.tasks.borrow_mut().remove(key);
+        drop(fut);
+    } else if let Some(t) = cx.tasks.borrow_mut().get_mut(key) {
+        t.fut = Some(fut);
+    }
+}
+
+/// Spends one unit of the running task's cooperative budget.
+///
+/// Returns `Pending` (after waking the task) when the budget is spent, so a
+/// task whose operations keep completing at once still lets the reactor run.
+pub(crate) fn poll_budget(tcx: &mut TaskCx<'_>) -> Poll<()> {
+    context::with(|cx| {
+        let b = cx.budget.get();
+        if b == 0 {
+            tcx.waker().wake_by_ref();
+            Poll::Pending
+        } else {
+            cx.budget.set(b - 1);
+            Poll::Ready(())
+        }
+    })
+}
+
+/// Yields once to the scheduler, letting other tasks and the reactor run.
+pub async fn yield_now() {
+    struct YieldNow(bool);
+    impl Future for YieldNow {
+        type Output = ();
+        fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<()> {
+            if self.0 {
+                return Poll::Ready(());
+            }
+            self.0 = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+    YieldNow(false).await
+}

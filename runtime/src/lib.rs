@@ -1,0 +1,47 @@
+//! quiesce's runtime: a single-threaded executor and reactor per core.
+//!
+//! * **Executor** — [`Runtime::block_on`], [`spawn_local`] of `!Send`
+//!   futures, [`JoinHandle`]s that await or abort, wakers that work from any
+//!   thread, and a cooperative budget so a busy task cannot starve I/O.
+//! * **Drivers** — io_uring ([`DriverKind::IoUring`]) with operations as
+//!   futures over owned buffers, or epoll ([`DriverKind::Epoll`]) with the same
+//!   API over readiness; [`DriverKind::Auto`] probes and falls back.
+//!   Dropping an operation early **parks its buffer in the driver** until the
+//!   kernel's last completion for it is reaped.
+//! * **Timers** — [`time::sleep`], [`time::sleep_until`], [`time::timeout`].
+//! * **Completion sources** — [`source::register`] plugs a transport's own
+//!   completion queue (RDMA) into the reactor, busy-polled or fd-notified.
+//! * **Shards** — [`shard::Shards`]: N pinned runtimes, channels between them,
+//!   graceful shutdown that drains every runtime.
+//!
+//! ```
+//! use quiesce_runtime::{Runtime, time};
+//! let rt = Runtime::new().unwrap();
+//! let v = rt.block_on(async {
+//!     let h = quiesce_runtime::spawn_local(async { 40 + 2 });
+//!     time::sleep(std::time::Duration::from_millis(1)).await;
+//!     h.await.unwrap()
+//! });
+//! assert_eq!(v, 42);
+//! ```
+#![deny(missing_docs)]
+#![warn(unsafe_op_in_unsafe_fn)]
+
+pub mod buf;
+mod context;
+pub mod driver;
+mod executor;
+pub mod fd;
+pub mod net;
+mod runtime;
+pub mod shard;
+pub mod source;
+mod stats;
+pub mod time;
+
+pub use buf::{BufResult, IoBuf, IoBufMut, Slice};
+pub use driver::op::{BufPool, PooledBuf};
+pub use driver::{Canceller, DriverKind, Op};
+pub use executor::{spawn_local, yield_now, JoinError, JoinHandle};
+pub use runtime::{BuildError, Builder, Runtime};
+pub use stats::{stats, try_stats, Stats};

@@ -1,0 +1,352 @@
+//! `Runtime` and its `Builder`: one executor plus one reactor per thread.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashSet, VecDeque};
+use std::future::Future;
+use std::io;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context as TaskCx, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use slab::Slab;
+
+use crate::context::{self, Context};
+use crate::driver::iour::{RingConfig, Uring};
+use crate::driver::poll::Poller;
+use crate::driver::{Driver, DriverKind, Unparker};
+use crate::executor::{self, JoinHandle, TaskWaker, MAIN_TASK, OP_BUDGET};
+use crate::source::{self, Sources};
+use crate::stats::Counters;
+use crate::time::{self, Timers};
+
+/// Tasks polled per tick before the reactor gets a turn.
+const TASKS_PER_TICK: usize = 128;
+
+static NEXT_RUNTIME_ID: AtomicUsize = AtomicUsize::new(1);
+
+thread_local! {
+    /// Runtimes on this thread whose drain timed out: their ops' buffers must leak.
+    static UNDRAINED: RefCell<HashSet<usize>> = RefCell::new(HashSet::new());
+}
+
+/// True if runtime `id` shut down without reaping every completion.
+pub(crate) fn was_undrained(id: usize) -> bool {
+    UNDRAINED.with(|u| u.borrow().contains(&id))
+}
+
+/// Why a runtime could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// io_uring was required but is not available; the reason says why.
+    #[error("io_uring is unavailable: {reason}")]
+    IoUringUnavailable {
+        /// What the probe concluded (seccomp, missing kernel support, memlock…).
+        reason: &'static str,
+        /// The error of the `io_uring_setup` call.
+        #[source]
+        source: io::Error,
+    },
+    /// `QUIESCE_DRIVER` holds something other than `io_uring`, `epoll` or `auto`.
+    #[error("QUIESCE_DRIVER={0:?} is not one of io_uring, epoll, auto")]
+    BadDriverEnv(String),
+    /// Creating the eventfd or the epoll instance failed.
+    #[error("runtime set-up failed: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Explains an `io_uring_setup` failure.
+fn uring_reason(e: &io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::EPERM) => "blocked: a seccomp filter (containers) or kernel.io_uring_disabled forbids io_uring_setup",
+        Some(libc::ENOSYS) => "the kernel was built without io_uring",
+        Some(libc::ENOMEM) => "not enough locked memory for the rings: raise RLIMIT_MEMLOCK (ulimit -l) or use fewer entries",
+        Some(libc::EINVAL) => "the kernel rejected the ring set-up flags (too old for SQPOLL/DEFER_TASKRUN?)",
+        _ if e.kind() == io::ErrorKind::Unsupported => "the kernel's io_uring lacks required features (needs 5.11+)",
+        _ => "io_uring_setup failed",
+    }
+}
+
+/// Configures and builds a [`Runtime`].
+#[derive(Debug, Clone)]
+pub struct Builder {
+    driver: Option<DriverKind>,
+    ring: RingConfig,
+    drain_timeout: Duration,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Builder {
+            driver: None,
+            ring: RingConfig {
+                entries: 256,
+                cq_entries: None,
+                sqpoll_idle: None,
+                single_issuer: true,
+                defer_taskrun: false,
+                coop_taskrun: true,
+            },
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Builder {
+    /// A builder with the defaults: `QUIESCE_DRIVER` or auto, 256 SQ entries,
+    /// single issuer and cooperative task running.
+    pub fn new() -> Builder {
+        Builder::default()
+    }
+
+    /// Forces a backend (overrides `QUIESCE_DRIVER`).
+    pub fn driver(mut self, kind: DriverKind) -> Self {
+        self.driver = Some(kind);
+        self
+    }
+
+    /// Submission queue entries (rounded up to a power of two by the kernel).
+    pub fn entries(mut self, n: u32) -> Self {
+        self.ring.entries = n.max(1);
+        self
+    }
+
+    /// Completion queue entries (default: twice the SQ).
+    pub fn cq_entries(mut self, n: u32) -> Self {
+        self.ring.cq_entries = Some(n);
+        self
+    }
+
+    /// A kernel thread polls the SQ, idling after `idle` (`IORING_SETUP_SQPOLL`).
+    pub fn sqpoll(mut self, idle: Duration) -> Self {
+        self.ring.sqpoll_idle = Some(idle);
+        self
+    }
+
+    /// `IORING_SETUP_SINGLE_ISSUER` (default on: one thread submits).
+    pub fn single_issuer(mut self, on: bool) -> Self {
+        self.ring.single_issuer = on;
+        self
+    }
+
+    /// `IORING_SETUP_DEFER_TASKRUN`: completions run only when the reactor
+    /// asks for them (implies single issuer). Default off.
+    pub fn defer_taskrun(mut self, on: bool) -> Self {
+        self.ring.defer_taskrun = on;
+        self
+    }
+
+    /// `IORING_SETUP_COOP_TASKRUN` (default on).
+    pub fn coop_taskrun(mut self, on: bool) -> Self {
+        self.ring.coop_taskrun = on;
+        self
+    }
+
+    /// How long dropping the runtime waits for cancelled operations to reap
+    /// before it leaks their buffers rather than free them early.
+    pub fn drain_timeout(mut self, d: Duration) -> Self {
+        self.drain_timeout = d;
+        self
+    }
+
+    /// Builds the runtime on the current thread.
+    pub fn build(&self) -> Result<Runtime, BuildError> {
+        let kind = match self.driver {
+            Some(k) => k,
+            None => DriverKind::from_env()?.unwrap_or(DriverKind::Auto),
+        };
+        let id = NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed);
+        let unparker = std::sync::Arc::new(Unparker::new(id)?);
+        let driver = match kind {
+            DriverKind::Epoll => Driver::Poll(Poller::new(unparker.fd())?),
+            DriverKind::IoUring => match Uring::new(&self.ring, unparker.fd()) {
+                Ok(u) => Driver::Uring(u),
+                Err(e) => {
+                    return Err(BuildError::IoUringUnavailable {
+                        reason: uring_reason(&e),
+                        source: e,
+                    })
+                }
+            },
+            DriverKind::Auto => match Uring::new(&self.ring, unparker.fd()) {
+                Ok(u) => Driver::Uring(u),
+                Err(e) => {
+                    tracing::warn!(error = %e, reason = uring_reason(&e), "io_uring unavailable; falling back to epoll");
+                    Driver::Poll(Poller::new(unparker.fd())?)
+                }
+            },
+        };
+        tracing::debug!(runtime = id, driver = %driver.kind(), "runtime built");
+        let cx = Context {
+            id,
+            driver: RefCell::new(driver),
+            ready: RefCell::new(VecDeque::with_capacity(64)),
+            tasks: RefCell::new(Slab::new()),
+            timers: RefCell::new(Timers::default()),
+            sources: RefCell::new(Sources::default()),
+            unparker,
+            counters: Counters::default(),
+            budget: Cell::new(OP_BUDGET),
+        };
+        Ok(Runtime {
+            cx: Rc::new(cx),
+            drain_timeout: self.drain_timeout,
+        })
+    }
+}
+
+/// A single-threaded runtime: executor, reactor, timers and completion sources.
+///
+/// Dropping it cancels every operation still in flight and waits until the
+/// kernel has returned all of their buffers (see [`Builder::drain_timeout`]).
+pub struct Runtime {
+    cx: Rc<Context>,
+    drain_timeout: Duration,
+}
+
+impl Runtime {
+    /// A runtime with the default [`Builder`].
+    pub fn new() -> Result<Runtime, BuildError> {
+        Builder::new().build()
+    }
+
+    /// A builder to configure one.
+    pub fn builder() -> Builder {
+        Builder::new()
+    }
+
+    /// The backend in use.
+    pub fn driver_kind(&self) -> DriverKind {
+        self.cx.driver.borrow().kind()
+    }
+
+    /// Spawns a task on this runtime (it runs during `block_on`).
+    pub fn spawn_local<F>(&self, fut: F) -> JoinHandle<F::Output>
+    where
+        F: Future + 'static,
+        F::Output: 'static,
+    {
+        let _enter = context::enter(self.cx.clone());
+        executor::spawn_local(fut)
+    }
+
+    /// Runs `fut` to completion on this thread, running spawned tasks and the
+    /// reactor meanwhile.
+    ///
+    /// # Panics
+    /// If called from inside another runtime's `block_on` on this thread.
+    pub fn block_on<F: Future>(&self, fut: F) -> F::Output {
+        assert!(
+            context::current_id() == 0,
+            "quiesce: block_on called from inside a runtime"
+        );
+        let _enter = context::enter(self.cx.clone());
+        let cx = &*self.cx;
+        let mut fut = std::pin::pin!(fut);
+        let main = TaskWaker::new(MAIN_TASK, cx.unparker.clone());
+        let waker = Waker::from(main.clone());
+        main.queued.store(true, Ordering::Relaxed);
+        cx.ready.borrow_mut().push_back(MAIN_TASK);
+        loop {
+            cx.unparker.drain_into(&mut cx.ready.borrow_mut());
+            for _ in 0..TASKS_PER_TICK {
+                let Some(id) = cx.ready.borrow_mut().pop_front() else {
+                    break;
+                };
+                if id == MAIN_TASK {
+                    main.queued.store(false, Ordering::Release);
+                    cx.budget.set(OP_BUDGET);
+                    if let Poll::Ready(v) = fut.as_mut().poll(&mut TaskCx::from_waker(&waker)) {
+                        return v;
+                    }
+                } else {
+                    executor::run_task(cx, id);
+                }
+            }
+            turn(cx);
+        }
+    }
+}
+
+/// One reactor turn: poll sources, fire timers, park (bounded by the nearest
+/// deadline, or not at all when work is pending), dispatch what arrived.
+fn turn(cx: &Context) {
+    Counters::bump(&cx.counters.ticks);
+    let reaped = source::poll_all(cx);
+    time::fire_due(cx);
+    let busy = reaped > 0 || !cx.ready.borrow().is_empty() || cx.sources.borrow().busy();
+    let mut timeout = if busy {
+        Some(Duration::ZERO)
+    } else {
+        cx.timers
+            .borrow()
+            .next_deadline()
+            .map(|d| d.saturating_duration_since(Instant::now()))
+    };
+    if timeout != Some(Duration::ZERO) {
+        match source::arm_all(cx) {
+            Ok(0) => {}
+            Ok(_) => timeout = Some(Duration::ZERO),
+            Err(e) => {
+                tracing::error!(error = %e, "could not watch a completion source's fd; busy-polling");
+                timeout = Some(Duration::ZERO);
+            }
+        }
+    }
+    let parking = timeout != Some(Duration::ZERO);
+    if parking && !cx.unparker.prepare_park() {
+        timeout = Some(Duration::ZERO);
+    }
+    let res = cx.driver.borrow_mut().park(timeout, &cx.counters);
+    if parking {
+        cx.unparker.unpark_done();
+    }
+    if let Err(e) = res {
+        panic!("quiesce: the reactor's wait failed: {e}");
+    }
+    let events = cx.driver.borrow_mut().take_events();
+    if events.woken {
+        cx.unparker.drain_eventfd();
+    }
+    // Buffers of parked ops whose last completion was just reaped.
+    drop(events.released);
+    for token in events.sources_ready {
+        source::notified(cx, token);
+    }
+    time::fire_due(cx);
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        let outer = context::current_id();
+        let _enter = (outer != self.cx.id).then(|| context::enter(self.cx.clone()));
+        let cx = &*self.cx;
+        // Dropping the tasks drops their op futures, which parks the ops and
+        // posts their cancels. A task's drop may wake or spawn others: repeat.
+        loop {
+            let tasks: Vec<_> = cx.tasks.borrow_mut().drain().collect();
+            if tasks.is_empty() {
+                break;
+            }
+            drop(tasks);
+        }
+        let sources = std::mem::take(&mut *cx.sources.borrow_mut());
+        drop(sources);
+        let mut d = cx.driver.borrow_mut();
+        if let Driver::Uring(u) = &mut *d {
+            let live = u.drain(self.drain_timeout, &cx.counters);
+            let released = std::mem::take(&mut u.events.released);
+            if live > 0 {
+                tracing::error!(
+                    live,
+                    "io_uring operations did not complete after cancellation; leaking their buffers and the ring"
+                );
+                UNDRAINED.with(|s| s.borrow_mut().insert(cx.id));
+                u.leak_parked();
+                u.set_leak();
+            }
+            drop(d);
+            drop(released);
+        }
+    }
+}

@@ -1,0 +1,362 @@
+//! Shards: one runtime per thread, pinned to a core, with channels between
+//! them and a graceful shutdown that drains every runtime.
+//!
+//! ```no_run
+//! use quiesce_runtime::shard::Shards;
+//! let shards = Shards::builder().count(2).spawn(|shard| async move {
+//!     shard.shutdown_requested().await;
+//!     shard.index()
+//! }).unwrap();
+//! let results = shards.shutdown();
+//! assert_eq!(results.len(), 2);
+//! ```
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
+use std::thread;
+
+use crate::driver::socket::pin_to_core;
+use crate::runtime::{BuildError, Builder};
+
+/// A one-way flag with a waker, settable from any thread.
+#[derive(Default)]
+struct Signal {
+    set: AtomicBool,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Signal {
+    fn raise(&self) {
+        self.set.store(true, Ordering::SeqCst);
+        if let Some(w) = self.waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            w.wake();
+        }
+    }
+
+    async fn wait(&self) {
+        std::future::poll_fn(|tcx| {
+            if self.set.load(Ordering::SeqCst) {
+                return Poll::Ready(());
+            }
+            *self.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(tcx.waker().clone());
+            if self.set.load(Ordering::SeqCst) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await
+    }
+}
+
+/// What a shard's root future knows about its shard.
+pub struct ShardContext {
+    index: usize,
+    count: usize,
+    core: Option<usize>,
+    shutdown: Arc<Signal>,
+}
+
+impl ShardContext {
+    /// This shard's index, `0..count`.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// How many shards were started.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// The core this shard's thread is pinned to, if pinned.
+    pub fn core(&self) -> Option<usize> {
+        self.core
+    }
+
+    /// Resolves once [`Shards::shutdown`] was called. The root future should
+    /// then stop its work and return; the runtime drains as it drops.
+    pub async fn shutdown_requested(&self) {
+        self.shutdown.wait().await
+    }
+
+    /// True once shutdown was requested.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.set.load(Ordering::SeqCst)
+    }
+}
+
+/// Starts shards.
+#[derive(Clone)]
+pub struct ShardBuilder {
+    count: usize,
+    pin: bool,
+    runtime: Builder,
+    name: String,
+}
+
+/// Running shards; [`shutdown`](Shards::shutdown) stops and joins them.
+pub struct Shards<R> {
+    threads: Vec<thread::JoinHandle<Result<R, BuildError>>>,
+    signals: Vec<Arc<Signal>>,
+}
+
+impl Shards<()> {
+    /// A builder: one shard per available core, pinned.
+    pub fn builder() -> ShardBuilder {
+        let count = thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        ShardBuilder {
+            count,
+            pin: true,
+            runtime: Builder::new(),
+            name: "quiesce-shard".into(),
+        }
+    }
+}
+
+impl ShardBuilder {
+    /// Number of shards.
+    pub fn count(mut self, n: usize) -> Self {
+        self.count = n.max(1);
+        self
+    }
+
+    /// Pin each shard's thread to one core (default on): shard i takes the
+    /// i-th core of the process's affinity mask, wrapping around.
+    pub fn pin(mut self, on: bool) -> Self {
+        self.pin = on;
+        self
+    }
+
+    /// Runtime configuration for every shard.
+    pub fn runtime(mut self, b: Builder) -> Self {
+        self.runtime = b;
+        self
+    }
+
+    /// Thread name prefix.
+    pub fn name(mut self, prefix: impl Into<String>) -> Self {
+        self.name = prefix.into();
+        self
+    }
+
+    /// Starts the shards, each running `root(ctx)` on its own runtime. The
+    /// call returns once every runtime is built (or the first error).
+    pub fn spawn<F, Fut, R>(self, root: F) -> io::Result<Shards<R>>
+    where
+        F: Fn(ShardContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = R> + 'static,
+        R: Send + 'static,
+    {
+        let root = Arc::new(root);
+        let cores = if self.pin {
+            crate::driver::socket::allowed_cores()?
+        } else {
+            Vec::new()
+        };
+        let started = Arc::new((
+            Mutex::new(Vec::<Option<String>>::new()),
+            std::sync::Condvar::new(),
+        ));
+        let mut threads = Vec::with_capacity(self.count);
+        let mut signals = Vec::with_capacity(self.count);
+        for index in 0..self.count {
+            let signal = Arc::new(Signal::default());
+            signals.push(signal.clone());
+            let core = (!cores.is_empty()).then(|| cores[index % cores.len()]);
+            let (root, builder, started, count) = (
+                root.clone(),
+                self.runtime.clone(),
+                started.clone(),
+                self.count,
+            );
+            let t = thread::Builder::new().name(format!("{}-{index}", self.name)).spawn(move || {
+                let report = |r: Option<String>| {
+                    started.0.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+                    started.1.notify_all();
+                };
+                if let Some(c) = core {
+                    if let Err(e) = pin_to_core(c) {
+                        tracing::warn!(shard = index, core = c, error = %e, "could not pin shard");
+                    }
+                }
+                let rt = match builder.build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        report(Some(e.to_string()));
+                        return Err(e);
+                    }
+                };
+                report(None);
+                let _span = tracing::debug_span!("shard", index).entered();
+                let ctx = ShardContext { index, count, core, shutdown: signal };
+                let out = rt.block_on(root(ctx));
+                drop(rt); // drains every in-flight op before the thread ends
+                Ok(out)
+            })?;
+            threads.push(t);
+        }
+        let (lock, cv) = &*started;
+        let mut reports = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while reports.len() < self.count {
+            reports = cv.wait(reports).unwrap_or_else(|e| e.into_inner());
+        }
+        if let Some(err) = reports.iter().flatten().next().cloned() {
+            drop(reports);
+            let shards = Shards { threads, signals };
+            shards.shutdown();
+            return Err(io::Error::other(format!(
+                "a shard's runtime failed to build: {err}"
+            )));
+        }
+        Ok(Shards { threads, signals })
+    }
+}
+
+impl<R> Shards<R> {
+    /// Number of shards.
+    pub fn len(&self) -> usize {
+        self.threads.len()
+    }
+
+    /// True when there are no shards.
+    pub fn is_empty(&self) -> bool {
+        self.threads.is_empty()
+    }
+
+    /// Requests shutdown of every shard without waiting.
+    pub fn request_shutdown(&self) {
+        self.signals.iter().for_each(|s| s.raise());
+    }
+
+    /// Requests shutdown, then joins every shard. Each runtime has cancelled
+    /// and reaped its in-flight operations before its thread ended. Returns
+    /// each shard's output in index order (`Err` if it panicked or failed to build).
+    pub fn shutdown(self) -> Vec<thread::Result<R>> {
+        self.request_shutdown();
+        self.threads
+            .into_iter()
+            .map(|t| match t.join() {
+                Ok(Ok(r)) => Ok(r),
+                Ok(Err(e)) => Err(Box::new(e.to_string()) as Box<dyn std::any::Any + Send>),
+                Err(p) => Err(p),
+            })
+            .collect()
+    }
+}
+
+struct Chan<T> {
+    queue: Mutex<VecDeque<T>>,
+    waker: Mutex<Option<Waker>>,
+    senders: AtomicUsize,
+    closed: AtomicBool,
+}
+
+/// Sends to a shard from any thread.
+pub struct Sender<T> {
+    chan: Arc<Chan<T>>,
+}
+
+/// Receives on one shard; the sender's wake reaches it across threads.
+pub struct Receiver<T> {
+    chan: Arc<Chan<T>>,
+}
+
+/// An unbounded channel between shards (or any threads).
+pub fn channel<T: Send>() -> (Sender<T>, Receiver<T>) {
+    let chan = Arc::new(Chan {
+        queue: Mutex::new(VecDeque::new()),
+        waker: Mutex::new(None),
+        senders: AtomicUsize::new(1),
+        closed: AtomicBool::new(false),
+    });
+    (Sender { chan: chan.clone() }, Receiver { chan })
+}
+
+/// The receiver is gone; the value comes back.
+#[derive(Debug, thiserror::Error)]
+#[error("the receiving shard is gone")]
+pub struct SendError<T>(pub T);
+
+impl<T> Sender<T> {
+    /// Queues `value` and wakes the receiver.
+    pub fn send(&self, value: T) -> Result<(), SendError<T>> {
+        if self.chan.closed.load(Ordering::SeqCst) {
+            return Err(SendError(value));
+        }
+        self.chan
+            .queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(value);
+        self.wake();
+        Ok(())
+    }
+
+    fn wake(&self) {
+        if let Some(w) = self
+            .chan
+            .waker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            w.wake();
+        }
+    }
+}
+
+impl<T> Clone for Sender<T> {
+    fn clone(&self) -> Self {
+        self.chan.senders.fetch_add(1, Ordering::SeqCst);
+        Sender {
+            chan: self.chan.clone(),
+        }
+    }
+}
+
+impl<T> Drop for Sender<T> {
+    fn drop(&mut self) {
+        if self.chan.senders.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.wake();
+        }
+    }
+}
+
+impl<T> Receiver<T> {
+    /// The next value; `None` once every sender is gone and the queue is empty.
+    pub async fn recv(&mut self) -> Option<T> {
+        std::future::poll_fn(|tcx| {
+            let mut q = self.chan.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(v) = q.pop_front() {
+                return Poll::Ready(Some(v));
+            }
+            if self.chan.senders.load(Ordering::SeqCst) == 0 {
+                return Poll::Ready(None);
+            }
+            *self.chan.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(tcx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// A value if one is queued.
+    pub fn try_recv(&mut self) -> Option<T> {
+        self.chan
+            .queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop_front()
+    }
+}
+
+impl<T> Drop for Receiver<T> {
+    fn drop(&mut self) {
+        self.chan.closed.store(true, Ordering::SeqCst);
+    }
+}

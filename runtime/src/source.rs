@@ -1,0 +1,208 @@
+//! Completion sources: how a transport plugs its own completion queue (an
+//! RDMA CQ) into the reactor.
+//!
+//! Every tick the reactor calls [`CompletionSource::poll`] on each source.
+//! Before it blocks, it calls [`CompletionSource::arm`] on each source that
+//! has a notification fd, then waits on those fds together with io_uring or
+//! epoll. The contract that makes this lossless is **drain after arm**: `arm`
+//! requests a notification (`ibv_req_notify_cq`) and only then polls the
+//! queue once more, returning what it found. A completion that arrived
+//! between the last `poll` and the arm is found by that drain (and the
+//! reactor does not block); one that arrives after the arm triggers the fd.
+//! When the fd fires, [`CompletionSource::notified`] consumes the event
+//! (`ibv_get_cq_event` + `ibv_ack_cq_events`) and the next tick polls.
+//!
+//! A source without a notification fd is busy-polled: while it is registered
+//! the reactor never blocks (the usual mode for low-latency RDMA).
+
+use std::cell::Cell;
+use std::marker::PhantomData;
+use std::os::fd::RawFd;
+use std::rc::Rc;
+
+use slab::Slab;
+
+use crate::context::{self, Context};
+
+/// A queue of completions that the reactor polls.
+pub trait CompletionSource: 'static {
+    /// Reaps ready completions without blocking (waking their tasks). Returns
+    /// how many were reaped.
+    fn poll(&mut self) -> usize;
+
+    /// The fd that becomes readable when an armed source has news; `None`
+    /// makes the source busy-polled.
+    fn notify_fd(&self) -> Option<RawFd> {
+        None
+    }
+
+    /// Called right before the reactor blocks: request a notification, then
+    /// drain once more. Returns how many completions that drain reaped (the
+    /// reactor then does not block).
+    fn arm(&mut self) -> usize {
+        0
+    }
+
+    /// Called when `notify_fd` became readable: consume the event so the fd
+    /// is quiet again (on epoll it is edge-triggered: consume it fully).
+    fn notified(&mut self) {}
+}
+
+struct Entry {
+    gen: u32,
+    /// Taken out while the source runs, so a source may register others.
+    src: Option<Box<dyn CompletionSource>>,
+    fd: Option<RawFd>,
+    watching: bool,
+}
+
+/// Sources of one runtime.
+#[derive(Default)]
+pub(crate) struct Sources {
+    slab: Slab<Entry>,
+    busy: usize,
+}
+
+/// Keeps a source registered; dropping it deregisters the source (and drops it).
+pub struct SourceHandle {
+    token: u64,
+    runtime: usize,
+    _not_send: PhantomData<Rc<()>>,
+}
+
+/// Registers `src` with the current runtime.
+///
+/// # Panics
+/// Outside a runtime.
+pub fn register<S: CompletionSource>(src: S) -> SourceHandle {
+    context::with(|cx| {
+        let fd = src.notify_fd();
+        let mut s = cx.sources.borrow_mut();
+        let gen = cx.counters.next_gen();
+        let key = s.slab.insert(Entry {
+            gen,
+            src: Some(Box::new(src)),
+            fd,
+            watching: false,
+        });
+        if fd.is_none() {
+            s.busy += 1;
+        }
+        SourceHandle {
+            token: (u64::from(gen) << 32) | key as u64,
+            runtime: cx.id,
+            _not_send: PhantomData,
+        }
+    })
+}
+
+impl Drop for SourceHandle {
+    fn drop(&mut self) {
+        let removed = context::try_with(|cx| {
+            let cx = cx.filter(|cx| cx.id == self.runtime)?;
+            let key = (self.token & 0xffff_ffff) as usize;
+            let entry = {
+                let mut s = cx.sources.borrow_mut();
+                match s.slab.get(key) {
+                    Some(e) if e.gen == (self.token >> 32) as u32 => {}
+                    _ => return None,
+                }
+                let e = s.slab.remove(key);
+                if e.fd.is_none() {
+                    s.busy -= 1;
+                }
+                e
+            };
+            if let (true, Some(fd)) = (entry.watching, entry.fd) {
+                cx.driver
+                    .borrow_mut()
+                    .unwatch_source(fd, self.token, &cx.counters);
+            }
+            Some(entry)
+        });
+        drop(removed);
+    }
+}
+
+impl Sources {
+    /// True when a busy-polled source forbids blocking.
+    pub(crate) fn busy(&self) -> bool {
+        self.busy > 0
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.slab.is_empty()
+    }
+
+    fn keys(&self) -> Vec<usize> {
+        self.slab.iter().map(|(k, _)| k).collect()
+    }
+}
+
+/// Runs `f` on source `key` with the source taken out of the table.
+fn with_source<R>(
+    cx: &Context,
+    key: usize,
+    f: impl FnOnce(&mut dyn CompletionSource) -> R,
+) -> Option<R> {
+    let mut src = cx.sources.borrow_mut().slab.get_mut(key)?.src.take()?;
+    let r = f(&mut *src);
+    if let Some(e) = cx.sources.borrow_mut().slab.get_mut(key) {
+        e.src = Some(src);
+    }
+    Some(r)
+}
+
+/// Polls every source; returns the completions reaped.
+pub(crate) fn poll_all(cx: &Context) -> usize {
+    if cx.sources.borrow().is_empty() {
+        return 0;
+    }
+    let keys = cx.sources.borrow().keys();
+    keys.into_iter()
+        .filter_map(|k| with_source(cx, k, |s| s.poll()))
+        .sum()
+}
+
+/// Arms every source with an fd and makes sure the driver watches the fd.
+/// Returns the completions found by the drain after arm.
+pub(crate) fn arm_all(cx: &Context) -> std::io::Result<usize> {
+    if cx.sources.borrow().is_empty() {
+        return Ok(0);
+    }
+    let found = Cell::new(0);
+    for key in cx.sources.borrow().keys() {
+        let Some(fd) = cx.sources.borrow().slab.get(key).and_then(|e| e.fd) else {
+            continue;
+        };
+        found.set(found.get() + with_source(cx, key, |s| s.arm()).unwrap_or(0));
+        let (watching, token) = {
+            let s = cx.sources.borrow();
+            let e = &s.slab[key];
+            (e.watching, (u64::from(e.gen) << 32) | key as u64)
+        };
+        if !watching {
+            cx.driver
+                .borrow_mut()
+                .watch_source(fd, token, &cx.counters)?;
+            cx.sources.borrow_mut().slab[key].watching = true;
+        }
+    }
+    Ok(found.get())
+}
+
+/// The driver reported source `token`'s fd readable.
+pub(crate) fn notified(cx: &Context, token: u64) {
+    let key = (token & 0xffff_ffff) as usize;
+    {
+        let mut s = cx.sources.borrow_mut();
+        match s.slab.get_mut(key) {
+            Some(e) if e.gen == (token >> 32) as u32 => {
+                // io_uring polls are one-shot; epoll registration is idempotent.
+                e.watching = false;
+            }
+            _ => return,
+        }
+    }
+    with_source(cx, key, |s| s.notified());
+}
