@@ -171,7 +171,8 @@ pub(crate) fn arm_all(cx: &Context) -> std::io::Result<usize> {
         return Ok(0);
     }
     let found = Cell::new(0);
-    for key in cx.sources.borrow().keys() {
+    let keys = cx.sources.borrow().keys();
+    for key in keys {
         let Some(fd) = cx.sources.borrow().slab.get(key).and_then(|e| e.fd) else {
             continue;
         };

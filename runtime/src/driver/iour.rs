@@ -321,7 +321,6 @@ impl Uring {
                             None,
                         )
                     }
-                    .map(|n| n)
                 } else {
                     self.ring.submit()
                 }

@@ -141,8 +141,13 @@ enum State<T> {
 ///
 /// On io_uring the operation is submitted when the `Op` is created (the SQE
 /// is flushed at the next park, together with every other pushed SQE). On
-/// epoll it starts at the first poll. Dropping the `Op` early never frees a
-/// buffer the kernel may touch: see the [module docs](self).
+/// epoll it starts at the first poll.
+///
+/// Dropping the `Op` early never frees a buffer the kernel may touch: on
+/// io_uring the op is parked in the driver with an async cancel posted, and
+/// its buffers are released only once its final CQE (for `SEND_ZC`, the
+/// notification) has been reaped. On epoll nothing is in the kernel's hands
+/// between polls, so the buffers are released at once.
 #[must_use = "an operation does nothing useful unless awaited"]
 pub struct Op<'fd, T: Operation> {
     state: State<T>,

@@ -1,10 +1,10 @@
 //! The reactor's backends and the operation futures that run on them.
 //!
-//! Two backends sit behind one API: [`iour`] submits operations to io_uring
-//! and reaps their completions; [`poll`] runs the same operations as
+//! Two backends sit behind one API: `iour` submits operations to io_uring
+//! and reaps their completions; `poll` runs the same operations as
 //! non-blocking syscalls when `epoll` (through `mio`) says the fd is ready.
 //! An [`Op`] is the future of one operation; its lifecycle, and what happens
-//! to its buffers when it is dropped early, is documented in [`lifecycle`].
+//! to its buffers when it is dropped early, is documented on [`Op`].
 
 pub(crate) mod iour;
 pub(crate) mod lifecycle;

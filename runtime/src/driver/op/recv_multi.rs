@@ -100,7 +100,9 @@ impl BufPool {
                         }
                     }
                 }
-                Driver::Poll(_) => Ok(PoolKind::List(RefCell::new((0..count).rev().collect()))),
+                Driver::Poll(_) => Ok(PoolKind::List(RefCell::new(Vec::with_capacity(
+                    count as usize,
+                )))),
             }
         });
         let kind = match kind {

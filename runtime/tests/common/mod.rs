@@ -1,0 +1,100 @@
+//! Helpers shared by the runtime's integration tests.
+#![allow(dead_code)]
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use quiesce_runtime::net::{TcpListener, TcpStream};
+use quiesce_runtime::{try_stats, DriverKind, IoBuf, IoBufMut, Runtime, Stats};
+
+/// A runtime on the driver chosen by `QUIESCE_DRIVER` (auto when unset).
+pub fn rt() -> Runtime {
+    Runtime::new().expect("runtime")
+}
+
+pub fn is_uring(rt: &Runtime) -> bool {
+    rt.driver_kind() == DriverKind::IoUring
+}
+
+/// What a [`Tracked`] buffer saw at the moment it was dropped.
+#[derive(Default, Debug)]
+pub struct DropLog {
+    pub dropped: bool,
+    /// The runtime's counters at the moment of the drop.
+    pub stats_at_drop: Option<Stats>,
+}
+
+pub type Log = Rc<RefCell<DropLog>>;
+
+/// A heap buffer whose `Drop` records the moment it was released.
+pub struct Tracked {
+    buf: Vec<u8>,
+    log: Log,
+}
+
+impl Tracked {
+    pub fn new(len: usize, fill: u8) -> (Tracked, Log) {
+        let log = Log::default();
+        (
+            Tracked {
+                buf: vec![fill; len],
+                log: log.clone(),
+            },
+            log,
+        )
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let mut l = self.log.borrow_mut();
+        assert!(!l.dropped, "buffer dropped twice");
+        l.dropped = true;
+        l.stats_at_drop = try_stats();
+    }
+}
+
+// SAFETY: delegates to the inner Vec, whose heap storage never moves.
+unsafe impl IoBuf for Tracked {
+    fn stable_ptr(&self) -> *const u8 {
+        self.buf.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.buf.len()
+    }
+    fn bytes_total(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+// SAFETY: as above; the Vec is fully initialised.
+unsafe impl IoBufMut for Tracked {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.buf.as_mut_ptr()
+    }
+    unsafe fn set_init(&mut self, _pos: usize) {}
+}
+
+/// A connected pair of streams over loopback.
+pub async fn pair() -> (TcpStream, Rc<TcpStream>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let connect =
+        quiesce_runtime::spawn_local(async move { TcpStream::connect(addr).await.unwrap() });
+    let (server, _) = l.accept().await.unwrap();
+    let client = connect.await.unwrap();
+    (client, Rc::new(server))
+}
+
+/// Lets the reactor turn a few times.
+pub async fn settle() {
+    quiesce_runtime::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// A deterministic byte pattern.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}

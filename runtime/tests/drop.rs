@@ -1,0 +1,192 @@
+//! Dropping an op, a task or a runtime while the kernel holds a buffer:
+//! the buffer outlives the kernel's last completion for it.
+
+mod common;
+
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use common::*;
+use quiesce_runtime::{spawn_local, stats, yield_now, Runtime};
+
+/// Polls `fut` once, with a no-op waker.
+fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    std::pin::Pin::new(fut).poll(&mut cx)
+}
+
+#[test]
+fn dropping_a_pending_recv_parks_its_buffer_until_the_cqe() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    rt.block_on(async move {
+        let (_a, b) = pair().await;
+        let (buf, log) = Tracked::new(4096, 0);
+        let mut op = b.read(buf);
+        assert!(poll_once(&mut op).is_pending());
+        settle().await; // the SQE is in the kernel now
+        let before = stats();
+        drop(op);
+        if uring {
+            assert!(
+                !log.borrow().dropped,
+                "buffer freed while the kernel still holds it"
+            );
+            assert_eq!(stats().ops_parked, before.ops_parked + 1);
+            settle().await;
+            let l = log.borrow();
+            assert!(l.dropped, "parked buffer never released");
+            let at = l.stats_at_drop.expect("dropped inside the runtime");
+            assert!(
+                at.completions > before.completions,
+                "released before its CQE was reaped"
+            );
+            assert_eq!(at.parked_released, before.parked_released + 1);
+        } else {
+            // epoll: nothing is in the kernel between polls.
+            assert!(log.borrow().dropped);
+        }
+    });
+}
+
+#[test]
+fn dropping_an_unsubmitted_op_still_waits_for_its_cqe() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    rt.block_on(async move {
+        let (_a, b) = pair().await;
+        let (buf, log) = Tracked::new(64, 0);
+        let before = stats();
+        drop(b.read(buf)); // created (SQE pushed) and dropped before any park
+        if uring {
+            assert!(!log.borrow().dropped);
+            settle().await;
+            let at = log.borrow().stats_at_drop.expect("released in the runtime");
+            assert!(at.completions > before.completions);
+        } else {
+            assert!(log.borrow().dropped);
+        }
+    });
+}
+
+#[test]
+fn dropping_a_send_zc_waits_for_the_notification() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    rt.block_on(async move {
+        let (a, b) = pair().await;
+        // 8 MiB to a peer that does not read: the send fills the socket buffers and waits.
+        let (buf, log) = Tracked::new(8 << 20, 5);
+        let mut op = a.send_zc(buf);
+        let first = poll_once(&mut op);
+        if uring {
+            assert!(first.is_pending());
+        }
+        drop(first); // epoll: a plain send may finish at once (partially)
+        settle().await;
+        let before = stats();
+        drop(op);
+        if uring {
+            assert!(
+                !log.borrow().dropped,
+                "zero-copy buffer freed while in flight"
+            );
+        }
+        // Drain the peer so every skb referencing the pages is consumed.
+        let mut sink = vec![0u8; 1 << 20];
+        loop {
+            let read =
+                quiesce_runtime::time::timeout(Duration::from_millis(200), b.read(sink)).await;
+            match read {
+                Ok((Ok(n), s)) if n > 0 => sink = s,
+                _ => break,
+            }
+        }
+        settle().await;
+        let l = log.borrow();
+        assert!(l.dropped, "parked zero-copy buffer never released");
+        if uring {
+            let at = l.stats_at_drop.unwrap();
+            assert_eq!(at.parked_released, before.parked_released + 1);
+            assert!(
+                at.zc_notifications > before.zc_notifications
+                    || at.completions > before.completions
+            );
+        }
+    });
+}
+
+#[test]
+fn aborting_a_task_parks_its_in_flight_op() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    rt.block_on(async move {
+        let (a, b) = pair().await;
+        let (buf, log) = Tracked::new(1024, 0);
+        let h = spawn_local(async move {
+            let (r, _buf) = b.read(buf).await;
+            r
+        });
+        settle().await;
+        h.abort();
+        assert!(h.await.is_err());
+        if uring {
+            assert!(
+                !log.borrow().dropped || log.borrow().stats_at_drop.unwrap().parked_released > 0
+            );
+        }
+        settle().await;
+        assert!(log.borrow().dropped);
+        drop(a);
+    });
+}
+
+#[test]
+fn dropping_the_runtime_drains_every_in_flight_op() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    let mut logs = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..8 {
+        let (buf, log) = Tracked::new(2048, 0);
+        logs.push(log);
+        let (a, b) = rt.block_on(pair());
+        peers.push(a);
+        rt.spawn_local(async move {
+            let _ = b.read(buf).await;
+            unreachable!("nobody writes");
+        });
+    }
+    rt.block_on(async {
+        yield_now().await;
+        settle().await;
+    });
+    assert!(logs.iter().all(|l| !l.borrow().dropped));
+    drop(rt);
+    for l in &logs {
+        let l = l.borrow();
+        assert!(l.dropped, "buffer leaked by shutdown");
+        if uring {
+            assert!(
+                l.stats_at_drop.unwrap().parked_released > 0,
+                "freed before its CQE"
+            );
+        }
+    }
+    drop(peers);
+}
+
+#[test]
+fn a_future_outliving_its_runtime_gets_its_buffer_back() {
+    let rt = Runtime::new().unwrap();
+    let (a, b) = rt.block_on(pair());
+    let (buf, log) = Tracked::new(16, 0);
+    // Created inside the runtime (io_uring ops submit at creation), awaited never.
+    #[allow(clippy::async_yields_async)]
+    let mut op = rt.block_on(async { b.read(buf) });
+    let _ = rt.block_on(async { poll_once(&mut op) });
+    drop(rt); // drains: the op's CQE (cancelled) is reaped here
+    drop(op);
+    assert!(log.borrow().dropped);
+    drop((a, b));
+}

@@ -1,0 +1,174 @@
+//! Executor: block_on, spawn_local, JoinHandle, cross-thread wakers, budget.
+
+mod common;
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use quiesce_runtime::{spawn_local, yield_now, DriverKind, JoinError, Runtime};
+
+#[test]
+fn block_on_returns_the_value() {
+    assert_eq!(rt().block_on(async { 7 }), 7);
+}
+
+#[test]
+fn driver_follows_quiesce_driver_env() {
+    let rt = rt();
+    match std::env::var("QUIESCE_DRIVER").as_deref() {
+        Ok("io_uring") => assert_eq!(rt.driver_kind(), DriverKind::IoUring),
+        Ok("epoll") => assert_eq!(rt.driver_kind(), DriverKind::Epoll),
+        _ => assert_ne!(rt.driver_kind(), DriverKind::Auto),
+    }
+    let forced = Runtime::builder()
+        .driver(DriverKind::Epoll)
+        .build()
+        .unwrap();
+    assert_eq!(forced.driver_kind(), DriverKind::Epoll);
+}
+
+#[test]
+fn spawned_tasks_run_and_join() {
+    let out = rt().block_on(async {
+        let handles: Vec<_> = (0..100u64)
+            .map(|i| spawn_local(async move { i * 2 }))
+            .collect();
+        let mut sum = 0;
+        for h in handles {
+            sum += h.await.unwrap();
+        }
+        sum
+    });
+    assert_eq!(out, (0..100u64).map(|i| i * 2).sum());
+}
+
+#[test]
+fn abort_cancels_a_task_and_drops_its_future() {
+    let dropped = Rc::new(Cell::new(false));
+    struct OnDrop(Rc<Cell<bool>>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            self.0.set(true);
+        }
+    }
+    let d = dropped.clone();
+    let res = rt().block_on(async move {
+        let h = spawn_local(async move {
+            let _guard = OnDrop(d);
+            quiesce_runtime::time::sleep(Duration::from_secs(3600)).await;
+        });
+        yield_now().await;
+        h.abort();
+        h.await
+    });
+    assert!(matches!(res, Err(JoinError::Cancelled)));
+    assert!(dropped.get());
+}
+
+#[test]
+fn a_panicking_task_reports_through_its_handle() {
+    let res = rt().block_on(async { spawn_local(async { panic!("boom") }).await });
+    match res {
+        Err(JoinError::Panicked(p)) => assert_eq!(p.downcast_ref::<&str>(), Some(&"boom")),
+        other => panic!("expected a panic, got {:?}", other.map(|_: ()| ())),
+    }
+}
+
+#[test]
+fn wakers_work_from_other_threads_while_parked() {
+    let rt = rt();
+    let flag = Arc::new(AtomicBool::new(false));
+    let f2 = flag.clone();
+    let woke = rt.block_on(async move {
+        std::future::poll_fn(|cx| {
+            if f2.load(Ordering::SeqCst) {
+                return std::task::Poll::Ready(true);
+            }
+            let (w, f) = (cx.waker().clone(), f2.clone());
+            if !f.swap(false, Ordering::SeqCst) {
+                std::thread::spawn(move || {
+                    // The runtime is parked with no timer: only this wake can end the wait.
+                    std::thread::sleep(Duration::from_millis(50));
+                    f.store(true, Ordering::SeqCst);
+                    w.wake();
+                });
+            }
+            std::task::Poll::Pending
+        })
+        .await
+    });
+    assert!(woke && flag.load(Ordering::SeqCst));
+}
+
+#[test]
+fn a_busy_task_cannot_starve_io() {
+    // One task yields in a loop until I/O completes; the I/O must still get through.
+    let rt = rt();
+    rt.block_on(async {
+        let (a, b) = pair().await;
+        let done = Rc::new(Cell::new(false));
+        let d = done.clone();
+        let spinner = spawn_local(async move {
+            let mut spins = 0u64;
+            while !d.get() {
+                spins += 1;
+                yield_now().await;
+            }
+            spins
+        });
+        let reader = spawn_local(async move {
+            let (r, buf) = b.read(vec![0u8; 16]).await;
+            assert_eq!(r.unwrap(), 5);
+            assert_eq!(&buf[..5], b"hello");
+            done.set(true);
+        });
+        let (r, _) = a.write_all(b"hello".to_vec()).await;
+        r.unwrap();
+        reader.await.unwrap();
+        assert!(spinner.await.unwrap() > 0);
+    });
+}
+
+#[test]
+fn a_task_whose_ops_complete_at_once_still_yields() {
+    // On epoll a recv on a socket with plenty of data completes during poll;
+    // the op budget must force a yield so a timer still fires meanwhile.
+    let rt = rt();
+    rt.block_on(async {
+        let (a, b) = pair().await;
+        let (r, _) = a.write_all(vec![1u8; 1 << 20]).await;
+        r.unwrap();
+        let ticked = Rc::new(Cell::new(0u32));
+        let t = ticked.clone();
+        let timer = spawn_local(async move {
+            for _ in 0..3 {
+                yield_now().await;
+                t.set(t.get() + 1);
+            }
+        });
+        let mut got = 0;
+        let mut buf = vec![0u8; 64];
+        while got < 1 << 20 {
+            let (r, b2) = b.read(buf).await;
+            buf = b2;
+            got += r.unwrap();
+        }
+        timer.await.unwrap();
+        assert_eq!(ticked.get(), 3);
+    });
+}
+
+#[test]
+fn join_handle_of_a_finished_task_is_ready() {
+    rt().block_on(async {
+        let h = spawn_local(async { 5 });
+        yield_now().await;
+        yield_now().await;
+        assert!(h.is_finished());
+        assert_eq!(h.await.unwrap(), 5);
+    });
+}

@@ -1,0 +1,300 @@
+//! Every operation, on whichever driver `QUIESCE_DRIVER` picks.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::time::{Duration, Instant};
+
+use common::*;
+use quiesce_runtime::fd::Fd;
+use quiesce_runtime::net::{TcpListener, TcpStream};
+use quiesce_runtime::{spawn_local, stats, time, BufPool, IoBuf};
+
+#[test]
+fn accept_connect_send_recv() {
+    rt().block_on(async {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let client = spawn_local(async move {
+            let s = TcpStream::connect(addr).await.unwrap();
+            let (r, _) = s.write(b"ping".to_vec()).await;
+            assert_eq!(r.unwrap(), 4);
+            let (r, buf) = s.read(vec![0u8; 4]).await;
+            assert_eq!(r.unwrap(), 4);
+            buf
+        });
+        let (s, peer) = l.accept().await.unwrap();
+        assert!(peer.ip().is_loopback());
+        let (r, buf) = s.read(Vec::with_capacity(16)).await;
+        assert_eq!(r.unwrap(), 4);
+        assert_eq!(buf, b"ping");
+        let (r, _) = s.write(b"pong".to_vec()).await;
+        r.unwrap();
+        assert_eq!(client.await.unwrap(), b"pong");
+    });
+}
+
+#[test]
+fn write_all_and_read_exact_move_4_mib_intact() {
+    rt().block_on(async {
+        let (a, b) = pair().await;
+        let data = pattern(4 << 20, 7);
+        let expect = data.clone();
+        let w = spawn_local(async move { a.write_all(data).await.0.unwrap() });
+        let (r, got) = b.read_exact(vec![0u8; 4 << 20]).await;
+        r.unwrap();
+        w.await.unwrap();
+        assert!(got == expect, "payload corrupted");
+    });
+}
+
+#[test]
+fn send_zc_returns_the_buffer_after_the_notification() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    rt.block_on(async move {
+        let (a, b) = pair().await;
+        let before = stats().zc_notifications;
+        let reader = spawn_local(async move { b.read_exact(vec![0u8; 256 << 10]).await });
+        let (r, buf) = a.write_all_zc(pattern(256 << 10, 3)).await;
+        r.unwrap();
+        if uring {
+            // The op may only resolve once the kernel let go of the pages.
+            assert!(
+                stats().zc_notifications > before,
+                "SEND_ZC resolved before its notification"
+            );
+        }
+        let (r, got) = reader.await.unwrap();
+        r.unwrap();
+        assert_eq!(got, buf);
+    });
+}
+
+#[test]
+fn recv_multishot_yields_each_message_then_eof() {
+    rt().block_on(async {
+        let (a, b) = pair().await;
+        let pool = BufPool::new(8, 4096).unwrap();
+        let mut stream = b.recv_multishot(&pool);
+        let mut total = Vec::new();
+        for i in 0..5u8 {
+            let (r, _) = a.write_all(vec![i; 100]).await;
+            r.unwrap();
+            let got = stream.next().await.unwrap().unwrap();
+            total.extend_from_slice(&got);
+        }
+        drop(a);
+        while let Some(r) = stream.next().await {
+            total.extend_from_slice(&r.unwrap());
+        }
+        let expect: Vec<u8> = (0..5u8).flat_map(|i| vec![i; 100]).collect();
+        assert_eq!(total, expect);
+    });
+}
+
+#[test]
+fn recv_multishot_reports_enobufs_and_recovers() {
+    rt().block_on(async {
+        let (a, b) = pair().await;
+        let pool = BufPool::new(2, 64).unwrap();
+        let mut stream = b.recv_multishot(&pool);
+        let mut held = Vec::new();
+        for i in 0..2u8 {
+            a.write_all(vec![i; 10]).await.0.unwrap();
+            held.push(stream.next().await.unwrap().unwrap());
+        }
+        a.write_all(vec![9u8; 10]).await.0.unwrap();
+        let err = stream.next().await.unwrap().unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOBUFS));
+        drop(held);
+        let got = stream.next().await.unwrap().unwrap();
+        assert_eq!(&got[..], &[9u8; 10]);
+    });
+}
+
+#[test]
+fn pooled_buffers_are_recycled() {
+    rt().block_on(async {
+        let (a, b) = pair().await;
+        let pool = BufPool::new(2, 16).unwrap();
+        let mut stream = b.recv_multishot(&pool);
+        for i in 0..20u8 {
+            a.write_all(vec![i; 16]).await.0.unwrap();
+            let got = stream.next().await.unwrap().unwrap();
+            assert_eq!(&got[..], &[i; 16]);
+        }
+    });
+}
+
+#[test]
+fn read_and_write_on_a_pipe() {
+    rt().block_on(async {
+        let (r, w) = std::io::pipe().unwrap();
+        let r = Fd::new(OwnedFd::from(r)).unwrap();
+        let w = Fd::new(OwnedFd::from(w)).unwrap();
+        let reader = spawn_local(async move {
+            let (res, buf) = r.read(vec![0u8; 32]).await;
+            let n = res.unwrap();
+            buf[..n].to_vec()
+        });
+        let (res, _) = w.write(b"through the pipe".to_vec()).await;
+        assert_eq!(res.unwrap(), 16);
+        assert_eq!(reader.await.unwrap(), b"through the pipe");
+    });
+}
+
+#[test]
+fn read_at_and_write_at_on_a_file() {
+    let path = std::env::temp_dir().join(format!("quiesce-rw-{}", std::process::id()));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    rt().block_on(async {
+        let f = Fd::new(OwnedFd::from(file)).unwrap();
+        f.write_at(b"0123456789".to_vec(), 0).await.0.unwrap();
+        f.write_at(b"abc".to_vec(), 4).await.0.unwrap();
+        let (r, buf) = f.read_at(vec![0u8; 10], 0).await;
+        assert_eq!(r.unwrap(), 10);
+        assert_eq!(&buf, b"0123abc789");
+        let (r, buf) = f.read_at(vec![0u8; 4], 8).await;
+        assert_eq!(r.unwrap(), 2);
+        assert_eq!(&buf[..2], b"89");
+        f.close().await.unwrap();
+    });
+    let mut s = String::new();
+    std::fs::File::open(&path)
+        .unwrap()
+        .read_to_string(&mut s)
+        .unwrap();
+    assert_eq!(s, "0123abc789");
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn poll_add_waits_for_readability() {
+    rt().block_on(async {
+        let (a, b) = pair().await;
+        let waiter = spawn_local(async move {
+            let ev = b.readable().await.unwrap();
+            assert!(ev & libc::POLLIN as u32 != 0);
+        });
+        time::sleep(Duration::from_millis(10)).await;
+        assert!(!waiter.is_finished(), "readable before any byte was sent");
+        a.write_all(b"x".to_vec()).await.0.unwrap();
+        waiter.await.unwrap();
+    });
+}
+
+#[test]
+fn kernel_timeout_op_fires() {
+    rt().block_on(async {
+        let t0 = Instant::now();
+        time::kernel_sleep(Duration::from_millis(30)).await.unwrap();
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+    });
+}
+
+#[test]
+fn many_kernel_timeouts_complete_together() {
+    rt().block_on(async {
+        let t0 = Instant::now();
+        let hs: Vec<_> = (0..64)
+            .map(|i| spawn_local(time::kernel_sleep(Duration::from_millis(5 + i % 5))))
+            .collect();
+        for h in hs {
+            h.await.unwrap().unwrap();
+        }
+        assert!(t0.elapsed() >= Duration::from_millis(9));
+    });
+}
+
+#[test]
+fn a_full_submission_queue_is_submitted_not_fatal() {
+    let rt = quiesce_runtime::Runtime::builder()
+        .entries(4)
+        .build()
+        .unwrap();
+    let uring = is_uring(&rt);
+    rt.block_on(async move {
+        let ops: Vec<_> = (0..64)
+            .map(|_| time::kernel_sleep(Duration::from_millis(1)))
+            .collect();
+        for op in ops {
+            op.await.unwrap();
+        }
+        if uring {
+            assert!(stats().submit_full > 0);
+        }
+    });
+}
+
+#[test]
+fn canceller_cancels_a_pending_recv_and_returns_the_buffer() {
+    rt().block_on(async {
+        let (_a, b) = pair().await;
+        let slot = std::rc::Rc::new(std::cell::RefCell::new(None));
+        let s2 = slot.clone();
+        let h = spawn_local(async move {
+            let mut op = b.read(vec![0u8; 128]);
+            *s2.borrow_mut() = Some(op.canceller());
+            op.await
+        });
+        settle().await;
+        slot.borrow().as_ref().expect("task started").cancel();
+        let (r, buf) = h.await.unwrap();
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::ECANCELED));
+        assert_eq!(buf.bytes_total(), 128);
+    });
+}
+
+#[test]
+fn close_op_closes_the_socket() {
+    rt().block_on(async {
+        let (a, b) = pair().await;
+        a.close().await.unwrap();
+        let (r, _) = b.read(vec![0u8; 8]).await;
+        assert_eq!(r.unwrap(), 0, "peer sees EOF after close");
+    });
+}
+
+#[test]
+fn connect_to_a_closed_port_is_refused() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    rt().block_on(async move {
+        let err = TcpStream::connect(port)
+            .await
+            .err()
+            .expect("connect must fail");
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
+    });
+}
+
+#[test]
+fn interop_with_std_sockets() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut b = [0u8; 3];
+        s.read_exact(&mut b).unwrap();
+        s.write_all(&b).unwrap();
+    });
+    rt().block_on(async move {
+        let s = TcpStream::connect(addr).await.unwrap();
+        s.set_nodelay(true).unwrap();
+        s.write_all(b"abc".to_vec()).await.0.unwrap();
+        let (r, buf) = s.read_exact(vec![0u8; 3]).await;
+        r.unwrap();
+        assert_eq!(&buf, b"abc");
+    });
+    t.join().unwrap();
+}

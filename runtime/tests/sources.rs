@@ -1,0 +1,172 @@
+//! Completion sources: busy-polled and fd-notified, with drain-after-arm.
+
+mod common;
+
+use std::cell::{Cell, RefCell};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use common::*;
+use quiesce_runtime::source::{register, CompletionSource};
+use quiesce_runtime::time::sleep;
+
+/// A fake completion queue: other threads push completions and (when armed)
+/// write the eventfd, like an RDMA CQ with its completion channel.
+struct FakeCq {
+    shared: Arc<Shared>,
+    /// Completions reaped, and the task waiting for them.
+    reaped: Rc<Cell<u64>>,
+    waiter: Rc<RefCell<Option<Waker>>>,
+    arms: Rc<Cell<u64>>,
+    notifies: Rc<Cell<u64>>,
+}
+
+struct Shared {
+    pending: AtomicU64,
+    armed: std::sync::atomic::AtomicBool,
+    efd: OwnedFd,
+}
+
+impl Shared {
+    fn push(&self) {
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        if self.armed.swap(false, Ordering::SeqCst) {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes to an eventfd we own.
+            unsafe { libc::write(self.efd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        }
+    }
+}
+
+impl FakeCq {
+    fn drain(&mut self) -> usize {
+        let n = self.shared.pending.swap(0, Ordering::SeqCst);
+        if n > 0 {
+            self.reaped.set(self.reaped.get() + n);
+            if let Some(w) = self.waiter.borrow_mut().take() {
+                w.wake();
+            }
+        }
+        n as usize
+    }
+}
+
+impl CompletionSource for FakeCq {
+    fn poll(&mut self) -> usize {
+        self.drain()
+    }
+    fn notify_fd(&self) -> Option<RawFd> {
+        Some(self.shared.efd.as_raw_fd())
+    }
+    fn arm(&mut self) -> usize {
+        self.arms.set(self.arms.get() + 1);
+        self.shared.armed.store(true, Ordering::SeqCst);
+        self.drain() // drain after arm
+    }
+    fn notified(&mut self) {
+        self.notifies.set(self.notifies.get() + 1);
+        let mut v = [0u8; 8];
+        // SAFETY: reads 8 bytes from our non-blocking eventfd into a live buffer.
+        unsafe { libc::read(self.shared.efd.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+    }
+}
+
+fn fake_cq() -> (FakeCq, Arc<Shared>) {
+    // SAFETY: eventfd takes no pointers; checked below.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh fd nothing else owns.
+    let efd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let shared = Arc::new(Shared {
+        pending: AtomicU64::new(0),
+        armed: false.into(),
+        efd,
+    });
+    let cq = FakeCq {
+        shared: shared.clone(),
+        reaped: Rc::default(),
+        waiter: Rc::default(),
+        arms: Rc::default(),
+        notifies: Rc::default(),
+    };
+    (cq, shared)
+}
+
+async fn wait_for(reaped: &Rc<Cell<u64>>, waiter: &Rc<RefCell<Option<Waker>>>, n: u64) {
+    std::future::poll_fn(|cx| {
+        if reaped.get() >= n {
+            Poll::Ready(())
+        } else {
+            *waiter.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+#[test]
+fn an_fd_source_wakes_a_parked_reactor() {
+    let rt = rt();
+    rt.block_on(async {
+        let (cq, shared) = fake_cq();
+        let (reaped, waiter, notifies) =
+            (cq.reaped.clone(), cq.waiter.clone(), cq.notifies.clone());
+        let _h = register(cq);
+        let t = std::thread::spawn(move || {
+            for _ in 0..5 {
+                std::thread::sleep(Duration::from_millis(10));
+                shared.push();
+            }
+        });
+        // No timers, no I/O: only the source's fd can end each park.
+        wait_for(&reaped, &waiter, 5).await;
+        t.join().unwrap();
+        assert!(notifies.get() >= 1);
+    });
+}
+
+#[test]
+fn drain_after_arm_finds_completions_that_raced_the_arm() {
+    let rt = rt();
+    rt.block_on(async {
+        let (cq, shared) = fake_cq();
+        let (reaped, waiter, arms) = (cq.reaped.clone(), cq.waiter.clone(), cq.arms.clone());
+        let _h = register(cq);
+        // A completion lands while the source is not armed: no eventfd write.
+        shared.push();
+        assert!(!shared.armed.load(Ordering::SeqCst));
+        wait_for(&reaped, &waiter, 1).await;
+        assert_eq!(reaped.get(), 1);
+        let _ = arms;
+    });
+}
+
+/// A busy-polled source (no fd) that counts its polls.
+struct Spin(Rc<Cell<u64>>);
+impl CompletionSource for Spin {
+    fn poll(&mut self) -> usize {
+        self.0.set(self.0.get() + 1);
+        0
+    }
+}
+
+#[test]
+fn a_busy_source_is_polled_every_tick_and_deregisters_on_drop() {
+    let rt = rt();
+    rt.block_on(async {
+        let polls = Rc::new(Cell::new(0));
+        let h = register(Spin(polls.clone()));
+        sleep(Duration::from_millis(20)).await;
+        let n = polls.get();
+        assert!(n > 10, "busy source polled only {n} times");
+        drop(h);
+        sleep(Duration::from_millis(5)).await;
+        let after = polls.get();
+        sleep(Duration::from_millis(5)).await;
+        assert_eq!(polls.get(), after, "polled after deregistration");
+    });
+}

@@ -1,0 +1,81 @@
+//! Timers: sleep, sleep_until, timeout; the nearest deadline bounds the park.
+
+mod common;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use quiesce_runtime::time::{sleep, sleep_until, timeout, Elapsed};
+use quiesce_runtime::{spawn_local, stats};
+
+#[test]
+fn sleep_lasts_at_least_its_duration() {
+    rt().block_on(async {
+        let t0 = Instant::now();
+        sleep(Duration::from_millis(25)).await;
+        assert!(t0.elapsed() >= Duration::from_millis(25));
+    });
+}
+
+#[test]
+fn timers_fire_in_deadline_order() {
+    let order = Rc::new(RefCell::new(Vec::new()));
+    let o = order.clone();
+    rt().block_on(async move {
+        let now = Instant::now();
+        let hs: Vec<_> = [30u64, 10, 20, 0]
+            .into_iter()
+            .map(|ms| {
+                let o = o.clone();
+                spawn_local(async move {
+                    sleep_until(now + Duration::from_millis(ms)).await;
+                    o.borrow_mut().push(ms);
+                })
+            })
+            .collect();
+        for h in hs {
+            h.await.unwrap();
+        }
+    });
+    assert_eq!(*order.borrow(), vec![0, 10, 20, 30]);
+}
+
+#[test]
+fn timeout_elapses_and_drops_the_future() {
+    rt().block_on(async {
+        let (_a, b) = pair().await;
+        let r = timeout(Duration::from_millis(20), b.read(vec![0u8; 8])).await;
+        assert!(matches!(r, Err(Elapsed)));
+        let r = timeout(Duration::from_secs(5), async { 3 }).await;
+        assert_eq!(r, Ok(3));
+    });
+}
+
+#[test]
+fn the_reactor_parks_until_the_nearest_deadline_only() {
+    rt().block_on(async {
+        let parks0 = stats().parks;
+        let t0 = Instant::now();
+        sleep(Duration::from_millis(50)).await;
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_millis(50));
+        // It blocked (rather than spinning) and woke by itself.
+        let parks = stats().parks - parks0;
+        assert!((1..20).contains(&parks), "parks: {parks}");
+    });
+}
+
+#[test]
+fn dropped_sleeps_unregister() {
+    rt().block_on(async {
+        for _ in 0..100 {
+            let s = sleep(Duration::from_secs(3600));
+            drop(s);
+        }
+        let mut s = sleep(Duration::from_secs(3600));
+        s.reset(Instant::now() + Duration::from_millis(5));
+        s.await;
+    });
+}
