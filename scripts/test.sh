@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Runs the whole test suite once per driver (io_uring, then epoll).
+# Usage: scripts/test.sh [extra cargo test args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+for driver in io_uring epoll; do
+  echo "=== cargo test --workspace (QUIESCE_DRIVER=$driver)"
+  QUIESCE_DRIVER=$driver cargo test --workspace "$@"
+done
