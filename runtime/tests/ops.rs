@@ -298,3 +298,31 @@ fn interop_with_std_sockets() {
     });
     t.join().unwrap();
 }
+
+#[test]
+fn ring_knobs_build_working_runtimes() {
+    use quiesce_runtime::Runtime;
+    let builders = [
+        Runtime::builder().defer_taskrun(true),
+        Runtime::builder()
+            .sqpoll(Duration::from_millis(20))
+            .single_issuer(false),
+        Runtime::builder()
+            .entries(8)
+            .cq_entries(64)
+            .coop_taskrun(false),
+    ];
+    for b in builders {
+        let rt = b.build().expect("builds");
+        rt.block_on(async {
+            let (a, b) = pair().await;
+            for i in 0..50u8 {
+                a.write_all(vec![i; 100]).await.0.unwrap();
+                let (r, buf) = b.read_exact(vec![0u8; 100]).await;
+                r.unwrap();
+                assert_eq!(buf, vec![i; 100]);
+            }
+            time::sleep(Duration::from_millis(2)).await;
+        });
+    }
+}

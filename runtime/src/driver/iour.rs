@@ -71,10 +71,20 @@ impl Uring {
             b.setup_single_issuer();
         }
         if cfg.defer_taskrun {
+            if cfg.sqpoll_idle.is_some() {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "DEFER_TASKRUN cannot be combined with SQPOLL",
+                ));
+            }
             b.setup_defer_taskrun();
         }
-        if cfg.coop_taskrun {
-            b.setup_coop_taskrun();
+        // The kernel refuses COOP_TASKRUN and DEFER_TASKRUN with SQPOLL: the
+        // SQ thread runs completions itself.
+        if cfg.coop_taskrun && cfg.sqpoll_idle.is_none() {
+            // With COOP_TASKRUN the kernel no longer interrupts us to post
+            // completions; TASKRUN_FLAG tells us when it has some waiting.
+            b.setup_coop_taskrun().setup_taskrun_flag();
         }
         b.setup_clamp();
         let ring = b.build(cfg.entries)?;
@@ -309,9 +319,14 @@ impl Uring {
         }
         let res = match timeout {
             Some(d) if d.is_zero() => {
-                if self.unsubmitted == 0 && !self.defer_taskrun {
+                let pending_work = {
+                    let sq = self.ring.submission();
+                    sq.taskrun() || sq.cq_overflow()
+                };
+                if self.unsubmitted == 0 && !pending_work && !self.defer_taskrun {
+                    // Nothing to submit and no deferred completions: just read the CQ.
                     Ok(0)
-                } else if self.defer_taskrun {
+                } else {
                     // SAFETY: no signal mask or argument pointers are passed.
                     unsafe {
                         self.ring.submitter().enter::<libc::sigset_t>(
@@ -321,8 +336,7 @@ impl Uring {
                             None,
                         )
                     }
-                } else {
-                    self.ring.submit()
+                    .map(|n| n as usize)
                 }
             }
             Some(d) => {
