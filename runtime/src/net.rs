@@ -17,6 +17,9 @@ pub struct TcpListener {
 
 impl TcpListener {
     /// Binds and listens (synchronously) on the current runtime.
+    ///
+    /// # Panics
+    /// Outside a runtime (the socket is set up for the runtime's driver).
     pub fn bind(addr: impl ToSocketAddrs) -> io::Result<TcpListener> {
         TcpListener::from_std(std::net::TcpListener::bind(addr)?)
     }
@@ -85,6 +88,9 @@ impl TcpStream {
     }
 
     /// Connects to `addr`.
+    ///
+    /// # Panics
+    /// Outside a runtime.
     pub async fn connect(addr: SocketAddr) -> io::Result<TcpStream> {
         let epoll = current_is_epoll();
         let fd = tcp_socket(&addr, epoll)?;
@@ -104,6 +110,10 @@ impl TcpStream {
     }
 
     /// Receives into `buf` (from its first byte); `Ok(0)` at EOF.
+    ///
+    /// The first `n` bytes become initialised; a `Vec`'s length is raised to
+    /// `n` but never lowered, so reuse a `Vec` with `clear()` (or pass
+    /// `buf.slice(..)` and look at the returned count).
     pub fn read<B: IoBufMut>(&self, buf: B) -> Op<'_, Recv<B>> {
         Op::new(Recv::new(self.fd(), buf))
     }

@@ -332,14 +332,18 @@ impl<T> Receiver<T> {
     /// The next value; `None` once every sender is gone and the queue is empty.
     pub async fn recv(&mut self) -> Option<T> {
         std::future::poll_fn(|tcx| {
-            let mut q = self.chan.queue.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(v) = q.pop_front() {
+            if let Some(v) = self.try_recv() {
+                return Poll::Ready(Some(v));
+            }
+            // Store the waker before checking again: a send or the last
+            // sender's drop that lands in between then finds it.
+            *self.chan.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(tcx.waker().clone());
+            if let Some(v) = self.try_recv() {
                 return Poll::Ready(Some(v));
             }
             if self.chan.senders.load(Ordering::SeqCst) == 0 {
-                return Poll::Ready(None);
+                return Poll::Ready(self.try_recv());
             }
-            *self.chan.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(tcx.waker().clone());
             Poll::Pending
         })
         .await
