@@ -336,7 +336,6 @@ impl Uring {
                             None,
                         )
                     }
-                    .map(|n| n as usize)
                 }
             }
             Some(d) => {
