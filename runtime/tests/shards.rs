@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use quiesce_runtime::shard::{channel, Shards};
-use quiesce_runtime::{spawn_local, stats, try_stats, IoBuf, IoBufMut, Stats};
+use quiesce_runtime::{spawn_local, stats, Stats};
 
 #[test]
 fn shards_run_on_their_own_threads_and_cores() {
@@ -69,39 +69,6 @@ fn a_message_wakes_a_parked_shard() {
     assert_eq!(out, vec![0, 55]);
 }
 
-/// A buffer that reports, from whichever thread drops it, the runtime's counters then.
-struct Reported {
-    buf: Vec<u8>,
-    out: Arc<Mutex<Vec<Option<Stats>>>>,
-}
-
-impl Drop for Reported {
-    fn drop(&mut self) {
-        self.out.lock().unwrap().push(try_stats());
-    }
-}
-
-// SAFETY: delegates to the inner Vec, whose heap storage never moves.
-unsafe impl IoBuf for Reported {
-    fn stable_ptr(&self) -> *const u8 {
-        self.buf.as_ptr()
-    }
-    fn bytes_init(&self) -> usize {
-        self.buf.len()
-    }
-    fn bytes_total(&self) -> usize {
-        self.buf.len()
-    }
-}
-
-// SAFETY: as above; the Vec is fully initialised.
-unsafe impl IoBufMut for Reported {
-    fn stable_mut_ptr(&mut self) -> *mut u8 {
-        self.buf.as_mut_ptr()
-    }
-    unsafe fn set_init(&mut self, _pos: usize) {}
-}
-
 #[test]
 fn shutdown_cancels_and_reaps_every_in_flight_op() {
     let out: Arc<Mutex<Vec<Option<Stats>>>> = Arc::default();
@@ -115,10 +82,7 @@ fn shutdown_cancels_and_reaps_every_in_flight_op() {
                 let uring = stats().ops_submitted > 0;
                 for _ in 0..4 {
                     let b = Rc::clone(&b);
-                    let buf = Reported {
-                        buf: vec![0; 4096],
-                        out: out.clone(),
-                    };
+                    let buf = Tracked::reporting(4096, out.clone());
                     spawn_local(async move {
                         let _ = b.read(buf).await;
                         unreachable!("nobody writes");

@@ -3,6 +3,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use quiesce_runtime::net::{TcpListener, TcpStream};
@@ -30,28 +31,41 @@ pub type Log = Rc<RefCell<DropLog>>;
 /// A heap buffer whose `Drop` records the moment it was released.
 pub struct Tracked {
     buf: Vec<u8>,
-    log: Log,
+    on_drop: Box<dyn FnMut(Option<Stats>)>,
 }
 
 impl Tracked {
     pub fn new(len: usize, fill: u8) -> (Tracked, Log) {
         let log = Log::default();
+        let l = log.clone();
+        let on_drop = move |stats: Option<Stats>| {
+            let mut l = l.borrow_mut();
+            assert!(!l.dropped, "buffer dropped twice");
+            l.dropped = true;
+            l.stats_at_drop = stats;
+        };
         (
             Tracked {
                 buf: vec![fill; len],
-                log: log.clone(),
+                on_drop: Box::new(on_drop),
             },
             log,
         )
+    }
+
+    /// A buffer that pushes the runtime's counters at its drop into `out`,
+    /// from whichever thread drops it.
+    pub fn reporting(len: usize, out: Arc<Mutex<Vec<Option<Stats>>>>) -> Tracked {
+        Tracked {
+            buf: vec![0; len],
+            on_drop: Box::new(move |s| out.lock().unwrap().push(s)),
+        }
     }
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        let mut l = self.log.borrow_mut();
-        assert!(!l.dropped, "buffer dropped twice");
-        l.dropped = true;
-        l.stats_at_drop = try_stats();
+        (self.on_drop)(try_stats());
     }
 }
 
