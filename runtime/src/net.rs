@@ -207,6 +207,12 @@ impl TcpStream {
         self.std().local_addr()
     }
 
+    /// Sets `SO_LINGER`: `Some(Duration::ZERO)` makes close send an RST and
+    /// drop unsent data at once (which also releases zero-copy pages).
+    pub fn set_linger(&self, linger: Option<std::time::Duration>) -> io::Result<()> {
+        crate::driver::socket::set_linger(self.std(), linger)
+    }
+
     /// Shuts down one or both directions.
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         self.std().shutdown(how)

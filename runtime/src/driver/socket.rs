@@ -96,3 +96,22 @@ pub(crate) fn pin_to_core(core: usize) -> io::Result<()> {
     )?;
     Ok(())
 }
+
+/// Sets `SO_LINGER` on a socket.
+pub(crate) fn set_linger(fd: &impl AsRawFd, linger: Option<std::time::Duration>) -> io::Result<()> {
+    let l = libc::linger {
+        l_onoff: linger.is_some() as libc::c_int,
+        l_linger: linger.map(|d| d.as_secs() as libc::c_int).unwrap_or(0),
+    };
+    // SAFETY: `l` is a live linger struct and its size is passed.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    } as isize)?;
+    Ok(())
+}

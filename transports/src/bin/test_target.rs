@@ -1,0 +1,103 @@
+//! A target process for the transport's tests (and for trying the protocol
+//! by hand): registers segments, prints how to reach them, serves until
+//! killed or until its standard input closes.
+//!
+//! ```text
+//! quiesce-test-target [--listen ADDR] [--segment NAME:LEN:RIGHTS]... [--slow] [--max-frame N]
+//! ```
+//! RIGHTS is `r`, `w` or `rw`. Prints `segment NAME ID LEN TOKEN` per segment,
+//! then `listening ADDR`. `--slow` keeps the target's core busy (a task that
+//! spins between yields), so transfers to it crawl.
+
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use quiesce_runtime::{spawn_local, time, yield_now, Runtime};
+use quiesce_transports::{AlignedBuf, Engine, EngineConfig, Rights};
+
+fn main() {
+    let mut cfg = EngineConfig {
+        node: "test-target".into(),
+        ..Default::default()
+    };
+    let mut segments = Vec::new();
+    let mut slow = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--listen" => {
+                cfg.listen = args
+                    .next()
+                    .expect("--listen ADDR")
+                    .parse()
+                    .expect("address")
+            }
+            "--max-frame" => {
+                cfg.max_frame = args.next().expect("--max-frame N").parse().expect("number")
+            }
+            "--slow" => slow = true,
+            "--segment" => {
+                let spec = args.next().expect("--segment NAME:LEN:RIGHTS");
+                let mut it = spec.split(':');
+                let (name, len, rights) = (
+                    it.next().unwrap(),
+                    it.next().unwrap(),
+                    it.next().unwrap_or("rw"),
+                );
+                let len: usize = len.parse().expect("segment length");
+                let mut r = Rights::empty();
+                r.set(Rights::READ, rights.contains('r'));
+                r.set(Rights::WRITE, rights.contains('w'));
+                segments.push((name.to_string(), len, r));
+            }
+            other => panic!("unknown argument {other:?}"),
+        }
+    }
+    let rt = Runtime::new().expect("runtime");
+    rt.block_on(async move {
+        let engine = Engine::bind(cfg).expect("bind");
+        let mut out = std::io::stdout().lock();
+        for (name, len, rights) in segments {
+            let seg = engine
+                .register(&name, AlignedBuf::new(len), rights)
+                .expect("register");
+            writeln!(
+                out,
+                "segment {} {} {} {}",
+                seg.name(),
+                seg.id(),
+                seg.len(),
+                seg.token()
+            )
+            .unwrap();
+        }
+        writeln!(out, "listening {}", engine.local_addr()).unwrap();
+        out.flush().unwrap();
+        drop(out);
+        if slow {
+            spawn_local(async {
+                loop {
+                    let t = Instant::now();
+                    while t.elapsed() < Duration::from_micros(500) {
+                        std::hint::spin_loop();
+                    }
+                    yield_now().await;
+                }
+            });
+        }
+        // Exit when the parent closes our stdin (or dies).
+        let stdin = std::io::stdin()
+            .as_fd()
+            .try_clone_to_owned()
+            .expect("stdin");
+        let stdin = quiesce_runtime::fd::Fd::new(stdin).expect("stdin fd");
+        loop {
+            let (r, _) = stdin.read(vec![0u8; 64]).await;
+            if !matches!(r, Ok(n) if n > 0) {
+                break;
+            }
+        }
+        time::sleep(Duration::from_millis(1)).await;
+    });
+}

@@ -1,0 +1,533 @@
+//! The initiator side of one connection: handshake, requests, and the
+//! reader task that matches responses to them.
+//!
+//! Frames of one request (header, then payload) are sent under the
+//! connection's send lock so they never interleave. Each request gets an id,
+//! carried in the frame's `task` field, that the target echoes. A request
+//! completes when its own send has finished **and** its response arrived —
+//! or the connection died, which the reader reports only after its own
+//! receive (possibly into a read's destination) has been reaped.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::net::{Shutdown, SocketAddr};
+use std::rc::Rc;
+use std::task::{Poll, Waker};
+
+use quiesce_runtime::net::TcpStream;
+use quiesce_runtime::time::timeout;
+use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
+
+use crate::auth::{random_bytes, Token};
+use crate::error::TransferError;
+use crate::shared::{bytes_of, Erased, Part};
+use crate::stream::{discard, read_header, read_payload, send_frame};
+use crate::wire::{
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, Status, HEADER_LEN, MAX_HANDSHAKE_PAYLOAD,
+    VERSION,
+};
+
+/// Payloads up to this size travel in the same send as their header.
+const INLINE_PAYLOAD: usize = 16 * 1024;
+
+/// A FIFO async lock for the send half.
+#[derive(Default)]
+struct SendLock {
+    locked: Cell<bool>,
+    waiters: RefCell<VecDeque<Waker>>,
+}
+
+impl SendLock {
+    async fn lock<'a>(&'a self, conn: &'a Conn) -> SendGuard<'a> {
+        std::future::poll_fn(|cx| {
+            if !self.locked.get() {
+                self.locked.set(true);
+                Poll::Ready(())
+            } else {
+                self.waiters.borrow_mut().push_back(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await;
+        SendGuard {
+            conn,
+            complete: false,
+        }
+    }
+}
+
+/// Holds the send half; if dropped before the frame was fully sent (its
+/// future was dropped mid-send), framing is lost and the connection dies.
+struct SendGuard<'a> {
+    conn: &'a Conn,
+    complete: bool,
+}
+
+impl Drop for SendGuard<'_> {
+    fn drop(&mut self) {
+        if !self.complete {
+            self.conn.kill("a request was abandoned mid-send");
+        }
+        let l = &self.conn.send_lock;
+        l.locked.set(false);
+        if let Some(w) = l.waiters.borrow_mut().pop_front() {
+            w.wake();
+        }
+    }
+}
+
+/// A one-shot result slot with a waker.
+struct Slot<T> {
+    value: Option<T>,
+    waker: Option<Waker>,
+}
+
+type Shared<T> = Rc<RefCell<Slot<T>>>;
+
+fn slot<T>() -> Shared<T> {
+    Rc::new(RefCell::new(Slot {
+        value: None,
+        waker: None,
+    }))
+}
+
+fn fill<T>(s: &Shared<T>, v: T) {
+    let w = {
+        let mut s = s.borrow_mut();
+        s.value = Some(v);
+        s.waker.take()
+    };
+    if let Some(w) = w {
+        w.wake();
+    }
+}
+
+async fn wait<T>(s: &Shared<T>) -> T {
+    std::future::poll_fn(|cx| {
+        let mut s = s.borrow_mut();
+        match s.value.take() {
+            Some(v) => Poll::Ready(v),
+            None => {
+                s.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    })
+    .await
+}
+
+enum Pending {
+    Write(Shared<Result<u64, TransferError>>),
+    Read {
+        dst: Option<Erased>,
+        result: Shared<Result<u64, TransferError>>,
+    },
+}
+
+#[derive(Default)]
+struct State {
+    dead: Option<String>,
+    pending: HashMap<u64, Pending>,
+    fences: HashMap<u64, Vec<Shared<Result<(), TransferError>>>>,
+    auths: VecDeque<Shared<Result<AuthAck, TransferError>>>,
+}
+
+/// One initiator connection.
+pub(crate) struct Conn {
+    stream: TcpStream,
+    send_lock: SendLock,
+    state: RefCell<State>,
+    next_id: Cell<u64>,
+    pub(crate) hello: HelloAck,
+    nonce: [u8; 16],
+    session: u64,
+}
+
+/// Connection settings.
+pub(crate) struct ConnParams<'a> {
+    pub(crate) node: &'a str,
+    pub(crate) shards: u16,
+    pub(crate) session: u64,
+    pub(crate) connect_timeout: std::time::Duration,
+}
+
+impl Conn {
+    /// Connects and says hello; starts the reader.
+    pub(crate) async fn connect(
+        addr: SocketAddr,
+        p: &ConnParams<'_>,
+    ) -> Result<Rc<Conn>, TransferError> {
+        let hs = |reason: String| TransferError::Handshake {
+            peer: addr.to_string(),
+            reason,
+        };
+        let stream = timeout(p.connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| TransferError::ConnectTimeout)?
+            .map_err(|e| hs(e.to_string()))?;
+        stream.set_nodelay(true).map_err(|e| hs(e.to_string()))?;
+        let mut nonce = [0u8; 16];
+        random_bytes(&mut nonce);
+        let hello = Hello {
+            version_min: VERSION,
+            version_max: VERSION,
+            session: p.session,
+            shards: p.shards,
+            nonce,
+            node: p.node.to_string(),
+        }
+        .encode()?;
+        send_frame(
+            &stream,
+            &Header {
+                length: hello.len() as u64,
+                ..Header::new(Op::Hello)
+            },
+            &hello,
+        )
+        .await
+        .map_err(|e| hs(e.to_string()))?;
+        let reply = timeout(p.connect_timeout, read_header(&stream))
+            .await
+            .map_err(|_| hs("no hello ack in time".into()))?
+            .map_err(|e| hs(e.to_string()))?;
+        let h = match reply {
+            Some(Ok(h)) if h.op == Op::HelloAck && h.length as usize <= MAX_HANDSHAKE_PAYLOAD => h,
+            Some(Ok(h)) => return Err(hs(format!("unexpected {:?} (status {})", h.op, h.flags))),
+            Some(Err(e)) => return Err(hs(e.to_string())),
+            None => return Err(hs("closed during the handshake".into())),
+        };
+        let payload = read_payload(&stream, h.length as usize)
+            .await
+            .map_err(|e| hs(e.to_string()))?;
+        let hello = HelloAck::decode(&payload)?;
+        let conn = Rc::new(Conn {
+            stream,
+            send_lock: SendLock::default(),
+            state: RefCell::default(),
+            next_id: Cell::new(1),
+            hello,
+            nonce,
+            session: p.session,
+        });
+        // The reader holds the connection until the socket ends (kill/abort
+        // shut it down), then fails whatever is pending.
+        spawn_local(read_loop(conn.clone()));
+        Ok(conn)
+    }
+
+    pub(crate) fn is_dead(&self) -> bool {
+        self.state.borrow().dead.is_some()
+    }
+
+    fn lost(&self) -> TransferError {
+        TransferError::ConnectionLost(self.state.borrow().dead.clone().unwrap_or_default())
+    }
+
+    /// Marks the connection dead and shuts the socket, so every op on it ends.
+    pub(crate) fn kill(&self, why: &str) {
+        {
+            let mut st = self.state.borrow_mut();
+            if st.dead.is_some() {
+                return;
+            }
+            st.dead = Some(why.to_string());
+        }
+        tracing::debug!(why, "initiator connection killed");
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    /// Kills the connection with an RST (queued data is dropped at once,
+    /// which also releases zero-copy pages), for deadline fences.
+    pub(crate) fn abort(&self) {
+        let _ = self.stream.set_linger(Some(std::time::Duration::ZERO));
+        self.kill("aborted");
+    }
+
+    fn new_id(&self) -> u64 {
+        let id = self.next_id.get();
+        self.next_id.set(id + 1);
+        id
+    }
+
+    /// Proves tokens for segments; returns the target's verdicts.
+    pub(crate) async fn auth(&self, tokens: &[(u64, Token)]) -> Result<AuthAck, TransferError> {
+        let proofs = tokens
+            .iter()
+            .map(|(id, t)| {
+                (
+                    *id,
+                    t.prove(&self.hello.nonce, &self.nonce, self.session, *id),
+                )
+            })
+            .collect();
+        let payload = AuthRequest { proofs }.encode()?;
+        let result = slot();
+        {
+            let mut st = self.state.borrow_mut();
+            if st.dead.is_some() {
+                drop(st);
+                return Err(self.lost());
+            }
+            st.auths.push_back(result.clone());
+        }
+        let mut g = self.send_lock.lock(self).await;
+        let r = send_frame(
+            &self.stream,
+            &Header {
+                length: payload.len() as u64,
+                ..Header::new(Op::Auth)
+            },
+            &payload,
+        )
+        .await;
+        g.complete = r.is_ok();
+        drop(g);
+        wait(&result).await
+    }
+
+    /// Asks the target to fence `batch`; resolves on its `FenceAck`.
+    pub(crate) async fn fence(&self, batch: u64) -> Result<(), TransferError> {
+        let result = slot();
+        {
+            let mut st = self.state.borrow_mut();
+            if st.dead.is_some() {
+                drop(st);
+                return Err(self.lost());
+            }
+            st.fences.entry(batch).or_default().push(result.clone());
+        }
+        let mut g = self.send_lock.lock(self).await;
+        let r = send_frame(
+            &self.stream,
+            &Header {
+                batch,
+                ..Header::new(Op::Fence)
+            },
+            &[],
+        )
+        .await;
+        g.complete = r.is_ok();
+        drop(g);
+        wait(&result).await
+    }
+
+    /// Writes `part` to `segment[offset..]`; the part comes back with the result.
+    pub(crate) async fn write<B: IoBuf>(
+        &self,
+        batch: u64,
+        segment: u64,
+        offset: u64,
+        part: Part<B>,
+        zc: bool,
+    ) -> (Result<u64, TransferError>, Part<B>) {
+        let id = self.new_id();
+        let result = slot();
+        if self.register(id, Pending::Write(result.clone())).is_err() {
+            return (Err(self.lost()), part);
+        }
+        let h = Header {
+            batch,
+            task: id,
+            segment,
+            offset,
+            length: part.len() as u64,
+            ..Header::new(Op::Write)
+        };
+        let mut g = self.send_lock.lock(self).await;
+        let (sent, part) = if part.len() <= INLINE_PAYLOAD {
+            // Small: header and payload in one send.
+            let mut out = Vec::with_capacity(HEADER_LEN + part.len());
+            out.extend_from_slice(&h.encode());
+            out.extend_from_slice(bytes_of(&part));
+            (self.stream.write_all(out).await.0, part)
+        } else {
+            match self.stream.write_all(h.encode().to_vec()).await.0 {
+                Err(e) => (Err(e), part),
+                Ok(()) if zc => self.stream.write_all_zc(part).await,
+                Ok(()) => self.stream.write_all(part).await,
+            }
+        };
+        g.complete = sent.is_ok();
+        drop(g);
+        if let Err(e) = sent {
+            self.state.borrow_mut().pending.remove(&id);
+            self.kill(&e.to_string());
+            return (Err(self.lost()), part);
+        }
+        (wait(&result).await, part)
+    }
+
+    /// Reads `segment[offset..offset + part.len()]` into `part`.
+    pub(crate) async fn read<B: IoBufMut>(
+        &self,
+        batch: u64,
+        segment: u64,
+        offset: u64,
+        part: Part<B>,
+    ) -> Result<u64, TransferError> {
+        let id = self.new_id();
+        let result = slot();
+        let len = part.len() as u64;
+        if self
+            .register(
+                id,
+                Pending::Read {
+                    dst: Some(Erased::new(part)),
+                    result: result.clone(),
+                },
+            )
+            .is_err()
+        {
+            return Err(self.lost());
+        }
+        let h = Header {
+            batch,
+            task: id,
+            segment,
+            offset,
+            length: len,
+            ..Header::new(Op::Read)
+        };
+        let mut g = self.send_lock.lock(self).await;
+        let sent = send_frame(&self.stream, &h, &[]).await;
+        g.complete = sent.is_ok();
+        drop(g);
+        if let Err(e) = sent {
+            // Dropping the pending entry drops the destination part.
+            self.state.borrow_mut().pending.remove(&id);
+            self.kill(&e.to_string());
+            return Err(self.lost());
+        }
+        wait(&result).await
+    }
+
+    fn register(&self, id: u64, p: Pending) -> Result<(), ()> {
+        let mut st = self.state.borrow_mut();
+        if st.dead.is_some() {
+            return Err(());
+        }
+        st.pending.insert(id, p);
+        Ok(())
+    }
+}
+
+/// Matches responses to requests until the connection ends; then fails
+/// whatever is still pending.
+async fn read_loop(conn: Rc<Conn>) {
+    let why = match read_responses(&conn).await {
+        Ok(()) => "closed by the target".to_string(),
+        Err(e) => e.to_string(),
+    };
+    conn.kill(&why);
+    let st = std::mem::take(&mut *conn.state.borrow_mut());
+    let err = TransferError::ConnectionLost(why);
+    for (_, p) in st.pending {
+        match p {
+            Pending::Write(r) => fill(&r, Err(err.clone())),
+            Pending::Read { result, .. } => fill(&result, Err(err.clone())),
+        }
+    }
+    st.fences
+        .into_values()
+        .flatten()
+        .for_each(|r| fill(&r, Err(err.clone())));
+    st.auths
+        .into_iter()
+        .for_each(|r| fill(&r, Err(err.clone())));
+    conn.state
+        .borrow_mut()
+        .dead
+        .get_or_insert_with(|| "closed".into());
+}
+
+async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
+    let s = &conn.stream;
+    loop {
+        let h = match read_header(s).await? {
+            None => return Ok(()),
+            Some(h) => h?,
+        };
+        match h.op {
+            Op::Status => {
+                let st = h.status()?;
+                let p = conn.state.borrow_mut().pending.remove(&h.task);
+                let res = match TransferError::from_status(st, h.segment, h.length) {
+                    None => Ok(h.length),
+                    Some(e) => Err(e),
+                };
+                match p {
+                    Some(Pending::Write(r)) => fill(&r, res),
+                    // A read succeeds with ReadData; a status is always a refusal.
+                    Some(Pending::Read { result, .. }) => fill(
+                        &result,
+                        res.and(Err(TransferError::BadFrame("status Ok for a read".into()))),
+                    ),
+                    None if st == Status::BadFrame => {
+                        return Err(TransferError::BadFrame(
+                            "target closed the connection".into(),
+                        ))
+                    }
+                    None => {}
+                }
+            }
+            Op::ReadData => {
+                let p = conn.state.borrow_mut().pending.remove(&h.task);
+                match p {
+                    Some(Pending::Read {
+                        dst: Some(dst),
+                        result,
+                    }) if dst.len() as u64 == h.length => {
+                        let (res, dst) = s.read_exact(dst).await;
+                        drop(dst);
+                        res?;
+                        fill(&result, Ok(h.length));
+                    }
+                    Some(Pending::Read { result, .. }) => {
+                        fill(
+                            &result,
+                            Err(TransferError::BadFrame(
+                                "read data of the wrong length".into(),
+                            )),
+                        );
+                        return Err(TransferError::BadFrame(
+                            "read data of the wrong length".into(),
+                        ));
+                    }
+                    Some(Pending::Write(r)) => {
+                        fill(
+                            &r,
+                            Err(TransferError::BadFrame("read data for a write".into())),
+                        );
+                        return Err(TransferError::BadFrame("read data for a write".into()));
+                    }
+                    None => discard(s, h.length).await?,
+                }
+            }
+            Op::FenceAck => {
+                let waiters = conn
+                    .state
+                    .borrow_mut()
+                    .fences
+                    .remove(&h.batch)
+                    .unwrap_or_default();
+                waiters.iter().for_each(|r| fill(r, Ok(())));
+            }
+            Op::AuthAck => {
+                if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
+                    return Err(TransferError::BadFrame("auth ack too large".into()));
+                }
+                let ack = AuthAck::decode(&read_payload(s, h.length as usize).await?)?;
+                match conn.state.borrow_mut().auths.pop_front() {
+                    Some(r) => fill(&r, Ok(ack)),
+                    None => return Err(TransferError::BadFrame("unrequested auth ack".into())),
+                }
+            }
+            op => {
+                return Err(TransferError::BadFrame(format!(
+                    "unexpected {op:?} from the target"
+                )))
+            }
+        }
+    }
+}

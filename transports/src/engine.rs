@@ -1,0 +1,281 @@
+//! The engine: one per shard. It serves its registered segments to peers
+//! (the target role) and opens peers for transfers (the initiator role).
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::Duration;
+
+use quiesce_runtime::net::TcpListener;
+use quiesce_runtime::{spawn_local, JoinHandle};
+
+use crate::auth::random_u64;
+use crate::error::TransferError;
+use crate::fence::FenceTable;
+use crate::peer::{Peer, PeerParams};
+use crate::segment::{Rights, Segment, SegmentMemory};
+use crate::wire::Descriptor;
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// This node's name, sent in hellos.
+    pub node: String,
+    /// Address to listen on (`127.0.0.1:0` picks a free port).
+    pub listen: SocketAddr,
+    /// Shard count advertised to peers.
+    pub shards: u16,
+    /// Connections opened to each peer; slices are striped over them.
+    pub connections_per_peer: usize,
+    /// Transfers are split into slices of at most this many bytes.
+    pub slice_size: usize,
+    /// Largest payload the target accepts in one frame.
+    pub max_frame: u64,
+    /// Payloads of at least this many bytes are sent with `SEND_ZC`.
+    pub zc_threshold: Option<usize>,
+    /// Connect and handshake timeout (initiator).
+    pub connect_timeout: Duration,
+    /// How long a new connection may take to say hello (target).
+    pub handshake_timeout: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            node: "quiesce".into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            shards: 1,
+            connections_per_peer: 2,
+            slice_size: 1 << 20,
+            max_frame: 16 << 20,
+            zc_threshold: None,
+            connect_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Why a segment cannot be registered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    /// Names are 1 to 255 bytes.
+    #[error("segment names are 1 to 255 bytes")]
+    BadName,
+    /// Another segment has this name.
+    #[error("a segment named {0:?} is already registered")]
+    Duplicate(String),
+    /// Rights must not be empty.
+    #[error("a segment needs at least one right")]
+    NoRights,
+}
+
+/// What the target side has done, for metrics and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Payload bytes that landed in segments.
+    pub bytes_landed: u64,
+    /// Requests refused (any status but Ok).
+    pub rejected: u64,
+    /// Connections accepted.
+    pub accepted: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) bytes_landed: Cell<u64>,
+    pub(crate) rejected: Cell<u64>,
+    pub(crate) accepted: Cell<u64>,
+}
+
+pub(crate) struct EngineInner {
+    pub(crate) config: EngineConfig,
+    local_addr: SocketAddr,
+    segments: RefCell<BTreeMap<u64, Segment>>,
+    next_segment: Cell<u64>,
+    pub(crate) fences: FenceTable,
+    /// Live target-side connections per initiator session.
+    sessions: RefCell<HashMap<u64, usize>>,
+    /// This engine's own initiator session id.
+    session: u64,
+    peers: RefCell<HashMap<SocketAddr, Peer>>,
+    tasks: RefCell<Vec<JoinHandle<()>>>,
+    pub(crate) counters: Counters,
+}
+
+/// A transfer engine on the current shard. Cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Rc<EngineInner>,
+}
+
+impl Engine {
+    /// Listens on `config.listen` and starts serving. Call inside a runtime.
+    pub fn bind(config: EngineConfig) -> io::Result<Engine> {
+        if config.slice_size == 0 || config.slice_size as u64 > config.max_frame {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "slice_size must be in 1..=max_frame",
+            ));
+        }
+        let listener = TcpListener::bind(config.listen)?;
+        let inner = Rc::new(EngineInner {
+            local_addr: listener.local_addr()?,
+            config,
+            segments: RefCell::default(),
+            next_segment: Cell::new(1),
+            fences: FenceTable::default(),
+            sessions: RefCell::default(),
+            session: random_u64(),
+            peers: RefCell::default(),
+            tasks: RefCell::default(),
+            counters: Counters::default(),
+        });
+        let weak = Rc::downgrade(&inner);
+        let accept = spawn_local(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    break;
+                };
+                let Some(engine) = weak.upgrade() else { break };
+                if stream.set_nodelay(true).is_err() {
+                    continue;
+                }
+                engine
+                    .counters
+                    .accepted
+                    .set(engine.counters.accepted.get() + 1);
+                let task = spawn_local(crate::target::serve(engine.clone(), stream));
+                let mut tasks = engine.tasks.borrow_mut();
+                tasks.retain(|t| !t.is_finished());
+                tasks.push(task);
+            }
+        });
+        inner.tasks.borrow_mut().push(accept);
+        Ok(Engine { inner })
+    }
+
+    /// The address peers connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr
+    }
+
+    /// Registers memory for remote access; the returned segment's token is
+    /// what authorised peers need.
+    pub fn register(
+        &self,
+        name: &str,
+        mem: impl Into<SegmentMemory>,
+        rights: Rights,
+    ) -> Result<Segment, RegisterError> {
+        if name.is_empty() || name.len() > 255 {
+            return Err(RegisterError::BadName);
+        }
+        if rights.is_empty() {
+            return Err(RegisterError::NoRights);
+        }
+        let mut segs = self.inner.segments.borrow_mut();
+        if segs.values().any(|s| s.name() == name) {
+            return Err(RegisterError::Duplicate(name.into()));
+        }
+        let id = self.inner.next_segment.get();
+        self.inner.next_segment.set(id + 1);
+        let seg = Segment::new(id, name.into(), mem.into(), rights);
+        segs.insert(id, seg.clone());
+        Ok(seg)
+    }
+
+    /// Stops serving segment `id`. Writes landing now finish into its
+    /// memory, which stays alive until they do.
+    pub fn deregister(&self, id: u64) -> bool {
+        self.inner.segments.borrow_mut().remove(&id).is_some()
+    }
+
+    /// Connects to the engine at `addr` (or returns the existing peer).
+    pub async fn connect(&self, addr: SocketAddr) -> Result<Peer, TransferError> {
+        if let Some(p) = self.inner.peers.borrow().get(&addr) {
+            return Ok(p.clone());
+        }
+        let c = &self.inner.config;
+        let params = PeerParams {
+            node: c.node.clone(),
+            shards: c.shards,
+            session: self.inner.session,
+            connections: c.connections_per_peer,
+            slice_size: c.slice_size,
+            zc_threshold: c.zc_threshold,
+            connect_timeout: c.connect_timeout,
+        };
+        let peer = Peer::connect(addr, params).await?;
+        self.inner.peers.borrow_mut().insert(addr, peer.clone());
+        Ok(peer)
+    }
+
+    /// Target-side counters.
+    pub fn stats(&self) -> EngineStats {
+        let c = &self.inner.counters;
+        EngineStats {
+            bytes_landed: c.bytes_landed.get(),
+            rejected: c.rejected.get(),
+            accepted: c.accepted.get(),
+        }
+    }
+
+    /// Stops accepting, drops served connections (their in-flight ops park
+    /// until reaped) and closes connections to peers.
+    pub fn shutdown(&self) {
+        for t in self.inner.tasks.borrow_mut().drain(..) {
+            t.abort();
+        }
+        for p in self.inner.peers.borrow_mut().drain() {
+            p.1.close();
+        }
+    }
+}
+
+impl EngineInner {
+    pub(crate) fn segment(&self, id: u64) -> Option<Segment> {
+        self.segments.borrow().get(&id).cloned()
+    }
+
+    pub(crate) fn descriptors(&self) -> Vec<Descriptor> {
+        self.segments
+            .borrow()
+            .values()
+            .map(|s| Descriptor {
+                id: s.id(),
+                name: s.name().into(),
+                len: s.len(),
+                rights: s.rights(),
+                endpoints: vec![self.local_addr],
+            })
+            .collect()
+    }
+
+    /// Counts a connection of `session` until the guard drops.
+    pub(crate) fn session_guard(&self, session: u64) -> SessionGuard<'_> {
+        *self.sessions.borrow_mut().entry(session).or_default() += 1;
+        SessionGuard {
+            engine: self,
+            session,
+        }
+    }
+}
+
+pub(crate) struct SessionGuard<'a> {
+    engine: &'a EngineInner,
+    session: u64,
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        let mut s = self.engine.sessions.borrow_mut();
+        let n = s.entry(self.session).or_default();
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            s.remove(&self.session);
+            self.engine.fences.end_session(self.session);
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! Typed transfer errors.
+
+use std::io;
+
+use crate::wire::{FrameError, Status};
+
+/// Why a transfer (or one slice of it) failed. Every variant leaves the
+/// caller's buffer intact and returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferError {
+    /// The segment is not registered at the target (or not known locally).
+    #[error("no such segment {0}")]
+    NoSuchSegment(u64),
+    /// The peer has not proven the segment's token, or lacks the right.
+    #[error("forbidden: segment {0}")]
+    Forbidden(u64),
+    /// `offset + length` is outside the segment, or overflows.
+    #[error("out of bounds: {offset}+{len} exceeds segment of {seg_len} bytes")]
+    OutOfBounds {
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+        /// The segment's length.
+        seg_len: u64,
+    },
+    /// A transfer of zero bytes, or a buffer smaller than the range.
+    #[error("bad length: {0}")]
+    BadLength(&'static str),
+    /// A malformed frame (sent or received).
+    #[error("bad frame: {0}")]
+    BadFrame(String),
+    /// The batch was fenced before this request applied anything.
+    #[error("fenced")]
+    Fenced,
+    /// The batch was fenced while this write was landing: a prefix landed.
+    #[error("fenced after {landed} bytes landed")]
+    FencedPartial {
+        /// Bytes applied before the fence.
+        landed: u64,
+    },
+    /// No peer at that address, or the handshake was refused.
+    #[error("handshake with {peer} failed: {reason}")]
+    Handshake {
+        /// The peer's address.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// The connection died before the request completed; the request's
+    /// local operations have been reaped.
+    #[error("connection lost: {0}")]
+    ConnectionLost(String),
+    /// Connecting took longer than the configured timeout.
+    #[error("connect timed out")]
+    ConnectTimeout,
+}
+
+impl TransferError {
+    /// The error a target's status maps to (`None` for `Ok`).
+    pub(crate) fn from_status(st: Status, segment: u64, landed: u64) -> Option<TransferError> {
+        Some(match st {
+            Status::Ok => return None,
+            Status::NoSuchSegment => TransferError::NoSuchSegment(segment),
+            Status::Forbidden => TransferError::Forbidden(segment),
+            Status::OutOfBounds => TransferError::OutOfBounds {
+                offset: 0,
+                len: 0,
+                seg_len: 0,
+            },
+            Status::BadFrame => TransferError::BadFrame("rejected by the target".into()),
+            Status::Fenced => TransferError::Fenced,
+            Status::FencedPartial => TransferError::FencedPartial { landed },
+        })
+    }
+
+    /// Whether retrying the same request may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            TransferError::ConnectionLost(_) | TransferError::ConnectTimeout
+        )
+    }
+}
+
+impl From<io::Error> for TransferError {
+    fn from(e: io::Error) -> TransferError {
+        TransferError::ConnectionLost(e.to_string())
+    }
+}
+
+impl From<FrameError> for TransferError {
+    fn from(e: FrameError) -> TransferError {
+        TransferError::BadFrame(e.to_string())
+    }
+}

@@ -1,0 +1,46 @@
+//! quiesce's transports: one-sided remote writes and reads into memory a
+//! target registered, over TCP on io_uring (RDMA verbs to follow).
+//!
+//! * [`Engine`] — one per shard: serves [`Segment`]s to peers and opens
+//!   [`Peer`]s for transfers.
+//! * Peers meet without a metadata server: a hello exchange carries node names
+//!   and segment descriptors, and an HMAC challenge–response proves a
+//!   segment's [`Token`] without sending it ([`wire`], `docs/PROTOCOL.md`).
+//! * The target validates every request before touching memory, lands writes
+//!   straight in the segment, acknowledges after the last byte, and confirms
+//!   remote fences ([`Peer::fence`]) only once no byte of the batch can land.
+//!
+//! ```no_run
+//! use quiesce_runtime::Runtime;
+//! use quiesce_transports::{Engine, EngineConfig, Rights};
+//! Runtime::new().unwrap().block_on(async {
+//!     let target = Engine::bind(EngineConfig::default()).unwrap();
+//!     let seg = target.register("kv", vec![0u8; 1 << 20], Rights::READ | Rights::WRITE).unwrap();
+//!     let initiator = Engine::bind(EngineConfig::default()).unwrap();
+//!     let peer = initiator.connect(target.local_addr()).await.unwrap();
+//!     let kv = peer.open("kv", seg.token()).await.unwrap();
+//!     let (res, _buf) = kv.write(4096, vec![7u8; 4096], 1).await;
+//!     assert_eq!(res.unwrap(), 4096);
+//! });
+//! ```
+#![deny(missing_docs)]
+
+mod auth;
+mod conn;
+mod engine;
+mod error;
+mod fence;
+mod memory;
+mod peer;
+mod segment;
+mod shared;
+mod stream;
+mod target;
+pub mod wire;
+
+pub use auth::{BadToken, Token};
+pub use engine::{Engine, EngineConfig, EngineStats, RegisterError};
+pub use error::TransferError;
+pub use memory::{AlignedBuf, Lease, LeaseError, Region};
+pub use peer::{Peer, RemoteSegment};
+pub use segment::{Rights, Segment, SegmentMemory};

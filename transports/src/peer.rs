@@ -1,0 +1,365 @@
+//! A remote engine as seen by the initiator: its connections, its segments,
+//! and transfers sliced over and striped across the connections.
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::Duration;
+
+use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinHandle};
+
+use crate::auth::Token;
+use crate::conn::{Conn, ConnParams};
+use crate::error::TransferError;
+use crate::segment::Rights;
+use crate::shared::{set_filled, Shared};
+use crate::wire::{Descriptor, Status};
+
+/// How an initiator talks to peers.
+#[derive(Debug, Clone)]
+pub(crate) struct PeerParams {
+    pub(crate) node: String,
+    pub(crate) shards: u16,
+    pub(crate) session: u64,
+    pub(crate) connections: usize,
+    pub(crate) slice_size: usize,
+    pub(crate) zc_threshold: Option<usize>,
+    pub(crate) connect_timeout: Duration,
+}
+
+pub(crate) struct PeerInner {
+    addr: SocketAddr,
+    params: PeerParams,
+    conns: RefCell<Vec<Option<Rc<Conn>>>>,
+    node: String,
+    segments: Vec<Descriptor>,
+    /// Tokens proven so far, replayed on every new connection.
+    opened: RefCell<BTreeMap<u64, Token>>,
+    rr: Cell<usize>,
+}
+
+/// A connected remote engine. Cheap to clone.
+#[derive(Clone)]
+pub struct Peer {
+    inner: Rc<PeerInner>,
+}
+
+impl Peer {
+    /// Connects (one connection now, the rest lazily) and reads the peer's segments.
+    pub(crate) async fn connect(
+        addr: SocketAddr,
+        params: PeerParams,
+    ) -> Result<Peer, TransferError> {
+        let first = Conn::connect(addr, &conn_params(&params)).await?;
+        let n = params.connections.max(1);
+        let mut conns = vec![None; n];
+        let (node, segments) = (first.hello.node.clone(), first.hello.segments.clone());
+        conns[0] = Some(first);
+        Ok(Peer {
+            inner: Rc::new(PeerInner {
+                addr,
+                params,
+                conns: RefCell::new(conns),
+                node,
+                segments,
+                opened: RefCell::default(),
+                rr: Cell::new(0),
+            }),
+        })
+    }
+
+    /// The peer's node name.
+    pub fn node(&self) -> &str {
+        &self.inner.node
+    }
+
+    /// The peer's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// The segments the peer exposes.
+    pub fn segments(&self) -> &[Descriptor] {
+        &self.inner.segments
+    }
+
+    /// Proves `token` for the segment named `name` on every connection.
+    pub async fn open(&self, name: &str, token: Token) -> Result<RemoteSegment, TransferError> {
+        let desc = self
+            .inner
+            .segments
+            .iter()
+            .find(|d| d.name == name)
+            .cloned()
+            .ok_or(TransferError::NoSuchSegment(u64::MAX))?;
+        self.inner.opened.borrow_mut().insert(desc.id, token);
+        let n = self.inner.conns.borrow().len();
+        for i in 0..n {
+            let conn = match self.live(i) {
+                Some(c) => c,
+                None => continue, // a later connection replays `opened`
+            };
+            let ack = conn.auth(&[(desc.id, token)]).await?;
+            check_auth(&ack.results)?;
+        }
+        Ok(RemoteSegment {
+            peer: self.clone(),
+            desc,
+        })
+    }
+
+    fn live(&self, i: usize) -> Option<Rc<Conn>> {
+        self.inner.conns.borrow()[i]
+            .clone()
+            .filter(|c| !c.is_dead())
+    }
+
+    /// Connection `i`, reconnecting (and re-proving tokens) if it died.
+    async fn conn(&self, i: usize) -> Result<Rc<Conn>, TransferError> {
+        if let Some(c) = self.live(i) {
+            return Ok(c);
+        }
+        let c = Conn::connect(self.inner.addr, &conn_params(&self.inner.params)).await?;
+        let tokens: Vec<(u64, Token)> = self
+            .inner
+            .opened
+            .borrow()
+            .iter()
+            .map(|(k, v)| (*k, *v))
+            .collect();
+        if !tokens.is_empty() {
+            let ack = c.auth(&tokens).await?;
+            check_auth(&ack.results)?;
+        }
+        // Another task may have reconnected meanwhile: keep the live one.
+        let mut conns = self.inner.conns.borrow_mut();
+        match &conns[i] {
+            Some(other) if !other.is_dead() => {
+                let other = other.clone();
+                c.kill("duplicate reconnect");
+                Ok(other)
+            }
+            _ => {
+                conns[i] = Some(c.clone());
+                Ok(c)
+            }
+        }
+    }
+
+    /// Asks the peer to apply no further byte of `batch`; resolves once it
+    /// confirmed. Covers every connection of this session to the peer.
+    pub async fn fence(&self, batch: u64) -> Result<(), TransferError> {
+        let n = self.inner.conns.borrow().len();
+        let i = (0..n).find(|&i| self.live(i).is_some()).unwrap_or(0);
+        self.conn(i).await?.fence(batch).await
+    }
+
+    /// Tears every connection down with an RST; their requests fail once
+    /// their operations are reaped. Later transfers reconnect.
+    pub fn abort(&self) {
+        for c in self.inner.conns.borrow().iter().flatten() {
+            c.abort();
+        }
+    }
+
+    /// Closes every connection (used when the engine shuts down).
+    pub(crate) fn close(&self) {
+        for c in self.inner.conns.borrow().iter().flatten() {
+            c.kill("engine shut down");
+        }
+    }
+}
+
+fn conn_params(p: &PeerParams) -> ConnParams<'_> {
+    ConnParams {
+        node: &p.node,
+        shards: p.shards,
+        session: p.session,
+        connect_timeout: p.connect_timeout,
+    }
+}
+
+fn check_auth(results: &[(u64, Status)]) -> Result<(), TransferError> {
+    for (id, st) in results {
+        match st {
+            Status::Ok => {}
+            Status::NoSuchSegment => return Err(TransferError::NoSuchSegment(*id)),
+            _ => return Err(TransferError::Forbidden(*id)),
+        }
+    }
+    Ok(())
+}
+
+/// A segment of a peer that this initiator has opened.
+#[derive(Clone)]
+pub struct RemoteSegment {
+    peer: Peer,
+    desc: Descriptor,
+}
+
+/// `(offset, len)` slices of `0..len`.
+fn slices(len: u64, slice: usize) -> impl Iterator<Item = (u64, u64)> {
+    let slice = slice.max(1) as u64;
+    (0..len.div_ceil(slice)).map(move |i| (i * slice, slice.min(len - i * slice)))
+}
+
+/// Folds slice results: bytes that landed, and the first error.
+async fn join_slices(
+    handles: Vec<JoinHandle<Result<u64, TransferError>>>,
+) -> Result<u64, TransferError> {
+    let mut total = 0;
+    let mut first_err = None;
+    for h in handles {
+        match h.await {
+            Ok(Ok(n)) => total += n,
+            Ok(Err(e)) => {
+                if let TransferError::FencedPartial { landed } = e {
+                    total += landed;
+                }
+                first_err.get_or_insert(e);
+            }
+            Err(e) => {
+                first_err.get_or_insert(TransferError::ConnectionLost(e.to_string()));
+            }
+        }
+    }
+    first_err.map_or(Ok(total), Err)
+}
+
+impl RemoteSegment {
+    /// The segment's id at the peer.
+    pub fn id(&self) -> u64 {
+        self.desc.id
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.desc.len
+    }
+
+    /// True for an empty segment.
+    pub fn is_empty(&self) -> bool {
+        self.desc.len == 0
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.desc.name
+    }
+
+    /// What the peer advertised (the target enforces it).
+    pub fn rights(&self) -> Rights {
+        self.desc.rights
+    }
+
+    /// The peer it lives on.
+    pub fn peer(&self) -> &Peer {
+        &self.peer
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), TransferError> {
+        if len == 0 {
+            return Err(TransferError::BadLength("zero-length transfer"));
+        }
+        if offset.checked_add(len).is_none_or(|e| e > self.desc.len) {
+            return Err(TransferError::OutOfBounds {
+                offset,
+                len,
+                seg_len: self.desc.len,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes the initialised bytes of `src` to `offset`, sliced and striped
+    /// over the peer's connections. Resolves when every slice has its answer
+    /// and every local operation has returned its part of `src`.
+    pub async fn write<B: IoBuf>(
+        &self,
+        offset: u64,
+        src: B,
+        batch: u64,
+    ) -> (Result<u64, TransferError>, B) {
+        let len = src.bytes_init() as u64;
+        if let Err(e) = self.check(offset, len) {
+            return (Err(e), src);
+        }
+        let shared = Shared::source(src);
+        let p = &self.peer.inner.params;
+        let zc = p.zc_threshold.is_some_and(|t| p.slice_size >= t);
+        let base = self.peer.inner.rr.get();
+        let n = p.connections.max(1);
+        let handles: Vec<_> = slices(len, p.slice_size)
+            .enumerate()
+            .map(|(i, (off, l))| {
+                self.peer
+                    .inner
+                    .rr
+                    .set(self.peer.inner.rr.get().wrapping_add(1));
+                let part = shared.part(off as usize, l as usize);
+                let (peer, seg) = (self.peer.clone(), self.desc.id);
+                let zc = zc && p.zc_threshold.is_some_and(|t| l as usize >= t);
+                spawn_local(async move {
+                    let conn = peer.conn((base + i) % n).await?;
+                    conn.write(batch, seg, offset + off, part, zc).await.0
+                })
+            })
+            .collect();
+        let res = join_slices(handles).await;
+        match shared.try_into_inner() {
+            Ok(src) => (res, src),
+            Err(_) => unreachable!("every slice returned its part"),
+        }
+    }
+
+    /// Reads `len` bytes at `offset` into `dst[..len]` (`len <=
+    /// dst.bytes_total()`), sliced and striped like [`write`](Self::write).
+    pub async fn read<B: IoBufMut>(
+        &self,
+        offset: u64,
+        len: u64,
+        dst: B,
+        batch: u64,
+    ) -> (Result<u64, TransferError>, B) {
+        if let Err(e) = self.check(offset, len) {
+            return (Err(e), dst);
+        }
+        if len > dst.bytes_total() as u64 {
+            return (
+                Err(TransferError::BadLength(
+                    "destination smaller than the range",
+                )),
+                dst,
+            );
+        }
+        let shared = Shared::destination(dst);
+        let p = &self.peer.inner.params;
+        let base = self.peer.inner.rr.get();
+        let n = p.connections.max(1);
+        let handles: Vec<_> = slices(len, p.slice_size)
+            .enumerate()
+            .map(|(i, (off, l))| {
+                self.peer
+                    .inner
+                    .rr
+                    .set(self.peer.inner.rr.get().wrapping_add(1));
+                let part = shared.part(off as usize, l as usize);
+                let (peer, seg) = (self.peer.clone(), self.desc.id);
+                spawn_local(async move {
+                    let conn = peer.conn((base + i) % n).await?;
+                    conn.read(batch, seg, offset + off, part).await
+                })
+            })
+            .collect();
+        let res = join_slices(handles).await;
+        let mut dst = match shared.try_into_inner() {
+            Ok(dst) => dst,
+            Err(_) => unreachable!("every slice returned its part"),
+        };
+        if res.is_ok() {
+            set_filled(&mut dst, len as usize);
+        }
+        (res, dst)
+    }
+}

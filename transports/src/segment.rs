@@ -1,0 +1,144 @@
+//! Segments: local memory registered for remote access.
+
+use std::rc::Rc;
+
+use bitflags::bitflags;
+
+use crate::auth::Token;
+use crate::memory::{AlignedBuf, ExposedMemory};
+
+bitflags! {
+    /// What a peer that proved a segment's token may do to it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct Rights: u8 {
+        /// Remote reads (the peer reads this memory).
+        const READ = 1;
+        /// Remote writes (the peer writes this memory).
+        const WRITE = 2;
+    }
+}
+
+/// Memory a segment can expose.
+pub enum SegmentMemory {
+    /// A vector's bytes (its length, not its capacity).
+    Vec(Vec<u8>),
+    /// A page-aligned buffer.
+    Aligned(AlignedBuf),
+}
+
+impl From<Vec<u8>> for SegmentMemory {
+    fn from(v: Vec<u8>) -> Self {
+        SegmentMemory::Vec(v)
+    }
+}
+
+impl From<Box<[u8]>> for SegmentMemory {
+    fn from(b: Box<[u8]>) -> Self {
+        SegmentMemory::Vec(b.into_vec())
+    }
+}
+
+impl From<AlignedBuf> for SegmentMemory {
+    fn from(b: AlignedBuf) -> Self {
+        SegmentMemory::Aligned(b)
+    }
+}
+
+pub(crate) struct SegmentInner {
+    pub(crate) id: u64,
+    pub(crate) name: String,
+    pub(crate) rights: Rights,
+    pub(crate) token: Token,
+    pub(crate) mem: Rc<ExposedMemory>,
+}
+
+/// A registered segment (the target's side). Cheap to clone.
+///
+/// Remote peers write into its memory while this handle exists, so local
+/// access is by copy ([`read_at`](Self::read_at), [`write_at`](Self::write_at)).
+#[derive(Clone)]
+pub struct Segment {
+    pub(crate) inner: Rc<SegmentInner>,
+}
+
+impl Segment {
+    pub(crate) fn new(id: u64, name: String, mem: SegmentMemory, rights: Rights) -> Segment {
+        let mem = match mem {
+            SegmentMemory::Vec(v) => ExposedMemory::from_vec(v),
+            SegmentMemory::Aligned(b) => ExposedMemory::from_aligned(b),
+        };
+        Segment {
+            inner: Rc::new(SegmentInner {
+                id,
+                name,
+                rights,
+                token: Token::random(),
+                mem: Rc::new(mem),
+            }),
+        }
+    }
+
+    /// The id peers address it by.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.inner.mem.len() as u64
+    }
+
+    /// True for an empty segment.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What peers may do.
+    pub fn rights(&self) -> Rights {
+        self.inner.rights
+    }
+
+    /// The secret to hand to authorised peers.
+    pub fn token(&self) -> Token {
+        self.inner.token
+    }
+
+    /// Checks `offset..offset + len` against the segment, without overflow.
+    pub(crate) fn check_range(&self, offset: u64, len: u64) -> bool {
+        offset.checked_add(len).is_some_and(|end| end <= self.len())
+    }
+
+    /// Copies bytes out. `false` (and nothing copied) if out of range.
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> bool {
+        if !self.check_range(offset, dst.len() as u64) {
+            return false;
+        }
+        self.inner.mem.copy_out(offset as usize, dst);
+        true
+    }
+
+    /// Copies bytes in. `false` (and nothing copied) if out of range.
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> bool {
+        if !self.check_range(offset, src.len() as u64) {
+            return false;
+        }
+        self.inner.mem.copy_in(offset as usize, src);
+        true
+    }
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("id", &self.id())
+            .field("name", &self.name())
+            .field("len", &self.len())
+            .field("rights", &self.rights())
+            .finish()
+    }
+}

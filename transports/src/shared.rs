@@ -1,0 +1,162 @@
+//! One owned buffer split into disjoint parts that several operations use at
+//! once (the slices of a striped transfer). The buffer comes back whole only
+//! when every part is gone, i.e. when every operation that used a part has
+//! returned it — which is the quiescence of the transfer.
+
+use std::cell::UnsafeCell;
+use std::rc::Rc;
+
+use quiesce_runtime::{IoBuf, IoBufMut};
+
+struct Inner<B> {
+    buf: UnsafeCell<B>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+/// The owner's handle: hands out parts, and gives the buffer back.
+pub(crate) struct Shared<B> {
+    inner: Rc<Inner<B>>,
+}
+
+impl<B: IoBuf> Shared<B> {
+    /// Shares a source buffer; parts cover its initialised bytes.
+    pub(crate) fn source(buf: B) -> Shared<B> {
+        let (ptr, len) = (buf.stable_ptr() as *mut u8, buf.bytes_init());
+        Shared {
+            inner: Rc::new(Inner {
+                buf: UnsafeCell::new(buf),
+                ptr,
+                len,
+            }),
+        }
+    }
+
+    /// A part `offset..offset + len`. The caller hands out disjoint parts.
+    pub(crate) fn part(&self, offset: usize, len: usize) -> Part<B> {
+        assert!(
+            offset.checked_add(len).is_some_and(|e| e <= self.inner.len),
+            "part out of range"
+        );
+        Part {
+            inner: self.inner.clone(),
+            offset,
+            len,
+        }
+    }
+
+    /// The buffer, once no part is alive; otherwise `self` back.
+    pub(crate) fn try_into_inner(self) -> Result<B, Shared<B>> {
+        match Rc::try_unwrap(self.inner) {
+            Ok(inner) => Ok(inner.buf.into_inner()),
+            Err(inner) => Err(Shared { inner }),
+        }
+    }
+}
+
+impl<B: IoBufMut> Shared<B> {
+    /// Shares a destination buffer; parts cover its whole capacity.
+    pub(crate) fn destination(mut buf: B) -> Shared<B> {
+        let (ptr, len) = (buf.stable_mut_ptr(), buf.bytes_total());
+        Shared {
+            inner: Rc::new(Inner {
+                buf: UnsafeCell::new(buf),
+                ptr,
+                len,
+            }),
+        }
+    }
+}
+
+/// A disjoint range of a shared buffer, lent to one operation.
+pub(crate) struct Part<B> {
+    inner: Rc<Inner<B>>,
+    offset: usize,
+    len: usize,
+}
+
+impl<B> Part<B> {
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: the range lies in the buffer's stable allocation, kept alive by the Rc.
+unsafe impl<B: IoBuf> IoBuf for Part<B> {
+    fn stable_ptr(&self) -> *const u8 {
+        self.inner.ptr.wrapping_add(self.offset)
+    }
+    fn bytes_init(&self) -> usize {
+        self.len
+    }
+    fn bytes_total(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: parts of one buffer are disjoint, so each is the only writer of its
+// range; the owner cannot reach the buffer until every part is dropped.
+unsafe impl<B: IoBufMut> IoBufMut for Part<B> {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.inner.ptr.wrapping_add(self.offset)
+    }
+    unsafe fn set_init(&mut self, _pos: usize) {}
+}
+
+/// The initialised bytes of a part (to copy a small payload next to its header).
+pub(crate) fn bytes_of<B: IoBuf>(p: &Part<B>) -> &[u8] {
+    // SAFETY: the part's range is initialised source memory (parts of a source
+    // cover `bytes_init`), alive while `p` is borrowed, and only read here.
+    unsafe { std::slice::from_raw_parts(p.stable_ptr(), p.len) }
+}
+
+/// A destination part with its buffer type erased, for a response reader
+/// that does not know the caller's buffer type.
+pub(crate) struct Erased {
+    ptr: *mut u8,
+    len: usize,
+    _part: Box<dyn std::any::Any>,
+}
+
+impl Erased {
+    pub(crate) fn new<B: IoBufMut>(mut part: Part<B>) -> Erased {
+        let (ptr, len) = (part.stable_mut_ptr(), part.len);
+        Erased {
+            ptr,
+            len,
+            _part: Box::new(part),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: points into the part's allocation, which the boxed part keeps alive.
+unsafe impl IoBuf for Erased {
+    fn stable_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn bytes_init(&self) -> usize {
+        self.len
+    }
+    fn bytes_total(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: the erased part is the only writer of its (disjoint) range.
+unsafe impl IoBufMut for Erased {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+    unsafe fn set_init(&mut self, _pos: usize) {}
+}
+
+/// Marks the first `n` bytes of a reassembled destination initialised.
+pub(crate) fn set_filled<B: IoBufMut>(buf: &mut B, n: usize) {
+    // SAFETY: callers pass the count of bytes that every part's read wrote,
+    // which cover `0..n` contiguously.
+    unsafe { buf.set_init(n) }
+}

@@ -1,0 +1,51 @@
+//! Frame I/O over a `TcpStream`: headers, bounded payloads, discards.
+
+use std::io;
+
+use quiesce_runtime::net::TcpStream;
+use quiesce_runtime::IoBuf;
+
+use crate::wire::{FrameError, Header, HEADER_LEN};
+
+/// Reads one header; `Ok(None)` on a clean EOF before its first byte.
+pub(crate) async fn read_header(s: &TcpStream) -> io::Result<Option<Result<Header, FrameError>>> {
+    let mut buf: Box<[u8]> = vec![0u8; HEADER_LEN].into_boxed_slice();
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let (res, slice) = s.read(buf.slice(got..)).await;
+        buf = slice.into_inner();
+        match res? {
+            0 if got == 0 => return Ok(None),
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => got += n,
+        }
+    }
+    Ok(Some(Header::decode(&buf)))
+}
+
+/// Reads a payload of exactly `len` bytes.
+pub(crate) async fn read_payload(s: &TcpStream, len: usize) -> io::Result<Vec<u8>> {
+    let (res, buf) = s.read_exact(vec![0u8; len].into_boxed_slice()).await;
+    res.map(|()| buf.into_vec())
+}
+
+/// Reads and drops `len` bytes (the payload of a rejected request).
+pub(crate) async fn discard(s: &TcpStream, mut len: u64) -> io::Result<()> {
+    let mut scratch: Box<[u8]> = vec![0u8; 64 * 1024].into_boxed_slice();
+    while len > 0 {
+        let n = len.min(scratch.len() as u64) as usize;
+        let (res, b) = s.read_exact(scratch.slice(..n)).await;
+        scratch = b.into_inner();
+        res?;
+        len -= n as u64;
+    }
+    Ok(())
+}
+
+/// Sends a header and an optional payload as one write.
+pub(crate) async fn send_frame(s: &TcpStream, h: &Header, payload: &[u8]) -> io::Result<()> {
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    out.extend_from_slice(&h.encode());
+    out.extend_from_slice(payload);
+    s.write_all(out).await.0
+}

@@ -1,0 +1,344 @@
+//! The target side: serves one connection from a peer.
+//!
+//! Every request is checked before memory is touched — segment exists, peer
+//! proved its token on this connection, the right is granted, `offset +
+//! length` lies inside the segment without overflow, `0 < length ≤ max` — and
+//! a rejected write's payload is read into scratch memory, never into the
+//! segment. Writes land straight in the segment (one receive into the
+//! destination range, no copy) and are acknowledged after the last byte.
+
+use std::collections::HashSet;
+use std::io;
+use std::rc::Rc;
+
+use quiesce_runtime::net::TcpStream;
+use quiesce_runtime::time::timeout;
+
+use crate::auth::random_bytes;
+use crate::engine::EngineInner;
+use crate::memory::Window;
+use crate::segment::{Rights, Segment};
+use crate::stream::{discard, read_header, read_payload, send_frame};
+use crate::wire::{
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, Status, MAX_HANDSHAKE_PAYLOAD,
+};
+
+/// Why a connection was closed by the target.
+#[derive(Debug)]
+enum Closed {
+    Io(io::Error),
+    Protocol(String),
+}
+
+impl From<io::Error> for Closed {
+    fn from(e: io::Error) -> Self {
+        Closed::Io(e)
+    }
+}
+
+struct Conn<'a> {
+    engine: &'a EngineInner,
+    s: &'a TcpStream,
+    session: u64,
+    nonce: [u8; 16],
+    peer_nonce: [u8; 16],
+    authorised: HashSet<u64>,
+}
+
+/// Serves `s` until the peer leaves or breaks the protocol.
+pub(crate) async fn serve(engine: Rc<EngineInner>, s: TcpStream) {
+    let peer = s.peer_addr().ok();
+    let span = tracing::debug_span!("target_conn", ?peer);
+    let _e = span.enter();
+    match serve_inner(&engine, &s).await {
+        Ok(()) => tracing::debug!("peer closed the connection"),
+        Err(Closed::Io(e)) => tracing::debug!(error = %e, "connection ended"),
+        Err(Closed::Protocol(why)) => {
+            tracing::warn!(why, "closing a connection that broke the protocol")
+        }
+    }
+}
+
+async fn reject(s: &TcpStream, h: &Header, st: Status, why: String) -> Closed {
+    let _ = send_frame(s, &status_frame(h, st, 0), &[]).await;
+    Closed::Protocol(why)
+}
+
+fn status_frame(h: &Header, st: Status, applied: u64) -> Header {
+    Header {
+        op: Op::Status,
+        flags: st as u8,
+        length: applied,
+        ..*h
+    }
+}
+
+async fn handshake<'a>(engine: &'a EngineInner, s: &'a TcpStream) -> Result<Conn<'a>, Closed> {
+    let first = timeout(engine.config.handshake_timeout, read_header(s))
+        .await
+        .map_err(|_| Closed::Protocol("no hello in time".into()))??;
+    let h = match first {
+        None => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
+        Some(Err(e)) => {
+            return Err(reject(s, &Header::new(Op::Status), Status::BadFrame, e.to_string()).await)
+        }
+        Some(Ok(h)) => h,
+    };
+    if h.op != Op::Hello || h.length as usize > MAX_HANDSHAKE_PAYLOAD {
+        return Err(reject(
+            s,
+            &h,
+            Status::BadFrame,
+            format!("expected a hello, got {:?}", h.op),
+        )
+        .await);
+    }
+    let hello = match Hello::decode(&read_payload(s, h.length as usize).await?) {
+        Ok(hello) => hello,
+        Err(e) => return Err(reject(s, &h, Status::BadFrame, e.to_string()).await),
+    };
+    let Some(version) = hello.negotiate() else {
+        return Err(reject(s, &h, Status::BadFrame, "no common protocol version".into()).await);
+    };
+    let mut nonce = [0u8; 16];
+    random_bytes(&mut nonce);
+    let ack = HelloAck {
+        version,
+        shards: engine.config.shards,
+        nonce,
+        node: engine.config.node.clone(),
+        segments: engine.descriptors(),
+    };
+    let payload = ack.encode().map_err(|e| Closed::Protocol(e.to_string()))?;
+    send_frame(
+        s,
+        &Header {
+            length: payload.len() as u64,
+            ..Header::new(Op::HelloAck)
+        },
+        &payload,
+    )
+    .await?;
+    tracing::debug!(
+        node = hello.node,
+        session = hello.session,
+        "peer said hello"
+    );
+    Ok(Conn {
+        engine,
+        s,
+        session: hello.session,
+        nonce,
+        peer_nonce: hello.nonce,
+        authorised: HashSet::new(),
+    })
+}
+
+async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> {
+    let mut c = handshake(engine, s).await?;
+    let _session = engine.session_guard(c.session);
+    loop {
+        let h = match read_header(s).await? {
+            None => return Ok(()),
+            Some(Ok(h)) => h,
+            Some(Err(e)) => {
+                return Err(
+                    reject(s, &Header::new(Op::Status), Status::BadFrame, e.to_string()).await,
+                )
+            }
+        };
+        match h.op {
+            Op::Auth => c.auth(&h).await?,
+            Op::Write => c.write(&h).await?,
+            Op::Read => c.read(&h).await?,
+            Op::Fence => {
+                engine.fences.fence(c.session, h.batch);
+                engine.fences.quiet(c.session, h.batch).await;
+                send_frame(
+                    s,
+                    &Header {
+                        op: Op::FenceAck,
+                        length: 0,
+                        ..h
+                    },
+                    &[],
+                )
+                .await?;
+            }
+            op => return Err(reject(s, &h, Status::BadFrame, format!("unexpected {op:?}")).await),
+        }
+    }
+}
+
+impl Conn<'_> {
+    async fn auth(&mut self, h: &Header) -> Result<(), Closed> {
+        if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
+            return Err(reject(self.s, h, Status::BadFrame, "auth payload too large".into()).await);
+        }
+        let req = match AuthRequest::decode(&read_payload(self.s, h.length as usize).await?) {
+            Ok(r) => r,
+            Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
+        };
+        let results = req
+            .proofs
+            .iter()
+            .map(|(id, proof)| {
+                let st = match self.engine.segment(*id) {
+                    None => Status::NoSuchSegment,
+                    Some(seg)
+                        if seg.token().verify(
+                            proof,
+                            &self.nonce,
+                            &self.peer_nonce,
+                            self.session,
+                            *id,
+                        ) =>
+                    {
+                        self.authorised.insert(*id);
+                        Status::Ok
+                    }
+                    Some(_) => Status::Forbidden,
+                };
+                (*id, st)
+            })
+            .collect();
+        let payload = AuthAck { results }.encode();
+        send_frame(
+            self.s,
+            &Header {
+                op: Op::AuthAck,
+                length: payload.len() as u64,
+                ..*h
+            },
+            &payload,
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The segment, if the request may touch it.
+    fn check(&self, h: &Header, need: Rights) -> Result<Segment, Status> {
+        let seg = self
+            .engine
+            .segment(h.segment)
+            .ok_or(Status::NoSuchSegment)?;
+        if !self.authorised.contains(&h.segment) || !seg.rights().contains(need) {
+            return Err(Status::Forbidden);
+        }
+        if !seg.check_range(h.offset, h.length) {
+            return Err(Status::OutOfBounds);
+        }
+        Ok(seg)
+    }
+
+    async fn write(&mut self, h: &Header) -> Result<(), Closed> {
+        if h.length > self.engine.config.max_frame {
+            // The payload cannot be trusted to be there: framing is lost.
+            return Err(reject(
+                self.s,
+                h,
+                Status::BadFrame,
+                format!("write of {} bytes", h.length),
+            )
+            .await);
+        }
+        let verdict = if h.length == 0 {
+            Err(Status::BadFrame)
+        } else if self.engine.fences.is_fenced(self.session, h.batch) {
+            Err(Status::Fenced)
+        } else {
+            self.check(h, Rights::WRITE)
+        };
+        let seg = match verdict {
+            Ok(seg) => seg,
+            Err(st) => {
+                discard(self.s, h.length).await?;
+                self.engine
+                    .counters
+                    .rejected
+                    .set(self.engine.counters.rejected.get() + 1);
+                send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
+                return Ok(());
+            }
+        };
+        let guard = self.engine.fences.begin_write(self.session, h.batch);
+        let (len, mut landed) = (h.length, 0u64);
+        while landed < len && !guard.fenced() {
+            let window = Window::new(
+                seg.inner.mem.clone(),
+                (h.offset + landed) as usize,
+                (len - landed) as usize,
+            );
+            let mut op = self.s.read(window);
+            guard.set_canceller(Some(op.canceller()));
+            let (res, _window) = op.await;
+            guard.set_canceller(None);
+            match res {
+                Ok(0) => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => landed += n as u64,
+                Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        drop(guard);
+        let st = if landed == len {
+            Status::Ok
+        } else {
+            // Fenced mid-way: the rest goes to scratch memory, not the segment.
+            discard(self.s, len - landed).await?;
+            if landed == 0 {
+                Status::Fenced
+            } else {
+                Status::FencedPartial
+            }
+        };
+        let c = &self.engine.counters;
+        c.bytes_landed.set(c.bytes_landed.get() + landed);
+        send_frame(self.s, &status_frame(h, st, landed), &[]).await?;
+        Ok(())
+    }
+
+    async fn read(&mut self, h: &Header) -> Result<(), Closed> {
+        let verdict = if h.length == 0 || h.length > self.engine.config.max_frame {
+            Err(Status::BadFrame)
+        } else if self.engine.fences.is_fenced(self.session, h.batch) {
+            Err(Status::Fenced)
+        } else {
+            self.check(h, Rights::READ)
+        };
+        let seg = match verdict {
+            Ok(seg) => seg,
+            Err(st) => {
+                self.engine
+                    .counters
+                    .rejected
+                    .set(self.engine.counters.rejected.get() + 1);
+                send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
+                return Ok(());
+            }
+        };
+        send_frame(
+            self.s,
+            &Header {
+                op: Op::ReadData,
+                ..*h
+            },
+            &[],
+        )
+        .await?;
+        let window = Window::new(seg.inner.mem.clone(), h.offset as usize, h.length as usize);
+        let zc = self
+            .engine
+            .config
+            .zc_threshold
+            .is_some_and(|t| h.length >= t as u64);
+        let (res, _) = if zc {
+            self.s.write_all_zc(window).await
+        } else {
+            self.s.write_all(window).await
+        };
+        res?;
+        Ok(())
+    }
+}

@@ -1,0 +1,331 @@
+//! Handshake payloads: `Hello`, `HelloAck` (with segment descriptors),
+//! `Auth` and `AuthAck`.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use super::{put_str8, FrameError, Reader, VERSION};
+use crate::segment::Rights;
+
+/// Largest handshake payload either side accepts.
+pub const MAX_HANDSHAKE_PAYLOAD: usize = 256 * 1024;
+/// Most segments one `HelloAck` describes.
+const MAX_DESCRIPTORS: usize = 4096;
+/// Most endpoints per segment.
+const MAX_ENDPOINTS: usize = 16;
+/// Most proofs in one `Auth`.
+const MAX_PROOFS: usize = 4096;
+
+/// Initiator → target, the first frame on a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Lowest protocol version the initiator speaks.
+    pub version_min: u16,
+    /// Highest protocol version the initiator speaks.
+    pub version_max: u16,
+    /// Random id shared by all connections of one initiator session.
+    pub session: u64,
+    /// The initiator's shard count.
+    pub shards: u16,
+    /// Fresh random bytes for the token challenge.
+    pub nonce: [u8; 16],
+    /// The initiator's node name.
+    pub node: String,
+}
+
+/// Where and what a remote segment is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Descriptor {
+    /// The segment's id at its target.
+    pub id: u64,
+    /// Its name.
+    pub name: String,
+    /// Its length in bytes.
+    pub len: u64,
+    /// What a peer holding its token may do.
+    pub rights: Rights,
+    /// Addresses of the engine(s) serving it.
+    pub endpoints: Vec<SocketAddr>,
+}
+
+/// Target → initiator, the answer to `Hello`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HelloAck {
+    /// The version both will speak.
+    pub version: u16,
+    /// The target's shard count.
+    pub shards: u16,
+    /// Fresh random bytes for the token challenge.
+    pub nonce: [u8; 16],
+    /// The target's node name.
+    pub node: String,
+    /// Segments the target exposes.
+    pub segments: Vec<Descriptor>,
+}
+
+/// Initiator → target: proofs that it holds segment tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuthRequest {
+    /// `(segment id, HMAC proof)` pairs.
+    pub proofs: Vec<(u64, [u8; 32])>,
+}
+
+/// Target → initiator: `(segment id, status byte)` per proof.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuthAck {
+    /// The verdicts, in request order.
+    pub results: Vec<(u64, super::Status)>,
+}
+
+impl Hello {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Result<Vec<u8>, FrameError> {
+        let mut o = Vec::with_capacity(32 + self.node.len());
+        o.extend_from_slice(&self.version_min.to_le_bytes());
+        o.extend_from_slice(&self.version_max.to_le_bytes());
+        o.extend_from_slice(&self.session.to_le_bytes());
+        o.extend_from_slice(&self.shards.to_le_bytes());
+        o.extend_from_slice(&self.nonce);
+        put_str8(&mut o, &self.node)?;
+        Ok(o)
+    }
+
+    /// Decodes the payload.
+    pub fn decode(b: &[u8]) -> Result<Hello, FrameError> {
+        let mut r = Reader::new(b);
+        let h = Hello {
+            version_min: r.u16()?,
+            version_max: r.u16()?,
+            session: r.u64()?,
+            shards: r.u16()?,
+            nonce: r.array()?,
+            node: r.str8()?,
+        };
+        r.finish()?;
+        if h.version_min > h.version_max {
+            return Err(FrameError::Invalid("version range"));
+        }
+        Ok(h)
+    }
+
+    /// The version to speak with this initiator, if any.
+    pub fn negotiate(&self) -> Option<u16> {
+        (self.version_min..=self.version_max)
+            .contains(&VERSION)
+            .then_some(VERSION)
+    }
+}
+
+fn put_addr(o: &mut Vec<u8>, a: &SocketAddr) {
+    match a.ip() {
+        IpAddr::V4(ip) => {
+            o.push(4);
+            o.extend_from_slice(&ip.octets());
+        }
+        IpAddr::V6(ip) => {
+            o.push(6);
+            o.extend_from_slice(&ip.octets());
+        }
+    }
+    o.extend_from_slice(&a.port().to_le_bytes());
+}
+
+fn get_addr(r: &mut Reader<'_>) -> Result<SocketAddr, FrameError> {
+    let ip = match r.u8()? {
+        4 => IpAddr::V4(Ipv4Addr::from(r.array::<4>()?)),
+        6 => IpAddr::V6(Ipv6Addr::from(r.array::<16>()?)),
+        _ => return Err(FrameError::Invalid("address family")),
+    };
+    Ok(SocketAddr::new(ip, r.u16()?))
+}
+
+impl HelloAck {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Result<Vec<u8>, FrameError> {
+        if self.segments.len() > MAX_DESCRIPTORS {
+            return Err(FrameError::Invalid("too many segments"));
+        }
+        let mut o = Vec::with_capacity(64 + self.segments.len() * 48);
+        o.extend_from_slice(&self.version.to_le_bytes());
+        o.extend_from_slice(&self.shards.to_le_bytes());
+        o.extend_from_slice(&self.nonce);
+        put_str8(&mut o, &self.node)?;
+        o.extend_from_slice(&(self.segments.len() as u16).to_le_bytes());
+        for d in &self.segments {
+            o.extend_from_slice(&d.id.to_le_bytes());
+            o.extend_from_slice(&d.len.to_le_bytes());
+            o.push(d.rights.bits());
+            put_str8(&mut o, &d.name)?;
+            if d.endpoints.len() > MAX_ENDPOINTS {
+                return Err(FrameError::Invalid("too many endpoints"));
+            }
+            o.push(d.endpoints.len() as u8);
+            for e in &d.endpoints {
+                put_addr(&mut o, e);
+            }
+        }
+        if o.len() > MAX_HANDSHAKE_PAYLOAD {
+            return Err(FrameError::Invalid("handshake payload too large"));
+        }
+        Ok(o)
+    }
+
+    /// Decodes the payload.
+    pub fn decode(b: &[u8]) -> Result<HelloAck, FrameError> {
+        let mut r = Reader::new(b);
+        let version = r.u16()?;
+        let shards = r.u16()?;
+        let nonce = r.array()?;
+        let node = r.str8()?;
+        let n = r.u16()? as usize;
+        if n > MAX_DESCRIPTORS {
+            return Err(FrameError::Invalid("too many segments"));
+        }
+        let mut segments = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            let id = r.u64()?;
+            let len = r.u64()?;
+            let rights = Rights::from_bits(r.u8()?).ok_or(FrameError::Invalid("rights"))?;
+            let name = r.str8()?;
+            let ne = r.u8()? as usize;
+            if ne > MAX_ENDPOINTS {
+                return Err(FrameError::Invalid("too many endpoints"));
+            }
+            let endpoints = (0..ne)
+                .map(|_| get_addr(&mut r))
+                .collect::<Result<_, _>>()?;
+            segments.push(Descriptor {
+                id,
+                name,
+                len,
+                rights,
+                endpoints,
+            });
+        }
+        r.finish()?;
+        Ok(HelloAck {
+            version,
+            shards,
+            nonce,
+            node,
+            segments,
+        })
+    }
+}
+
+impl AuthRequest {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Result<Vec<u8>, FrameError> {
+        if self.proofs.len() > MAX_PROOFS {
+            return Err(FrameError::Invalid("too many proofs"));
+        }
+        let mut o = Vec::with_capacity(2 + self.proofs.len() * 40);
+        o.extend_from_slice(&(self.proofs.len() as u16).to_le_bytes());
+        for (id, proof) in &self.proofs {
+            o.extend_from_slice(&id.to_le_bytes());
+            o.extend_from_slice(proof);
+        }
+        Ok(o)
+    }
+
+    /// Decodes the payload.
+    pub fn decode(b: &[u8]) -> Result<AuthRequest, FrameError> {
+        let mut r = Reader::new(b);
+        let n = r.u16()? as usize;
+        if n > MAX_PROOFS {
+            return Err(FrameError::Invalid("too many proofs"));
+        }
+        let proofs = (0..n)
+            .map(|_| Ok((r.u64()?, r.array()?)))
+            .collect::<Result<_, FrameError>>()?;
+        r.finish()?;
+        Ok(AuthRequest { proofs })
+    }
+}
+
+impl AuthAck {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut o = Vec::with_capacity(2 + self.results.len() * 9);
+        o.extend_from_slice(&(self.results.len() as u16).to_le_bytes());
+        for (id, st) in &self.results {
+            o.extend_from_slice(&id.to_le_bytes());
+            o.push(*st as u8);
+        }
+        o
+    }
+
+    /// Decodes the payload.
+    pub fn decode(b: &[u8]) -> Result<AuthAck, FrameError> {
+        let mut r = Reader::new(b);
+        let n = r.u16()? as usize;
+        let results = (0..n)
+            .map(|_| {
+                let id = r.u64()?;
+                let st = super::Status::from_u8(r.u8()?).ok_or(FrameError::Invalid("status"))?;
+                Ok((id, st))
+            })
+            .collect::<Result<_, FrameError>>()?;
+        r.finish()?;
+        Ok(AuthAck { results })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handshake_messages_round_trip() {
+        let h = Hello {
+            version_min: 1,
+            version_max: 3,
+            session: 9,
+            shards: 2,
+            nonce: [7; 16],
+            node: "a".into(),
+        };
+        assert_eq!(Hello::decode(&h.encode().unwrap()).unwrap(), h);
+        let ack = HelloAck {
+            version: 1,
+            shards: 4,
+            nonce: [1; 16],
+            node: "target".into(),
+            segments: vec![Descriptor {
+                id: 5,
+                name: "kv".into(),
+                len: 1 << 30,
+                rights: Rights::READ | Rights::WRITE,
+                endpoints: vec!["127.0.0.1:9".parse().unwrap(), "[::1]:10".parse().unwrap()],
+            }],
+        };
+        assert_eq!(HelloAck::decode(&ack.encode().unwrap()).unwrap(), ack);
+        let a = AuthRequest {
+            proofs: vec![(5, [3; 32])],
+        };
+        assert_eq!(AuthRequest::decode(&a.encode().unwrap()).unwrap(), a);
+        let aa = AuthAck {
+            results: vec![(5, crate::wire::Status::Forbidden)],
+        };
+        assert_eq!(AuthAck::decode(&aa.encode()).unwrap(), aa);
+    }
+
+    #[test]
+    fn truncated_and_trailing_payloads_are_errors() {
+        let h = Hello {
+            version_min: 1,
+            version_max: 1,
+            session: 1,
+            shards: 1,
+            nonce: [0; 16],
+            node: "n".into(),
+        };
+        let b = h.encode().unwrap();
+        for cut in 0..b.len() {
+            assert!(Hello::decode(&b[..cut]).is_err());
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert!(Hello::decode(&long).is_err());
+        assert!(HelloAck::decode(&[0xff; 40]).is_err());
+    }
+}

@@ -1,0 +1,367 @@
+//! Helpers for the transport tests: a target in another process, a target on
+//! another shard of this process, and a raw protocol client.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use quiesce_runtime::shard::{channel, Sender, Shards};
+use quiesce_transports::wire::{
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, HEADER_LEN, VERSION,
+};
+use quiesce_transports::{Engine, EngineConfig, Rights, Token};
+
+/// What a target says about one of its segments.
+#[derive(Debug, Clone)]
+pub struct SegInfo {
+    pub id: u64,
+    pub len: u64,
+    pub token: Token,
+}
+
+/// `quiesce-test-target` running as a child process.
+pub struct TargetProcess {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub segments: HashMap<String, SegInfo>,
+}
+
+impl TargetProcess {
+    pub fn spawn(args: &[&str]) -> TargetProcess {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_quiesce-test-target"))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start quiesce-test-target");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut segments = HashMap::new();
+        let addr = loop {
+            let line = lines.next().expect("target exited early").unwrap();
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.as_slice() {
+                ["segment", name, id, len, token] => {
+                    segments.insert(
+                        name.to_string(),
+                        SegInfo {
+                            id: id.parse().unwrap(),
+                            len: len.parse().unwrap(),
+                            token: token.parse().unwrap(),
+                        },
+                    );
+                }
+                ["listening", addr] => break addr.parse().unwrap(),
+                _ => panic!("unexpected target output {line:?}"),
+            }
+        };
+        TargetProcess {
+            child,
+            addr,
+            segments,
+        }
+    }
+
+    pub fn seg(&self, name: &str) -> &SegInfo {
+        &self.segments[name]
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+}
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Commands for an in-process target on its own shard.
+pub enum Cmd {
+    /// Copy `len` bytes at `offset` of segment `name` out of the target's memory.
+    Snapshot {
+        name: String,
+        offset: u64,
+        len: usize,
+        reply: mpsc::Sender<Vec<u8>>,
+    },
+    /// Deregister segment `name`.
+    Deregister {
+        name: String,
+        reply: mpsc::Sender<bool>,
+    },
+    /// Report the engine's stats.
+    Stats {
+        reply: mpsc::Sender<quiesce_transports::EngineStats>,
+    },
+}
+
+/// A target engine on another thread (a shard of this process).
+pub struct ShardTarget {
+    pub addr: SocketAddr,
+    pub segments: HashMap<String, SegInfo>,
+    cmds: Sender<Cmd>,
+    shards: Option<Shards<()>>,
+}
+
+impl ShardTarget {
+    pub fn start(cfg: EngineConfig, segs: &[(&str, usize, Rights)]) -> ShardTarget {
+        let (cmd_tx, cmd_rx) = channel::<Cmd>();
+        let cmd_rx = std::sync::Arc::new(std::sync::Mutex::new(Some(cmd_rx)));
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let segs: Vec<(String, usize, Rights)> = segs
+            .iter()
+            .map(|(n, l, r)| (n.to_string(), *l, *r))
+            .collect();
+        let shards = Shards::builder()
+            .count(1)
+            .pin(false)
+            .name("target-shard")
+            .spawn(move |shard| {
+                let (cfg, segs, ready_tx) = (cfg.clone(), segs.clone(), ready_tx.clone());
+                let mut rx = cmd_rx.lock().unwrap().take().unwrap();
+                async move {
+                    let engine = Engine::bind(cfg).unwrap();
+                    let mut info = HashMap::new();
+                    let mut handles = HashMap::new();
+                    for (name, len, rights) in segs {
+                        let seg = engine.register(&name, vec![0u8; len], rights).unwrap();
+                        info.insert(
+                            name.clone(),
+                            SegInfo {
+                                id: seg.id(),
+                                len: seg.len(),
+                                token: seg.token(),
+                            },
+                        );
+                        handles.insert(name, seg);
+                    }
+                    ready_tx.send((engine.local_addr(), info)).unwrap();
+                    let serve = async {
+                        while let Some(cmd) = rx.recv().await {
+                            match cmd {
+                                Cmd::Snapshot {
+                                    name,
+                                    offset,
+                                    len,
+                                    reply,
+                                } => {
+                                    let mut v = vec![0u8; len];
+                                    assert!(handles[&name].read_at(offset, &mut v));
+                                    let _ = reply.send(v);
+                                }
+                                Cmd::Deregister { name, reply } => {
+                                    let _ = reply.send(engine.deregister(handles[&name].id()));
+                                }
+                                Cmd::Stats { reply } => {
+                                    let _ = reply.send(engine.stats());
+                                }
+                            }
+                        }
+                    };
+                    let stop = shard.shutdown_requested();
+                    futures_select(serve, stop).await;
+                    engine.shutdown();
+                }
+            })
+            .unwrap();
+        let (addr, segments) = ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        ShardTarget {
+            addr,
+            segments,
+            cmds: cmd_tx,
+            shards: Some(shards),
+        }
+    }
+
+    pub fn seg(&self, name: &str) -> &SegInfo {
+        &self.segments[name]
+    }
+
+    pub fn snapshot(&self, name: &str, offset: u64, len: usize) -> Vec<u8> {
+        let (tx, rx) = mpsc::channel();
+        self.cmds
+            .send(Cmd::Snapshot {
+                name: name.into(),
+                offset,
+                len,
+                reply: tx,
+            })
+            .ok()
+            .unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap()
+    }
+
+    pub fn deregister(&self, name: &str) -> bool {
+        let (tx, rx) = mpsc::channel();
+        self.cmds
+            .send(Cmd::Deregister {
+                name: name.into(),
+                reply: tx,
+            })
+            .ok()
+            .unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap()
+    }
+
+    pub fn stats(&self) -> quiesce_transports::EngineStats {
+        let (tx, rx) = mpsc::channel();
+        self.cmds.send(Cmd::Stats { reply: tx }).ok().unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap()
+    }
+}
+
+impl Drop for ShardTarget {
+    fn drop(&mut self) {
+        if let Some(s) = self.shards.take() {
+            for r in s.shutdown() {
+                r.unwrap();
+            }
+        }
+    }
+}
+
+/// Runs `a` and `b` until either finishes.
+pub async fn futures_select(
+    a: impl std::future::Future<Output = ()>,
+    b: impl std::future::Future<Output = ()>,
+) {
+    let mut a = std::pin::pin!(a);
+    let mut b = std::pin::pin!(b);
+    std::future::poll_fn(|cx| {
+        if a.as_mut().poll(cx).is_ready() || b.as_mut().poll(cx).is_ready() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await
+}
+
+/// A deterministic byte pattern.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(131)
+                .wrapping_add(seed ^ (i >> 12) as u8)
+        })
+        .collect()
+}
+
+/// A blocking client that speaks the wire protocol by hand, to send what a
+/// well-behaved initiator never would.
+pub struct RawClient {
+    pub s: std::net::TcpStream,
+    pub ack: HelloAck,
+    nonce: [u8; 16],
+    session: u64,
+}
+
+impl RawClient {
+    pub fn connect(addr: SocketAddr) -> RawClient {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let nonce = [9u8; 16];
+        let session = 0xfeed;
+        let hello = Hello {
+            version_min: VERSION,
+            version_max: VERSION,
+            session,
+            shards: 1,
+            nonce,
+            node: "raw".into(),
+        }
+        .encode()
+        .unwrap();
+        send(
+            &mut s,
+            &Header {
+                length: hello.len() as u64,
+                ..Header::new(Op::Hello)
+            },
+            &hello,
+        );
+        let h = recv_header(&mut s).expect("hello ack");
+        assert_eq!(h.op, Op::HelloAck);
+        let mut p = vec![0u8; h.length as usize];
+        s.read_exact(&mut p).unwrap();
+        RawClient {
+            s,
+            ack: HelloAck::decode(&p).unwrap(),
+            nonce,
+            session,
+        }
+    }
+
+    pub fn auth(&mut self, id: u64, token: Token) -> AuthAck {
+        let proof = prove(&token, &self.ack.nonce, &self.nonce, self.session, id);
+        let p = AuthRequest {
+            proofs: vec![(id, proof)],
+        }
+        .encode()
+        .unwrap();
+        send(
+            &mut self.s,
+            &Header {
+                length: p.len() as u64,
+                ..Header::new(Op::Auth)
+            },
+            &p,
+        );
+        let h = recv_header(&mut self.s).unwrap();
+        assert_eq!(h.op, Op::AuthAck);
+        let mut b = vec![0u8; h.length as usize];
+        self.s.read_exact(&mut b).unwrap();
+        AuthAck::decode(&b).unwrap()
+    }
+
+    pub fn send(&mut self, h: &Header, payload: &[u8]) {
+        send(&mut self.s, h, payload)
+    }
+
+    pub fn recv(&mut self) -> Option<Header> {
+        recv_header(&mut self.s)
+    }
+}
+
+/// The proof a real initiator computes (HMAC-SHA256 over the documented message).
+pub fn prove(
+    token: &Token,
+    target_nonce: &[u8; 16],
+    my_nonce: &[u8; 16],
+    session: u64,
+    id: u64,
+) -> [u8; 32] {
+    use hmac::{Hmac, Mac};
+    let key: Vec<u8> = (0..16)
+        .map(|i| u8::from_str_radix(&token.to_string()[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&key).unwrap();
+    mac.update(b"quiesce-auth-v1");
+    mac.update(target_nonce);
+    mac.update(my_nonce);
+    mac.update(&session.to_le_bytes());
+    mac.update(&id.to_le_bytes());
+    mac.finalize().into_bytes().into()
+}
+
+pub fn send(s: &mut std::net::TcpStream, h: &Header, payload: &[u8]) {
+    let mut v = h.encode().to_vec();
+    v.extend_from_slice(payload);
+    s.write_all(&v).unwrap();
+}
+
+/// The next header, or `None` if the target closed the connection.
+pub fn recv_header(s: &mut std::net::TcpStream) -> Option<Header> {
+    let mut b = [0u8; HEADER_LEN];
+    match s.read_exact(&mut b) {
+        Ok(()) => Some(Header::decode(&b).unwrap()),
+        Err(_) => None,
+    }
+}
