@@ -20,6 +20,7 @@ use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
 use crate::auth::{random_bytes, Token};
 use crate::error::TransferError;
+use crate::lock::{AsyncLock, LockGuard};
 use crate::shared::{bytes_of, Erased, Part};
 use crate::stream::{discard, read_header, read_payload, send_frame};
 use crate::wire::{
@@ -30,37 +31,12 @@ use crate::wire::{
 /// Payloads up to this size travel in the same send as their header.
 const INLINE_PAYLOAD: usize = 16 * 1024;
 
-/// A FIFO async lock for the send half.
-#[derive(Default)]
-struct SendLock {
-    locked: Cell<bool>,
-    waiters: RefCell<VecDeque<Waker>>,
-}
-
-impl SendLock {
-    async fn lock<'a>(&'a self, conn: &'a Conn) -> SendGuard<'a> {
-        std::future::poll_fn(|cx| {
-            if !self.locked.get() {
-                self.locked.set(true);
-                Poll::Ready(())
-            } else {
-                self.waiters.borrow_mut().push_back(cx.waker().clone());
-                Poll::Pending
-            }
-        })
-        .await;
-        SendGuard {
-            conn,
-            complete: false,
-        }
-    }
-}
-
 /// Holds the send half; if dropped before the frame was fully sent (its
 /// future was dropped mid-send), framing is lost and the connection dies.
 struct SendGuard<'a> {
     conn: &'a Conn,
     complete: bool,
+    _lock: LockGuard<'a>,
 }
 
 impl Drop for SendGuard<'_> {
@@ -68,10 +44,16 @@ impl Drop for SendGuard<'_> {
         if !self.complete {
             self.conn.kill("a request was abandoned mid-send");
         }
-        let l = &self.conn.send_lock;
-        l.locked.set(false);
-        if let Some(w) = l.waiters.borrow_mut().pop_front() {
-            w.wake();
+    }
+}
+
+impl Conn {
+    async fn send_guard(&self) -> SendGuard<'_> {
+        let lock = self.send_lock.lock().await;
+        SendGuard {
+            conn: self,
+            complete: false,
+            _lock: lock,
         }
     }
 }
@@ -135,13 +117,19 @@ struct State {
 /// One initiator connection.
 pub(crate) struct Conn {
     stream: TcpStream,
-    send_lock: SendLock,
+    send_lock: AsyncLock,
     state: RefCell<State>,
     next_id: Cell<u64>,
     pub(crate) hello: HelloAck,
     nonce: [u8; 16],
     session: u64,
+    /// Batches this initiator has fenced at the peer: their slices that
+    /// have not started are answered `Fenced` locally, without being sent.
+    fenced: LocalFences,
 }
+
+/// Batches fenced by this initiator, shared by a peer's connections.
+pub(crate) type LocalFences = Rc<RefCell<std::collections::HashSet<u64>>>;
 
 /// Connection settings.
 pub(crate) struct ConnParams<'a> {
@@ -149,6 +137,7 @@ pub(crate) struct ConnParams<'a> {
     pub(crate) shards: u16,
     pub(crate) session: u64,
     pub(crate) connect_timeout: std::time::Duration,
+    pub(crate) fenced: LocalFences,
 }
 
 impl Conn {
@@ -203,12 +192,13 @@ impl Conn {
         let hello = HelloAck::decode(&payload)?;
         let conn = Rc::new(Conn {
             stream,
-            send_lock: SendLock::default(),
+            send_lock: AsyncLock::default(),
             state: RefCell::default(),
             next_id: Cell::new(1),
             hello,
             nonce,
             session: p.session,
+            fenced: p.fenced.clone(),
         });
         // The reader holds the connection until the socket ends (kill/abort
         // shut it down), then fails whatever is pending.
@@ -271,7 +261,7 @@ impl Conn {
             }
             st.auths.push_back(result.clone());
         }
-        let mut g = self.send_lock.lock(self).await;
+        let mut g = self.send_guard().await;
         let r = send_frame(
             &self.stream,
             &Header {
@@ -297,7 +287,7 @@ impl Conn {
             }
             st.fences.entry(batch).or_default().push(result.clone());
         }
-        let mut g = self.send_lock.lock(self).await;
+        let mut g = self.send_guard().await;
         let r = send_frame(
             &self.stream,
             &Header {
@@ -334,7 +324,12 @@ impl Conn {
             length: part.len() as u64,
             ..Header::new(Op::Write)
         };
-        let mut g = self.send_lock.lock(self).await;
+        let mut g = self.send_guard().await;
+        if self.fenced.borrow().contains(&batch) {
+            g.complete = true;
+            self.state.borrow_mut().pending.remove(&id);
+            return (Err(TransferError::Fenced), part);
+        }
         let (sent, part) = if part.len() <= INLINE_PAYLOAD {
             // Small: header and payload in one send.
             let mut out = Vec::with_capacity(HEADER_LEN + part.len());
@@ -389,7 +384,12 @@ impl Conn {
             length: len,
             ..Header::new(Op::Read)
         };
-        let mut g = self.send_lock.lock(self).await;
+        let mut g = self.send_guard().await;
+        if self.fenced.borrow().contains(&batch) {
+            g.complete = true;
+            self.state.borrow_mut().pending.remove(&id);
+            return Err(TransferError::Fenced);
+        }
         let sent = send_frame(&self.stream, &h, &[]).await;
         g.complete = sent.is_ok();
         drop(g);

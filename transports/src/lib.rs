@@ -30,6 +30,7 @@ mod conn;
 mod engine;
 mod error;
 mod fence;
+mod lock;
 mod memory;
 mod peer;
 mod segment;

@@ -10,8 +10,9 @@ use std::time::Duration;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinHandle};
 
 use crate::auth::Token;
-use crate::conn::{Conn, ConnParams};
+use crate::conn::{Conn, ConnParams, LocalFences};
 use crate::error::TransferError;
+use crate::lock::AsyncLock;
 use crate::segment::Rights;
 use crate::shared::{set_filled, Shared};
 use crate::wire::{Descriptor, Status};
@@ -37,6 +38,9 @@ pub(crate) struct PeerInner {
     /// Tokens proven so far, replayed on every new connection.
     opened: RefCell<BTreeMap<u64, Token>>,
     rr: Cell<usize>,
+    /// Serialises reconnects, so concurrent slices open one connection.
+    reconnect: AsyncLock,
+    fenced: LocalFences,
 }
 
 /// A connected remote engine. Cheap to clone.
@@ -46,16 +50,25 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// Connects (one connection now, the rest lazily) and reads the peer's segments.
+    /// Connects the control connection and every data connection, and reads
+    /// the peer's segments. Connections that die are reopened lazily.
     pub(crate) async fn connect(
         addr: SocketAddr,
         params: PeerParams,
     ) -> Result<Peer, TransferError> {
-        let first = Conn::connect(addr, &conn_params(&params)).await?;
+        let fenced = LocalFences::default();
+        let first = Conn::connect(addr, &conn_params(&params, &fenced)).await?;
+        // Slot 0 is the control connection (hello, auth, fences): a fence
+        // never queues behind slices' payloads. Slots 1..=n carry data.
         let n = params.connections.max(1);
-        let mut conns = vec![None; n];
+        let mut conns = vec![Some(first)];
+        for _ in 0..n {
+            conns.push(Some(
+                Conn::connect(addr, &conn_params(&params, &fenced)).await?,
+            ));
+        }
+        let first = conns[0].as_ref().expect("control connection");
         let (node, segments) = (first.hello.node.clone(), first.hello.segments.clone());
-        conns[0] = Some(first);
         Ok(Peer {
             inner: Rc::new(PeerInner {
                 addr,
@@ -65,6 +78,8 @@ impl Peer {
                 segments,
                 opened: RefCell::default(),
                 rr: Cell::new(0),
+                reconnect: AsyncLock::default(),
+                fenced,
             }),
         })
     }
@@ -120,7 +135,20 @@ impl Peer {
         if let Some(c) = self.live(i) {
             return Ok(c);
         }
-        let c = Conn::connect(self.inner.addr, &conn_params(&self.inner.params)).await?;
+        let _g = self.inner.reconnect.lock().await;
+        if let Some(c) = self.live(i) {
+            return Ok(c);
+        }
+        let c = Conn::connect(
+            self.inner.addr,
+            &conn_params(&self.inner.params, &self.inner.fenced),
+        )
+        .await
+        .map_err(|e| match e {
+            // For a transfer, a failed reconnect is a lost peer.
+            TransferError::Handshake { reason, .. } => TransferError::ConnectionLost(reason),
+            e => e,
+        })?;
         let tokens: Vec<(u64, Token)> = self
             .inner
             .opened
@@ -132,27 +160,17 @@ impl Peer {
             let ack = c.auth(&tokens).await?;
             check_auth(&ack.results)?;
         }
-        // Another task may have reconnected meanwhile: keep the live one.
-        let mut conns = self.inner.conns.borrow_mut();
-        match &conns[i] {
-            Some(other) if !other.is_dead() => {
-                let other = other.clone();
-                c.kill("duplicate reconnect");
-                Ok(other)
-            }
-            _ => {
-                conns[i] = Some(c.clone());
-                Ok(c)
-            }
-        }
+        self.inner.conns.borrow_mut()[i] = Some(c.clone());
+        Ok(c)
     }
 
     /// Asks the peer to apply no further byte of `batch`; resolves once it
-    /// confirmed. Covers every connection of this session to the peer.
+    /// confirmed. Covers every connection of this session to the peer. The
+    /// request travels on the control connection, ahead of queued payloads.
     pub async fn fence(&self, batch: u64) -> Result<(), TransferError> {
-        let n = self.inner.conns.borrow().len();
-        let i = (0..n).find(|&i| self.live(i).is_some()).unwrap_or(0);
-        self.conn(i).await?.fence(batch).await
+        // Slices of the batch that have not started are not sent at all.
+        self.inner.fenced.borrow_mut().insert(batch);
+        self.conn(0).await?.fence(batch).await
     }
 
     /// Tears every connection down with an RST; their requests fail once
@@ -171,12 +189,13 @@ impl Peer {
     }
 }
 
-fn conn_params(p: &PeerParams) -> ConnParams<'_> {
+fn conn_params<'a>(p: &'a PeerParams, fenced: &LocalFences) -> ConnParams<'a> {
     ConnParams {
         node: &p.node,
         shards: p.shards,
         session: p.session,
         connect_timeout: p.connect_timeout,
+        fenced: fenced.clone(),
     }
 }
 
@@ -301,7 +320,7 @@ impl RemoteSegment {
                 let (peer, seg) = (self.peer.clone(), self.desc.id);
                 let zc = zc && p.zc_threshold.is_some_and(|t| l as usize >= t);
                 spawn_local(async move {
-                    let conn = peer.conn((base + i) % n).await?;
+                    let conn = peer.conn(1 + (base + i) % n).await?;
                     conn.write(batch, seg, offset + off, part, zc).await.0
                 })
             })
@@ -347,7 +366,7 @@ impl RemoteSegment {
                 let part = shared.part(off as usize, l as usize);
                 let (peer, seg) = (self.peer.clone(), self.desc.id);
                 spawn_local(async move {
-                    let conn = peer.conn((base + i) % n).await?;
+                    let conn = peer.conn(1 + (base + i) % n).await?;
                     conn.read(batch, seg, offset + off, part).await
                 })
             })

@@ -79,7 +79,7 @@ fn main() {
             spawn_local(async {
                 loop {
                     let t = Instant::now();
-                    while t.elapsed() < Duration::from_micros(500) {
+                    while t.elapsed() < Duration::from_micros(200) {
                         std::hint::spin_loop();
                     }
                     yield_now().await;

@@ -111,6 +111,16 @@ pub struct ShardTarget {
 
 impl ShardTarget {
     pub fn start(cfg: EngineConfig, segs: &[(&str, usize, Rights)]) -> ShardTarget {
+        Self::start_with(cfg, segs, false)
+    }
+
+    /// As `start`; with `slow`, a task keeps the target's core busy so
+    /// transfers to it crawl.
+    pub fn start_with(
+        cfg: EngineConfig,
+        segs: &[(&str, usize, Rights)],
+        slow: bool,
+    ) -> ShardTarget {
         let (cmd_tx, cmd_rx) = channel::<Cmd>();
         let cmd_rx = std::sync::Arc::new(std::sync::Mutex::new(Some(cmd_rx)));
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -142,6 +152,17 @@ impl ShardTarget {
                         handles.insert(name, seg);
                     }
                     ready_tx.send((engine.local_addr(), info)).unwrap();
+                    if slow {
+                        quiesce_runtime::spawn_local(async {
+                            loop {
+                                let t = std::time::Instant::now();
+                                while t.elapsed() < Duration::from_micros(200) {
+                                    std::hint::spin_loop();
+                                }
+                                quiesce_runtime::yield_now().await;
+                            }
+                        });
+                    }
                     let serve = async {
                         while let Some(cmd) = rx.recv().await {
                             match cmd {

@@ -1,0 +1,253 @@
+//! Faults and fences: a peer killed mid-transfer, aborted connections and
+//! lazy reconnects, garbage from a target, and remote fences after which no
+//! byte of the batch lands.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use quiesce_runtime::{spawn_local, time, Runtime};
+use quiesce_transports::wire::{Header, HelloAck, Op};
+use quiesce_transports::{Engine, EngineConfig, Rights, TransferError};
+
+const BIG: usize = 16 << 20;
+
+fn small_slices() -> EngineConfig {
+    EngineConfig {
+        slice_size: 64 << 10,
+        connections_per_peer: 2,
+        ..Default::default()
+    }
+}
+
+fn count(v: &[u8], b: u8) -> usize {
+    v.iter().filter(|&&x| x == b).count()
+}
+
+#[test]
+fn fence_in_process_no_byte_lands_after_the_ack() {
+    let t = ShardTarget::start_with(
+        EngineConfig::default(),
+        &[("kv", BIG, Rights::READ | Rights::WRITE)],
+        true,
+    );
+    let token = t.seg("kv").token;
+    let (res, landed_at_ack) = Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(small_slices()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let kv = peer.open("kv", token).await.unwrap();
+        let kv2 = kv.clone();
+        let w = spawn_local(async move { kv2.write(0, vec![0xab; BIG], 7).await });
+        time::sleep(Duration::from_millis(30)).await;
+        peer.fence(7).await.expect("fence confirmed");
+        let at_ack = count(&t.snapshot("kv", 0, BIG), 0xab);
+        let (res, buf) = w.await.unwrap();
+        assert_eq!(buf.len(), BIG, "the source comes back");
+        (res, at_ack)
+    });
+    assert!(
+        matches!(
+            res,
+            Err(TransferError::Fenced) | Err(TransferError::FencedPartial { .. })
+        ),
+        "{res:?}"
+    );
+    assert!(
+        landed_at_ack < BIG,
+        "the fence came after the whole write: nothing was tested"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let later = count(&t.snapshot("kv", 0, BIG), 0xab);
+    assert_eq!(
+        later, landed_at_ack,
+        "bytes landed after the fence was confirmed"
+    );
+}
+
+#[test]
+fn fence_on_a_slowed_target_process() {
+    let target = TargetProcess::spawn(&["--segment", "kv:16777216:rw", "--slow"]);
+    let token = target.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(small_slices()).unwrap();
+        let peer = e.connect(target.addr).await.unwrap();
+        let kv = peer.open("kv", token).await.unwrap();
+        let kv2 = kv.clone();
+        let w = spawn_local(async move { kv2.write(0, vec![0xcd; BIG], 11).await });
+        time::sleep(Duration::from_millis(30)).await;
+        peer.fence(11).await.expect("fence confirmed");
+        let (res, _) = w.await.unwrap();
+        assert!(
+            matches!(
+                res,
+                Err(TransferError::Fenced) | Err(TransferError::FencedPartial { .. })
+            ),
+            "{res:?}"
+        );
+        // Sample the target's memory (another batch, 1 MiB slices), wait, sample again.
+        let sampler = Engine::bind(EngineConfig::default()).unwrap();
+        let kv = sampler
+            .connect(target.addr)
+            .await
+            .unwrap()
+            .open("kv", token)
+            .await
+            .unwrap();
+        let (r, first) = kv.read(0, BIG as u64, Vec::with_capacity(BIG), 12).await;
+        r.unwrap();
+        time::sleep(Duration::from_millis(300)).await;
+        let (r, second) = kv.read(0, BIG as u64, Vec::with_capacity(BIG), 13).await;
+        r.unwrap();
+        let (a, b) = (count(&first, 0xcd), count(&second, 0xcd));
+        assert!(a < BIG, "the fence came after the whole write");
+        assert_eq!(a, b, "bytes landed after the fence was confirmed");
+        // A fenced batch stays fenced: new writes of it are refused.
+        let kv = peer.open("kv", token).await.unwrap();
+        let (res, _) = kv.write(0, vec![1u8; 16], 11).await;
+        assert_eq!(res.unwrap_err(), TransferError::Fenced);
+    });
+}
+
+#[test]
+fn a_peer_killed_mid_transfer_fails_the_write_and_returns_the_buffer() {
+    let mut target = TargetProcess::spawn(&["--segment", "kv:16777216:rw", "--slow"]);
+    let token = target.seg("kv").token;
+    let data = pattern(BIG, 5);
+    let expect = data.clone();
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(small_slices()).unwrap();
+        let kv = e
+            .connect(target.addr)
+            .await
+            .unwrap()
+            .open("kv", token)
+            .await
+            .unwrap();
+        let w = spawn_local(async move { kv.write(0, data, 1).await });
+        time::sleep(Duration::from_millis(50)).await;
+        target.child.kill().unwrap();
+        let (res, buf) = w.await.unwrap();
+        assert!(
+            matches!(res, Err(TransferError::ConnectionLost(_))),
+            "{res:?}"
+        );
+        assert!(buf == expect, "the buffer comes back intact");
+    });
+}
+
+#[test]
+fn aborted_connections_reconnect_lazily() {
+    let t = ShardTarget::start(
+        EngineConfig::default(),
+        &[("kv", 1 << 20, Rights::READ | Rights::WRITE)],
+    );
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let kv = peer.open("kv", token).await.unwrap();
+        assert_eq!(kv.write(0, vec![1u8; 4096], 1).await.0.unwrap(), 4096);
+        peer.abort();
+        time::sleep(Duration::from_millis(10)).await;
+        // New connections, tokens proven again, same segment.
+        assert_eq!(kv.write(4096, vec![2u8; 4096], 2).await.0.unwrap(), 4096);
+        let (r, back) = kv.read(0, 8192, vec![0u8; 8192], 3).await;
+        r.unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 1) && back[4096..].iter().all(|&b| b == 2));
+    });
+    assert!(t.stats().accepted >= 3);
+}
+
+#[test]
+fn an_abandoned_write_kills_only_its_connection() {
+    let t = ShardTarget::start_with(
+        small_slices(),
+        &[("kv", BIG, Rights::READ | Rights::WRITE)],
+        true,
+    );
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(small_slices()).unwrap();
+        let kv = e
+            .connect(t.addr)
+            .await
+            .unwrap()
+            .open("kv", token)
+            .await
+            .unwrap();
+        let kv2 = kv.clone();
+        let w = spawn_local(async move { kv2.write(0, vec![9u8; BIG], 1).await });
+        time::sleep(Duration::from_millis(30)).await;
+        w.abort(); // the transfer future is dropped mid-send
+        assert!(w.await.is_err());
+        // What a batch does when it is dropped: fence, so the slices still
+        // queued in the background stop.
+        kv.peer().fence(1).await.unwrap();
+        // Framing was lost on that connection; the next write reconnects.
+        let (r, _) = kv.write(0, vec![3u8; 100], 2).await;
+        assert_eq!(r.unwrap(), 100);
+    });
+    assert_eq!(t.snapshot("kv", 0, 100), vec![3u8; 100]);
+}
+
+#[test]
+fn garbage_from_a_target_fails_requests_without_panicking() {
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = fake.local_addr().unwrap();
+    // Every connection gets a proper hello ack, then garbage for its first request.
+    std::thread::spawn(move || {
+        for s in fake.incoming() {
+            let Ok(mut s) = s else { break };
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                let h = recv_header(&mut s).unwrap();
+                let mut p = vec![0u8; h.length as usize];
+                s.read_exact(&mut p).unwrap();
+                let ack = HelloAck {
+                    version: 1,
+                    shards: 1,
+                    nonce: [0; 16],
+                    node: "liar".into(),
+                    segments: vec![quiesce_transports::wire::Descriptor {
+                        id: 1,
+                        name: "kv".into(),
+                        len: 1 << 20,
+                        rights: Rights::WRITE,
+                        endpoints: vec![],
+                    }],
+                }
+                .encode()
+                .unwrap();
+                send(
+                    &mut s,
+                    &Header {
+                        length: ack.len() as u64,
+                        ..Header::new(Op::HelloAck)
+                    },
+                    &ack,
+                );
+                let _ = recv_header(&mut s);
+                let _ = s.write_all(&[0x42; 100]);
+                std::thread::sleep(Duration::from_millis(100));
+            });
+        }
+    });
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        assert_eq!(peer.node(), "liar");
+        let err = peer
+            .open("kv", quiesce_transports::Token::random())
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                err,
+                TransferError::ConnectionLost(_) | TransferError::BadFrame(_)
+            ),
+            "{err:?}"
+        );
+    });
+}

@@ -1,0 +1,310 @@
+//! Every rejection: typed, and the segment is left untouched.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use quiesce_runtime::Runtime;
+use quiesce_transports::wire::{Header, Hello, Op, Status, VERSION};
+use quiesce_transports::{Engine, EngineConfig, Rights, Token, TransferError};
+
+fn target() -> ShardTarget {
+    ShardTarget::start(
+        EngineConfig {
+            max_frame: 1 << 20,
+            handshake_timeout: Duration::from_millis(300),
+            ..Default::default()
+        },
+        &[
+            ("kv", 1 << 20, Rights::READ | Rights::WRITE),
+            ("ro", 4096, Rights::READ),
+            ("wo", 4096, Rights::WRITE),
+        ],
+    )
+}
+
+fn untouched(t: &ShardTarget, name: &str) -> bool {
+    let len = t.seg(name).len as usize;
+    t.snapshot(name, 0, len).iter().all(|&b| b == 0)
+}
+
+fn write(id: u64, offset: u64, length: u64) -> Header {
+    Header {
+        batch: 1,
+        task: 1,
+        segment: id,
+        offset,
+        length,
+        ..Header::new(Op::Write)
+    }
+}
+
+#[test]
+fn unauthorised_writes_are_forbidden_and_discarded() {
+    let t = target();
+    let mut c = RawClient::connect(t.addr);
+    let id = t.seg("kv").id;
+    c.send(&write(id, 0, 100), &[0xee; 100]);
+    let h = c.recv().unwrap();
+    assert_eq!((h.op, h.status().unwrap()), (Op::Status, Status::Forbidden));
+    // The payload was consumed: the connection is still in sync.
+    assert_eq!(
+        c.auth(id, t.seg("kv").token).results,
+        vec![(id, Status::Ok)]
+    );
+    c.send(&write(id, 0, 4), &[1, 2, 3, 4]);
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::Ok);
+    assert_eq!(t.snapshot("kv", 0, 6), vec![1, 2, 3, 4, 0, 0]);
+}
+
+#[test]
+fn a_wrong_token_is_refused() {
+    let t = target();
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let err = peer.open("kv", Token::random()).await.err().unwrap();
+        assert_eq!(err, TransferError::Forbidden(t.seg("kv").id));
+        let err = peer.open("nope", Token::random()).await.err().unwrap();
+        assert!(matches!(err, TransferError::NoSuchSegment(_)));
+    });
+    let mut c = RawClient::connect(t.addr);
+    let id = t.seg("kv").id;
+    assert_eq!(
+        c.auth(id, Token::random()).results,
+        vec![(id, Status::Forbidden)]
+    );
+    assert!(untouched(&t, "kv"));
+}
+
+#[test]
+fn rights_are_enforced_by_the_target() {
+    let t = target();
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let ro = peer.open("ro", t.seg("ro").token).await.unwrap();
+        let (res, buf) = ro.write(0, vec![5u8; 64], 1).await;
+        assert_eq!(res.unwrap_err(), TransferError::Forbidden(t.seg("ro").id));
+        assert_eq!(buf, vec![5u8; 64], "the buffer comes back");
+        let wo = peer.open("wo", t.seg("wo").token).await.unwrap();
+        let (res, _) = wo.read(0, 64, vec![0u8; 64], 2).await;
+        assert_eq!(res.unwrap_err(), TransferError::Forbidden(t.seg("wo").id));
+        // The connection is still good.
+        let (res, _) = wo.write(0, vec![1u8; 8], 3).await;
+        assert_eq!(res.unwrap(), 8);
+    });
+    assert!(untouched(&t, "ro"));
+}
+
+#[test]
+fn out_of_bounds_is_refused_locally_and_by_the_target() {
+    let t = target();
+    let (id, len) = (t.seg("kv").id, t.seg("kv").len);
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let kv = e
+            .connect(t.addr)
+            .await
+            .unwrap()
+            .open("kv", t.seg("kv").token)
+            .await
+            .unwrap();
+        let (res, buf) = kv.write(len - 1, vec![1u8; 2], 1).await;
+        assert_eq!(
+            res.unwrap_err(),
+            TransferError::OutOfBounds {
+                offset: len - 1,
+                len: 2,
+                seg_len: len
+            }
+        );
+        assert_eq!(buf.len(), 2);
+        let (res, _) = kv.write(u64::MAX, vec![1u8; 2], 1).await;
+        assert!(matches!(res, Err(TransferError::OutOfBounds { .. })));
+    });
+    // A raw client skips the local check: the target refuses too.
+    let mut c = RawClient::connect(t.addr);
+    c.auth(id, t.seg("kv").token);
+    c.send(&write(id, len - 10, 20), &[0xaa; 20]);
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::OutOfBounds);
+    c.send(&write(id, u64::MAX - 5, 10), &[0xaa; 10]);
+    assert_eq!(
+        c.recv().unwrap().status().unwrap(),
+        Status::OutOfBounds,
+        "offset + length overflows"
+    );
+    c.send(
+        &Header {
+            length: 10,
+            offset: len - 5,
+            segment: id,
+            ..Header::new(Op::Read)
+        },
+        &[],
+    );
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::OutOfBounds);
+    assert!(untouched(&t, "kv"));
+}
+
+#[test]
+fn unknown_segments_are_refused() {
+    let t = target();
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let kv = e
+            .connect(t.addr)
+            .await
+            .unwrap()
+            .open("kv", token)
+            .await
+            .unwrap();
+        assert!(t.deregister("kv"));
+        let (res, _) = kv.write(0, vec![1u8; 16], 1).await;
+        assert_eq!(res.unwrap_err(), TransferError::NoSuchSegment(kv.id()));
+    });
+    let mut c = RawClient::connect(t.addr);
+    c.send(&write(999, 0, 3), &[1, 2, 3]);
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::NoSuchSegment);
+}
+
+#[test]
+fn zero_and_oversized_lengths() {
+    let t = target();
+    let id = t.seg("kv").id;
+    let mut c = RawClient::connect(t.addr);
+    c.auth(id, t.seg("kv").token);
+    c.send(&write(id, 0, 0), &[]);
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::BadFrame);
+    c.send(
+        &Header {
+            segment: id,
+            length: 0,
+            ..Header::new(Op::Read)
+        },
+        &[],
+    );
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::BadFrame);
+    // Over max_frame: the payload cannot be trusted, so the target hangs up.
+    c.send(&write(id, 0, 2 << 20), &[]);
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::BadFrame);
+    assert!(c.recv().is_none(), "connection closed");
+    assert!(untouched(&t, "kv"));
+}
+
+#[test]
+fn malformed_frames_close_the_connection_but_not_the_target() {
+    let t = target();
+    let id = t.seg("kv").id;
+    for bad in [
+        {
+            let mut b = write(id, 0, 4).encode();
+            b[0] = b'X'; // magic
+            b
+        },
+        {
+            let mut b = write(id, 0, 4).encode();
+            b[4] = 9; // version
+            b
+        },
+        {
+            let mut b = write(id, 0, 4).encode();
+            b[6] = 200; // op
+            b
+        },
+        Header::new(Op::HelloAck).encode(), // an op a target never receives
+    ] {
+        let mut c = RawClient::connect(t.addr);
+        use std::io::Write;
+        c.s.write_all(&bad).unwrap();
+        c.s.write_all(&[0xaa; 4]).unwrap();
+        let h = c.recv();
+        assert!(h.is_none() || h.unwrap().status() == Ok(Status::BadFrame));
+        assert!(
+            c.recv().is_none(),
+            "connection closed after a malformed frame"
+        );
+    }
+    // Garbage instead of a hello.
+    let mut s = std::net::TcpStream::connect(t.addr).unwrap();
+    use std::io::Write;
+    s.write_all(&[0x55; 200]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = recv_header(&mut s);
+    assert!(recv_header(&mut s).is_none());
+    // The target still serves.
+    let mut c = RawClient::connect(t.addr);
+    assert_eq!(c.auth(id, t.seg("kv").token).results[0].1, Status::Ok);
+    assert!(untouched(&t, "kv"));
+}
+
+#[test]
+fn version_mismatch_and_silent_peers_are_dropped() {
+    let t = target();
+    let mut s = std::net::TcpStream::connect(t.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let hello = Hello {
+        version_min: VERSION + 1,
+        version_max: VERSION + 2,
+        session: 1,
+        shards: 1,
+        nonce: [0; 16],
+        node: "future".into(),
+    }
+    .encode()
+    .unwrap();
+    send(
+        &mut s,
+        &Header {
+            length: hello.len() as u64,
+            ..Header::new(Op::Hello)
+        },
+        &hello,
+    );
+    assert_eq!(
+        recv_header(&mut s).unwrap().status().unwrap(),
+        Status::BadFrame
+    );
+    assert!(recv_header(&mut s).is_none());
+    // Says nothing: closed after the handshake timeout.
+    let mut quiet = std::net::TcpStream::connect(t.addr).unwrap();
+    quiet
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    assert!(recv_header(&mut quiet).is_none());
+    assert!(t0.elapsed() >= Duration::from_millis(250));
+}
+
+#[test]
+fn unknown_peers_and_garbage_targets_are_typed_errors() {
+    // Nothing listens there.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    // A "target" that answers the hello with garbage.
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let fake_addr = fake.local_addr().unwrap();
+    let th = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut s, _) = fake.accept().unwrap();
+        let mut b = [0u8; 256];
+        let _ = s.read(&mut b);
+        s.write_all(&[0xff; 64]).unwrap();
+    });
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        assert!(matches!(
+            e.connect(addr).await.err().unwrap(),
+            TransferError::Handshake { .. }
+        ));
+        assert!(matches!(
+            e.connect(fake_addr).await.err().unwrap(),
+            TransferError::Handshake { .. }
+        ));
+    });
+    th.join().unwrap();
+}
