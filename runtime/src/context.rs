@@ -32,6 +32,9 @@ pub(crate) struct Context {
     pub(crate) counters: Counters,
     /// Operations left in the current task's cooperative budget.
     pub(crate) budget: Cell<u32>,
+    /// Tasks that yielded (or spent their budget): woken after the next
+    /// reactor turn, so they run after I/O completions, not before.
+    pub(crate) deferred: RefCell<Vec<std::task::Waker>>,
 }
 
 thread_local! {

@@ -271,7 +271,7 @@ pub(crate) fn poll_budget(tcx: &mut TaskCx<'_>) -> Poll<()> {
     context::with(|cx| {
         let b = cx.budget.get();
         if b == 0 {
-            tcx.waker().wake_by_ref();
+            cx.deferred.borrow_mut().push(tcx.waker().clone());
             Poll::Pending
         } else {
             cx.budget.set(b - 1);
@@ -280,17 +280,23 @@ pub(crate) fn poll_budget(tcx: &mut TaskCx<'_>) -> Poll<()> {
     })
 }
 
-/// Yields once to the scheduler, letting other tasks and the reactor run.
+/// Yields to the scheduler: the task runs again after the reactor's next
+/// turn, so I/O completions and other ready tasks go first.
 pub async fn yield_now() {
     struct YieldNow(bool);
     impl Future for YieldNow {
         type Output = ();
-        fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<()> {
+        fn poll(mut self: Pin<&mut Self>, tcx: &mut TaskCx<'_>) -> Poll<()> {
             if self.0 {
                 return Poll::Ready(());
             }
             self.0 = true;
-            cx.waker().wake_by_ref();
+            match context::try_with(|cx| {
+                cx.map(|cx| cx.deferred.borrow_mut().push(tcx.waker().clone()))
+            }) {
+                Some(()) => {}
+                None => tcx.waker().wake_by_ref(),
+            }
             Poll::Pending
         }
     }

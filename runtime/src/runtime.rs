@@ -187,6 +187,7 @@ impl Builder {
             unparker,
             counters: Counters::default(),
             budget: Cell::new(OP_BUDGET),
+            deferred: RefCell::new(Vec::new()),
         };
         Ok(Runtime {
             cx: Rc::new(cx),
@@ -274,7 +275,10 @@ fn turn(cx: &Context) {
     Counters::bump(&cx.counters.ticks);
     let reaped = source::poll_all(cx);
     time::fire_due(cx);
-    let busy = reaped > 0 || !cx.ready.borrow().is_empty() || cx.sources.borrow().busy();
+    let busy = reaped > 0
+        || !cx.ready.borrow().is_empty()
+        || !cx.deferred.borrow().is_empty()
+        || cx.sources.borrow().busy();
     let mut timeout = if busy {
         Some(Duration::ZERO)
     } else {
@@ -314,6 +318,9 @@ fn turn(cx: &Context) {
         source::notified(cx, token);
     }
     time::fire_due(cx);
+    // Yielded tasks run after what this turn woke.
+    let deferred = std::mem::take(&mut *cx.deferred.borrow_mut());
+    deferred.into_iter().for_each(Waker::wake);
 }
 
 impl Drop for Runtime {

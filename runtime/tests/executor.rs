@@ -172,3 +172,41 @@ fn join_handle_of_a_finished_task_is_ready() {
         assert_eq!(h.await.unwrap(), 5);
     });
 }
+
+#[test]
+fn a_yielding_task_runs_once_per_reactor_turn() {
+    // A task that yields in a loop must not be re-polled over and over before
+    // the reactor runs: yield_now defers it past the next turn.
+    let rt = rt();
+    rt.block_on(async {
+        let (a, b) = pair().await;
+        let polls = Rc::new(Cell::new(0u64));
+        let p = polls.clone();
+        let spinner = spawn_local(async move {
+            loop {
+                p.set(p.get() + 1);
+                yield_now().await;
+            }
+        });
+        let echo = spawn_local(async move {
+            for _ in 0..20 {
+                let (r, buf) = b.read_exact(vec![0u8; 8]).await;
+                r.unwrap();
+                b.write_all(buf).await.0.unwrap();
+            }
+        });
+        let before = polls.get();
+        for i in 0..20u8 {
+            a.write_all(vec![i; 8]).await.0.unwrap();
+            let (r, _) = a.read_exact(vec![0u8; 8]).await;
+            r.unwrap();
+        }
+        echo.await.unwrap();
+        let per_round_trip = (polls.get() - before) / 20;
+        assert!(
+            per_round_trip <= 16,
+            "spinner polled {per_round_trip} times per round trip"
+        );
+        spinner.abort();
+    });
+}

@@ -3,17 +3,16 @@
 //! killed or until its standard input closes.
 //!
 //! ```text
-//! quiesce-test-target [--listen ADDR] [--segment NAME:LEN:RIGHTS]... [--slow] [--max-frame N]
+//! quiesce-test-target [--listen ADDR] [--segment NAME:LEN:RIGHTS]... [--max-frame N]
 //! ```
 //! RIGHTS is `r`, `w` or `rw`. Prints `segment NAME ID LEN TOKEN` per segment,
-//! then `listening ADDR`. `--slow` keeps the target's core busy (a task that
-//! spins between yields), so transfers to it crawl.
+//! then `listening ADDR`. Tests slow it down with SIGSTOP/SIGCONT.
 
 use std::io::Write;
 use std::os::fd::AsFd;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use quiesce_runtime::{spawn_local, time, yield_now, Runtime};
+use quiesce_runtime::{time, Runtime};
 use quiesce_transports::{AlignedBuf, Engine, EngineConfig, Rights};
 
 fn main() {
@@ -22,7 +21,6 @@ fn main() {
         ..Default::default()
     };
     let mut segments = Vec::new();
-    let mut slow = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -36,7 +34,6 @@ fn main() {
             "--max-frame" => {
                 cfg.max_frame = args.next().expect("--max-frame N").parse().expect("number")
             }
-            "--slow" => slow = true,
             "--segment" => {
                 let spec = args.next().expect("--segment NAME:LEN:RIGHTS");
                 let mut it = spec.split(':');
@@ -75,17 +72,6 @@ fn main() {
         writeln!(out, "listening {}", engine.local_addr()).unwrap();
         out.flush().unwrap();
         drop(out);
-        if slow {
-            spawn_local(async {
-                loop {
-                    let t = Instant::now();
-                    while t.elapsed() < Duration::from_micros(200) {
-                        std::hint::spin_loop();
-                    }
-                    yield_now().await;
-                }
-            });
-        }
         // Exit when the parent closes our stdin (or dies).
         let stdin = std::io::stdin()
             .as_fd()

@@ -72,6 +72,12 @@ impl TargetProcess {
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }
+
+    /// Sends `sig` to the target process.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) takes no pointers.
+        assert_eq!(unsafe { libc::kill(self.pid(), sig) }, 0);
+    }
 }
 
 impl Drop for TargetProcess {
@@ -83,6 +89,11 @@ impl Drop for TargetProcess {
 
 /// Commands for an in-process target on its own shard.
 pub enum Cmd {
+    /// Block the target's thread for a while (say when it starts).
+    Stall {
+        for_: Duration,
+        started: mpsc::Sender<()>,
+    },
     /// Copy `len` bytes at `offset` of segment `name` out of the target's memory.
     Snapshot {
         name: String,
@@ -111,16 +122,6 @@ pub struct ShardTarget {
 
 impl ShardTarget {
     pub fn start(cfg: EngineConfig, segs: &[(&str, usize, Rights)]) -> ShardTarget {
-        Self::start_with(cfg, segs, false)
-    }
-
-    /// As `start`; with `slow`, a task keeps the target's core busy so
-    /// transfers to it crawl.
-    pub fn start_with(
-        cfg: EngineConfig,
-        segs: &[(&str, usize, Rights)],
-        slow: bool,
-    ) -> ShardTarget {
         let (cmd_tx, cmd_rx) = channel::<Cmd>();
         let cmd_rx = std::sync::Arc::new(std::sync::Mutex::new(Some(cmd_rx)));
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -152,17 +153,6 @@ impl ShardTarget {
                         handles.insert(name, seg);
                     }
                     ready_tx.send((engine.local_addr(), info)).unwrap();
-                    if slow {
-                        quiesce_runtime::spawn_local(async {
-                            loop {
-                                let t = std::time::Instant::now();
-                                while t.elapsed() < Duration::from_micros(200) {
-                                    std::hint::spin_loop();
-                                }
-                                quiesce_runtime::yield_now().await;
-                            }
-                        });
-                    }
                     let serve = async {
                         while let Some(cmd) = rx.recv().await {
                             match cmd {
@@ -181,6 +171,11 @@ impl ShardTarget {
                                 }
                                 Cmd::Stats { reply } => {
                                     let _ = reply.send(engine.stats());
+                                }
+                                Cmd::Stall { for_, started } => {
+                                    // Freeze the whole shard, like SIGSTOP would a process.
+                                    let _ = started.send(());
+                                    std::thread::sleep(for_);
                                 }
                             }
                         }
@@ -224,6 +219,19 @@ impl ShardTarget {
             .send(Cmd::Deregister {
                 name: name.into(),
                 reply: tx,
+            })
+            .ok()
+            .unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap()
+    }
+
+    /// Freezes the target's shard for `d`; returns once the freeze began.
+    pub fn stall(&self, d: Duration) {
+        let (tx, rx) = mpsc::channel();
+        self.cmds
+            .send(Cmd::Stall {
+                for_: d,
+                started: tx,
             })
             .ok()
             .unwrap();
