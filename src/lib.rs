@@ -1,9 +1,15 @@
 //! quiesce: a thread-per-core transfer runtime whose batches resolve only once
 //! every transfer in them has quiesced.
 //!
-//! This facade re-exports the member crates. [`runtime`] is the executor and
-//! reactor (io_uring, epoll fallback, timers, completion sources, shards).
+//! This facade re-exports the member crates: [`runtime`] (executor, io_uring
+//! and epoll drivers, timers, completion sources, shards), [`transports`]
+//! (segments, peers, the TCP engine) and [`batch`] (batches, outcomes,
+//! fences, the sync and C APIs).
 #![deny(missing_docs)]
 
+pub mod scenario;
+
+pub use quiesce_batch as batch;
 pub use quiesce_runtime as runtime;
 pub use quiesce_runtime::{spawn_local, Runtime};
+pub use quiesce_transports as transports;

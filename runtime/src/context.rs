@@ -63,7 +63,12 @@ pub(crate) fn with<R>(f: impl FnOnce(&Rc<Context>) -> R) -> R {
 
 /// Id of the runtime entered on this thread, 0 when none.
 pub(crate) fn current_id() -> usize {
-    CURRENT_ID.with(Cell::get)
+    CURRENT_ID.try_with(Cell::get).unwrap_or(0)
+}
+
+/// False once this thread's thread-locals are being destroyed.
+pub(crate) fn thread_alive() -> bool {
+    CURRENT.try_with(|_| ()).is_ok() && CURRENT_ID.try_with(|_| ()).is_ok()
 }
 
 /// Restores the previous context when dropped.

@@ -325,6 +325,13 @@ fn turn(cx: &Context) {
 
 impl Drop for Runtime {
     fn drop(&mut self) {
+        if !context::thread_alive() {
+            // A runtime kept in a thread-local, dropped while the thread exits:
+            // without its context no op can be drained, so nothing is freed.
+            // Keeping the context alive leaks every buffer the kernel may hold.
+            std::mem::forget(self.cx.clone());
+            return;
+        }
         let outer = context::current_id();
         let _enter = (outer != self.cx.id).then(|| context::enter(self.cx.clone()));
         let cx = &*self.cx;

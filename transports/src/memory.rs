@@ -41,6 +41,13 @@ impl AlignedBuf {
         }
     }
 
+    /// A page-aligned copy of `bytes`.
+    pub fn from_slice(bytes: &[u8]) -> AlignedBuf {
+        let mut b = AlignedBuf::new(bytes.len());
+        b.copy_from_slice(bytes);
+        b
+    }
+
     fn raw(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }

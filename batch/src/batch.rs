@@ -1,0 +1,174 @@
+//! Building and submitting a batch.
+
+use std::rc::Rc;
+
+use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
+
+use crate::options::BatchOptions;
+use crate::outcome::{Shared, Submitted};
+use crate::run::{Driver, Task, TaskState, TransferFuture};
+use crate::transport::Transport;
+
+/// Why a task was not added. The buffer comes back untouched.
+#[derive(Debug, thiserror::Error)]
+#[error("{reason}")]
+pub struct Rejected<B> {
+    /// Why.
+    pub reason: BatchError,
+    /// The buffer, as it was given.
+    pub buf: B,
+}
+
+/// Bad input to a batch.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    /// The batch already holds `max` tasks.
+    #[error("batch is full ({max} tasks)")]
+    TooLarge {
+        /// The limit.
+        max: usize,
+    },
+    /// The buffer's length does not match the remote range.
+    #[error("buffer has {buf} bytes but the range has {range}")]
+    LengthMismatch {
+        /// Bytes in (or room in) the buffer.
+        buf: u64,
+        /// Bytes in the range.
+        range: u64,
+    },
+    /// A zero-length task.
+    #[error("zero-length task")]
+    Empty,
+}
+
+/// A batch being built: tasks own their buffers from the moment they are added.
+///
+/// ```compile_fail
+/// # use quiesce_batch::*;
+/// # fn f(mut b: Batch<Tcp, Vec<u8>>, r: RemoteRange) {
+/// let src = vec![0u8; 4096];
+/// b.write(src, r).unwrap();
+/// src[0] = 1; // the batch owns it now
+/// # }
+/// ```
+pub struct Batch<T: Transport, B> {
+    transport: T,
+    opts: BatchOptions,
+    tasks: Vec<Task<T, B>>,
+    id: u64,
+}
+
+fn launch_write<T: Transport, B: IoBuf>(
+    t: &T,
+    target: &T::Target,
+    buf: B,
+    wire: u64,
+) -> TransferFuture<B> {
+    Box::pin(t.write(target, buf, wire))
+}
+
+fn launch_read<T: Transport, B: IoBufMut>(
+    t: &T,
+    target: &T::Target,
+    buf: B,
+    wire: u64,
+) -> TransferFuture<B> {
+    Box::pin(t.read(target, buf, wire))
+}
+
+impl<T: Transport, B: IoBuf> Batch<T, B> {
+    /// An empty batch on `transport`.
+    pub fn new(transport: T, opts: BatchOptions) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static IDS: AtomicU64 = AtomicU64::new(1);
+        Batch {
+            transport,
+            opts,
+            tasks: Vec::new(),
+            id: IDS.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// This batch's id (in logs).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Tasks so far.
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// True if no task was added.
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    fn check(&self, buf_len: u64, target: &T::Target, exact: bool) -> Result<(), BatchError> {
+        if self.tasks.len() >= self.opts.max_tasks {
+            return Err(BatchError::TooLarge {
+                max: self.opts.max_tasks,
+            });
+        }
+        let range = self.transport.len(target);
+        if range == 0 {
+            return Err(BatchError::Empty);
+        }
+        if (exact && buf_len != range) || buf_len < range {
+            return Err(BatchError::LengthMismatch {
+                buf: buf_len,
+                range,
+            });
+        }
+        Ok(())
+    }
+
+    /// Adds a write of `src`'s initialised bytes to `to`. Returns the task's index.
+    pub fn write(&mut self, src: B, to: T::Target) -> Result<usize, Rejected<B>> {
+        if let Err(reason) = self.check(src.bytes_init() as u64, &to, true) {
+            return Err(Rejected { reason, buf: src });
+        }
+        Ok(self.push(launch_write::<T, B>, to, src))
+    }
+
+    fn push(&mut self, launch: crate::run::Launch<T, B>, target: T::Target, buf: B) -> usize {
+        self.tasks.push(Task {
+            launch,
+            target,
+            buf: Some(buf),
+            state: TaskState::Queued,
+            bytes: 0,
+            attempts: 0,
+        });
+        self.tasks.len() - 1
+    }
+
+    /// Submits the batch: transfers start now. The future resolves to the
+    /// [`Outcome`](crate::Outcome) once every task has quiesced (or the fence
+    /// ran out of grace).
+    pub fn submit(self) -> Submitted<B> {
+        let shared = Rc::new(Shared::default());
+        let driver = Driver::new(
+            self.transport,
+            self.opts,
+            self.tasks,
+            shared.clone(),
+            self.id,
+        );
+        spawn_local(driver.run());
+        Submitted {
+            shared,
+            done: false,
+        }
+    }
+}
+
+impl<T: Transport, B: IoBufMut> Batch<T, B> {
+    /// Adds a read of `from` into the first bytes of `dst`. Returns the task's index.
+    pub fn read(&mut self, dst: B, from: T::Target) -> Result<usize, Rejected<B>> {
+        if let Err(reason) = self.check(dst.bytes_total() as u64, &from, false) {
+            return Err(Rejected { reason, buf: dst });
+        }
+        Ok(self.push(launch_read::<T, B>, from, dst))
+    }
+}

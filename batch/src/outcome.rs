@@ -1,0 +1,269 @@
+//! What a batch resolves to. An outcome exists only once every task is
+//! terminal and no kernel, NIC or peer can touch the buffers; the buffers
+//! come back inside it, each exactly once, in the order the tasks were added.
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use quiesce_transports::TransferError;
+
+/// How one task ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskStatus {
+    /// Every byte moved.
+    Completed,
+    /// The task failed on its own; the error says why.
+    Failed(TransferError),
+    /// The batch fenced the task before it completed (a prefix of a write may
+    /// have landed: see [`TaskReport::bytes`]).
+    Fenced,
+}
+
+/// One task's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskReport {
+    /// How it ended.
+    pub status: TaskStatus,
+    /// Bytes moved (for a fenced write, bytes that landed before the fence).
+    pub bytes: u64,
+    /// Attempts made (1 unless retried).
+    pub attempts: u32,
+}
+
+/// The quiescent result of a batch: reports and the buffers.
+#[derive(Debug)]
+pub struct Quiesced<B> {
+    pub(crate) tasks: Vec<TaskReport>,
+    pub(crate) buffers: Vec<B>,
+    pub(crate) fence_time: Option<Duration>,
+    pub(crate) elapsed: Duration,
+}
+
+impl<B> Quiesced<B> {
+    /// One report per task, in the order the tasks were added.
+    pub fn tasks(&self) -> &[TaskReport] {
+        &self.tasks
+    }
+
+    /// True if every task completed.
+    pub fn all_completed(&self) -> bool {
+        self.tasks.iter().all(|t| t.status == TaskStatus::Completed)
+    }
+
+    /// The buffers, in task order. Nothing else can touch them.
+    pub fn buffers(&self) -> &[B] {
+        &self.buffers
+    }
+
+    /// The buffers, mutably.
+    pub fn buffers_mut(&mut self) -> &mut [B] {
+        &mut self.buffers
+    }
+
+    /// Takes the buffers.
+    pub fn into_buffers(self) -> Vec<B> {
+        self.buffers
+    }
+
+    /// How long the fence took (from starting it to quiescence), if the
+    /// batch fenced.
+    pub fn fence_time(&self) -> Option<Duration> {
+        self.fence_time
+    }
+
+    /// From submit to quiescence.
+    pub fn elapsed(&self) -> Duration {
+        self.elapsed
+    }
+
+    /// The C-compatible code: 0 if every task completed, -1 otherwise (and
+    /// nothing touches the buffers any more).
+    pub fn sync_code(&self) -> i32 {
+        if self.all_completed() {
+            crate::SYNC_OK
+        } else {
+            crate::SYNC_FAILED
+        }
+    }
+}
+
+/// A batch's outcome.
+#[derive(Debug)]
+pub enum Outcome<B> {
+    /// Every task is terminal and the buffers are back.
+    Quiesced(Quiesced<B>),
+    /// The fence did not finish within deadline + grace. The ticket keeps
+    /// the buffers until the batch drains; await it (or poll it) for them.
+    CompletionUnknown(Ticket<B>),
+}
+
+impl<B> Outcome<B> {
+    /// 0 (all completed), -1 (failed, buffers quiescent) or -2 (unknown).
+    pub fn sync_code(&self) -> i32 {
+        match self {
+            Outcome::Quiesced(q) => q.sync_code(),
+            Outcome::CompletionUnknown(_) => crate::SYNC_UNKNOWN,
+        }
+    }
+
+    /// The quiescent result, waiting on the ticket if there is one.
+    pub async fn quiesced(self) -> Quiesced<B> {
+        match self {
+            Outcome::Quiesced(q) => q,
+            Outcome::CompletionUnknown(t) => t.wait().await,
+        }
+    }
+}
+
+/// Where the driver publishes results for the `Submitted` future and a ticket.
+pub(crate) struct Shared<B> {
+    pub(crate) final_result: RefCell<Option<Quiesced<B>>>,
+    pub(crate) finished: Cell<bool>,
+    /// The driver decided `CompletionUnknown`.
+    pub(crate) unknown: Cell<bool>,
+    /// Nobody will collect the result: drop the buffers once drained.
+    pub(crate) abandoned: Cell<bool>,
+    pub(crate) waiter: RefCell<Option<Waker>>,
+    pub(crate) driver: RefCell<Option<Waker>>,
+}
+
+impl<B> Default for Shared<B> {
+    fn default() -> Self {
+        Shared {
+            final_result: RefCell::new(None),
+            finished: Cell::new(false),
+            unknown: Cell::new(false),
+            abandoned: Cell::new(false),
+            waiter: RefCell::new(None),
+            driver: RefCell::new(None),
+        }
+    }
+}
+
+impl<B> Shared<B> {
+    pub(crate) fn wake_waiter(&self) {
+        if let Some(w) = self.waiter.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    pub(crate) fn wake_driver(&self) {
+        if let Some(w) = self.driver.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    fn abandon(&self) {
+        if !self.finished.get() {
+            self.abandoned.set(true);
+            self.wake_driver();
+        } else if let Some(q) = self.final_result.borrow_mut().take() {
+            drop(q);
+        }
+    }
+}
+
+/// The future of a submitted batch.
+///
+/// Dropping it before it resolves is safe: the batch fences what is in
+/// flight and stays parked in the reactor until it drains; then its buffers
+/// are released (with a `tracing` event).
+#[must_use = "a submitted batch resolves only when awaited (dropping it fences it)"]
+pub struct Submitted<B> {
+    pub(crate) shared: Rc<Shared<B>>,
+    pub(crate) done: bool,
+}
+
+impl<B> Future for Submitted<B> {
+    type Output = Outcome<B>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome<B>> {
+        let sh = self.shared.clone();
+        if let Some(q) = sh.final_result.borrow_mut().take() {
+            self.done = true;
+            return Poll::Ready(Outcome::Quiesced(q));
+        }
+        if sh.unknown.get() {
+            self.done = true;
+            return Poll::Ready(Outcome::CompletionUnknown(Ticket {
+                shared: sh.clone(),
+                taken: false,
+            }));
+        }
+        *sh.waiter.borrow_mut() = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+impl<B> Drop for Submitted<B> {
+    fn drop(&mut self) {
+        if !self.done {
+            tracing::debug!("in-flight batch dropped: fencing it and parking it until it drains");
+            self.shared.abandon();
+        }
+    }
+}
+
+/// A claim on a batch whose completion is unknown. It holds the buffers
+/// until the batch drains; only [`wait`](Ticket::wait) or
+/// [`try_take`](Ticket::try_take) can hand them out, and only once nothing
+/// can touch them any more. Dropping it leaves the batch parked in the
+/// reactor until it drains; then the buffers are released.
+pub struct Ticket<B> {
+    shared: Rc<Shared<B>>,
+    taken: bool,
+}
+
+impl<B> std::fmt::Debug for Ticket<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("quiesced", &self.is_quiesced())
+            .finish()
+    }
+}
+
+impl<B> Ticket<B> {
+    /// True once the batch has drained (the buffers can be taken).
+    pub fn is_quiesced(&self) -> bool {
+        self.shared.finished.get()
+    }
+
+    /// The quiescent result, if the batch has drained; the ticket otherwise.
+    pub fn try_take(mut self) -> Result<Quiesced<B>, Ticket<B>> {
+        let q = self.shared.final_result.borrow_mut().take();
+        match q {
+            Some(q) => {
+                self.taken = true;
+                Ok(q)
+            }
+            None => Err(self),
+        }
+    }
+
+    /// Waits until the batch drains.
+    pub async fn wait(mut self) -> Quiesced<B> {
+        let q = std::future::poll_fn(|cx| {
+            if let Some(q) = self.shared.final_result.borrow_mut().take() {
+                return Poll::Ready(q);
+            }
+            *self.shared.waiter.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+        self.taken = true;
+        q
+    }
+}
+
+impl<B> Drop for Ticket<B> {
+    fn drop(&mut self) {
+        if !self.taken {
+            tracing::debug!("ticket dropped: the batch stays parked until it drains");
+            self.shared.abandon();
+        }
+    }
+}

@@ -1,0 +1,371 @@
+//! The batch driver: launches tasks, fences on failure or deadline, waits
+//! for quiescence, retries, and publishes the outcome.
+//!
+//! ```text
+//!             launch                 every task terminal
+//!  Running ───────────▶ waiting ────────────────────────────▶ Quiesced ──▶ retry? ──▶ Running
+//!                │  FailFast failure, deadline, or dropped       ▲
+//!                ▼                                                │ every task terminal
+//!             Fencing: remote fence to each peer ─ grace/2 ─▶ local teardown (abort)
+//!                │                                                │
+//!                └──────────── grace over ──▶ CompletionUnknown (ticket) ──┘
+//! ```
+//! Invariant: a task's buffer is back in its slot only when its transfer
+//! future resolved, which the transport promises happens only once the
+//! transfer quiesced; the outcome is built only from full slots.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use quiesce_runtime::time::{sleep_until, Sleep};
+use quiesce_runtime::{spawn_local, JoinError, JoinHandle};
+use quiesce_transports::TransferError;
+
+use crate::options::{BatchOptions, FailurePolicy};
+use crate::outcome::{Quiesced, Shared, TaskReport, TaskStatus};
+use crate::transport::Transport;
+
+pub(crate) type TransferFuture<B> = Pin<Box<dyn Future<Output = (Result<u64, TransferError>, B)>>>;
+
+/// Starts one transfer (a write or a read, chosen when the task was added).
+pub(crate) type Launch<T, B> = fn(&T, &<T as Transport>::Target, B, u64) -> TransferFuture<B>;
+
+pub(crate) enum TaskState<B> {
+    Queued,
+    InFlight(JoinHandle<(Result<u64, TransferError>, B)>),
+    Done(TaskStatus),
+}
+
+pub(crate) struct Task<T: Transport, B> {
+    pub(crate) launch: Launch<T, B>,
+    pub(crate) target: T::Target,
+    /// `Some` while the batch holds the buffer: before launch, after return.
+    pub(crate) buf: Option<B>,
+    pub(crate) state: TaskState<B>,
+    pub(crate) bytes: u64,
+    pub(crate) attempts: u32,
+}
+
+/// Why the driver woke.
+enum Event {
+    Progress,
+    Deadline,
+    SoftLimit,
+    HardLimit,
+    Abandoned,
+}
+
+pub(crate) struct Driver<T: Transport, B> {
+    pub(crate) transport: T,
+    pub(crate) opts: BatchOptions,
+    pub(crate) tasks: Vec<Task<T, B>>,
+    pub(crate) shared: Rc<Shared<B>>,
+    pub(crate) id: u64,
+    started: Instant,
+    deadline: Option<Instant>,
+    fence_started: Option<Instant>,
+    fence_time: Option<Duration>,
+    soft: Option<Sleep>,
+    hard: Option<Sleep>,
+    deadline_sleep: Option<Sleep>,
+}
+
+fn next_wire_batch() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+impl<T: Transport, B: 'static> Driver<T, B> {
+    pub(crate) fn new(
+        transport: T,
+        opts: BatchOptions,
+        tasks: Vec<Task<T, B>>,
+        shared: Rc<Shared<B>>,
+        id: u64,
+    ) -> Self {
+        let started = Instant::now();
+        Driver {
+            transport,
+            deadline: opts.deadline.map(|d| started + d),
+            opts,
+            tasks,
+            shared,
+            id,
+            started,
+            fence_started: None,
+            fence_time: None,
+            soft: None,
+            hard: None,
+            deadline_sleep: None,
+        }
+    }
+
+    pub(crate) async fn run(mut self) {
+        let span = tracing::info_span!(
+            "batch",
+            id = self.id,
+            tasks = self.tasks.len(),
+            bytes = self
+                .tasks
+                .iter()
+                .map(|t| self.transport.len(&t.target))
+                .sum::<u64>()
+        );
+        let _e = span.enter();
+        self.deadline_sleep = self.deadline.map(sleep_until);
+        loop {
+            let wire = next_wire_batch();
+            self.launch(wire);
+            self.wait_quiescent(wire).await;
+            if !self.retry().await {
+                break;
+            }
+        }
+        let q = self.finish();
+        let outcome = if q.all_completed() {
+            "completed"
+        } else {
+            "failed"
+        };
+        tracing::info!(
+            outcome,
+            unknown_first = self.shared.unknown.get(),
+            fence_us = q.fence_time.map(|d| d.as_micros() as u64),
+            elapsed_us = q.elapsed.as_micros() as u64,
+            "batch quiesced"
+        );
+        self.shared.finished.set(true);
+        if self.shared.abandoned.get() {
+            tracing::info!("abandoned batch drained; releasing its buffers");
+            drop(q);
+        } else {
+            *self.shared.final_result.borrow_mut() = Some(q);
+            self.shared.wake_waiter();
+        }
+    }
+
+    fn launch(&mut self, wire: u64) {
+        for t in self.tasks.iter_mut() {
+            if !matches!(t.state, TaskState::Queued) {
+                continue;
+            }
+            let buf = t.buf.take().expect("a queued task holds its buffer");
+            // Spawned, so the transfer runs on (and keeps its buffer) even if
+            // this driver is dropped with its runtime.
+            let h = spawn_local((t.launch)(&self.transport, &t.target, buf, wire));
+            t.attempts += 1;
+            t.state = TaskState::InFlight(h);
+        }
+    }
+
+    fn all_terminal(&self) -> bool {
+        self.tasks
+            .iter()
+            .all(|t| matches!(t.state, TaskState::Done(_)))
+    }
+
+    fn fencing(&self) -> bool {
+        self.fence_started.is_some()
+    }
+
+    /// Waits until every task is terminal, fencing on FailFast failures,
+    /// the deadline, or abandonment.
+    async fn wait_quiescent(&mut self, wire: u64) {
+        while !self.all_terminal() {
+            match self.next_event().await {
+                Event::Progress => {
+                    let failed = self
+                        .tasks
+                        .iter()
+                        .any(|t| matches!(t.state, TaskState::Done(TaskStatus::Failed(_))));
+                    if failed && self.opts.policy == FailurePolicy::FailFast && !self.fencing() {
+                        self.start_fence(
+                            wire,
+                            Instant::now() + self.opts.fence_grace,
+                            "task failed",
+                        );
+                    }
+                }
+                Event::Deadline => {
+                    self.deadline_sleep = None;
+                    if !self.fencing() {
+                        let hard =
+                            self.deadline.unwrap_or_else(Instant::now) + self.opts.fence_grace;
+                        self.start_fence(wire, hard, "deadline");
+                    }
+                }
+                Event::Abandoned => {
+                    if !self.fencing() {
+                        self.start_fence(wire, Instant::now() + self.opts.fence_grace, "dropped");
+                    }
+                }
+                Event::SoftLimit => {
+                    self.soft = None;
+                    tracing::warn!("remote fence not done at half grace; tearing down connections");
+                    for p in self.inflight_peers() {
+                        self.transport.abort(&p);
+                    }
+                }
+                Event::HardLimit => {
+                    self.hard = None;
+                    if !self.shared.unknown.get() {
+                        tracing::warn!("fence not finished within grace: CompletionUnknown");
+                        self.shared.unknown.set(true);
+                        self.shared.wake_waiter();
+                    }
+                }
+            }
+        }
+        if let Some(s) = self.fence_started {
+            self.fence_time.get_or_insert(s.elapsed());
+        }
+    }
+
+    fn inflight_peers(&self) -> HashSet<T::Peer> {
+        self.tasks
+            .iter()
+            .filter(|t| matches!(t.state, TaskState::InFlight(_)))
+            .map(|t| self.transport.peer(&t.target))
+            .collect()
+    }
+
+    fn start_fence(&mut self, wire: u64, hard: Instant, why: &'static str) {
+        let now = Instant::now();
+        tracing::info!(why, "fencing the batch");
+        self.fence_started = Some(now);
+        let soft = now + hard.saturating_duration_since(now) / 2;
+        self.soft = Some(sleep_until(soft));
+        self.hard = Some(sleep_until(hard));
+        for p in self.inflight_peers() {
+            let f = self.transport.fence(&p, wire);
+            spawn_local(async move {
+                if let Err(e) = f.await {
+                    tracing::debug!(error = %e, "remote fence failed");
+                }
+            });
+        }
+    }
+
+    /// Records finished transfers; otherwise waits for one, or a timer.
+    async fn next_event(&mut self) -> Event {
+        std::future::poll_fn(|cx| {
+            let mut progress = false;
+            for t in self.tasks.iter_mut() {
+                let TaskState::InFlight(h) = &mut t.state else {
+                    continue;
+                };
+                let Poll::Ready(joined) = Pin::new(h).poll(cx) else {
+                    continue;
+                };
+                let (res, buf) = match joined {
+                    Ok(out) => out,
+                    // A transport that panics has lost track of a buffer:
+                    // there is no outcome to give, only the panic.
+                    Err(JoinError::Panicked(p)) => std::panic::resume_unwind(p),
+                    Err(JoinError::Cancelled) => unreachable!("transfers are never aborted"),
+                };
+                t.buf = Some(buf);
+                let (status, bytes) = match res {
+                    Ok(n) => (TaskStatus::Completed, n),
+                    Err(TransferError::Fenced) => (TaskStatus::Fenced, 0),
+                    Err(TransferError::FencedPartial { landed }) => (TaskStatus::Fenced, landed),
+                    Err(e) => (TaskStatus::Failed(e), 0),
+                };
+                t.bytes = bytes;
+                t.state = TaskState::Done(status);
+                progress = true;
+            }
+            if progress {
+                return Poll::Ready(Event::Progress);
+            }
+            if self.shared.abandoned.get() && !self.fencing() {
+                return Poll::Ready(Event::Abandoned);
+            }
+            if let Some(s) = self.deadline_sleep.as_mut() {
+                if Pin::new(s).poll(cx).is_ready() {
+                    return Poll::Ready(Event::Deadline);
+                }
+            }
+            if let Some(s) = self.soft.as_mut() {
+                if Pin::new(s).poll(cx).is_ready() {
+                    return Poll::Ready(Event::SoftLimit);
+                }
+            }
+            if let Some(s) = self.hard.as_mut() {
+                if Pin::new(s).poll(cx).is_ready() {
+                    return Poll::Ready(Event::HardLimit);
+                }
+            }
+            *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// After quiescence: re-queue failed tasks if the policy allows it.
+    async fn retry(&mut self) -> bool {
+        let attempt = self.tasks.iter().map(|t| t.attempts).max().unwrap_or(0);
+        if attempt > self.opts.retry.attempts
+            || self.shared.abandoned.get()
+            || self.shared.unknown.get()
+        {
+            return false;
+        }
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return false;
+        }
+        let mut any = false;
+        for t in &self.tasks {
+            match &t.state {
+                TaskState::Done(TaskStatus::Completed) => {}
+                TaskState::Done(TaskStatus::Fenced) => any = true,
+                TaskState::Done(TaskStatus::Failed(e)) if e.is_retryable() => any = true,
+                // A refusal (bounds, rights, …) will not change on retry.
+                _ => return false,
+            }
+        }
+        if !any {
+            return false;
+        }
+        let backoff = self.opts.retry.backoff * 2u32.saturating_pow(attempt.saturating_sub(1));
+        tracing::info!(attempt, ?backoff, "retrying failed tasks after quiescence");
+        quiesce_runtime::time::sleep(backoff).await;
+        for t in &mut self.tasks {
+            if !matches!(t.state, TaskState::Done(TaskStatus::Completed)) {
+                t.state = TaskState::Queued;
+            }
+        }
+        // A new attempt gets fresh fence timers.
+        self.fence_started = None;
+        self.soft = None;
+        self.hard = None;
+        true
+    }
+
+    fn finish(&mut self) -> Quiesced<B> {
+        let mut tasks = Vec::with_capacity(self.tasks.len());
+        let mut buffers = Vec::with_capacity(self.tasks.len());
+        for t in self.tasks.drain(..) {
+            let TaskState::Done(status) = t.state else {
+                unreachable!("finish before quiescence")
+            };
+            tasks.push(TaskReport {
+                status,
+                bytes: t.bytes,
+                attempts: t.attempts,
+            });
+            buffers.push(t.buf.expect("every terminal task holds its buffer"));
+        }
+        Quiesced {
+            tasks,
+            buffers,
+            fence_time: self.fence_time,
+            elapsed: self.started.elapsed(),
+        }
+    }
+}

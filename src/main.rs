@@ -1,0 +1,85 @@
+//! The `quiesce` command: `demo`, `target`.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod cmd {
+    pub mod demo;
+    pub mod target;
+}
+
+#[derive(Parser)]
+#[command(
+    name = "quiesce",
+    version,
+    about = "Transfers that resolve only once nothing can touch their buffers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the seed scenario against a target on loopback and count corrupted rounds.
+    Demo {
+        /// Rounds to run.
+        #[arg(long, default_value_t = 50)]
+        rounds: u32,
+        /// Size of the valid write, in bytes (suffixes K, M, G).
+        #[arg(long, default_value = "64M", value_parser = parse_size)]
+        size: usize,
+    },
+    /// Serve segments `kv` (read-write, --size bytes), `ro` and `wo` to peers.
+    Target {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+        /// Size of the `kv` segment (suffixes K, M, G).
+        #[arg(long, default_value = "64M", value_parser = parse_size)]
+        size: usize,
+        /// Keep serving when stdin closes.
+        #[arg(long)]
+        no_stdin: bool,
+    },
+}
+
+/// `4096`, `4K`, `64M`, `1G`.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .ok_or_else(|| format!("{s:?} is not a size (like 4096, 4K, 64M)"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.cmd.unwrap_or(Cmd::Demo {
+        rounds: 50,
+        size: 64 << 20,
+    }) {
+        Cmd::Demo { rounds, size } => cmd::demo::run(rounds, size),
+        Cmd::Target {
+            listen,
+            size,
+            no_stdin,
+        } => cmd::target::run(listen, size, !no_stdin).map(|()| true),
+    };
+    match res {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("quiesce: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! The seed scenario over real TCP with the target in its own process, and
+//! its variants: the read mirror, a deadline with the target stopped, a
+//! dropped batch, FailFast against Drain.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use quiesce::batch::{Batch, BatchOptions, FailurePolicy, Outcome, RemoteRange, TaskStatus, Tcp};
+use quiesce::runtime::{spawn_local, time, Runtime};
+use quiesce::scenario::{
+    count_remote, read_round, seed_options, write_round, Kind, Remote, POST_OUTCOME,
+};
+use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Token, TransferError};
+
+const BIG: usize = 64 << 20;
+
+struct Target {
+    child: Child,
+    addr: SocketAddr,
+    tokens: HashMap<String, Token>,
+}
+
+impl Target {
+    fn spawn() -> Target {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_quiesce"))
+            .args(["target", "--size", &BIG.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut tokens = HashMap::new();
+        let addr = loop {
+            let line = lines.next().unwrap().unwrap();
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.as_slice() {
+                ["segment", name, _, _, token] => {
+                    tokens.insert(name.to_string(), token.parse().unwrap());
+                }
+                ["listening", a] => break a.parse().unwrap(),
+                _ => panic!("{line}"),
+            }
+        };
+        Target {
+            child,
+            addr,
+            tokens,
+        }
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) takes no pointers.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn remote(t: &Target, refuse: &str) -> (Engine, Remote) {
+    let e = Engine::bind(EngineConfig::default()).unwrap();
+    let peer = e.connect(t.addr).await.unwrap();
+    let r = Remote {
+        kv: peer.open("kv", t.tokens["kv"]).await.unwrap(),
+        refuse: peer.open(refuse, t.tokens[refuse]).await.unwrap(),
+    };
+    (e, r)
+}
+
+#[test]
+fn seed_scenario_50_rounds_no_post_outcome_byte_lands() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "ro").await;
+        let mut src = AlignedBuf::new(BIG);
+        let mut corrupted = 0;
+        for round in 0..50 {
+            let (res, s) =
+                write_round(&r, src, round, seed_options(), Duration::from_millis(10)).await;
+            src = s;
+            assert_ne!(
+                res.kind,
+                Kind::Completed,
+                "the refused write must fail the batch"
+            );
+            corrupted += (res.corrupted_bytes > 0) as u32;
+        }
+        assert_eq!(corrupted, 0, "corrupted: {corrupted}/50");
+    });
+}
+
+#[test]
+fn read_mirror_no_remote_byte_lands_after_the_outcome() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "wo").await;
+        let mut dst = AlignedBuf::new(BIG);
+        for round in 0..10 {
+            let (res, d) =
+                read_round(&r, dst, round, seed_options(), Duration::from_millis(10)).await;
+            dst = d;
+            assert_ne!(res.kind, Kind::Completed);
+            assert_eq!(
+                res.corrupted_bytes, 0,
+                "remote data landed after the outcome in round {round}"
+            );
+        }
+    });
+}
+
+#[test]
+fn deadline_with_the_target_stopped_then_resumed() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "ro").await;
+        let opts = BatchOptions::default()
+            .policy(FailurePolicy::FailFast)
+            .deadline(Duration::from_millis(30))
+            .fence_grace(Duration::from_millis(200));
+        let mut batch = Batch::new(Tcp, opts);
+        batch
+            .write(
+                AlignedBuf::from_slice(&vec![7u8; BIG]),
+                RemoteRange::new(&r.kv, 0, BIG as u64),
+            )
+            .ok()
+            .unwrap();
+        let sub = batch.submit();
+        time::sleep(Duration::from_millis(3)).await;
+        t.signal(libc::SIGSTOP);
+        let outcome = sub.await;
+        let code = outcome.sync_code();
+        assert!(
+            code == -1 || code == -2,
+            "a stopped target cannot complete the batch: {code}"
+        );
+        let q = outcome.quiesced().await;
+        assert!(!q.all_completed());
+        let mut src = q.into_buffers().pop().unwrap();
+        src.fill(POST_OUTCOME);
+        t.signal(libc::SIGCONT);
+        time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            count_remote(&r.kv, BIG as u64, POST_OUTCOME).await,
+            0,
+            "a post-outcome byte landed"
+        );
+    });
+}
+
+#[test]
+fn a_dropped_batch_drains_in_the_background() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "ro").await;
+        let mut batch = Batch::new(Tcp, BatchOptions::default());
+        batch
+            .write(
+                AlignedBuf::from_slice(&vec![5u8; BIG]),
+                RemoteRange::new(&r.kv, 0, BIG as u64),
+            )
+            .ok()
+            .unwrap();
+        let sub = batch.submit();
+        let h = spawn_local(sub);
+        time::sleep(Duration::from_millis(2)).await;
+        h.abort(); // drops the in-flight batch
+        assert!(h.await.is_err());
+        // It fences and drains on its own; the engine stays usable.
+        time::sleep(Duration::from_millis(50)).await;
+        let before = quiesce::runtime::stats();
+        let mut b = Batch::new(Tcp, BatchOptions::default());
+        b.write(vec![1u8; 4096], RemoteRange::new(&r.kv, 0, 4096))
+            .ok()
+            .unwrap();
+        let q = b.submit().await.quiesced().await;
+        assert!(q.all_completed());
+        assert!(quiesce::runtime::stats().completions > before.completions);
+    });
+}
+
+#[test]
+fn fail_fast_fences_the_rest_while_drain_lets_it_finish() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "ro").await;
+        for policy in [FailurePolicy::FailFast, FailurePolicy::Drain] {
+            let mut batch = Batch::new(Tcp, BatchOptions::default().policy(policy));
+            batch
+                .write(
+                    AlignedBuf::from_slice(&[1u8; 4096]),
+                    RemoteRange::new(&r.refuse, 0, 4096),
+                )
+                .ok()
+                .unwrap();
+            batch
+                .write(
+                    AlignedBuf::from_slice(&vec![2u8; BIG]),
+                    RemoteRange::new(&r.kv, 0, BIG as u64),
+                )
+                .ok()
+                .unwrap();
+            let q = match batch.submit().await {
+                Outcome::Quiesced(q) => q,
+                Outcome::CompletionUnknown(_) => panic!("a live target answers the fence"),
+            };
+            assert_eq!(q.sync_code(), -1);
+            let st = &q.tasks()[0].status;
+            assert!(
+                matches!(st, TaskStatus::Failed(TransferError::Forbidden(_))),
+                "{st:?}"
+            );
+            match policy {
+                FailurePolicy::FailFast => {
+                    assert_eq!(q.tasks()[1].status, TaskStatus::Fenced);
+                    assert!(q.fence_time().is_some());
+                }
+                FailurePolicy::Drain => {
+                    assert_eq!(q.tasks()[1].status, TaskStatus::Completed);
+                    assert_eq!(q.tasks()[1].bytes, BIG as u64);
+                    assert!(q.fence_time().is_none());
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn retries_happen_after_quiescence_and_only_for_failed_tasks() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "ro").await;
+        // A connection reset mid-batch makes the slices fail retryably.
+        let mut batch = Batch::new(
+            Tcp,
+            BatchOptions::default().retry(3, Duration::from_millis(5)),
+        );
+        batch
+            .write(vec![3u8; 8 << 20], RemoteRange::new(&r.kv, 0, 8 << 20))
+            .ok()
+            .unwrap();
+        batch
+            .write(vec![4u8; 4096], RemoteRange::new(&r.kv, 16 << 20, 4096))
+            .ok()
+            .unwrap();
+        let sub = spawn_local(batch.submit());
+        time::sleep(Duration::from_micros(300)).await;
+        r.kv.peer().abort();
+        let q = sub.await.unwrap().quiesced().await;
+        assert!(q.all_completed(), "{:?}", q.tasks());
+        let buf = &q.buffers()[0];
+        assert!(buf.iter().all(|&b| b == 3));
+        assert!(q.tasks().iter().all(|t| t.attempts <= 4));
+        assert!(
+            q.tasks().iter().any(|t| t.attempts > 1),
+            "the reset came too late to test a retry"
+        );
+    });
+}
+
+#[test]
+fn bad_input_is_a_typed_error_and_loses_nothing() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "ro").await;
+        let mut batch = Batch::new(Tcp, BatchOptions::default().max_tasks(1));
+        let e = batch
+            .write(vec![1u8; 10], RemoteRange::new(&r.kv, 0, 20))
+            .err()
+            .unwrap();
+        assert_eq!(
+            e.reason,
+            quiesce::batch::BatchError::LengthMismatch { buf: 10, range: 20 }
+        );
+        assert_eq!(e.buf, vec![1u8; 10]);
+        batch
+            .write(vec![1u8; 20], RemoteRange::new(&r.kv, 0, 20))
+            .ok()
+            .unwrap();
+        let e = batch
+            .write(vec![2u8; 20], RemoteRange::new(&r.kv, 0, 20))
+            .err()
+            .unwrap();
+        assert_eq!(e.reason, quiesce::batch::BatchError::TooLarge { max: 1 });
+        assert_eq!(e.buf, vec![2u8; 20]);
+    });
+}
