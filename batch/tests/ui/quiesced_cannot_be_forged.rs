@@ -1,0 +1,12 @@
+// The only way to hold a batch's buffers again is a `Quiesced` that the
+// batch produced; one cannot be assembled by hand.
+use quiesce_batch::sim::SimBuf;
+use quiesce_batch::Quiesced;
+
+fn forge() -> Quiesced<SimBuf> {
+    Quiesced { tasks: Vec::new(), buffers: Vec::new(), fence_time: None, elapsed: Default::default() }
+}
+
+fn main() {
+    let _ = forge;
+}
