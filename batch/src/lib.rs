@@ -19,10 +19,12 @@
 #![deny(missing_docs)]
 
 mod batch;
+pub mod ffi;
 mod options;
 mod outcome;
 mod run;
 pub mod sim;
+pub mod sync;
 mod transport;
 
 pub use batch::{Batch, BatchError, Rejected};

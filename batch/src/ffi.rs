@@ -1,0 +1,375 @@
+//! The C ABI (`include/quiesce.h`): blocking calls that return 0, -1 or -2.
+//!
+//! The caller's memory is described by raw pointers. The contract: from the
+//! call until it returns 0 or -1 — or, after -2, until `quiesce_ticket_wait`
+//! or `quiesce_ticket_poll` returns 0 or -1 for its ticket — the memory must
+//! stay valid and must not be freed, reused or touched. After 0 or -1 nothing
+//! touches it any more.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::time::Duration;
+
+use quiesce_runtime::{IoBuf, IoBufMut};
+use quiesce_transports::{EngineConfig, Token};
+
+use crate::sync::{Direction, SyncEngine, SyncOutcome, SyncTask};
+use crate::{BatchOptions, FailurePolicy, SYNC_FAILED};
+
+/// A caller-owned memory range lent to a batch.
+pub struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the C caller promised the memory stays valid and untouched while
+// the batch holds it; moving the description between threads is harmless.
+unsafe impl Send for RawBuf {}
+
+// SAFETY: valid for `len` bytes for as long as the batch holds it (the
+// caller's contract); a raw range does not move.
+unsafe impl IoBuf for RawBuf {
+    fn stable_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn bytes_init(&self) -> usize {
+        self.len
+    }
+    fn bytes_total(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: as above; the caller lends the range for writing by reads.
+unsafe impl IoBufMut for RawBuf {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+    unsafe fn set_init(&mut self, _pos: usize) {}
+}
+
+/// An engine handle for C.
+pub struct QuiesceEngine(SyncEngine);
+
+/// One task of a C batch.
+#[repr(C)]
+pub struct QuiesceTask {
+    /// Handle from `quiesce_open`.
+    pub segment: u32,
+    /// Offset in the remote segment.
+    pub offset: u64,
+    /// Local memory.
+    pub buf: *mut c_void,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Batch options for C; a null pointer means the defaults.
+#[repr(C)]
+pub struct QuiesceOptions {
+    /// 0: no deadline.
+    pub deadline_ms: u64,
+    /// Fence grace; 0 means the default (200 ms).
+    pub fence_grace_ms: u64,
+    /// Non-zero: fail fast.
+    pub fail_fast: i32,
+    /// Extra attempts for failed tasks, after quiescence.
+    pub retries: u32,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(msg: impl std::fmt::Display) -> i32 {
+    let s = CString::new(msg.to_string().replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = s);
+    SYNC_FAILED
+}
+
+/// The last error message of this thread ("" if none). Valid until the next
+/// call on this thread.
+#[no_mangle]
+pub extern "C" fn quiesce_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Starts an engine named `node` (may be null). Null on failure.
+///
+/// # Safety
+/// `node` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut QuiesceEngine {
+    let mut cfg = EngineConfig::default();
+    if !node.is_null() {
+        // SAFETY: the caller passes a NUL-terminated string.
+        cfg.node = unsafe { CStr::from_ptr(node) }
+            .to_string_lossy()
+            .into_owned();
+    }
+    match SyncEngine::start(cfg) {
+        Ok(e) => Box::into_raw(Box::new(QuiesceEngine(e))),
+        Err(e) => {
+            set_error(e);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Stops an engine; batches still in flight drain first.
+///
+/// # Safety
+/// `e` came from `quiesce_engine_start` and is not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_engine_stop(e: *mut QuiesceEngine) {
+    if !e.is_null() {
+        // SAFETY: the pointer came from Box::into_raw in quiesce_engine_start.
+        drop(unsafe { Box::from_raw(e) });
+    }
+}
+
+/// # Safety
+/// `p` is null or NUL-terminated.
+unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, i32> {
+    if p.is_null() {
+        return Err(set_error(format!("{what} is null")));
+    }
+    // SAFETY: the caller passes a NUL-terminated string.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| set_error(format!("{what} is not UTF-8")))
+}
+
+/// Connects to `addr` ("host:port"), proves `token` (32 hex digits) for
+/// segment `name`, and stores a handle in `*handle_out`. 0 or -1.
+///
+/// # Safety
+/// `e` is a live engine; strings are NUL-terminated; `handle_out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_open(
+    e: *mut QuiesceEngine,
+    addr: *const c_char,
+    name: *const c_char,
+    token: *const c_char,
+    handle_out: *mut u32,
+) -> i32 {
+    // SAFETY: forwarded caller guarantees.
+    let (Some(engine), Ok(addr), Ok(name), Ok(token)) = (
+        unsafe { e.as_ref() },
+        unsafe { text(addr, "addr") },
+        unsafe { text(name, "name") },
+        unsafe { text(token, "token") },
+    ) else {
+        return set_error("null engine or bad argument");
+    };
+    let Ok(addr) = addr.parse() else {
+        return set_error("addr is not host:port");
+    };
+    let Ok(token) = token.parse::<Token>() else {
+        return set_error("token is not 32 hex digits");
+    };
+    match engine.0.open(addr, name, token) {
+        Ok(h) => {
+            if !handle_out.is_null() {
+                // SAFETY: the caller passes a writable u32.
+                unsafe { *handle_out = h };
+            }
+            0
+        }
+        Err(err) => set_error(err),
+    }
+}
+
+fn options(o: *const QuiesceOptions) -> BatchOptions {
+    let mut opts = BatchOptions::default();
+    // SAFETY: null or a valid options struct (the caller's contract).
+    if let Some(o) = unsafe { o.as_ref() } {
+        if o.deadline_ms > 0 {
+            opts = opts.deadline(Duration::from_millis(o.deadline_ms));
+        }
+        if o.fence_grace_ms > 0 {
+            opts = opts.fence_grace(Duration::from_millis(o.fence_grace_ms));
+        }
+        if o.fail_fast != 0 {
+            opts = opts.policy(FailurePolicy::FailFast);
+        }
+        opts.retry.attempts = o.retries;
+    }
+    opts
+}
+
+fn answer(out: Result<SyncOutcome<RawBuf>, crate::sync::SyncError>, ticket_out: *mut u64) -> i32 {
+    match out {
+        Ok(o) => {
+            if let (Some(t), false) = (o.ticket, ticket_out.is_null()) {
+                // SAFETY: the caller passes a writable u64.
+                unsafe { *ticket_out = t };
+            }
+            if let Some(bad) = o
+                .tasks
+                .iter()
+                .find(|t| t.status != crate::TaskStatus::Completed)
+            {
+                set_error(format!("{:?}", bad.status));
+            }
+            o.code
+        }
+        Err(err) => set_error(err),
+    }
+}
+
+/// # Safety
+/// See [`quiesce_batch_transfer_sync_write`].
+unsafe fn batch(
+    e: *mut QuiesceEngine,
+    dir: Direction,
+    tasks: *const QuiesceTask,
+    n: usize,
+    opts: *const QuiesceOptions,
+    ticket_out: *mut u64,
+) -> i32 {
+    // SAFETY: the caller passes a live engine or null.
+    let Some(engine) = (unsafe { e.as_ref() }) else {
+        return set_error("null engine");
+    };
+    if tasks.is_null() || n == 0 {
+        return set_error("no tasks");
+    }
+    // SAFETY: the caller passes `n` readable tasks.
+    let tasks = unsafe { std::slice::from_raw_parts(tasks, n) };
+    if tasks.iter().any(|t| t.buf.is_null() || t.len == 0) {
+        return set_error("a task has a null buffer or zero length");
+    }
+    let tasks = tasks
+        .iter()
+        .map(|t| SyncTask {
+            segment: t.segment,
+            offset: t.offset,
+            buf: RawBuf {
+                ptr: t.buf.cast(),
+                len: t.len as usize,
+            },
+        })
+        .collect();
+    answer(engine.0.batch(dir, tasks, options(opts)), ticket_out)
+}
+
+/// Writes every task's buffer to its remote range as one batch.
+/// 0: all completed; -1: failed, nothing touches the buffers; -2: unknown,
+/// keep the buffers untouched and wait on `*ticket_out`.
+///
+/// # Safety
+/// `e` is a live engine; `tasks` points to `n` tasks whose buffers stay
+/// valid and untouched per the module contract; `opts` is null or valid;
+/// `ticket_out` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_batch_transfer_sync_write(
+    e: *mut QuiesceEngine,
+    tasks: *const QuiesceTask,
+    n: usize,
+    opts: *const QuiesceOptions,
+    ticket_out: *mut u64,
+) -> i32 {
+    // SAFETY: forwarded caller guarantees.
+    unsafe { batch(e, Direction::Write, tasks, n, opts, ticket_out) }
+}
+
+/// Reads every task's remote range into its buffer as one batch. Codes as
+/// for the write.
+///
+/// # Safety
+/// As for [`quiesce_batch_transfer_sync_write`].
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_batch_transfer_sync_read(
+    e: *mut QuiesceEngine,
+    tasks: *const QuiesceTask,
+    n: usize,
+    opts: *const QuiesceOptions,
+    ticket_out: *mut u64,
+) -> i32 {
+    // SAFETY: forwarded caller guarantees.
+    unsafe { batch(e, Direction::Read, tasks, n, opts, ticket_out) }
+}
+
+/// One write (a batch of one task).
+///
+/// # Safety
+/// As for [`quiesce_batch_transfer_sync_write`], with `src` valid for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_transfer_sync_write(
+    e: *mut QuiesceEngine,
+    segment: u32,
+    offset: u64,
+    src: *const c_void,
+    len: u64,
+    opts: *const QuiesceOptions,
+    ticket_out: *mut u64,
+) -> i32 {
+    let t = QuiesceTask {
+        segment,
+        offset,
+        buf: src.cast_mut(),
+        len,
+    };
+    // SAFETY: forwarded caller guarantees; one task.
+    unsafe { batch(e, Direction::Write, &t, 1, opts, ticket_out) }
+}
+
+/// One read (a batch of one task).
+///
+/// # Safety
+/// As for [`quiesce_batch_transfer_sync_write`], with `dst` writable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_transfer_sync_read(
+    e: *mut QuiesceEngine,
+    segment: u32,
+    offset: u64,
+    dst: *mut c_void,
+    len: u64,
+    opts: *const QuiesceOptions,
+    ticket_out: *mut u64,
+) -> i32 {
+    let t = QuiesceTask {
+        segment,
+        offset,
+        buf: dst,
+        len,
+    };
+    // SAFETY: forwarded caller guarantees; one task.
+    unsafe { batch(e, Direction::Read, &t, 1, opts, ticket_out) }
+}
+
+/// Waits up to `timeout_ms` for a ticket's batch to drain: 0 or -1 once it
+/// has (the buffers are free again), -2 if it still has not.
+///
+/// # Safety
+/// `e` is a live engine.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_ticket_wait(
+    e: *mut QuiesceEngine,
+    ticket: u64,
+    timeout_ms: u64,
+) -> i32 {
+    // SAFETY: the caller passes a live engine or null.
+    let Some(engine) = (unsafe { e.as_ref() }) else {
+        return set_error("null engine");
+    };
+    match engine
+        .0
+        .wait::<RawBuf>(ticket, Duration::from_millis(timeout_ms))
+    {
+        Ok(Some(o)) => o.code,
+        Ok(None) => crate::SYNC_UNKNOWN,
+        Err(err) => set_error(err),
+    }
+}
+
+/// `quiesce_ticket_wait` without waiting.
+///
+/// # Safety
+/// `e` is a live engine.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_ticket_poll(e: *mut QuiesceEngine, ticket: u64) -> i32 {
+    // SAFETY: forwarded caller guarantee.
+    unsafe { quiesce_ticket_wait(e, ticket, 0) }
+}

@@ -1,0 +1,287 @@
+//! Blocking use from code that has no async runtime: a [`SyncEngine`] runs a
+//! runtime and a transfer engine on its own thread; calls block until the
+//! batch has an outcome and return the C-compatible code.
+//!
+//! | code | meaning | the buffers |
+//! |---:|---|---|
+//! | 0 | every task completed | back with the caller |
+//! | -1 | the batch failed | back with the caller; nothing touches them |
+//! | -2 | completion unknown | still held: do not free or reuse; wait or poll the ticket |
+
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::mpsc;
+use std::thread;
+use std::time::Duration;
+
+use quiesce_runtime::shard::{channel, Sender};
+use quiesce_runtime::{spawn_local, IoBufMut, Runtime};
+use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Token, TransferError};
+
+use crate::{
+    Batch, BatchOptions, Outcome, Quiesced, RemoteRange, TaskReport, Tcp, Ticket, SYNC_UNKNOWN,
+};
+
+/// Which direction a sync batch moves data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Local buffers → remote segments.
+    Write,
+    /// Remote segments → local buffers.
+    Read,
+}
+
+/// One task of a sync batch: a buffer and where it goes (or comes from).
+#[derive(Debug)]
+pub struct SyncTask<B> {
+    /// A handle from [`SyncEngine::open`].
+    pub segment: u32,
+    /// Offset in the segment.
+    pub offset: u64,
+    /// The buffer; its whole length moves.
+    pub buf: B,
+}
+
+/// The result of a sync call.
+#[derive(Debug)]
+pub struct SyncOutcome<B> {
+    /// 0, -1 or -2.
+    pub code: i32,
+    /// The buffers (task order) for 0 and -1; `None` for -2.
+    pub buffers: Option<Vec<B>>,
+    /// Per-task reports for 0 and -1.
+    pub tasks: Vec<TaskReport>,
+    /// For -2: wait on or poll this id.
+    pub ticket: Option<u64>,
+}
+
+type Job = Box<dyn FnOnce(&State) + Send>;
+
+/// What the engine thread keeps. Shared with the tasks it spawns.
+#[derive(Clone)]
+struct State {
+    engine: Engine,
+    segments: Rc<RefCell<Vec<RemoteSegment>>>,
+    /// Tickets of batches whose completion is unknown, by id.
+    tickets: Rc<RefCell<HashMap<u64, Box<dyn Any>>>>,
+    next_ticket: Rc<Cell<u64>>,
+}
+
+/// A transfer engine on its own thread, for blocking callers.
+pub struct SyncEngine {
+    jobs: Option<Sender<Job>>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+/// Errors of the sync API that happen before any transfer starts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SyncError {
+    /// The engine's thread is gone.
+    #[error("the engine has stopped")]
+    Stopped,
+    /// No segment was opened under this handle.
+    #[error("unknown segment handle {0}")]
+    UnknownSegment(u32),
+    /// No ticket has this id (or it was already collected).
+    #[error("unknown ticket {0}")]
+    UnknownTicket(u64),
+    /// A transport error (connecting, opening).
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    /// The batch rejected a task.
+    #[error(transparent)]
+    Batch(#[from] crate::BatchError),
+    /// Setting up the engine failed.
+    #[error("engine set-up failed: {0}")]
+    Setup(String),
+}
+
+impl SyncEngine {
+    /// Starts the engine thread.
+    pub fn start(cfg: EngineConfig) -> Result<SyncEngine, SyncError> {
+        let (jobs, mut rx) = channel::<Job>();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let thread = thread::Builder::new()
+            .name("quiesce-sync".into())
+            .spawn(move || {
+                let rt = match Runtime::new() {
+                    Ok(rt) => rt,
+                    Err(e) => return ready_tx.send(Err(e.to_string())).unwrap_or(()),
+                };
+                rt.block_on(async move {
+                    let engine = match Engine::bind(cfg) {
+                        Ok(e) => e,
+                        Err(e) => return ready_tx.send(Err(e.to_string())).unwrap_or(()),
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    let st = State {
+                        engine,
+                        segments: Rc::default(),
+                        tickets: Rc::default(),
+                        next_ticket: Rc::new(Cell::new(1)),
+                    };
+                    // A job's sender wakes this runtime from the caller's thread.
+                    while let Some(job) = rx.recv().await {
+                        job(&st);
+                    }
+                    st.engine.shutdown();
+                    // Batches still in flight drain as the runtime drops.
+                });
+            })
+            .map_err(|e| SyncError::Setup(e.to_string()))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(SyncEngine {
+                jobs: Some(jobs),
+                thread: Some(thread),
+            }),
+            Ok(Err(e)) => Err(SyncError::Setup(e)),
+            Err(_) => Err(SyncError::Stopped),
+        }
+    }
+
+    /// Runs `f` on the engine thread; it answers through the sender (maybe
+    /// later, from a task it spawns). Blocks until it does.
+    fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&State, mpsc::Sender<R>) + Send + 'static,
+    ) -> Result<R, SyncError> {
+        let (tx, rx) = mpsc::channel();
+        let jobs = self.jobs.as_ref().ok_or(SyncError::Stopped)?;
+        jobs.send(Box::new(move |st: &State| f(st, tx)))
+            .map_err(|_| SyncError::Stopped)?;
+        rx.recv().map_err(|_| SyncError::Stopped)
+    }
+
+    /// Connects to `addr` and proves `token` for segment `name`; returns a handle.
+    pub fn open(&self, addr: SocketAddr, name: &str, token: Token) -> Result<u32, SyncError> {
+        let name = name.to_string();
+        self.call(move |st, tx| {
+            let st = st.clone();
+            spawn_local(async move {
+                let r = async {
+                    let peer = st.engine.connect(addr).await?;
+                    let seg = peer.open(&name, token).await?;
+                    let mut segs = st.segments.borrow_mut();
+                    segs.push(seg);
+                    Ok(segs.len() as u32 - 1)
+                };
+                let _ = tx.send(r.await);
+            });
+        })?
+    }
+
+    /// Runs a batch of `dir` tasks and blocks until its outcome.
+    pub fn batch<B: IoBufMut + Send>(
+        &self,
+        dir: Direction,
+        tasks: Vec<SyncTask<B>>,
+        opts: BatchOptions,
+    ) -> Result<SyncOutcome<B>, SyncError> {
+        self.call(move |st, tx| {
+            let mut batch = Batch::new(Tcp, opts);
+            for t in tasks {
+                let Some(seg) = st.segments.borrow().get(t.segment as usize).cloned() else {
+                    let _ = tx.send(Err(SyncError::UnknownSegment(t.segment)));
+                    return;
+                };
+                let range = RemoteRange::new(&seg, t.offset, t.buf.bytes_total() as u64);
+                let added = match dir {
+                    Direction::Write => batch.write(t.buf, range),
+                    Direction::Read => batch.read(t.buf, range),
+                };
+                if let Err(r) = added {
+                    let _ = tx.send(Err(SyncError::Batch(r.reason)));
+                    return;
+                }
+            }
+            let sub = batch.submit();
+            let st = st.clone();
+            spawn_local(async move {
+                let out = match sub.await {
+                    Outcome::Quiesced(q) => finish(q),
+                    Outcome::CompletionUnknown(t) => {
+                        let id = st.next_ticket.get();
+                        st.next_ticket.set(id + 1);
+                        st.tickets.borrow_mut().insert(id, Box::new(t));
+                        SyncOutcome {
+                            code: SYNC_UNKNOWN,
+                            buffers: None,
+                            tasks: Vec::new(),
+                            ticket: Some(id),
+                        }
+                    }
+                };
+                let _ = tx.send(Ok(out));
+            });
+        })?
+    }
+
+    /// Waits up to `timeout` for ticket `id`'s batch to drain. `Ok(None)`
+    /// if it has not (the code stays -2).
+    pub fn wait<B: IoBufMut + Send>(
+        &self,
+        id: u64,
+        timeout: Duration,
+    ) -> Result<Option<SyncOutcome<B>>, SyncError> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match self.poll::<B>(id)? {
+                Some(o) => return Ok(Some(o)),
+                None if std::time::Instant::now() >= deadline => return Ok(None),
+                None => thread::sleep(Duration::from_micros(200)),
+            }
+        }
+    }
+
+    /// The outcome of ticket `id` if its batch has drained.
+    pub fn poll<B: IoBufMut + Send>(&self, id: u64) -> Result<Option<SyncOutcome<B>>, SyncError> {
+        self.call(move |st, tx| {
+            let mut tickets = st.tickets.borrow_mut();
+            let Some(ticket) = tickets.remove(&id) else {
+                let _ = tx.send(Err(SyncError::UnknownTicket(id)));
+                return;
+            };
+            let ticket = match ticket.downcast::<Ticket<B>>() {
+                Ok(t) => *t,
+                Err(other) => {
+                    tickets.insert(id, other);
+                    let _ = tx.send(Err(SyncError::UnknownTicket(id)));
+                    return;
+                }
+            };
+            match ticket.try_take() {
+                Ok(q) => {
+                    let _ = tx.send(Ok(Some(finish(q))));
+                }
+                Err(t) => {
+                    tickets.insert(id, Box::new(t));
+                    let _ = tx.send(Ok(None));
+                }
+            }
+        })?
+    }
+}
+
+fn finish<B>(q: Quiesced<B>) -> SyncOutcome<B> {
+    let code = q.sync_code();
+    let tasks = q.tasks().to_vec();
+    SyncOutcome {
+        code,
+        buffers: Some(q.into_buffers()),
+        tasks,
+        ticket: None,
+    }
+}
+
+impl Drop for SyncEngine {
+    fn drop(&mut self) {
+        // Closing the job channel stops the loop; the runtime then drains.
+        drop(self.jobs.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! The sync API and the C ABI (a C program built by this test), against a
+//! target engine on another thread.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use quiesce_batch::sync::{Direction, SyncEngine, SyncTask};
+use quiesce_batch::{BatchOptions, FailurePolicy, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+use quiesce_runtime::shard::{channel, Shards};
+use quiesce_transports::{Engine, EngineConfig, Rights, Token};
+
+/// A target on its own shard: segments kv (rw) and ro (r); a command stalls it.
+struct Target {
+    addr: std::net::SocketAddr,
+    kv: Token,
+    ro: Token,
+    stall: quiesce_runtime::shard::Sender<Duration>,
+    shards: Option<Shards<()>>,
+}
+
+impl Target {
+    fn start() -> Target {
+        let (stall_tx, stall_rx) = channel::<Duration>();
+        let stall_rx = std::sync::Mutex::new(Some(stall_rx));
+        let (tx, rx) = mpsc::channel();
+        let shards = Shards::builder()
+            .count(1)
+            .pin(false)
+            .spawn(move |shard| {
+                let tx = tx.clone();
+                let mut stall = stall_rx.lock().unwrap().take().unwrap();
+                async move {
+                    let e = Engine::bind(EngineConfig::default()).unwrap();
+                    let kv = e
+                        .register("kv", vec![0u8; 8 << 20], Rights::READ | Rights::WRITE)
+                        .unwrap();
+                    let ro = e.register("ro", vec![0u8; 4096], Rights::READ).unwrap();
+                    tx.send((e.local_addr(), kv.token(), ro.token())).unwrap();
+                    let serve = async {
+                        while let Some(d) = stall.recv().await {
+                            std::thread::sleep(d); // freeze the shard
+                        }
+                    };
+                    let stop = shard.shutdown_requested();
+                    let mut serve = std::pin::pin!(serve);
+                    let mut stop = std::pin::pin!(stop);
+                    std::future::poll_fn(|cx| {
+                        if serve.as_mut().poll(cx).is_ready() || stop.as_mut().poll(cx).is_ready() {
+                            std::task::Poll::Ready(())
+                        } else {
+                            std::task::Poll::Pending
+                        }
+                    })
+                    .await;
+                    e.shutdown();
+                }
+            })
+            .unwrap();
+        let (addr, kv, ro) = rx.recv().unwrap();
+        Target {
+            addr,
+            kv,
+            ro,
+            stall: stall_tx,
+            shards: Some(shards),
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        if let Some(s) = self.shards.take() {
+            s.shutdown();
+        }
+    }
+}
+
+#[test]
+fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    let ro = e.open(t.addr, "ro", t.ro).unwrap();
+
+    let out = e
+        .batch(
+            Direction::Write,
+            vec![SyncTask {
+                segment: kv,
+                offset: 0,
+                buf: vec![9u8; 1 << 20],
+            }],
+            BatchOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(out.code, SYNC_OK);
+    let out = e
+        .batch(
+            Direction::Read,
+            vec![SyncTask {
+                segment: kv,
+                offset: 0,
+                buf: vec![0u8; 1 << 20],
+            }],
+            BatchOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(out.code, SYNC_OK);
+    assert!(out.buffers.unwrap()[0].iter().all(|&b| b == 9));
+
+    let tasks = vec![
+        SyncTask {
+            segment: ro,
+            offset: 0,
+            buf: vec![1u8; 4096],
+        },
+        SyncTask {
+            segment: kv,
+            offset: 0,
+            buf: vec![2u8; 1 << 20],
+        },
+    ];
+    let out = e
+        .batch(
+            Direction::Write,
+            tasks,
+            BatchOptions::default().policy(FailurePolicy::FailFast),
+        )
+        .unwrap();
+    assert_eq!(out.code, SYNC_FAILED);
+    assert_eq!(
+        out.buffers.as_ref().map(Vec::len),
+        Some(2),
+        "-1 hands every buffer back"
+    );
+
+    // A frozen target and no grace: the outcome is unknown, with a ticket.
+    t.stall.send(Duration::from_millis(300)).ok().unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let opts = BatchOptions::default()
+        .deadline(Duration::from_millis(20))
+        .fence_grace(Duration::ZERO);
+    let out = e
+        .batch(
+            Direction::Write,
+            vec![SyncTask {
+                segment: kv,
+                offset: 0,
+                buf: vec![3u8; 4 << 20],
+            }],
+            opts,
+        )
+        .unwrap();
+    assert_eq!(out.code, SYNC_UNKNOWN);
+    assert!(out.buffers.is_none(), "-2 keeps the buffers");
+    let ticket = out.ticket.unwrap();
+    let drained = e
+        .wait::<Vec<u8>>(ticket, Duration::from_secs(10))
+        .unwrap()
+        .expect("drains once the target thaws");
+    assert_ne!(drained.code, SYNC_UNKNOWN);
+    assert_eq!(drained.buffers.unwrap().len(), 1);
+    assert!(
+        e.poll::<Vec<u8>>(ticket).is_err(),
+        "a collected ticket is gone"
+    );
+}
+
+fn cdylib_dir() -> PathBuf {
+    // target/<profile>/deps/<test> → target/<profile>
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+#[test]
+fn the_c_abi_from_a_c_program() {
+    let dir = cdylib_dir();
+    assert!(
+        dir.join("libquiesce_batch.so").exists(),
+        "cdylib not built in {}",
+        dir.display()
+    );
+    let out = std::env::temp_dir().join(format!("quiesce-abi-test-{}", std::process::id()));
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(cc)
+        .arg(root.join("tests/c/abi_test.c"))
+        .arg("-I")
+        .arg(root.join("../include"))
+        .arg("-L")
+        .arg(&dir)
+        .arg("-lquiesce_batch")
+        .arg(format!("-Wl,-rpath,{}", dir.display()))
+        .args(["-Wall", "-Werror", "-o"])
+        .arg(&out)
+        .status()
+        .expect("a C compiler (cc)");
+    assert!(status.success(), "the C test program failed to build");
+    let t = Target::start();
+    let run = Command::new(&out)
+        .arg(t.addr.to_string())
+        .arg(t.kv.to_string())
+        .arg(t.ro.to_string())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&out);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "C program failed: {stdout}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(stdout.contains("c abi: ok"));
+}

@@ -1,0 +1,75 @@
+/*
+ * quiesce C API: blocking transfers that return only once nothing touches the
+ * caller's buffers any more, or say that they cannot know yet.
+ *
+ * Return codes of every transfer call:
+ *    0  every task completed; the buffers are the caller's again.
+ *   -1  the batch failed (or a call was refused before starting: see
+ *       quiesce_last_error()); nothing touches the buffers any more.
+ *   -2  completion unknown: the fence did not finish in time. Do NOT free,
+ *       reuse or touch the buffers; wait on (or poll) *ticket_out until it
+ *       returns 0 or -1.
+ *
+ * Link with -lquiesce_batch (the cdylib of the quiesce-batch crate).
+ */
+#ifndef QUIESCE_H
+#define QUIESCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QUIESCE_OK 0
+#define QUIESCE_FAILED (-1)
+#define QUIESCE_UNKNOWN (-2)
+
+typedef struct QuiesceEngine quiesce_engine;
+
+typedef struct quiesce_task {
+    uint32_t segment; /* handle from quiesce_open */
+    uint64_t offset;  /* offset in the remote segment */
+    void *buf;        /* local memory: source of a write, destination of a read */
+    uint64_t len;     /* bytes */
+} quiesce_task;
+
+typedef struct quiesce_options {
+    uint64_t deadline_ms;    /* 0: no deadline */
+    uint64_t fence_grace_ms; /* 0: the default (200 ms) */
+    int32_t fail_fast;       /* non-zero: fence the rest at the first failure */
+    uint32_t retries;        /* extra attempts for failed tasks, after quiescence */
+} quiesce_options;
+
+/* Starts an engine (its own thread and runtime). NULL on failure. */
+quiesce_engine *quiesce_engine_start(const char *node);
+/* Stops it; batches still in flight drain first. */
+void quiesce_engine_stop(quiesce_engine *e);
+
+/* Connects to addr ("host:port") and proves token (32 hex digits) for the
+ * segment named name; stores a handle in *handle_out. 0 or -1. */
+int quiesce_open(quiesce_engine *e, const char *addr, const char *name, const char *token, uint32_t *handle_out);
+
+/* opts may be NULL (defaults); ticket_out may be NULL if -2 is not expected. */
+int quiesce_transfer_sync_write(quiesce_engine *e, uint32_t segment, uint64_t offset, const void *src, uint64_t len,
+                                const quiesce_options *opts, uint64_t *ticket_out);
+int quiesce_transfer_sync_read(quiesce_engine *e, uint32_t segment, uint64_t offset, void *dst, uint64_t len,
+                               const quiesce_options *opts, uint64_t *ticket_out);
+int quiesce_batch_transfer_sync_write(quiesce_engine *e, const quiesce_task *tasks, size_t n,
+                                      const quiesce_options *opts, uint64_t *ticket_out);
+int quiesce_batch_transfer_sync_read(quiesce_engine *e, const quiesce_task *tasks, size_t n,
+                                     const quiesce_options *opts, uint64_t *ticket_out);
+
+/* For a -2: waits up to timeout_ms; 0 or -1 once drained, -2 if still not. */
+int quiesce_ticket_wait(quiesce_engine *e, uint64_t ticket, uint64_t timeout_ms);
+int quiesce_ticket_poll(quiesce_engine *e, uint64_t ticket);
+
+/* The last error message of the calling thread ("" if none). */
+const char *quiesce_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* QUIESCE_H */
