@@ -72,17 +72,7 @@ pub async fn write_round(
     let t0 = Instant::now();
     let outcome = batch.submit().await;
     let time_to_safe = t0.elapsed();
-    let (kind, q) = match outcome {
-        Outcome::Quiesced(q) => (
-            if q.all_completed() {
-                Kind::Completed
-            } else {
-                Kind::Failed
-            },
-            q,
-        ),
-        Outcome::CompletionUnknown(t) => (Kind::Unknown, t.wait().await),
-    };
+    let (kind, q) = resolve(outcome).await;
     let mut bufs = q.into_buffers();
     let mut src = bufs.pop().expect("the large buffer");
     // The caller reuses its buffer at once, as a serving runtime would.
@@ -124,17 +114,7 @@ pub async fn read_round(
     let t0 = Instant::now();
     let outcome = batch.submit().await;
     let time_to_safe = t0.elapsed();
-    let (kind, q) = match outcome {
-        Outcome::Quiesced(q) => (
-            if q.all_completed() {
-                Kind::Completed
-            } else {
-                Kind::Failed
-            },
-            q,
-        ),
-        Outcome::CompletionUnknown(t) => (Kind::Unknown, t.wait().await),
-    };
+    let (kind, q) = resolve(outcome).await;
     let mut dst = q.into_buffers().pop().expect("the large buffer");
     dst.fill(POST_OUTCOME);
     sleep(settle).await;
@@ -148,6 +128,15 @@ pub async fn read_round(
         },
         dst,
     )
+}
+
+/// The outcome's kind, and its quiescent result (waiting on a ticket).
+async fn resolve<B>(outcome: Outcome<B>) -> (Kind, quiesce_batch::Quiesced<B>) {
+    match outcome {
+        Outcome::Quiesced(q) if q.all_completed() => (Kind::Completed, q),
+        Outcome::Quiesced(q) => (Kind::Failed, q),
+        Outcome::CompletionUnknown(t) => (Kind::Unknown, t.wait().await),
+    }
 }
 
 /// Counts bytes equal to `b` in `seg[0..len]` (read in 8 MiB pieces).

@@ -14,7 +14,7 @@ use crate::conn::{Conn, ConnParams, LocalFences};
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
 use crate::segment::Rights;
-use crate::shared::{set_filled, Shared};
+use crate::shared::{set_filled, Part, Shared};
 use crate::wire::{Descriptor, Status};
 
 /// How an initiator talks to peers.
@@ -277,6 +277,38 @@ impl RemoteSegment {
         &self.peer
     }
 
+    /// Cuts `0..len` of `shared` into slices, runs `slice(conn, offset, part)`
+    /// for each on the data connections round-robin (each slice a task of its
+    /// own, so it finishes even if the caller's future is dropped), and folds
+    /// the results once every slice has answered.
+    async fn stripe<B, F, Fut>(
+        &self,
+        shared: &Shared<B>,
+        len: u64,
+        slice: F,
+    ) -> Result<u64, TransferError>
+    where
+        B: IoBuf,
+        F: Fn(Rc<Conn>, u64, Part<B>) -> Fut + Clone + 'static,
+        Fut: std::future::Future<Output = Result<u64, TransferError>> + 'static,
+    {
+        let inner = &self.peer.inner;
+        let n = inner.params.connections.max(1);
+        let handles: Vec<_> = slices(len, inner.params.slice_size)
+            .map(|(off, l)| {
+                let i = inner.rr.get();
+                inner.rr.set(i.wrapping_add(1));
+                let part = shared.part(off as usize, l as usize);
+                let (peer, slice) = (self.peer.clone(), slice.clone());
+                spawn_local(async move {
+                    let conn = peer.conn(1 + i % n).await?;
+                    slice(conn, off, part).await
+                })
+            })
+            .collect();
+        join_slices(handles).await
+    }
+
     fn check(&self, offset: u64, len: u64) -> Result<(), TransferError> {
         if len == 0 {
             return Err(TransferError::BadLength("zero-length transfer"));
@@ -306,26 +338,14 @@ impl RemoteSegment {
         }
         let shared = Shared::source(src);
         let p = &self.peer.inner.params;
-        let zc = p.zc_threshold.is_some_and(|t| p.slice_size >= t);
-        let base = self.peer.inner.rr.get();
-        let n = p.connections.max(1);
-        let handles: Vec<_> = slices(len, p.slice_size)
-            .enumerate()
-            .map(|(i, (off, l))| {
-                self.peer
-                    .inner
-                    .rr
-                    .set(self.peer.inner.rr.get().wrapping_add(1));
-                let part = shared.part(off as usize, l as usize);
-                let (peer, seg) = (self.peer.clone(), self.desc.id);
-                let zc = zc && p.zc_threshold.is_some_and(|t| l as usize >= t);
-                spawn_local(async move {
-                    let conn = peer.conn(1 + (base + i) % n).await?;
-                    conn.write(batch, seg, offset + off, part, zc).await.0
-                })
+        let zc_threshold = p.zc_threshold;
+        let seg = self.desc.id;
+        let res = self
+            .stripe(&shared, len, move |conn, off, part| async move {
+                let zc = zc_threshold.is_some_and(|t| part.len() >= t);
+                conn.write(batch, seg, offset + off, part, zc).await.0
             })
-            .collect();
-        let res = join_slices(handles).await;
+            .await;
         match shared.try_into_inner() {
             Ok(src) => (res, src),
             Err(_) => unreachable!("every slice returned its part"),
@@ -353,25 +373,12 @@ impl RemoteSegment {
             );
         }
         let shared = Shared::destination(dst);
-        let p = &self.peer.inner.params;
-        let base = self.peer.inner.rr.get();
-        let n = p.connections.max(1);
-        let handles: Vec<_> = slices(len, p.slice_size)
-            .enumerate()
-            .map(|(i, (off, l))| {
-                self.peer
-                    .inner
-                    .rr
-                    .set(self.peer.inner.rr.get().wrapping_add(1));
-                let part = shared.part(off as usize, l as usize);
-                let (peer, seg) = (self.peer.clone(), self.desc.id);
-                spawn_local(async move {
-                    let conn = peer.conn(1 + (base + i) % n).await?;
-                    conn.read(batch, seg, offset + off, part).await
-                })
+        let seg = self.desc.id;
+        let res = self
+            .stripe(&shared, len, move |conn, off, part| async move {
+                conn.read(batch, seg, offset + off, part).await
             })
-            .collect();
-        let res = join_slices(handles).await;
+            .await;
         let mut dst = match shared.try_into_inner() {
             Ok(dst) => dst,
             Err(_) => unreachable!("every slice returned its part"),

@@ -216,8 +216,16 @@ impl Conn<'_> {
         Ok(())
     }
 
-    /// The segment, if the request may touch it.
+    /// The segment, if the request may touch it: length within `1..=max`,
+    /// batch not fenced, segment known, token proven, right granted, range
+    /// inside the segment without overflow.
     fn check(&self, h: &Header, need: Rights) -> Result<Segment, Status> {
+        if h.length == 0 || h.length > self.engine.config.max_frame {
+            return Err(Status::BadFrame);
+        }
+        if self.engine.fences.is_fenced(self.session, h.batch) {
+            return Err(Status::Fenced);
+        }
         let seg = self
             .engine
             .segment(h.segment)
@@ -231,6 +239,15 @@ impl Conn<'_> {
         Ok(seg)
     }
 
+    /// Answers a refused request; a refused write's payload goes to scratch.
+    async fn refuse(&self, h: &Header, st: Status, payload: u64) -> Result<(), Closed> {
+        discard(self.s, payload).await?;
+        let c = &self.engine.counters.rejected;
+        c.set(c.get() + 1);
+        send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
+        Ok(())
+    }
+
     async fn write(&mut self, h: &Header) -> Result<(), Closed> {
         if h.length > self.engine.config.max_frame {
             // The payload cannot be trusted to be there: framing is lost.
@@ -242,24 +259,9 @@ impl Conn<'_> {
             )
             .await);
         }
-        let verdict = if h.length == 0 {
-            Err(Status::BadFrame)
-        } else if self.engine.fences.is_fenced(self.session, h.batch) {
-            Err(Status::Fenced)
-        } else {
-            self.check(h, Rights::WRITE)
-        };
-        let seg = match verdict {
+        let seg = match self.check(h, Rights::WRITE) {
             Ok(seg) => seg,
-            Err(st) => {
-                discard(self.s, h.length).await?;
-                self.engine
-                    .counters
-                    .rejected
-                    .set(self.engine.counters.rejected.get() + 1);
-                send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
-                return Ok(());
-            }
+            Err(st) => return self.refuse(h, st, h.length).await,
         };
         let guard = self.engine.fences.begin_write(self.session, h.batch);
         let (len, mut landed) = (h.length, 0u64);
@@ -300,23 +302,9 @@ impl Conn<'_> {
     }
 
     async fn read(&mut self, h: &Header) -> Result<(), Closed> {
-        let verdict = if h.length == 0 || h.length > self.engine.config.max_frame {
-            Err(Status::BadFrame)
-        } else if self.engine.fences.is_fenced(self.session, h.batch) {
-            Err(Status::Fenced)
-        } else {
-            self.check(h, Rights::READ)
-        };
-        let seg = match verdict {
+        let seg = match self.check(h, Rights::READ) {
             Ok(seg) => seg,
-            Err(st) => {
-                self.engine
-                    .counters
-                    .rejected
-                    .set(self.engine.counters.rejected.get() + 1);
-                send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
-                return Ok(());
-            }
+            Err(st) => return self.refuse(h, st, 0).await,
         };
         send_frame(
             self.s,
