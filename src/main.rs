@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd {
+    pub mod bench;
     pub mod demo;
     pub mod target;
 }
@@ -31,6 +32,42 @@ enum Cmd {
         /// Size of the valid write, in bytes (suffixes K, M, G).
         #[arg(long, default_value = "64M", value_parser = parse_size)]
         size: usize,
+    },
+    /// Latency and bandwidth against a target, or `--compare` against raw TCP and tokio.
+    Bench {
+        /// Start a target on loopback and compare raw std TCP, tokio, quiesce io_uring and epoll.
+        #[arg(long)]
+        compare: bool,
+        /// Target address (from `quiesce target`).
+        #[arg(long)]
+        connect: Option<SocketAddr>,
+        /// Token of the target's `kv` segment.
+        #[arg(long)]
+        token: Option<quiesce::transports::Token>,
+        /// tcp (rdma when built with it).
+        #[arg(long, default_value = "tcp")]
+        transport: String,
+        /// write or read.
+        #[arg(long, default_value = "write")]
+        op: String,
+        /// Comma-separated sizes (suffixes K, M, G).
+        #[arg(long, default_value = "4K,64K,1M,64M", value_delimiter = ',', value_parser = parse_size)]
+        size: Vec<usize>,
+        /// Iterations per size (default: by size).
+        #[arg(long)]
+        iters: Option<usize>,
+        /// Tasks per batch.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Interleaved rounds for --compare.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Also write the results as JSON.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+        /// Driver for quiesce (io_uring or epoll).
+        #[arg(long, default_value = "io_uring")]
+        driver: String,
     },
     /// Serve segments `kv` (read-write, --size bytes), `ro` and `wo` to peers.
     Target {
@@ -73,6 +110,38 @@ fn main() -> ExitCode {
             size,
             no_stdin,
         } => cmd::target::run(listen, size, !no_stdin).map(|()| true),
+        Cmd::Bench {
+            compare,
+            connect,
+            token,
+            transport,
+            op,
+            size,
+            iters,
+            batch,
+            rounds,
+            json,
+            driver,
+        } => {
+            let driver = match driver.as_str() {
+                "epoll" => quiesce::runtime::DriverKind::Epoll,
+                _ => quiesce::runtime::DriverKind::IoUring,
+            };
+            cmd::bench::run(cmd::bench::BenchArgs {
+                compare,
+                connect,
+                token,
+                ro_token: None,
+                transport,
+                op,
+                sizes: size,
+                iters,
+                batch,
+                rounds: rounds.max(1),
+                json,
+                driver,
+            })
+        }
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,

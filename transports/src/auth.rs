@@ -43,8 +43,9 @@ impl Token {
         Token(t)
     }
 
-    /// The proof for segment `id` on a connection with these nonces.
-    pub(crate) fn prove(
+    /// The proof for segment `id` on a connection with these nonces (see
+    /// `docs/PROTOCOL.md` §4.3), for initiators written against the protocol.
+    pub fn prove(
         &self,
         target_nonce: &[u8; 16],
         initiator_nonce: &[u8; 16],

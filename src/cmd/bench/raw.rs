@@ -1,0 +1,177 @@
+//! The limit: a blocking `std::net` initiator speaking the same frames on a
+//! single stream, with nothing else (no slicing, no fencing, no buffers
+//! moved anywhere).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Instant;
+
+use quiesce::transports::wire::{
+    AuthRequest, Header, Hello, HelloAck, Op, Status, HEADER_LEN, VERSION,
+};
+use quiesce::transports::Token;
+
+use super::{Case, Sample, SegInfo};
+
+/// One connection that has said hello and proven the tokens.
+pub struct Raw {
+    s: TcpStream,
+    kv: u64,
+    ro: u64,
+    next: u64,
+}
+
+fn read_header(s: &mut TcpStream) -> std::io::Result<Header> {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b)?;
+    Header::decode(&b).map_err(std::io::Error::other)
+}
+
+impl Raw {
+    pub fn connect(addr: SocketAddr, kv: &SegInfo, ro: &SegInfo) -> std::io::Result<Raw> {
+        let mut s = TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        let nonce = [7u8; 16];
+        let session = 0x5241_5700 ^ std::process::id() as u64;
+        let hello = Hello {
+            version_min: VERSION,
+            version_max: VERSION,
+            session,
+            shards: 1,
+            nonce,
+            node: "raw".into(),
+        }
+        .encode()
+        .map_err(std::io::Error::other)?;
+        let mut out = Header {
+            length: hello.len() as u64,
+            ..Header::new(Op::Hello)
+        }
+        .encode()
+        .to_vec();
+        out.extend_from_slice(&hello);
+        s.write_all(&out)?;
+        let h = read_header(&mut s)?;
+        let mut p = vec![0u8; h.length as usize];
+        s.read_exact(&mut p)?;
+        let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
+        let proof = |t: &Token, id| t.prove(&ack.nonce, &nonce, session, id);
+        let auth = AuthRequest {
+            proofs: vec![
+                (kv.id, proof(&kv.token, kv.id)),
+                (ro.id, proof(&ro.token, ro.id)),
+            ],
+        }
+        .encode()
+        .map_err(std::io::Error::other)?;
+        let mut out = Header {
+            length: auth.len() as u64,
+            ..Header::new(Op::Auth)
+        }
+        .encode()
+        .to_vec();
+        out.extend_from_slice(&auth);
+        s.write_all(&out)?;
+        let h = read_header(&mut s)?;
+        let mut p = vec![0u8; h.length as usize];
+        s.read_exact(&mut p)?;
+        Ok(Raw {
+            s,
+            kv: kv.id,
+            ro: ro.id,
+            next: 1,
+        })
+    }
+
+    /// Sends one write frame (header, then payload; small ones in one send).
+    fn send_write(&mut self, seg: u64, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        let h = Header {
+            task: self.next,
+            segment: seg,
+            offset,
+            length: data.len() as u64,
+            ..Header::new(Op::Write)
+        };
+        self.next += 1;
+        if data.len() <= 16 * 1024 {
+            let mut out = h.encode().to_vec();
+            out.extend_from_slice(data);
+            self.s.write_all(&out)
+        } else {
+            self.s.write_all(&h.encode())?;
+            self.s.write_all(data)
+        }
+    }
+
+    fn status(&mut self) -> std::io::Result<Status> {
+        let h = read_header(&mut self.s)?;
+        h.status().map_err(std::io::Error::other)
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.send_write(self.kv, offset, data)?;
+        match self.status()? {
+            Status::Ok => Ok(()),
+            st => Err(std::io::Error::other(format!("{st:?}"))),
+        }
+    }
+
+    fn read(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let h = Header {
+            task: self.next,
+            segment: self.kv,
+            offset,
+            length: buf.len() as u64,
+            ..Header::new(Op::Read)
+        };
+        self.next += 1;
+        self.s.write_all(&h.encode())?;
+        let r = read_header(&mut self.s)?;
+        if r.op != Op::ReadData {
+            return Err(std::io::Error::other(format!(
+                "read refused: {:?}",
+                r.status()
+            )));
+        }
+        self.s.read_exact(buf)
+    }
+
+    /// Runs `iters` iterations of `case`; one sample per iteration.
+    pub fn run(&mut self, case: Case, iters: usize) -> std::io::Result<Vec<Sample>> {
+        let size = case.size();
+        let mut buf = vec![0x5au8; size];
+        let mut out = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            match case {
+                Case::Write(_) => self.write(0, &buf)?,
+                Case::Read(_) => self.read(0, &mut buf)?,
+                Case::Batch { tasks, size } => {
+                    // Pipelined on the one stream: all frames, then all answers.
+                    for i in 0..tasks {
+                        self.send_write(self.kv, (i * size) as u64, &buf[..size])?;
+                    }
+                    for _ in 0..tasks {
+                        self.status()?;
+                    }
+                }
+                Case::FailFast(_) => {
+                    // No fence exists here: the only safe moment is when the
+                    // large write has been sent and answered, whatever the
+                    // small one's fate.
+                    self.send_write(self.ro, 0, &buf[..4096])?;
+                    self.send_write(self.kv, 0, &buf)?;
+                    let refused = self.status()?;
+                    debug_assert_ne!(refused, Status::Ok);
+                    self.status()?;
+                }
+            }
+            out.push(Sample {
+                took: t0.elapsed(),
+                bytes: case.bytes(),
+                fence: None,
+            });
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,168 @@
+//! The usual alternative: the same protocol on tokio (`current_thread`),
+//! written the way a service would (one stream, `write_all`/`read_exact`).
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use quiesce::transports::wire::{
+    AuthRequest, Header, Hello, HelloAck, Op, Status, HEADER_LEN, VERSION,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::{Case, Sample, SegInfo};
+
+struct Conn {
+    s: TcpStream,
+    kv: u64,
+    ro: u64,
+    next: u64,
+}
+
+async fn read_header(s: &mut TcpStream) -> std::io::Result<Header> {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).await?;
+    Header::decode(&b).map_err(std::io::Error::other)
+}
+
+impl Conn {
+    async fn connect(addr: SocketAddr, kv: &SegInfo, ro: &SegInfo) -> std::io::Result<Conn> {
+        let mut s = TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        let nonce = [3u8; 16];
+        let session = 0x746f_6b00 ^ std::process::id() as u64;
+        let hello = Hello {
+            version_min: VERSION,
+            version_max: VERSION,
+            session,
+            shards: 1,
+            nonce,
+            node: "tokio".into(),
+        }
+        .encode()
+        .map_err(std::io::Error::other)?;
+        let mut out = Header {
+            length: hello.len() as u64,
+            ..Header::new(Op::Hello)
+        }
+        .encode()
+        .to_vec();
+        out.extend_from_slice(&hello);
+        s.write_all(&out).await?;
+        let h = read_header(&mut s).await?;
+        let mut p = vec![0u8; h.length as usize];
+        s.read_exact(&mut p).await?;
+        let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
+        let auth = AuthRequest {
+            proofs: vec![
+                (kv.id, kv.token.prove(&ack.nonce, &nonce, session, kv.id)),
+                (ro.id, ro.token.prove(&ack.nonce, &nonce, session, ro.id)),
+            ],
+        }
+        .encode()
+        .map_err(std::io::Error::other)?;
+        let mut out = Header {
+            length: auth.len() as u64,
+            ..Header::new(Op::Auth)
+        }
+        .encode()
+        .to_vec();
+        out.extend_from_slice(&auth);
+        s.write_all(&out).await?;
+        let h = read_header(&mut s).await?;
+        let mut p = vec![0u8; h.length as usize];
+        s.read_exact(&mut p).await?;
+        Ok(Conn {
+            s,
+            kv: kv.id,
+            ro: ro.id,
+            next: 1,
+        })
+    }
+
+    async fn send_write(&mut self, seg: u64, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        let h = Header {
+            task: self.next,
+            segment: seg,
+            offset,
+            length: data.len() as u64,
+            ..Header::new(Op::Write)
+        };
+        self.next += 1;
+        if data.len() <= 16 * 1024 {
+            let mut out = h.encode().to_vec();
+            out.extend_from_slice(data);
+            self.s.write_all(&out).await
+        } else {
+            self.s.write_all(&h.encode()).await?;
+            self.s.write_all(data).await
+        }
+    }
+
+    async fn status(&mut self) -> std::io::Result<Status> {
+        read_header(&mut self.s)
+            .await?
+            .status()
+            .map_err(std::io::Error::other)
+    }
+}
+
+/// Runs `iters` iterations of `case` on a fresh tokio runtime.
+pub fn run(
+    addr: SocketAddr,
+    kv: &SegInfo,
+    ro: &SegInfo,
+    case: Case,
+    iters: usize,
+) -> std::io::Result<Vec<Sample>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut c = Conn::connect(addr, kv, ro).await?;
+        let size = case.size();
+        let mut buf = vec![0x5au8; size];
+        let mut out = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            match case {
+                Case::Write(_) => {
+                    c.send_write(c.kv, 0, &buf).await?;
+                    c.status().await?;
+                }
+                Case::Read(_) => {
+                    let h = Header {
+                        task: c.next,
+                        segment: c.kv,
+                        length: size as u64,
+                        ..Header::new(Op::Read)
+                    };
+                    c.next += 1;
+                    c.s.write_all(&h.encode()).await?;
+                    read_header(&mut c.s).await?;
+                    c.s.read_exact(&mut buf).await?;
+                }
+                Case::Batch { tasks, size } => {
+                    for i in 0..tasks {
+                        c.send_write(c.kv, (i * size) as u64, &buf[..size]).await?;
+                    }
+                    for _ in 0..tasks {
+                        c.status().await?;
+                    }
+                }
+                Case::FailFast(_) => {
+                    c.send_write(c.ro, 0, &buf[..4096]).await?;
+                    c.send_write(c.kv, 0, &buf).await?;
+                    c.status().await?;
+                    c.status().await?;
+                }
+            }
+            out.push(Sample {
+                took: t0.elapsed(),
+                bytes: case.bytes(),
+                fence: None,
+            });
+        }
+        Ok(out)
+    })
+}
