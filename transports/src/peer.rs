@@ -279,8 +279,8 @@ impl RemoteSegment {
 
     /// Cuts `0..len` of `shared` into slices, runs `slice(conn, offset, part)`
     /// for each on the data connections round-robin (each slice a task of its
-    /// own, so it finishes even if the caller's future is dropped), and folds
-    /// the results once every slice has answered.
+    /// own, so it finishes even if the caller's future is dropped; a single
+    /// slice runs in place), and folds the results once every slice has answered.
     async fn stripe<B, F, Fut>(
         &self,
         shared: &Shared<B>,
@@ -294,6 +294,15 @@ impl RemoteSegment {
     {
         let inner = &self.peer.inner;
         let n = inner.params.connections.max(1);
+        if len <= inner.params.slice_size as u64 {
+            // One slice: run it in place. If this future is dropped mid-send,
+            // the connection's send guard kills the connection (framing is
+            // lost) and the parked op keeps the part alive until reaped.
+            let i = inner.rr.get();
+            inner.rr.set(i.wrapping_add(1));
+            let conn = self.peer.conn(1 + i % n).await?;
+            return slice(conn, 0, shared.part(0, len as usize)).await;
+        }
         let handles: Vec<_> = slices(len, inner.params.slice_size)
             .map(|(off, l)| {
                 let i = inner.rr.get();
