@@ -68,6 +68,9 @@ enum Cmd {
         /// Driver for quiesce (io_uring or epoll).
         #[arg(long, default_value = "io_uring")]
         driver: String,
+        /// Without --compare: the initiator to run (quiesce, raw, tokio).
+        #[arg(long = "impl", default_value = "quiesce")]
+        initiator: String,
     },
     /// Serve segments `kv` (read-write, --size bytes), `ro` and `wo` to peers.
     Target {
@@ -122,6 +125,7 @@ fn main() -> ExitCode {
             rounds,
             json,
             driver,
+            initiator,
         } => {
             let driver = match driver.as_str() {
                 "epoll" => quiesce::runtime::DriverKind::Epoll,
@@ -140,6 +144,7 @@ fn main() -> ExitCode {
                 rounds: rounds.max(1),
                 json,
                 driver,
+                initiator,
             })
         }
     };

@@ -36,9 +36,20 @@ pub(crate) type Launch<T, B> = fn(&T, &<T as Transport>::Target, B, u64) -> Tran
 
 pub(crate) enum TaskState<B> {
     Queued,
-    InFlight(JoinHandle<(Result<u64, TransferError>, B)>),
+    InFlight(InFlight<B>),
     Done(TaskStatus),
 }
+
+/// A transfer in flight.
+pub(crate) enum InFlight<B> {
+    /// Polled by the driver itself: small batches pay no task per transfer.
+    Inline(TransferFuture<B>),
+    /// A task of its own: in a large batch a wake-up polls one transfer, not all.
+    Spawned(JoinHandle<(Result<u64, TransferError>, B)>),
+}
+
+/// Batches up to this many tasks poll their transfers inline.
+const INLINE_TASKS: usize = 16;
 
 pub(crate) struct Task<T: Transport, B> {
     pub(crate) launch: Launch<T, B>,
@@ -150,16 +161,23 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     }
 
     fn launch(&mut self, wire: u64) {
+        let inline = self.tasks.len() <= INLINE_TASKS;
         for t in self.tasks.iter_mut() {
             if !matches!(t.state, TaskState::Queued) {
                 continue;
             }
             let buf = t.buf.take().expect("a queued task holds its buffer");
-            // Spawned, so the transfer runs on (and keeps its buffer) even if
-            // this driver is dropped with its runtime.
-            let h = spawn_local((t.launch)(&self.transport, &t.target, buf, wire));
+            let fut = (t.launch)(&self.transport, &t.target, buf, wire);
+            // Either way the transfer future owns its buffer until it
+            // resolves; if the driver is dropped (runtime shutdown), a dropped
+            // transfer parks its ops in the reactor until they are reaped.
+            let f = if inline {
+                InFlight::Inline(fut)
+            } else {
+                InFlight::Spawned(spawn_local(fut))
+            };
             t.attempts += 1;
-            t.state = TaskState::InFlight(h);
+            t.state = TaskState::InFlight(f);
         }
     }
 
@@ -256,18 +274,24 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         std::future::poll_fn(|cx| {
             let mut progress = false;
             for t in self.tasks.iter_mut() {
-                let TaskState::InFlight(h) = &mut t.state else {
+                let TaskState::InFlight(f) = &mut t.state else {
                     continue;
                 };
-                let Poll::Ready(joined) = Pin::new(h).poll(cx) else {
-                    continue;
-                };
-                let (res, buf) = match joined {
-                    Ok(out) => out,
-                    // A transport that panics has lost track of a buffer:
-                    // there is no outcome to give, only the panic.
-                    Err(JoinError::Panicked(p)) => std::panic::resume_unwind(p),
-                    Err(JoinError::Cancelled) => unreachable!("transfers are never aborted"),
+                let (res, buf) = match f {
+                    InFlight::Inline(fut) => match fut.as_mut().poll(cx) {
+                        Poll::Ready(out) => out,
+                        Poll::Pending => continue,
+                    },
+                    InFlight::Spawned(h) => match Pin::new(h).poll(cx) {
+                        Poll::Ready(Ok(out)) => out,
+                        Poll::Pending => continue,
+                        // A transport that panics has lost track of a buffer:
+                        // there is no outcome to give, only the panic.
+                        Poll::Ready(Err(JoinError::Panicked(p))) => std::panic::resume_unwind(p),
+                        Poll::Ready(Err(JoinError::Cancelled)) => {
+                            unreachable!("transfers are never aborted")
+                        }
+                    },
                 };
                 t.buf = Some(buf);
                 let (status, bytes) = match res {

@@ -67,6 +67,9 @@ pub struct SimConfig {
     pub stuck_fence: u64,
     /// Percent of transfers that ignore fences (a peer that does not listen).
     pub deaf: u64,
+    /// Percent of transfers that take many more turns to end after an abort
+    /// (completions the kernel is slow to hand back).
+    pub sticky: u64,
 }
 
 impl Default for SimConfig {
@@ -78,6 +81,7 @@ impl Default for SimConfig {
             refused: 5,
             stuck_fence: 10,
             deaf: 10,
+            sticky: 10,
         }
     }
 }
@@ -203,6 +207,7 @@ impl Sim {
         let t = t.clone();
         let turns = 1 + self.roll(self.inner.cfg.max_turns);
         let deaf = self.chance(self.inner.cfg.deaf);
+        let sticky = self.chance(self.inner.cfg.sticky);
         let outcome = self.roll(100);
         async move {
             let inner = &sim.inner;
@@ -224,6 +229,7 @@ impl Sim {
             let abort_epoch = inner.aborts.borrow()[t.peer];
             let mut res = Ok(t.len);
             let mut turn = 0;
+            let mut aborted_at = None;
             loop {
                 yield_now().await;
                 turn += 1;
@@ -232,8 +238,13 @@ impl Sim {
                     inner.log.borrow_mut().access_after_return += 1;
                 }
                 if inner.aborts.borrow()[t.peer] != abort_epoch {
-                    res = Err(TransferError::ConnectionLost("peer aborted".into()));
-                    break;
+                    let at = *aborted_at.get_or_insert(turn);
+                    // A sticky transfer's completion takes a while to come back.
+                    if !sticky || turn >= at + turns * 4 + 8 {
+                        res = Err(TransferError::ConnectionLost("peer aborted".into()));
+                        break;
+                    }
+                    continue;
                 }
                 if !deaf && inner.fenced.borrow().contains(&(t.peer, wire)) {
                     res = Err(if turn > 1 {
@@ -385,6 +396,7 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
         refused: rng.below(10),
         stuck_fence: rng.below(30),
         deaf: rng.below(20),
+        sticky: rng.below(30),
     };
     let sim = Sim::new(seed, cfg);
     let mut opts = BatchOptions::default()
@@ -398,7 +410,13 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
     if rng.chance(20) {
         opts = opts.deadline(Duration::from_micros(rng.below(1500)));
     }
-    let n = 1 + rng.below(8) as usize;
+    // Mostly small batches (transfers polled inline by the driver), some
+    // large ones (a task per transfer).
+    let n = if rng.chance(10) {
+        17 + rng.below(8)
+    } else {
+        1 + rng.below(8)
+    } as usize;
     let mut batch = Batch::new(sim.clone(), opts);
     let mut flags = Vec::new();
     for id in 0..n {

@@ -43,12 +43,17 @@ thread_local! {
     static CURRENT_ID: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Runs `f` with the current runtime's context, or `None` outside any runtime.
+/// Runs `f` with the current runtime's context, or `None` outside any runtime
+/// (or while the thread's locals are torn down).
+///
+/// The slot is borrowed mutably only by [`enter`] and its guard, never while a
+/// task or an op runs, so nested calls share the borrow (no `Rc` clone).
 pub(crate) fn try_with<R>(f: impl FnOnce(Option<&Rc<Context>>) -> R) -> R {
-    CURRENT.with(|c| {
-        let cx = c.borrow().clone();
-        f(cx.as_ref())
-    })
+    let mut f = Some(f);
+    match CURRENT.try_with(|c| (f.take().expect("called once"))(c.borrow().as_ref())) {
+        Ok(r) => r,
+        Err(_) => (f.take().expect("not called"))(None),
+    }
 }
 
 /// Runs `f` with the current runtime's context.

@@ -22,7 +22,7 @@ use crate::auth::{random_bytes, Token};
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
 use crate::shared::{bytes_of, Erased, Part};
-use crate::stream::{discard, read_header, read_payload, send_frame};
+use crate::stream::{discard, read_header, read_payload, send_frame, HeaderReader};
 use crate::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Op, Status, HEADER_LEN, MAX_HANDSHAKE_PAYLOAD,
     VERSION,
@@ -123,6 +123,8 @@ pub(crate) struct Conn {
     pub(crate) hello: HelloAck,
     nonce: [u8; 16],
     session: u64,
+    /// Frame buffers of small writes, reused (header and payload in one send).
+    frames: RefCell<Vec<Vec<u8>>>,
     /// Batches this initiator has fenced at the peer: their slices that
     /// have not started are answered `Fenced` locally, without being sent.
     fenced: LocalFences,
@@ -199,6 +201,7 @@ impl Conn {
             nonce,
             session: p.session,
             fenced: p.fenced.clone(),
+            frames: RefCell::default(),
         });
         // The reader holds the connection until the socket ends (kill/abort
         // shut it down), then fails whatever is pending.
@@ -332,10 +335,16 @@ impl Conn {
         }
         let (sent, part) = if part.len() <= INLINE_PAYLOAD {
             // Small: header and payload in one send.
-            let mut out = Vec::with_capacity(HEADER_LEN + part.len());
+            let mut out = self.frames.borrow_mut().pop().unwrap_or_default();
+            out.clear();
+            out.reserve(HEADER_LEN + part.len());
             out.extend_from_slice(&h.encode());
             out.extend_from_slice(bytes_of(&part));
-            (self.stream.write_all(out).await.0, part)
+            let (res, out) = self.stream.write_all(out).await;
+            if out.capacity() <= HEADER_LEN + INLINE_PAYLOAD {
+                self.frames.borrow_mut().push(out);
+            }
+            (res, part)
         } else {
             match self.stream.write_all(h.encode().to_vec()).await.0 {
                 Err(e) => (Err(e), part),
@@ -443,8 +452,9 @@ async fn read_loop(conn: Rc<Conn>) {
 
 async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
     let s = &conn.stream;
+    let mut headers = HeaderReader::default();
     loop {
-        let h = match read_header(s).await? {
+        let h = match headers.read(s).await? {
             None => return Ok(()),
             Some(h) => h?,
         };

@@ -227,6 +227,8 @@ pub struct BenchArgs {
     pub rounds: usize,
     pub json: Option<std::path::PathBuf>,
     pub driver: DriverKind,
+    /// Single mode: which initiator to run (`quiesce`, `raw`, `tokio`).
+    pub initiator: String,
 }
 
 pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
@@ -252,15 +254,18 @@ fn progress(msg: &str) {
 fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
     let addr = a.connect.ok_or("--connect ADDR (or --compare)")?;
     let token = a.token.ok_or("--token HEX (printed by `quiesce target`)")?;
-    let kv = SegInfo { id: 0, token };
+    // Segment ids as `quiesce target` registers them: kv, ro, wo.
+    let kv = SegInfo { id: 1, token };
     let ro = SegInfo {
-        id: 0,
+        id: 2,
         token: a.ro_token.unwrap_or(token),
     };
-    let im = if a.driver == DriverKind::Epoll {
-        Impl::Epoll
-    } else {
-        Impl::Uring
+    let im = match (a.initiator.as_str(), a.driver) {
+        ("raw", _) => Impl::Raw,
+        ("tokio", _) => Impl::Tokio,
+        ("quiesce", DriverKind::Epoll) => Impl::Epoll,
+        ("quiesce", _) => Impl::Uring,
+        (other, _) => return Err(format!("--impl {other:?}: one of quiesce, raw, tokio").into()),
     };
     println!(
         "{:>10} {:>8} {:>10} {:>12} {:>10} {:>10} {:>11} {:>10} {:>10} {:>11}",

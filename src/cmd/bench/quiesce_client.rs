@@ -26,7 +26,10 @@ pub fn run(
         })?;
         let peer = engine.connect(addr).await?;
         let kvs = peer.open("kv", kv.token).await?;
-        let ros = peer.open("ro", ro.token).await?;
+        let ros = match case {
+            Case::FailFast(_) => Some(peer.open("ro", ro.token).await?),
+            _ => None,
+        };
         let size = case.size();
         let (tasks, task_size) = match case {
             Case::Batch { tasks, size } => (tasks, size),
@@ -41,12 +44,10 @@ pub fn run(
                 _ => BatchOptions::default(),
             };
             let mut batch = Batch::new(Tcp, opts);
-            if let Case::FailFast(_) = case {
+            if let Some(ros) = &ros {
+                let small = small.take().expect("returned by the last round");
                 batch
-                    .write(
-                        small.take().expect("returned"),
-                        RemoteRange::new(&ros, 0, 4096),
-                    )
+                    .write(small, RemoteRange::new(ros, 0, 4096))
                     .map_err(|r| r.reason)?;
             }
             for (i, b) in bufs.drain(..).enumerate() {
