@@ -71,6 +71,9 @@ enum Cmd {
         /// Without --compare: the initiator to run (quiesce, raw, tokio).
         #[arg(long = "impl", default_value = "quiesce")]
         initiator: String,
+        /// quiesce: send slices of at least this size with SEND_ZC (io_uring).
+        #[arg(long, value_parser = parse_size)]
+        zc_threshold: Option<usize>,
     },
     /// Serve segments `kv` (read-write, --size bytes), `ro` and `wo` to peers.
     Target {
@@ -126,6 +129,7 @@ fn main() -> ExitCode {
             json,
             driver,
             initiator,
+            zc_threshold,
         } => {
             let driver = match driver.as_str() {
                 "epoll" => quiesce::runtime::DriverKind::Epoll,
@@ -145,6 +149,7 @@ fn main() -> ExitCode {
                 json,
                 driver,
                 initiator,
+                zc_threshold,
             })
         }
     };

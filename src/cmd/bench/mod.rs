@@ -204,12 +204,13 @@ fn run_impl(
     (addr, kv, ro): Run<'_>,
     case: Case,
     iters: usize,
+    zc: Option<usize>,
 ) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
     Ok(match im {
         Impl::Raw => raw::Raw::connect(*addr, kv, ro)?.run(case, iters)?,
         Impl::Tokio => tokio_client::run(*addr, kv, ro, case, iters)?,
-        Impl::Uring => quiesce_client::run(DriverKind::IoUring, *addr, kv, ro, case, iters)?,
-        Impl::Epoll => quiesce_client::run(DriverKind::Epoll, *addr, kv, ro, case, iters)?,
+        Impl::Uring => quiesce_client::run(DriverKind::IoUring, *addr, kv, ro, case, iters, zc)?,
+        Impl::Epoll => quiesce_client::run(DriverKind::Epoll, *addr, kv, ro, case, iters, zc)?,
     })
 }
 
@@ -229,6 +230,8 @@ pub struct BenchArgs {
     pub driver: DriverKind,
     /// Single mode: which initiator to run (`quiesce`, `raw`, `tokio`).
     pub initiator: String,
+    /// quiesce: send slices of at least this many bytes with SEND_ZC.
+    pub zc_threshold: Option<usize>,
 }
 
 pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
@@ -290,7 +293,7 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         let iters = a.iters.unwrap_or(case.default_iters());
         progress(&format!("{} × {iters}…", case.name()));
         let cpu0 = thread_cpu();
-        let samples = run_impl(im, (&addr, &kv, &ro), case, iters)?;
+        let samples = run_impl(im, (&addr, &kv, &ro), case, iters, a.zc_threshold)?;
         let s = summarize(&samples, thread_cpu() - cpu0);
         progress("");
         eprintln!();
@@ -344,7 +347,13 @@ fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
                     im.name()
                 ));
                 let c0 = thread_cpu();
-                samples[i].extend(run_impl(*im, (&addr, &kv, &ro), case, iters)?);
+                samples[i].extend(run_impl(
+                    *im,
+                    (&addr, &kv, &ro),
+                    case,
+                    iters,
+                    a.zc_threshold,
+                )?);
                 cpu[i] += thread_cpu() - c0;
             }
         }

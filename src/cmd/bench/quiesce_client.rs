@@ -17,11 +17,13 @@ pub fn run(
     ro: &SegInfo,
     case: Case,
     iters: usize,
+    zc_threshold: Option<usize>,
 ) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
     let rt = Runtime::builder().driver(driver).build()?;
     rt.block_on(async {
         let engine = Engine::bind(EngineConfig {
             node: "bench".into(),
+            zc_threshold,
             ..Default::default()
         })?;
         let peer = engine.connect(addr).await?;
