@@ -169,10 +169,16 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
     );
 }
 
+/// Where cargo put the cdylib: next to this test binary (target/<profile>/deps)
+/// in a test build, or one level up when it was built as a final artifact.
 fn cdylib_dir() -> PathBuf {
-    // target/<profile>/deps/<test> → target/<profile>
     let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
+    let deps = exe.parent().unwrap().to_path_buf();
+    let up = deps.parent().unwrap().to_path_buf();
+    [deps, up]
+        .into_iter()
+        .find(|d| d.join("libquiesce_batch.so").exists())
+        .expect("libquiesce_batch.so next to the test binary or one level up")
 }
 
 #[test]
