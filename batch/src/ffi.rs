@@ -153,14 +153,14 @@ pub unsafe extern "C" fn quiesce_open(
     token: *const c_char,
     handle_out: *mut u32,
 ) -> i32 {
-    // SAFETY: forwarded caller guarantees.
-    let (Some(engine), Ok(addr), Ok(name), Ok(token)) = (
-        unsafe { e.as_ref() },
-        unsafe { text(addr, "addr") },
-        unsafe { text(name, "name") },
-        unsafe { text(token, "token") },
-    ) else {
-        return set_error("null engine or bad argument");
+    // SAFETY: the caller passes a live engine or null.
+    let Some(engine) = (unsafe { e.as_ref() }) else {
+        return set_error("null engine");
+    };
+    // SAFETY: the caller passes NUL-terminated strings (or null, refused).
+    let texts = unsafe { (text(addr, "addr"), text(name, "name"), text(token, "token")) };
+    let (Ok(addr), Ok(name), Ok(token)) = texts else {
+        return set_error("a null or non-UTF-8 argument");
     };
     let Ok(addr) = addr.parse() else {
         return set_error("addr is not host:port");

@@ -115,10 +115,12 @@ impl Uring {
     /// Queues an SQE, submitting early if the queue is full.
     fn push(&mut self, entry: &squeue::Entry, counters: &Counters) {
         loop {
-            // SAFETY: every pointer in the entry refers to memory owned by the op's
-            // struct (heap), which the op future or the driver's Ignored slot keeps
-            // alive until the op's final CQE is reaped.
-            if unsafe { self.ring.submission().push(entry) }.is_ok() {
+            // Every pointer in the entry refers to memory owned by the op's struct
+            // (heap), which the op future or the driver's Ignored slot keeps alive
+            // until the op's final CQE is reaped.
+            // SAFETY: as just said, the entry's memory outlives the operation.
+            let pushed = unsafe { self.ring.submission().push(entry) };
+            if pushed.is_ok() {
                 self.unsubmitted += 1;
                 return;
             }

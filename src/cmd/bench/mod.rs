@@ -22,6 +22,52 @@ pub struct SegInfo {
     pub token: Token,
 }
 
+/// The bytes of a `Hello` frame, for the hand-written initiators.
+pub fn hello_frame(nonce: [u8; 16], session: u64, node: &str) -> Vec<u8> {
+    use quiesce::transports::wire::{Header, Hello, Op, VERSION};
+    let hello = Hello {
+        version_min: VERSION,
+        version_max: VERSION,
+        session,
+        shards: 1,
+        nonce,
+        node: node.into(),
+    }
+    .encode()
+    .expect("a short node name");
+    let mut out = Header {
+        length: hello.len() as u64,
+        ..Header::new(Op::Hello)
+    }
+    .encode()
+    .to_vec();
+    out.extend_from_slice(&hello);
+    out
+}
+
+/// The bytes of an `Auth` frame proving `segs` after `ack`.
+pub fn auth_frame(
+    ack: &quiesce::transports::wire::HelloAck,
+    nonce: [u8; 16],
+    session: u64,
+    segs: &[&SegInfo],
+) -> Vec<u8> {
+    use quiesce::transports::wire::{AuthRequest, Header, Op};
+    let proofs = segs
+        .iter()
+        .map(|s| (s.id, s.token.prove(&ack.nonce, &nonce, session, s.id)))
+        .collect();
+    let auth = AuthRequest { proofs }.encode().expect("few proofs");
+    let mut out = Header {
+        length: auth.len() as u64,
+        ..Header::new(Op::Auth)
+    }
+    .encode()
+    .to_vec();
+    out.extend_from_slice(&auth);
+    out
+}
+
 /// One workload.
 #[derive(Debug, Clone, Copy)]
 pub enum Case {

@@ -6,10 +6,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Instant;
 
-use quiesce::transports::wire::{
-    AuthRequest, Header, Hello, HelloAck, Op, Status, HEADER_LEN, VERSION,
-};
-use quiesce::transports::Token;
+use quiesce::transports::wire::{Header, HelloAck, Op, Status, HEADER_LEN};
 
 use super::{Case, Sample, SegInfo};
 
@@ -33,45 +30,12 @@ impl Raw {
         s.set_nodelay(true)?;
         let nonce = [7u8; 16];
         let session = 0x5241_5700 ^ std::process::id() as u64;
-        let hello = Hello {
-            version_min: VERSION,
-            version_max: VERSION,
-            session,
-            shards: 1,
-            nonce,
-            node: "raw".into(),
-        }
-        .encode()
-        .map_err(std::io::Error::other)?;
-        let mut out = Header {
-            length: hello.len() as u64,
-            ..Header::new(Op::Hello)
-        }
-        .encode()
-        .to_vec();
-        out.extend_from_slice(&hello);
-        s.write_all(&out)?;
+        s.write_all(&super::hello_frame(nonce, session, "raw"))?;
         let h = read_header(&mut s)?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;
         let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
-        let proof = |t: &Token, id| t.prove(&ack.nonce, &nonce, session, id);
-        let auth = AuthRequest {
-            proofs: vec![
-                (kv.id, proof(&kv.token, kv.id)),
-                (ro.id, proof(&ro.token, ro.id)),
-            ],
-        }
-        .encode()
-        .map_err(std::io::Error::other)?;
-        let mut out = Header {
-            length: auth.len() as u64,
-            ..Header::new(Op::Auth)
-        }
-        .encode()
-        .to_vec();
-        out.extend_from_slice(&auth);
-        s.write_all(&out)?;
+        s.write_all(&super::auth_frame(&ack, nonce, session, &[kv, ro]))?;
         let h = read_header(&mut s)?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;

@@ -4,9 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use quiesce::transports::wire::{
-    AuthRequest, Header, Hello, HelloAck, Op, Status, HEADER_LEN, VERSION,
-};
+use quiesce::transports::wire::{Header, HelloAck, Op, Status, HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -31,44 +29,14 @@ impl Conn {
         s.set_nodelay(true)?;
         let nonce = [3u8; 16];
         let session = 0x746f_6b00 ^ std::process::id() as u64;
-        let hello = Hello {
-            version_min: VERSION,
-            version_max: VERSION,
-            session,
-            shards: 1,
-            nonce,
-            node: "tokio".into(),
-        }
-        .encode()
-        .map_err(std::io::Error::other)?;
-        let mut out = Header {
-            length: hello.len() as u64,
-            ..Header::new(Op::Hello)
-        }
-        .encode()
-        .to_vec();
-        out.extend_from_slice(&hello);
-        s.write_all(&out).await?;
+        s.write_all(&super::hello_frame(nonce, session, "tokio"))
+            .await?;
         let h = read_header(&mut s).await?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p).await?;
         let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
-        let auth = AuthRequest {
-            proofs: vec![
-                (kv.id, kv.token.prove(&ack.nonce, &nonce, session, kv.id)),
-                (ro.id, ro.token.prove(&ack.nonce, &nonce, session, ro.id)),
-            ],
-        }
-        .encode()
-        .map_err(std::io::Error::other)?;
-        let mut out = Header {
-            length: auth.len() as u64,
-            ..Header::new(Op::Auth)
-        }
-        .encode()
-        .to_vec();
-        out.extend_from_slice(&auth);
-        s.write_all(&out).await?;
+        s.write_all(&super::auth_frame(&ack, nonce, session, &[kv, ro]))
+            .await?;
         let h = read_header(&mut s).await?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p).await?;

@@ -151,9 +151,10 @@ impl PoolInner {
             PoolKind::Ring { ring, tail, .. } => {
                 let t = tail.get();
                 let idx = (t & (self.count - 1)) as usize;
-                // SAFETY: idx < count, so the entry lies inside the ring allocation; only
-                // this thread writes entries, and the kernel reads them only after the
-                // tail store below publishes them.
+                // idx < count, so the entry lies inside the ring allocation; only this
+                // thread writes entries, and the kernel reads them only after the tail
+                // store below publishes them.
+                // SAFETY: as just said: in bounds, not shared until published.
                 unsafe {
                     let e = &mut *ring.add(idx);
                     e.set_addr(self.buf_ptr(bid) as u64);
@@ -162,8 +163,9 @@ impl PoolInner {
                 }
                 let t = t.wrapping_add(1);
                 tail.set(t);
-                // SAFETY: the tail field overlays entry 0's reserved field, inside the
-                // ring; AtomicU16 has u16's layout. Release publishes the entry.
+                // The tail field overlays entry 0's reserved field, inside the ring;
+                // AtomicU16 has u16's layout. Release publishes the entry.
+                // SAFETY: as just said: in bounds and of the right layout.
                 unsafe {
                     (*(types::BufRingEntry::tail(*ring) as *const AtomicU16))
                         .store(t, Ordering::Release)
