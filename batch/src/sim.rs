@@ -333,25 +333,35 @@ impl Transport for Sim {
         peer: &usize,
         wire: u64,
     ) -> impl Future<Output = Result<(), TransferError>> + 'static {
-        let sim = self.clone();
+        // Weak: a fence that outlives its schedule (a stuck one whose batch
+        // quiesced without an abort) must end with it, not spin forever.
+        let sim = Rc::downgrade(&self.inner);
         let peer = *peer;
         let stuck = self.chance(self.inner.cfg.stuck_fence);
         let turns = self.roll(self.inner.cfg.max_turns);
         let epoch = self.inner.aborts.borrow()[peer];
+        let lost = || Err(TransferError::ConnectionLost("aborted".into()));
         async move {
             if stuck {
                 // Never confirms; only an abort (which also ends the peer's
-                // transfers) ends it.
-                while sim.inner.aborts.borrow()[peer] == epoch {
-                    yield_now().await;
+                // transfers) or the end of the schedule ends it.
+                loop {
+                    match sim.upgrade() {
+                        Some(s) if s.aborts.borrow()[peer] == epoch => yield_now().await,
+                        _ => return lost(),
+                    }
                 }
-                return Err(TransferError::ConnectionLost("aborted".into()));
             }
             for _ in 0..turns {
                 yield_now().await;
             }
-            sim.inner.fenced.borrow_mut().insert((peer, wire));
-            Ok(())
+            match sim.upgrade() {
+                Some(s) => {
+                    s.fenced.borrow_mut().insert((peer, wire));
+                    Ok(())
+                }
+                None => lost(),
+            }
         }
     }
 
