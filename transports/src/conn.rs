@@ -328,9 +328,7 @@ impl Conn {
             ..Header::new(Op::Write)
         };
         let mut g = self.send_guard().await;
-        if self.fenced.borrow().contains(&batch) {
-            g.complete = true;
-            self.state.borrow_mut().pending.remove(&id);
+        if self.fenced_locally(&mut g, id, batch) {
             return (Err(TransferError::Fenced), part);
         }
         let (sent, part) = if part.len() <= INLINE_PAYLOAD {
@@ -394,9 +392,7 @@ impl Conn {
             ..Header::new(Op::Read)
         };
         let mut g = self.send_guard().await;
-        if self.fenced.borrow().contains(&batch) {
-            g.complete = true;
-            self.state.borrow_mut().pending.remove(&id);
+        if self.fenced_locally(&mut g, id, batch) {
             return Err(TransferError::Fenced);
         }
         let sent = send_frame(&self.stream, &h, &[]).await;
@@ -409,6 +405,17 @@ impl Conn {
             return Err(self.lost());
         }
         wait(&result).await
+    }
+
+    /// True if `batch` was fenced by this initiator: request `id` is then
+    /// dropped unsent (the send guard is released cleanly).
+    fn fenced_locally(&self, g: &mut SendGuard<'_>, id: u64, batch: u64) -> bool {
+        if !self.fenced.borrow().contains(&batch) {
+            return false;
+        }
+        g.complete = true;
+        self.state.borrow_mut().pending.remove(&id);
+        true
     }
 
     fn register(&self, id: u64, p: Pending) -> Result<(), ()> {

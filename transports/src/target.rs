@@ -23,6 +23,9 @@ use crate::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Op, Status, MAX_HANDSHAKE_PAYLOAD,
 };
 
+/// Reads up to this size are answered with header and data in one send.
+const INLINE_READ: u64 = 16 * 1024;
+
 /// Why a connection was closed by the target.
 #[derive(Debug)]
 enum Closed {
@@ -306,15 +309,18 @@ impl Conn<'_> {
             Ok(seg) => seg,
             Err(st) => return self.refuse(h, st, 0).await,
         };
-        send_frame(
-            self.s,
-            &Header {
-                op: Op::ReadData,
-                ..*h
-            },
-            &[],
-        )
-        .await?;
+        let head = Header {
+            op: Op::ReadData,
+            ..*h
+        };
+        if h.length <= INLINE_READ {
+            // Small: header and data in one send, one reactor turn.
+            let mut data = vec![0u8; h.length as usize];
+            seg.read_at(h.offset, &mut data);
+            send_frame(self.s, &head, &data).await?;
+            return Ok(());
+        }
+        send_frame(self.s, &head, &[]).await?;
         let window = Window::new(seg.inner.mem.clone(), h.offset as usize, h.length as usize);
         let zc = self
             .engine

@@ -68,6 +68,27 @@ pub fn auth_frame(
     out
 }
 
+/// A write frame as the hand-written initiators send it: the bytes for the
+/// first send (header, plus the payload when it is small), and the payload
+/// for a second send when it is not.
+pub fn write_frame(task: u64, segment: u64, offset: u64, data: &[u8]) -> (Vec<u8>, &[u8]) {
+    use quiesce::transports::wire::{Header, Op};
+    let h = Header {
+        task,
+        segment,
+        offset,
+        length: data.len() as u64,
+        ..Header::new(Op::Write)
+    };
+    let mut head = h.encode().to_vec();
+    if data.len() <= 16 * 1024 {
+        head.extend_from_slice(data);
+        (head, &[])
+    } else {
+        (head, data)
+    }
+}
+
 /// One workload.
 #[derive(Debug, Clone, Copy)]
 pub enum Case {

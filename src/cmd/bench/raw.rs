@@ -49,22 +49,13 @@ impl Raw {
 
     /// Sends one write frame (header, then payload; small ones in one send).
     fn send_write(&mut self, seg: u64, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        let h = Header {
-            task: self.next,
-            segment: seg,
-            offset,
-            length: data.len() as u64,
-            ..Header::new(Op::Write)
-        };
+        let (head, rest) = super::write_frame(self.next, seg, offset, data);
         self.next += 1;
-        if data.len() <= 16 * 1024 {
-            let mut out = h.encode().to_vec();
-            out.extend_from_slice(data);
-            self.s.write_all(&out)
-        } else {
-            self.s.write_all(&h.encode())?;
-            self.s.write_all(data)
+        self.s.write_all(&head)?;
+        if !rest.is_empty() {
+            self.s.write_all(rest)?;
         }
+        Ok(())
     }
 
     fn status(&mut self) -> std::io::Result<Status> {

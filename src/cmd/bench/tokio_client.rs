@@ -49,22 +49,13 @@ impl Conn {
     }
 
     async fn send_write(&mut self, seg: u64, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        let h = Header {
-            task: self.next,
-            segment: seg,
-            offset,
-            length: data.len() as u64,
-            ..Header::new(Op::Write)
-        };
+        let (head, rest) = super::write_frame(self.next, seg, offset, data);
         self.next += 1;
-        if data.len() <= 16 * 1024 {
-            let mut out = h.encode().to_vec();
-            out.extend_from_slice(data);
-            self.s.write_all(&out).await
-        } else {
-            self.s.write_all(&h.encode()).await?;
-            self.s.write_all(data).await
+        self.s.write_all(&head).await?;
+        if !rest.is_empty() {
+            self.s.write_all(rest).await?;
         }
+        Ok(())
     }
 
     async fn status(&mut self) -> std::io::Result<Status> {
