@@ -10,10 +10,16 @@ use quiesce_transports::wire::{Header, Hello, Op, Status, VERSION};
 use quiesce_transports::{Engine, EngineConfig, Rights, Token, TransferError};
 
 fn target() -> ShardTarget {
+    target_with_handshake_timeout(Duration::from_secs(5))
+}
+
+/// A short timeout only where a test waits for it: under load a hello can
+/// take a while, and a short one then drops honest peers.
+fn target_with_handshake_timeout(handshake_timeout: Duration) -> ShardTarget {
     ShardTarget::start(
         EngineConfig {
             max_frame: 1 << 20,
-            handshake_timeout: Duration::from_millis(300),
+            handshake_timeout,
             ..Default::default()
         },
         &[
@@ -242,7 +248,7 @@ fn malformed_frames_close_the_connection_but_not_the_target() {
 
 #[test]
 fn version_mismatch_and_silent_peers_are_dropped() {
-    let t = target();
+    let t = target_with_handshake_timeout(Duration::from_millis(300));
     let mut s = std::net::TcpStream::connect(t.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let hello = Hello {
