@@ -3,6 +3,7 @@
 # Usage: scripts/test.sh [extra cargo test args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/build-deps.sh   # cmake + libclang for rdma-mummy-sys (libibverbs is not needed)
 
 for driver in io_uring epoll; do
   echo "=== cargo test --workspace (QUIESCE_DRIVER=$driver)"

@@ -4,6 +4,7 @@ use std::future::Future;
 use std::hash::{Hash, Hasher};
 
 use quiesce_runtime::{IoBuf, IoBufMut};
+use quiesce_transports::rdma::{RdmaPeer, RdmaSegment};
 use quiesce_transports::{Peer, RemoteSegment, TransferError};
 
 /// A transport a batch can drive. Its transfer futures must resolve only
@@ -135,6 +136,97 @@ impl Transport for Tcp {
     }
 
     fn abort(&self, peer: &PeerKey) {
+        peer.0.abort()
+    }
+}
+
+/// A range of an RDMA segment.
+#[derive(Clone)]
+pub struct RdmaRange {
+    /// The segment.
+    pub segment: RdmaSegment,
+    /// Offset within it.
+    pub offset: u64,
+    /// Length.
+    pub len: u64,
+}
+
+impl RdmaRange {
+    /// `segment[offset..offset + len]`.
+    pub fn new(segment: &RdmaSegment, offset: u64, len: u64) -> RdmaRange {
+        RdmaRange {
+            segment: segment.clone(),
+            offset,
+            len,
+        }
+    }
+}
+
+/// An RDMA peer compared by identity, for fence bookkeeping.
+#[derive(Clone)]
+pub struct RdmaPeerKey(pub RdmaPeer);
+
+impl PartialEq for RdmaPeerKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.addr() == other.0.addr()
+    }
+}
+
+impl Eq for RdmaPeerKey {}
+
+impl Hash for RdmaPeerKey {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.0.addr().hash(h)
+    }
+}
+
+/// The RDMA verbs transport of `quiesce-transports`: buffers must lie in a
+/// region registered with the initiator's `RdmaEngine`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Rdma;
+
+impl Transport for Rdma {
+    type Target = RdmaRange;
+    type Peer = RdmaPeerKey;
+
+    fn peer(&self, t: &RdmaRange) -> RdmaPeerKey {
+        RdmaPeerKey(t.segment.peer().clone())
+    }
+
+    fn len(&self, t: &RdmaRange) -> u64 {
+        t.len
+    }
+
+    fn write<B: IoBuf>(
+        &self,
+        t: &RdmaRange,
+        src: B,
+        batch: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
+        let t = t.clone();
+        async move { t.segment.write(t.offset, src, batch).await }
+    }
+
+    fn read<B: IoBufMut>(
+        &self,
+        t: &RdmaRange,
+        dst: B,
+        batch: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
+        let t = t.clone();
+        async move { t.segment.read(t.offset, t.len, dst, batch).await }
+    }
+
+    fn fence(
+        &self,
+        peer: &RdmaPeerKey,
+        batch: u64,
+    ) -> impl Future<Output = Result<(), TransferError>> + 'static {
+        let p = peer.0.clone();
+        async move { p.fence(batch).await }
+    }
+
+    fn abort(&self, peer: &RdmaPeerKey) {
         peer.0.abort()
     }
 }

@@ -24,8 +24,8 @@ use crate::lock::{AsyncLock, LockGuard};
 use crate::shared::{bytes_of, Erased, Part};
 use crate::stream::{discard, read_header, read_payload, send_frame, HeaderReader};
 use crate::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, Status, HEADER_LEN, MAX_HANDSHAKE_PAYLOAD,
-    VERSION,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, QpAccept, QpConnect, Status, HEADER_LEN,
+    MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD, VERSION,
 };
 
 /// Payloads up to this size travel in the same send as their header.
@@ -112,6 +112,7 @@ struct State {
     pending: HashMap<u64, Pending>,
     fences: HashMap<u64, Vec<Shared<Result<(), TransferError>>>>,
     auths: VecDeque<Shared<Result<AuthAck, TransferError>>>,
+    qp_accepts: VecDeque<Shared<Result<QpAccept, TransferError>>>,
 }
 
 /// One initiator connection.
@@ -125,6 +126,9 @@ pub(crate) struct Conn {
     session: u64,
     /// Frame buffers of small writes, reused (header and payload in one send).
     frames: RefCell<Vec<Vec<u8>>>,
+    /// Run once when the connection ends (RDMA: reset the queue pair set up
+    /// on it, whose peer may be gone with it).
+    on_close: RefCell<Vec<Box<dyn FnOnce()>>>,
     /// Batches this initiator has fenced at the peer: their slices that
     /// have not started are answered `Fenced` locally, without being sent.
     fenced: LocalFences,
@@ -202,6 +206,7 @@ impl Conn {
             session: p.session,
             fenced: p.fenced.clone(),
             frames: RefCell::default(),
+            on_close: RefCell::default(),
         });
         // The reader holds the connection until the socket ends (kill/abort
         // shut it down), then fails whatever is pending.
@@ -270,6 +275,43 @@ impl Conn {
             &Header {
                 length: payload.len() as u64,
                 ..Header::new(Op::Auth)
+            },
+            &payload,
+        )
+        .await;
+        g.complete = r.is_ok();
+        drop(g);
+        wait(&result).await
+    }
+
+    /// Runs `f` when the connection ends (at once if it has).
+    pub(crate) fn on_close(&self, f: impl FnOnce() + 'static) {
+        if self.is_dead() {
+            f();
+        } else {
+            self.on_close.borrow_mut().push(Box::new(f));
+        }
+    }
+
+    /// Sends an RDMA queue pair (or asks for keys only); returns the
+    /// target's queue pair and the keys of the segments proven here.
+    pub(crate) async fn qp_connect(&self, req: QpConnect) -> Result<QpAccept, TransferError> {
+        let payload = req.encode();
+        let result = slot();
+        {
+            let mut st = self.state.borrow_mut();
+            if st.dead.is_some() {
+                drop(st);
+                return Err(self.lost());
+            }
+            st.qp_accepts.push_back(result.clone());
+        }
+        let mut g = self.send_guard().await;
+        let r = send_frame(
+            &self.stream,
+            &Header {
+                length: payload.len() as u64,
+                ..Header::new(Op::QpConnect)
             },
             &payload,
         )
@@ -436,6 +478,8 @@ async fn read_loop(conn: Rc<Conn>) {
         Err(e) => e.to_string(),
     };
     conn.kill(&why);
+    let hooks = std::mem::take(&mut *conn.on_close.borrow_mut());
+    hooks.into_iter().for_each(|f| f());
     let st = std::mem::take(&mut *conn.state.borrow_mut());
     let err = TransferError::ConnectionLost(why);
     for (_, p) in st.pending {
@@ -449,6 +493,9 @@ async fn read_loop(conn: Rc<Conn>) {
         .flatten()
         .for_each(|r| fill(&r, Err(err.clone())));
     st.auths
+        .into_iter()
+        .for_each(|r| fill(&r, Err(err.clone())));
+    st.qp_accepts
         .into_iter()
         .for_each(|r| fill(&r, Err(err.clone())));
     conn.state
@@ -538,6 +585,16 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                 match conn.state.borrow_mut().auths.pop_front() {
                     Some(r) => fill(&r, Ok(ack)),
                     None => return Err(TransferError::BadFrame("unrequested auth ack".into())),
+                }
+            }
+            Op::QpAccept => {
+                if h.length as usize > MAX_QP_PAYLOAD {
+                    return Err(TransferError::BadFrame("qp accept too large".into()));
+                }
+                let acc = QpAccept::decode(&read_payload(s, h.length as usize).await?)?;
+                match conn.state.borrow_mut().qp_accepts.pop_front() {
+                    Some(r) => fill(&r, Ok(acc)),
+                    None => return Err(TransferError::BadFrame("unrequested qp accept".into())),
                 }
             }
             op => {

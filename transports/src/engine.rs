@@ -69,6 +69,9 @@ pub enum RegisterError {
     /// Rights must not be empty.
     #[error("a segment needs at least one right")]
     NoRights,
+    /// The memory could not be registered with the RDMA device.
+    #[error("memory registration failed: {0}")]
+    Memory(String),
 }
 
 /// What the target side has done, for metrics and tests.
@@ -102,6 +105,8 @@ pub(crate) struct EngineInner {
     peers: RefCell<HashMap<SocketAddr, Peer>>,
     tasks: RefCell<Vec<JoinHandle<()>>>,
     pub(crate) counters: Counters,
+    /// The shard's RDMA device, when an `RdmaEngine` wraps this engine.
+    pub(crate) rdma: RefCell<Option<Rc<crate::rdma::served::Node>>>,
 }
 
 /// A transfer engine on the current shard. Cheap to clone.
@@ -131,6 +136,7 @@ impl Engine {
             peers: RefCell::default(),
             tasks: RefCell::default(),
             counters: Counters::default(),
+            rdma: RefCell::default(),
         });
         let weak = Rc::downgrade(&inner);
         let accept = spawn_local(async move {
@@ -197,19 +203,37 @@ impl Engine {
         if let Some(p) = self.inner.peers.borrow().get(&addr) {
             return Ok(p.clone());
         }
+        let peer = Peer::connect(
+            addr,
+            self.peer_params(self.inner.config.connections_per_peer),
+        )
+        .await?;
+        self.inner.peers.borrow_mut().insert(addr, peer.clone());
+        Ok(peer)
+    }
+
+    /// A peer with only its control connection (the RDMA engine's control
+    /// plane); not shared with [`connect`](Self::connect).
+    pub(crate) async fn connect_control(&self, addr: SocketAddr) -> Result<Peer, TransferError> {
+        Peer::connect(addr, self.peer_params(0)).await
+    }
+
+    fn peer_params(&self, connections: usize) -> PeerParams {
         let c = &self.inner.config;
-        let params = PeerParams {
+        PeerParams {
             node: c.node.clone(),
             shards: c.shards,
             session: self.inner.session,
-            connections: c.connections_per_peer,
+            connections,
             slice_size: c.slice_size,
             zc_threshold: c.zc_threshold,
             connect_timeout: c.connect_timeout,
-        };
-        let peer = Peer::connect(addr, params).await?;
-        self.inner.peers.borrow_mut().insert(addr, peer.clone());
-        Ok(peer)
+        }
+    }
+
+    /// Serves RDMA queue pairs and keys from `node` (set by `RdmaEngine`).
+    pub(crate) fn set_rdma(&self, node: Rc<crate::rdma::served::Node>) {
+        *self.inner.rdma.borrow_mut() = Some(node);
     }
 
     /// Target-side counters.

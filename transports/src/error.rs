@@ -54,6 +54,20 @@ pub enum TransferError {
     /// Connecting took longer than the configured timeout.
     #[error("connect timed out")]
     ConnectTimeout,
+    /// RDMA: the target's NIC refused the access (remote key, bounds or the
+    /// memory region's access flags); nothing of this request landed past
+    /// the refusal, and the queue pair was reset.
+    #[error("remote access refused: {0}")]
+    RemoteAccess(String),
+    /// RDMA: the local buffer is not inside memory registered with the
+    /// engine (`RdmaEngine::register_region`); nothing was posted.
+    #[error("buffer {addr:#x}+{len} is not in registered memory")]
+    Unregistered {
+        /// The buffer's address.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
 }
 
 impl TransferError {

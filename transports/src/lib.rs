@@ -1,5 +1,5 @@
 //! quiesce's transports: one-sided remote writes and reads into memory a
-//! target registered, over TCP on io_uring (RDMA verbs to follow).
+//! target registered, over TCP on io_uring or RDMA verbs ([`rdma`]).
 //!
 //! * [`Engine`] — one per shard: serves [`Segment`]s to peers and opens
 //!   [`Peer`]s for transfers.
@@ -33,6 +33,7 @@ mod fence;
 mod lock;
 mod memory;
 mod peer;
+pub mod rdma;
 mod segment;
 mod shared;
 mod stream;

@@ -168,6 +168,11 @@ impl Region {
         self.len() == 0
     }
 
+    /// Start and length, for memory registration.
+    pub(crate) fn raw(&self) -> (*mut u8, usize) {
+        (self.inner.mem.raw(), self.len())
+    }
+
     /// Leases `range` exclusively.
     pub fn lease(&self, range: Range<usize>) -> Result<Lease, LeaseError> {
         let (start, end) = (range.start, range.end);
@@ -281,6 +286,11 @@ impl ExposedMemory {
 
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// Start and length, for memory registration.
+    pub(crate) fn raw(&self) -> (*mut u8, usize) {
+        (self.ptr, self.len)
     }
 
     /// Copies `dst.len()` bytes from `offset`. The caller checked bounds.

@@ -60,7 +60,8 @@ impl Peer {
         let first = Conn::connect(addr, &conn_params(&params, &fenced)).await?;
         // Slot 0 is the control connection (hello, auth, fences): a fence
         // never queues behind slices' payloads. Slots 1..=n carry data.
-        let n = params.connections.max(1);
+        // `connections == 0`: a control connection only (RDMA's control plane).
+        let n = params.connections;
         let mut conns = vec![Some(first)];
         for _ in 0..n {
             conns.push(Some(
@@ -164,6 +165,16 @@ impl Peer {
         Ok(c)
     }
 
+    /// The control connection, reconnected (tokens re-proven) if it died.
+    pub(crate) async fn control(&self) -> Result<Rc<Conn>, TransferError> {
+        self.conn(0).await
+    }
+
+    /// The control connection if it is alive.
+    pub(crate) fn live_control(&self) -> Option<Rc<Conn>> {
+        self.live(0)
+    }
+
     /// Asks the peer to apply no further byte of `batch`; resolves once it
     /// confirmed. Covers every connection of this session to the peer. The
     /// request travels on the control connection, ahead of queued payloads.
@@ -218,7 +229,7 @@ pub struct RemoteSegment {
 }
 
 /// `(offset, len)` slices of `0..len`.
-fn slices(len: u64, slice: usize) -> impl Iterator<Item = (u64, u64)> {
+pub(crate) fn slices(len: u64, slice: usize) -> impl Iterator<Item = (u64, u64)> {
     let slice = slice.max(1) as u64;
     (0..len.div_ceil(slice)).map(move |i| (i * slice, slice.min(len - i * slice)))
 }

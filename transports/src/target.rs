@@ -17,10 +17,12 @@ use quiesce_runtime::time::timeout;
 use crate::auth::random_bytes;
 use crate::engine::EngineInner;
 use crate::memory::Window;
+use crate::rdma::served::ServedQp;
 use crate::segment::{Rights, Segment};
 use crate::stream::{discard, read_header, read_payload, send_frame};
 use crate::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, Status, MAX_HANDSHAKE_PAYLOAD,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, QpAccept, QpConnect, QpWire, Status,
+    MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
 };
 
 /// Reads up to this size are answered with header and data in one send.
@@ -46,6 +48,8 @@ struct Conn<'a> {
     nonce: [u8; 16],
     peer_nonce: [u8; 16],
     authorised: HashSet<u64>,
+    /// The RDMA queue pair this connection set up (control connections).
+    served: Option<crate::rdma::served::ServedQp>,
 }
 
 /// Serves `s` until the peer leaves or breaks the protocol.
@@ -134,6 +138,7 @@ async fn handshake<'a>(engine: &'a EngineInner, s: &'a TcpStream) -> Result<Conn
         nonce,
         peer_nonce: hello.nonce,
         authorised: HashSet::new(),
+        served: None,
     })
 }
 
@@ -154,7 +159,13 @@ async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> 
             Op::Auth => c.auth(&h).await?,
             Op::Write => c.write(&h).await?,
             Op::Read => c.read(&h).await?,
+            Op::QpConnect => c.qp_connect(&h).await?,
             Op::Fence => {
+                // RDMA: the responder accepts no further packet of any batch
+                // on this queue pair; the initiator builds a new one.
+                if let Some(qp) = c.served.take() {
+                    qp.fence();
+                }
                 engine.fences.fence(c.session, h.batch);
                 engine.fences.quiet(c.session, h.batch).await;
                 send_frame(
@@ -174,6 +185,56 @@ async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> 
 }
 
 impl Conn<'_> {
+    /// Sets up (or, for `qpn == 0`, only reports keys of) an RDMA queue pair.
+    async fn qp_connect(&mut self, h: &Header) -> Result<(), Closed> {
+        if h.length as usize > MAX_QP_PAYLOAD {
+            return Err(reject(self.s, h, Status::BadFrame, "qp payload too large".into()).await);
+        }
+        let req = match QpConnect::decode(&read_payload(self.s, h.length as usize).await?) {
+            Ok(r) => r,
+            Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
+        };
+        let node = self.engine.rdma.borrow().clone();
+        let mut answer = QpAccept {
+            status: 1,
+            qp: QpWire::default(),
+            keys: Vec::new(),
+        };
+        if let Some(node) = node {
+            answer.status = 0;
+            if req.qp.qpn != 0 {
+                // A new queue pair replaces (and first resets) the old one.
+                self.served = None;
+                match ServedQp::accept(&node, &req.qp) {
+                    Ok((qp, wire)) => {
+                        self.served = Some(qp);
+                        answer.qp = wire;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot serve a queue pair");
+                        answer.status = 2;
+                    }
+                }
+            }
+            answer.keys = node.keys(self.authorised.iter().copied());
+        }
+        let payload = match answer.encode() {
+            Ok(p) => p,
+            Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
+        };
+        send_frame(
+            self.s,
+            &Header {
+                op: Op::QpAccept,
+                length: payload.len() as u64,
+                ..*h
+            },
+            &payload,
+        )
+        .await?;
+        Ok(())
+    }
+
     async fn auth(&mut self, h: &Header) -> Result<(), Closed> {
         if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
             return Err(reject(self.s, h, Status::BadFrame, "auth payload too large".into()).await);

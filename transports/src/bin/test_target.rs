@@ -3,8 +3,10 @@
 //! killed or until its standard input closes.
 //!
 //! ```text
-//! quiesce-test-target [--listen ADDR] [--segment NAME:LEN:RIGHTS]... [--max-frame N]
+//! quiesce-test-target [--listen ADDR] [--segment NAME:LEN:RIGHTS]... [--max-frame N] [--rdma]
 //! ```
+//! `--rdma` serves the segments over RDMA verbs too (memory regions on the
+//! first active device).
 //! RIGHTS is `r`, `w` or `rw`. Prints `segment NAME ID LEN TOKEN` per segment,
 //! then `listening ADDR`. Tests slow it down with SIGSTOP/SIGCONT.
 
@@ -13,6 +15,7 @@ use std::os::fd::AsFd;
 use std::time::Duration;
 
 use quiesce_runtime::{time, Runtime};
+use quiesce_transports::rdma::{RdmaConfig, RdmaEngine};
 use quiesce_transports::{AlignedBuf, Engine, EngineConfig, Rights};
 
 fn main() {
@@ -21,6 +24,7 @@ fn main() {
         ..Default::default()
     };
     let mut segments = Vec::new();
+    let mut rdma = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -34,6 +38,7 @@ fn main() {
             "--max-frame" => {
                 cfg.max_frame = args.next().expect("--max-frame N").parse().expect("number")
             }
+            "--rdma" => rdma = true,
             "--segment" => {
                 let spec = args.next().expect("--segment NAME:LEN:RIGHTS");
                 let mut it = spec.split(':');
@@ -53,12 +58,24 @@ fn main() {
     }
     let rt = Runtime::new().expect("runtime");
     rt.block_on(async move {
-        let engine = Engine::bind(cfg).expect("bind");
+        let rdma = rdma.then(|| {
+            RdmaEngine::bind(RdmaConfig {
+                control: cfg.clone(),
+                ..Default::default()
+            })
+            .expect("rdma bind")
+        });
+        let engine = match &rdma {
+            Some(r) => r.control().clone(),
+            None => Engine::bind(cfg).expect("bind"),
+        };
         let mut out = std::io::stdout().lock();
         for (name, len, rights) in segments {
-            let seg = engine
-                .register(&name, AlignedBuf::new(len), rights)
-                .expect("register");
+            let seg = match &rdma {
+                Some(r) => r.register(&name, AlignedBuf::new(len), rights),
+                None => engine.register(&name, AlignedBuf::new(len), rights),
+            }
+            .expect("register");
             writeln!(
                 out,
                 "segment {} {} {} {}",

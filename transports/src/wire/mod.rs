@@ -4,8 +4,10 @@
 //! a [`FrameError`].
 
 mod handshake;
+mod rdma;
 
 pub use handshake::{AuthAck, AuthRequest, Descriptor, Hello, HelloAck, MAX_HANDSHAKE_PAYLOAD};
+pub use rdma::{QpAccept, QpConnect, QpWire, RemoteKey, MAX_QP_PAYLOAD};
 
 /// `b"QSCE"`, the first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"QSCE";
@@ -26,6 +28,11 @@ pub enum Op {
     Auth = 3,
     /// Target → initiator: one status per proof.
     AuthAck = 4,
+    /// Initiator → target: its RDMA queue pair (or none: keys only).
+    QpConnect = 5,
+    /// Target → initiator: the target's queue pair and the remote keys of
+    /// the segments proven on this connection.
+    QpAccept = 6,
     /// Initiator → target: `length` payload bytes to land at `segment[offset..]`.
     Write = 16,
     /// Initiator → target: send back `length` bytes of `segment[offset..]`.
@@ -47,6 +54,8 @@ impl Op {
             2 => Op::HelloAck,
             3 => Op::Auth,
             4 => Op::AuthAck,
+            5 => Op::QpConnect,
+            6 => Op::QpAccept,
             16 => Op::Write,
             17 => Op::Read,
             18 => Op::Fence,
@@ -242,6 +251,10 @@ impl<'a> Reader<'a> {
 
     pub(crate) fn u8(&mut self) -> Result<u8, FrameError> {
         Ok(self.array::<1>()?[0])
+    }
+
+    pub(crate) fn u32(&mut self) -> Result<u32, FrameError> {
+        Ok(u32::from_le_bytes(self.array()?))
     }
 
     pub(crate) fn u16(&mut self) -> Result<u16, FrameError> {

@@ -1,0 +1,290 @@
+//! The RDMA engine of one shard: device, protection domain, completion
+//! queue, registered memory, and its peers.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::rc::{Rc, Weak};
+use std::time::Duration;
+
+use quiesce_runtime::source::{register, SourceHandle};
+
+use super::peer::RdmaPeer;
+use super::reaper::{Reaper, SharedReaper, Source};
+use super::served::Node;
+use super::verbs::{Access, Context, Cq, Mr, Pd};
+use super::{RdmaError, RdmaStats};
+use crate::engine::{Engine, EngineConfig, RegisterError};
+use crate::error::TransferError;
+use crate::memory::Region;
+use crate::segment::{Rights, Segment, SegmentMemory};
+
+/// RDMA engine settings.
+#[derive(Debug, Clone)]
+pub struct RdmaConfig {
+    /// The TCP control plane (listen address, node name, timeouts).
+    pub control: EngineConfig,
+    /// Device to use (`None`: the first with an active port).
+    pub device: Option<String>,
+    /// GID index to send from (`None`: the first RoCE v2 IPv4-mapped GID,
+    /// else index 0).
+    pub gid_index: Option<u32>,
+    /// Busy-poll the completion queue every tick instead of sleeping on its
+    /// completion channel (lower latency, one core spinning).
+    pub busy_poll: bool,
+    /// Work requests in flight per queue pair.
+    pub queue_depth: u32,
+    /// Transfers are cut into work requests of at most this many bytes.
+    pub slice_size: usize,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            control: EngineConfig::default(),
+            device: None,
+            gid_index: None,
+            busy_poll: false,
+            queue_depth: 256,
+            slice_size: 1 << 20,
+        }
+    }
+}
+
+/// A local memory region registered with the engine.
+pub(crate) struct LocalMr {
+    pub(crate) mr: Mr,
+    _region: Region,
+    count: Rc<Cell<u64>>,
+}
+
+impl Drop for LocalMr {
+    fn drop(&mut self) {
+        self.count.set(self.count.get() - 1);
+    }
+}
+
+/// A [`Region`] registered for RDMA. Dropping it deregisters the region once
+/// no transfer in flight uses it (each holds the registration until reaped).
+pub struct LocalMemory {
+    engine: Weak<RdmaInner>,
+    start: u64,
+}
+
+impl Drop for LocalMemory {
+    fn drop(&mut self) {
+        if let Some(e) = self.engine.upgrade() {
+            e.locals.borrow_mut().remove(&self.start);
+        }
+    }
+}
+
+pub(crate) struct RdmaInner {
+    tcp: Engine,
+    pub(crate) node: Rc<Node>,
+    pub(crate) slice_size: usize,
+    locals: RefCell<BTreeMap<u64, Rc<LocalMr>>>,
+    peers: RefCell<HashMap<SocketAddr, RdmaPeer>>,
+    _source: SourceHandle,
+}
+
+/// An RDMA transfer engine on the current shard. Cheap to clone.
+#[derive(Clone)]
+pub struct RdmaEngine {
+    inner: Rc<RdmaInner>,
+}
+
+impl RdmaEngine {
+    /// Opens the device, starts the TCP control plane and registers the
+    /// completion queue with the current runtime.
+    pub fn bind(config: RdmaConfig) -> Result<RdmaEngine, RdmaError> {
+        let ctx = Context::open(config.device.as_deref())?;
+        let (gid_index, gid) = pick_gid(&ctx, config.gid_index)?;
+        let max_msg = (ctx.max_msg as usize).max(1);
+        let pd = Pd::new(&ctx)?;
+        let cq = Cq::new(&ctx, 4 * config.queue_depth.max(16) as i32)?;
+        let fd = cq.fd();
+        let mrs = Rc::new(Cell::new(0));
+        let reaper: SharedReaper = Rc::new(RefCell::new(Reaper::new(cq, mrs.clone())));
+        let source = register(Source {
+            reaper: reaper.clone(),
+            busy_poll: config.busy_poll,
+            fd,
+        });
+        let node = Rc::new(Node {
+            ctx,
+            pd,
+            gid,
+            gid_index,
+            depth: config.queue_depth.max(1),
+            reaper,
+            segments: RefCell::default(),
+            mrs,
+        });
+        let tcp = Engine::bind(config.control.clone()).map_err(RdmaError::Control)?;
+        tcp.set_rdma(node.clone());
+        tracing::debug!(device = node.ctx.name(), gid_index, "RDMA engine up");
+        Ok(RdmaEngine {
+            inner: Rc::new(RdmaInner {
+                tcp,
+                node,
+                slice_size: config.slice_size.clamp(1, max_msg),
+                locals: RefCell::default(),
+                peers: RefCell::default(),
+                _source: source,
+            }),
+        })
+    }
+
+    /// The control plane's address (peers connect here).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.tcp.local_addr()
+    }
+
+    /// The device in use.
+    pub fn device(&self) -> &str {
+        self.inner.node.ctx.name()
+    }
+
+    /// The GID index sent from.
+    pub fn gid_index(&self) -> u8 {
+        self.inner.node.gid_index
+    }
+
+    /// The TCP engine underneath (its segments are served over TCP too).
+    pub fn control(&self) -> &Engine {
+        &self.inner.tcp
+    }
+
+    /// Registers memory for remote access, with a memory region whose access
+    /// flags follow `rights`.
+    pub fn register(
+        &self,
+        name: &str,
+        mem: impl Into<SegmentMemory>,
+        rights: Rights,
+    ) -> Result<Segment, RegisterError> {
+        let seg = self.inner.tcp.register(name, mem, rights)?;
+        let access = Access {
+            remote_write: rights.contains(Rights::WRITE),
+            remote_read: rights.contains(Rights::READ),
+        };
+        if let Err(e) = self
+            .inner
+            .node
+            .register_segment(seg.id(), seg.inner.mem.clone(), access)
+        {
+            self.inner.tcp.deregister(seg.id());
+            return Err(RegisterError::Memory(e.to_string()));
+        }
+        Ok(seg)
+    }
+
+    /// Stops serving segment `id` and deregisters its memory region: from
+    /// now on the target's NIC refuses every access with its key.
+    pub fn deregister(&self, id: u64) -> bool {
+        self.inner.node.segments.borrow_mut().remove(&id);
+        self.inner.tcp.deregister(id)
+    }
+
+    /// Registers `region` for local use: leases of it can be written from
+    /// and read into.
+    pub fn register_region(&self, region: &Region) -> Result<LocalMemory, RdmaError> {
+        let (ptr, len) = region.raw();
+        let start = ptr as u64;
+        if self.inner.locals.borrow().contains_key(&start) {
+            return Err(RdmaError::AlreadyRegistered);
+        }
+        // SAFETY: the registration keeps a clone of the region (its memory)
+        // alive and is dropped before it.
+        let mr = unsafe {
+            Mr::register(
+                &self.inner.node.pd,
+                ptr,
+                len,
+                Access {
+                    remote_write: false,
+                    remote_read: false,
+                },
+            )?
+        };
+        let count = self.inner.node.mrs.clone();
+        count.set(count.get() + 1);
+        self.inner.locals.borrow_mut().insert(
+            start,
+            Rc::new(LocalMr {
+                mr,
+                _region: region.clone(),
+                count,
+            }),
+        );
+        Ok(LocalMemory {
+            engine: Rc::downgrade(&self.inner),
+            start,
+        })
+    }
+
+    /// Connects to the engine at `addr` (or returns the existing peer).
+    pub async fn connect(&self, addr: SocketAddr) -> Result<RdmaPeer, TransferError> {
+        if let Some(p) = self.inner.peers.borrow().get(&addr) {
+            return Ok(p.clone());
+        }
+        let tcp = self.inner.tcp.connect_control(addr).await?;
+        let peer = RdmaPeer::new(self.inner.clone(), tcp);
+        self.inner.peers.borrow_mut().insert(addr, peer.clone());
+        Ok(peer)
+    }
+
+    /// Work request counters.
+    pub fn stats(&self) -> RdmaStats {
+        self.inner.node.reaper.borrow().stats()
+    }
+
+    /// Tears down: every queue pair to the error state, the completion
+    /// queue reaped until no request is outstanding (at most `limit`), then
+    /// the control plane closed. Returns whether everything drained.
+    pub fn shutdown(&self, limit: Duration) -> bool {
+        for p in self.inner.peers.borrow_mut().drain() {
+            p.1.abort();
+        }
+        let drained = self.inner.node.reaper.borrow_mut().drain_all(limit);
+        self.inner.tcp.shutdown();
+        drained
+    }
+}
+
+impl RdmaInner {
+    /// The registration covering `addr..addr + len`, if any.
+    pub(crate) fn local(&self, addr: u64, len: u64) -> Option<Rc<LocalMr>> {
+        let locals = self.locals.borrow();
+        let (start, mr) = locals.range(..=addr).next_back()?;
+        let end = addr.checked_add(len)?;
+        (end <= start + mr.mr.len() as u64).then(|| mr.clone())
+    }
+}
+
+/// The GID to send from: the configured index, else the first RoCE v2
+/// IPv4-mapped one, else (InfiniBand) index 0.
+fn pick_gid(ctx: &Context, want: Option<u32>) -> Result<(u8, [u8; 16]), RdmaError> {
+    if let Some(i) = want {
+        return match ctx.gid(i) {
+            Some((g, _)) => Ok((i as u8, g)),
+            None => Err(RdmaError::NoGid {
+                device: ctx.name().into(),
+                why: format!("GID index {i} is empty"),
+            }),
+        };
+    }
+    for i in 0..ctx.gid_table_len.min(256) {
+        if let Some((g, true)) = ctx.gid(i) {
+            return Ok((i as u8, g));
+        }
+    }
+    if !ctx.ethernet {
+        return Ok((0, ctx.gid(0).map(|g| g.0).unwrap_or([0; 16])));
+    }
+    Err(RdmaError::NoGid {
+        device: ctx.name().into(),
+        why: "no RoCE v2 IPv4-mapped GID (is an IPv4 address set on the netdev?)".into(),
+    })
+}

@@ -1,0 +1,353 @@
+//! A remote RDMA engine as seen by the initiator: one TCP control
+//! connection, one RC queue pair (rebuilt lazily after an error or a fence),
+//! and the remote keys of the segments opened on it.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::rc::Rc;
+
+use quiesce_runtime::{IoBuf, IoBufMut};
+
+use super::engine::RdmaInner;
+use super::reaper::{Link, LinkState, Reaper};
+use super::verbs::{Access, QpEndpoint, WorkRequest};
+use crate::auth::Token;
+use crate::error::TransferError;
+use crate::lock::AsyncLock;
+use crate::peer::{slices, Peer};
+use crate::segment::Rights;
+use crate::shared::set_filled;
+use crate::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
+
+struct PeerState {
+    engine: Rc<RdmaInner>,
+    tcp: Peer,
+    link: RefCell<Option<Rc<Link>>>,
+    keys: RefCell<HashMap<u64, RemoteKey>>,
+    setup: AsyncLock,
+    /// Batches fenced towards this peer: their later transfers are refused
+    /// locally without being posted.
+    fenced: RefCell<HashSet<u64>>,
+}
+
+/// A connected remote RDMA engine. Cheap to clone.
+#[derive(Clone)]
+pub struct RdmaPeer {
+    inner: Rc<PeerState>,
+}
+
+impl RdmaPeer {
+    pub(crate) fn new(engine: Rc<RdmaInner>, tcp: Peer) -> RdmaPeer {
+        RdmaPeer {
+            inner: Rc::new(PeerState {
+                engine,
+                tcp,
+                link: RefCell::default(),
+                keys: RefCell::default(),
+                setup: AsyncLock::default(),
+                fenced: RefCell::default(),
+            }),
+        }
+    }
+
+    /// The peer's control address (its identity for fences).
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.tcp.addr()
+    }
+
+    /// The peer's node name.
+    pub fn node(&self) -> &str {
+        self.inner.tcp.node()
+    }
+
+    /// The segments the peer exposes.
+    pub fn segments(&self) -> &[Descriptor] {
+        self.inner.tcp.segments()
+    }
+
+    /// Proves `token` for segment `name` and fetches its remote key.
+    pub async fn open(&self, name: &str, token: Token) -> Result<RdmaSegment, TransferError> {
+        let seg = self.inner.tcp.open(name, token).await?;
+        let desc = self
+            .segments()
+            .iter()
+            .find(|d| d.id == seg.id())
+            .cloned()
+            .ok_or(TransferError::NoSuchSegment(seg.id()))?;
+        if !self.inner.keys.borrow().contains_key(&desc.id) {
+            // Keys only: the queue pair (if any) stays as it is.
+            let conn = self.inner.tcp.control().await?;
+            let accept = conn
+                .qp_connect(QpConnect {
+                    qp: QpWire::default(),
+                })
+                .await?;
+            check_status(accept.status, self.addr())?;
+            self.inner
+                .keys
+                .borrow_mut()
+                .extend(accept.keys.iter().map(|k| (k.segment, *k)));
+        }
+        let key = self
+            .inner
+            .keys
+            .borrow()
+            .get(&desc.id)
+            .copied()
+            .ok_or_else(|| TransferError::Handshake {
+                peer: self.addr().to_string(),
+                reason: format!(
+                    "segment {:?} has no RDMA memory region at the target",
+                    desc.name
+                ),
+            })?;
+        Ok(RdmaSegment {
+            peer: self.clone(),
+            desc,
+            key,
+        })
+    }
+
+    /// The live link, or a new one (new queue pair, exchanged on the
+    /// control connection) if there is none, it failed, or the control
+    /// connection it was set up on died.
+    async fn link(&self) -> Result<Rc<Link>, TransferError> {
+        if let Some(l) = self.usable_link() {
+            return Ok(l);
+        }
+        let _g = self.inner.setup.lock().await;
+        if let Some(l) = self.usable_link() {
+            return Ok(l);
+        }
+        let conn = self.inner.tcp.control().await?;
+        let node = &self.inner.engine.node;
+        let qp = node
+            .new_qp()
+            .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
+        let local = node.endpoint(&qp);
+        let accept = conn
+            .qp_connect(QpConnect {
+                qp: QpWire {
+                    qpn: local.qpn,
+                    psn: local.psn,
+                    gid: local.gid,
+                    lid: local.lid,
+                    mtu: local.mtu,
+                },
+            })
+            .await?;
+        check_status(accept.status, self.addr())?;
+        let remote = QpEndpoint {
+            qpn: accept.qp.qpn,
+            psn: accept.qp.psn,
+            gid: accept.qp.gid,
+            lid: accept.qp.lid,
+            mtu: accept.qp.mtu,
+        };
+        let none = Access {
+            remote_write: false,
+            remote_read: false,
+        };
+        qp.connect(&local, &remote, node.gid_index, none)
+            .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
+        self.inner
+            .keys
+            .borrow_mut()
+            .extend(accept.keys.iter().map(|k| (k.segment, *k)));
+        let link = Rc::new(Link::new(qp, node.depth, Rc::as_ptr(&conn) as usize));
+        // The target's queue pair dies with the control connection: reset
+        // ours at once instead of waiting for the NIC's retries to run out.
+        let weak = Rc::downgrade(&link);
+        conn.on_close(move || {
+            if let Some(l) = weak.upgrade() {
+                l.lost();
+            }
+        });
+        if let Some(old) = self.inner.link.replace(Some(link.clone())) {
+            old.fence(None);
+        }
+        tracing::debug!(peer = %self.addr(), qpn = local.qpn, remote_qpn = remote.qpn, "queue pair connected");
+        Ok(link)
+    }
+
+    fn usable_link(&self) -> Option<Rc<Link>> {
+        let link = self.inner.link.borrow().clone()?;
+        let conn = self.inner.tcp.live_control()?;
+        (link.state() == LinkState::Ready && Rc::as_ptr(&conn) as usize == link.conn)
+            .then_some(link)
+    }
+
+    /// Fences `batch`: the local queue pair to the error state (nothing more
+    /// leaves, posted requests flush), then the target's (nothing more
+    /// lands); resolves once the target confirmed.
+    pub async fn fence(&self, batch: u64) -> Result<(), TransferError> {
+        self.inner.fenced.borrow_mut().insert(batch);
+        if let Some(l) = self.inner.link.borrow().as_ref() {
+            l.fence(Some(batch));
+        }
+        self.inner.tcp.fence(batch).await
+    }
+
+    /// Moves the queue pair to the error state; its requests fail once
+    /// their flushes are reaped. The next transfer builds a new one.
+    pub fn abort(&self) {
+        if let Some(l) = self.inner.link.borrow().as_ref() {
+            l.fence(None);
+        }
+    }
+
+    async fn post<B: 'static>(
+        &self,
+        key: &RemoteKey,
+        offset: u64,
+        local: (u64, u64),
+        read: bool,
+        batch: u64,
+        buf: B,
+    ) -> (Result<u64, TransferError>, B) {
+        let (addr, len) = local;
+        let Some(mr) = self.inner.engine.local(addr, len) else {
+            return (Err(TransferError::Unregistered { addr, len }), buf);
+        };
+        if self.inner.fenced.borrow().contains(&batch) {
+            return (Err(TransferError::Fenced), buf);
+        }
+        let link = match self.link().await {
+            Ok(l) => l,
+            Err(e) => return (Err(e), buf),
+        };
+        let lkey = mr.mr.lkey();
+        let wrs = slices(len, self.inner.engine.slice_size)
+            .map(|(off, l)| WorkRequest {
+                wr_id: 0,
+                read,
+                local: addr + off,
+                len: l as u32,
+                lkey,
+                remote: key.addr + offset + off,
+                rkey: key.rkey,
+                inline: !read,
+            })
+            .collect();
+        let reaper = &self.inner.engine.node.reaper;
+        Reaper::submit(reaper, &link, wrs, batch, len, Some(mr), buf).await
+    }
+}
+
+fn check_status(status: u8, peer: SocketAddr) -> Result<(), TransferError> {
+    let reason = match status {
+        0 => return Ok(()),
+        1 => "the target has no RDMA device",
+        _ => "the target could not set up a queue pair",
+    };
+    Err(TransferError::Handshake {
+        peer: peer.to_string(),
+        reason: reason.into(),
+    })
+}
+
+/// A segment of an RDMA peer that this initiator has opened.
+#[derive(Clone)]
+pub struct RdmaSegment {
+    peer: RdmaPeer,
+    desc: Descriptor,
+    key: RemoteKey,
+}
+
+impl RdmaSegment {
+    /// The segment's id at the peer.
+    pub fn id(&self) -> u64 {
+        self.desc.id
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.desc.len
+    }
+
+    /// True for an empty segment.
+    pub fn is_empty(&self) -> bool {
+        self.desc.len == 0
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.desc.name
+    }
+
+    /// Rights the target advertised. Its NIC enforces them: a request the
+    /// rights do not allow is posted and refused there
+    /// ([`TransferError::RemoteAccess`]).
+    pub fn rights(&self) -> Rights {
+        self.desc.rights
+    }
+
+    /// The peer.
+    pub fn peer(&self) -> &RdmaPeer {
+        &self.peer
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), TransferError> {
+        if len == 0 {
+            return Err(TransferError::BadLength("zero-length transfer"));
+        }
+        if offset.checked_add(len).is_none_or(|e| e > self.desc.len) {
+            return Err(TransferError::OutOfBounds {
+                offset,
+                len,
+                seg_len: self.desc.len,
+            });
+        }
+        Ok(())
+    }
+
+    /// RDMA-writes the initialised bytes of `src` (which must lie in a
+    /// registered region) to `offset`. Resolves once every work request is
+    /// reaped.
+    pub async fn write<B: IoBuf>(
+        &self,
+        offset: u64,
+        src: B,
+        batch: u64,
+    ) -> (Result<u64, TransferError>, B) {
+        let len = src.bytes_init() as u64;
+        if let Err(e) = self.check(offset, len) {
+            return (Err(e), src);
+        }
+        let addr = src.stable_ptr() as u64;
+        self.peer
+            .post(&self.key, offset, (addr, len), false, batch, src)
+            .await
+    }
+
+    /// RDMA-reads `len` bytes at `offset` into `dst[..len]`.
+    pub async fn read<B: IoBufMut>(
+        &self,
+        offset: u64,
+        len: u64,
+        mut dst: B,
+        batch: u64,
+    ) -> (Result<u64, TransferError>, B) {
+        if let Err(e) = self.check(offset, len) {
+            return (Err(e), dst);
+        }
+        if len > dst.bytes_total() as u64 {
+            return (
+                Err(TransferError::BadLength(
+                    "destination smaller than the range",
+                )),
+                dst,
+            );
+        }
+        let addr = dst.stable_mut_ptr() as u64;
+        let (res, mut dst) = self
+            .peer
+            .post(&self.key, offset, (addr, len), true, batch, dst)
+            .await;
+        if res.is_ok() {
+            set_filled(&mut dst, len as usize);
+        }
+        (res, dst)
+    }
+}

@@ -1,0 +1,496 @@
+//! The shard's completion queue and every work request's life, from queued
+//! to reaped.
+//!
+//! A transfer becomes a [`Slot`] (slab key + generation = the `wr_id` of
+//! each of its work requests) and one work request per slice. Requests wait
+//! in their [`Link`]'s queue until the next doorbell: the reactor polls the
+//! [`Reaper`] every tick (and right before it blocks), and each poll rings
+//! each link's doorbell once, with everything queued since, then reaps the
+//! completion queue. A slot resolves when its last request is reaped — never
+//! earlier, whatever failed — so its buffer comes back only once the NIC is
+//! done with it.
+//!
+//! Link states:
+//! * `Ready` — requests are posted.
+//! * `Failed` — a completion failed; the NIC moved the QP to the error state
+//!   and every posted request will come back flushed. Queued requests are
+//!   failed without being posted.
+//! * `Fenced` — moved to the error state by a fence or an abort; as above.
+//!
+//! A link that is not `Ready` is never used again: the peer builds a new one
+//! lazily, and the old QP is destroyed when its last slot is reaped.
+
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::{HashSet, VecDeque};
+use std::future::Future;
+use std::os::fd::RawFd;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use quiesce_runtime::source::CompletionSource;
+use slab::Slab;
+
+use super::verbs::{Completion, Cq, Qp, WorkRequest};
+use crate::error::TransferError;
+
+/// `ibv_wc_status` values this module names.
+const WC_SUCCESS: u32 = 0;
+const WC_LOC_PROT_ERR: u32 = 4;
+const WC_WR_FLUSH_ERR: u32 = 5;
+const WC_REM_INV_REQ_ERR: u32 = 9;
+const WC_REM_ACCESS_ERR: u32 = 10;
+const WC_REM_OP_ERR: u32 = 11;
+const WC_RETRY_EXC_ERR: u32 = 12;
+const WC_RNR_RETRY_EXC_ERR: u32 = 13;
+
+/// Where a link stands (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LinkState {
+    /// Invariant: the QP is in RTS and posts go out.
+    Ready,
+    /// Invariant: the QP is in the error state because a completion failed.
+    Failed,
+    /// Invariant: the QP was moved to the error state by a fence or abort.
+    Fenced,
+}
+
+/// One RC queue pair towards a peer.
+pub(crate) struct Link {
+    pub(crate) qp: Qp,
+    state: Cell<LinkState>,
+    /// Posted and not yet reaped.
+    outstanding: Cell<u32>,
+    /// Queued for the next doorbell.
+    queued: RefCell<VecDeque<WorkRequest>>,
+    in_dirty: Cell<bool>,
+    depth: u32,
+    /// Batches fenced on this link: their flushed requests report `Fenced`.
+    fenced: RefCell<HashSet<u64>>,
+    /// Identity of the control connection the link was set up on.
+    pub(crate) conn: usize,
+}
+
+impl Link {
+    pub(crate) fn new(qp: Qp, depth: u32, conn: usize) -> Link {
+        Link {
+            qp,
+            state: Cell::new(LinkState::Ready),
+            outstanding: Cell::new(0),
+            queued: RefCell::default(),
+            in_dirty: Cell::new(false),
+            depth,
+            fenced: RefCell::default(),
+            conn,
+        }
+    }
+
+    pub(crate) fn state(&self) -> LinkState {
+        self.state.get()
+    }
+
+    /// Moves the QP to the error state: posted requests flush, queued ones
+    /// fail at the next doorbell without being posted.
+    pub(crate) fn fence(&self, batch: Option<u64>) {
+        if let Some(b) = batch {
+            self.fenced.borrow_mut().insert(b);
+        }
+        if self.state.get() == LinkState::Ready {
+            self.state.set(LinkState::Fenced);
+        }
+        if let Err(e) = self.qp.set_error() {
+            tracing::warn!(error = %e, "moving a queue pair to the error state failed");
+        }
+    }
+
+    /// The peer is gone (its control connection ended): to the error state.
+    pub(crate) fn lost(&self) {
+        if self.state.get() == LinkState::Ready {
+            self.state.set(LinkState::Failed);
+        }
+        if let Err(e) = self.qp.set_error() {
+            tracing::warn!(error = %e, "moving a queue pair to the error state failed");
+        }
+    }
+
+    fn flushed_error(&self, batch: u64) -> TransferError {
+        if self.fenced.borrow().contains(&batch) {
+            TransferError::Fenced
+        } else if self.state.get() == LinkState::Fenced {
+            TransferError::ConnectionLost("queue pair reset by a fence or abort".into())
+        } else {
+            TransferError::ConnectionLost(
+                "queue pair failed (peer lost, or another request's error flushed this one)".into(),
+            )
+        }
+    }
+}
+
+struct Slot {
+    gen: u32,
+    batch: u64,
+    /// Queued or posted requests not yet reaped.
+    outstanding: u32,
+    bytes: u64,
+    error: Option<TransferError>,
+    waker: Option<Waker>,
+    link: Rc<Link>,
+    /// What must outlive the NIC's use: the local memory registration.
+    _keep: Option<Rc<dyn Any>>,
+    /// The buffer of a transfer whose future was dropped in flight; freed
+    /// when the last request is reaped.
+    orphan: Option<Box<dyn Any>>,
+}
+
+/// Counters, for tests and `quiesce bench`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RdmaStats {
+    /// Work requests posted.
+    pub posted: u64,
+    /// Completions reaped (flushes included).
+    pub reaped: u64,
+    /// `ibv_post_send` calls (doorbells).
+    pub doorbells: u64,
+    /// Transfers whose requests are not all reaped.
+    pub in_flight: u64,
+    /// Memory regions registered now (local and segments).
+    pub memory_regions: u64,
+}
+
+/// The shard's CQ and the slots of its work requests.
+pub(crate) struct Reaper {
+    // Field order matters on drop: slots (and the QPs they keep) go before the CQ.
+    slots: Slab<Slot>,
+    dirty: Vec<Rc<Link>>,
+    next_gen: u32,
+    scratch: Vec<Completion>,
+    stats: RdmaStats,
+    pub(crate) mrs: Rc<Cell<u64>>,
+    cq: Cq,
+}
+
+pub(crate) type SharedReaper = Rc<RefCell<Reaper>>;
+
+impl Reaper {
+    pub(crate) fn new(cq: Cq, mrs: Rc<Cell<u64>>) -> Reaper {
+        Reaper {
+            slots: Slab::new(),
+            dirty: Vec::new(),
+            next_gen: 1,
+            scratch: Vec::with_capacity(32),
+            stats: RdmaStats::default(),
+            mrs,
+            cq,
+        }
+    }
+
+    pub(crate) fn cq(&self) -> &Cq {
+        &self.cq
+    }
+
+    pub(crate) fn stats(&self) -> RdmaStats {
+        RdmaStats {
+            in_flight: self.slots.len() as u64,
+            memory_regions: self.mrs.get(),
+            ..self.stats
+        }
+    }
+
+    /// Queues `wrs` (their `wr_id`s are filled in) on `link` as one transfer
+    /// of `bytes`; returns the future that resolves once all are reaped.
+    pub(crate) fn submit<B: 'static>(
+        this: &SharedReaper,
+        link: &Rc<Link>,
+        mut wrs: Vec<WorkRequest>,
+        batch: u64,
+        bytes: u64,
+        keep: Option<Rc<dyn Any>>,
+        buf: B,
+    ) -> Transfer<B> {
+        let mut r = this.borrow_mut();
+        let gen = r.next_gen;
+        r.next_gen = r.next_gen.wrapping_add(1).max(1);
+        let key = r.slots.insert(Slot {
+            gen,
+            batch,
+            outstanding: wrs.len() as u32,
+            bytes,
+            error: None,
+            waker: None,
+            link: link.clone(),
+            _keep: keep,
+            orphan: None,
+        });
+        let wr_id = (gen as u64) << 32 | key as u64;
+        for w in &mut wrs {
+            w.wr_id = wr_id;
+        }
+        link.queued.borrow_mut().extend(wrs);
+        if !link.in_dirty.replace(true) {
+            r.dirty.push(link.clone());
+        }
+        Transfer {
+            reaper: this.clone(),
+            key,
+            gen,
+            buf: Some(buf),
+        }
+    }
+
+    /// Rings each dirty link's doorbell once.
+    fn doorbells(&mut self) {
+        let mut i = 0;
+        while i < self.dirty.len() {
+            let link = self.dirty[i].clone();
+            let mut queued = link.queued.borrow_mut();
+            if link.state() != LinkState::Ready {
+                let never_posted: Vec<WorkRequest> = queued.drain(..).collect();
+                drop(queued);
+                for w in never_posted {
+                    let e = link.flushed_error(self.slot_batch(w.wr_id));
+                    self.retire(w.wr_id, Some(e));
+                }
+            } else {
+                let room = link.depth.saturating_sub(link.outstanding.get()) as usize;
+                let n = room.min(queued.len());
+                if n > 0 {
+                    let wrs: Vec<WorkRequest> = queued.drain(..n).collect();
+                    drop(queued);
+                    self.stats.doorbells += 1;
+                    match link.qp.post(&wrs) {
+                        Ok(()) => {
+                            link.outstanding.set(link.outstanding.get() + n as u32);
+                            self.stats.posted += n as u64;
+                        }
+                        Err((posted, e)) => {
+                            tracing::warn!(error = %e, posted, "post_send failed; resetting the queue pair");
+                            link.outstanding.set(link.outstanding.get() + posted as u32);
+                            self.stats.posted += posted as u64;
+                            link.state.set(LinkState::Failed);
+                            let _ = link.qp.set_error();
+                            for w in &wrs[posted..] {
+                                self.retire(
+                                    w.wr_id,
+                                    Some(TransferError::ConnectionLost(e.to_string())),
+                                );
+                            }
+                        }
+                    }
+                } else {
+                    drop(queued);
+                }
+            }
+            if link.queued.borrow().is_empty() {
+                link.in_dirty.set(false);
+                self.dirty.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn slot_batch(&self, wr_id: u64) -> u64 {
+        self.slots.get(wr_id as u32 as usize).map_or(0, |s| s.batch)
+    }
+
+    /// One request of `wr_id` is done (reaped, or failed before posting).
+    fn retire(&mut self, wr_id: u64, error: Option<TransferError>) {
+        let key = wr_id as u32 as usize;
+        let Some(slot) = self
+            .slots
+            .get_mut(key)
+            .filter(|s| s.gen == (wr_id >> 32) as u32)
+        else {
+            tracing::error!(wr_id, "completion for an unknown work request");
+            return;
+        };
+        if slot.error.is_none() {
+            slot.error = error;
+        }
+        slot.outstanding -= 1;
+        if slot.outstanding == 0 {
+            if slot.orphan.is_some() {
+                self.slots.remove(key);
+            } else if let Some(w) = slot.waker.take() {
+                w.wake();
+            }
+        }
+    }
+
+    /// Reaps the CQ until it is empty; returns how many completions.
+    fn reap(&mut self) -> usize {
+        let mut total = 0;
+        loop {
+            let mut wcs = std::mem::take(&mut self.scratch);
+            let n = self.cq.poll(&mut wcs);
+            for wc in &wcs {
+                self.complete(wc);
+            }
+            self.scratch = wcs;
+            total += n;
+            if n < 32 {
+                return total;
+            }
+        }
+    }
+
+    fn complete(&mut self, wc: &Completion) {
+        self.stats.reaped += 1;
+        let key = wc.wr_id as u32 as usize;
+        let Some(slot) = self.slots.get(key) else {
+            tracing::error!(wr_id = wc.wr_id, "completion for an unknown slot");
+            return;
+        };
+        let link = slot.link.clone();
+        link.outstanding
+            .set(link.outstanding.get().saturating_sub(1));
+        let error = match wc.status {
+            WC_SUCCESS => None,
+            WC_WR_FLUSH_ERR => Some(link.flushed_error(slot.batch)),
+            st => {
+                if link.state() == LinkState::Ready {
+                    link.state.set(LinkState::Failed);
+                }
+                tracing::debug!(status = st, qpn = wc.qpn, "work request failed");
+                Some(status_error(st))
+            }
+        };
+        self.retire(wc.wr_id, error);
+    }
+
+    /// Moves every link with requests in flight to the error state and reaps
+    /// until none is left, for at most `limit`. Returns whether all drained.
+    pub(crate) fn drain_all(&mut self, limit: Duration) -> bool {
+        let links: Vec<Rc<Link>> = self.slots.iter().map(|(_, s)| s.link.clone()).collect();
+        for l in &links {
+            l.fence(None);
+        }
+        drop(links);
+        let t0 = Instant::now();
+        loop {
+            self.doorbells();
+            self.reap();
+            if self.slots.iter().all(|(_, s)| s.outstanding == 0) {
+                return true;
+            }
+            if t0.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+fn status_error(st: u32) -> TransferError {
+    match st {
+        WC_REM_ACCESS_ERR => {
+            TransferError::RemoteAccess("remote access error (rkey, bounds or access flags)".into())
+        }
+        WC_REM_INV_REQ_ERR => {
+            TransferError::RemoteAccess("remote invalid request (length or bounds)".into())
+        }
+        WC_REM_OP_ERR => TransferError::RemoteAccess("remote operation error".into()),
+        WC_LOC_PROT_ERR => TransferError::Unregistered { addr: 0, len: 0 },
+        WC_RETRY_EXC_ERR | WC_RNR_RETRY_EXC_ERR => {
+            TransferError::ConnectionLost("peer unreachable: transport retries exhausted".into())
+        }
+        st => TransferError::ConnectionLost(format!("work completion status {st}")),
+    }
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        // Futures hold the reaper, so every slot left is an orphan whose
+        // buffer the NIC may still touch: reset the QPs and reap first.
+        if self.slots.is_empty() {
+            return;
+        }
+        if !self.drain_all(Duration::from_secs(5)) {
+            tracing::error!(
+                left = self.slots.len(),
+                "RDMA requests did not drain in 5 s; leaking their buffers rather than freeing memory a NIC may touch"
+            );
+            for s in self.slots.drain() {
+                std::mem::forget(s);
+            }
+        }
+    }
+}
+
+/// The reaper as the reactor's completion source.
+pub(crate) struct Source {
+    pub(crate) reaper: SharedReaper,
+    pub(crate) busy_poll: bool,
+    pub(crate) fd: RawFd,
+}
+
+impl CompletionSource for Source {
+    fn poll(&mut self) -> usize {
+        let mut r = self.reaper.borrow_mut();
+        r.doorbells();
+        r.reap()
+    }
+
+    fn notify_fd(&self) -> Option<RawFd> {
+        (!self.busy_poll).then_some(self.fd)
+    }
+
+    fn arm(&mut self) -> usize {
+        let mut r = self.reaper.borrow_mut();
+        r.doorbells();
+        r.cq.arm();
+        // Drain after arm: a completion that landed before the arm is
+        // found here instead of being waited for.
+        r.reap()
+    }
+
+    fn notified(&mut self) {
+        self.reaper.borrow_mut().cq.consume_events();
+    }
+}
+
+/// A transfer in flight; resolves once every request of it is reaped.
+/// Dropped early, it leaves its buffer in the reaper until then.
+pub(crate) struct Transfer<B: 'static> {
+    reaper: SharedReaper,
+    key: usize,
+    gen: u32,
+    buf: Option<B>,
+}
+
+impl<B: 'static> Future for Transfer<B> {
+    type Output = (Result<u64, TransferError>, B);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut r = this.reaper.borrow_mut();
+        let slot = &mut r.slots[this.key];
+        debug_assert_eq!(slot.gen, this.gen);
+        if slot.outstanding > 0 {
+            slot.waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let slot = r.slots.remove(this.key);
+        drop(r);
+        let buf = this.buf.take().expect("Transfer polled after completion");
+        Poll::Ready((slot.error.map_or(Ok(slot.bytes), Err), buf))
+    }
+}
+
+impl<B: 'static> Unpin for Transfer<B> {}
+
+impl<B: 'static> Drop for Transfer<B> {
+    fn drop(&mut self) {
+        let Some(buf) = self.buf.take() else { return };
+        let mut r = self.reaper.borrow_mut();
+        let slot = &mut r.slots[self.key];
+        if slot.outstanding == 0 {
+            r.slots.remove(self.key);
+        } else {
+            slot.orphan = Some(Box::new(buf));
+            slot.waker = None;
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! RDMA verbs transport, on a real device. Every test but the first needs
+//! one and is `#[ignore]`d on machines without: `scripts/softroce-vm.sh
+//! test` runs them inside a QEMU guest with Soft-RoCE (rxe0).
+
+mod common;
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use common::{pattern, TargetProcess};
+use quiesce_runtime::time::sleep;
+use quiesce_runtime::{spawn_local, Runtime};
+use quiesce_transports::rdma::{device_names, RdmaConfig, RdmaEngine, RdmaError, RdmaSegment};
+use quiesce_transports::{AlignedBuf, Lease, Region, Rights, Segment, TransferError};
+
+const NEEDS_DEVICE: &str = "needs an RDMA device: scripts/softroce-vm.sh test";
+
+fn has_device() -> bool {
+    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
+}
+
+/// On a machine without RDMA (no libibverbs, or no device) binding fails
+/// with the typed error; with a device it succeeds.
+#[test]
+fn bind_reports_no_device_as_a_typed_error() {
+    Runtime::new().unwrap().block_on(async {
+        match RdmaEngine::bind(RdmaConfig::default()) {
+            Ok(e) => assert!(has_device(), "bound {} without a device?", e.device()),
+            Err(RdmaError::NoDevice(why)) => {
+                assert!(!has_device(), "a device exists, yet: {why}");
+                assert!(!why.is_empty());
+                assert!(device_names().map_or(true, |n| n.is_empty()));
+            }
+            Err(e) => panic!("expected NoDevice, got {e}"),
+        }
+    });
+}
+
+struct Pair {
+    target: RdmaEngine,
+    initiator: RdmaEngine,
+    kv: Segment,
+    remote: RdmaSegment,
+    region: Region,
+    _local: quiesce_transports::rdma::LocalMemory,
+}
+
+async fn pair(kv_len: usize, region_len: usize) -> Pair {
+    let target = RdmaEngine::bind(RdmaConfig::default()).expect("target engine");
+    let kv = target
+        .register("kv", AlignedBuf::new(kv_len), Rights::READ | Rights::WRITE)
+        .unwrap();
+    target
+        .register("ro", AlignedBuf::new(4096), Rights::READ)
+        .unwrap();
+    let initiator = RdmaEngine::bind(RdmaConfig::default()).expect("initiator engine");
+    let region = Region::new(region_len);
+    let local = initiator.register_region(&region).unwrap();
+    let peer = initiator.connect(target.local_addr()).await.unwrap();
+    let remote = peer.open("kv", kv.token()).await.unwrap();
+    Pair {
+        target,
+        initiator,
+        kv,
+        remote,
+        region,
+        _local: local,
+    }
+}
+
+fn fill(l: &mut Lease, seed: u8) {
+    let p = pattern(l.len(), seed);
+    l.copy_from_slice(&p);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn write_and_read_back_every_size() {
+    let _ = NEEDS_DEVICE;
+    Runtime::new().unwrap().block_on(async {
+        let max = 16 << 20;
+        let p = pair(max + 4096, 2 * max).await;
+        for (i, &size) in [1usize, 7, 64, 4096, 65_536, 1 << 20, 3 << 20, 16 << 20]
+            .iter()
+            .enumerate()
+        {
+            let seed = i as u8 + 1;
+            let mut src = p.region.lease(0..size).unwrap();
+            fill(&mut src, seed);
+            let (r, src) = p.remote.write(1, src, 1).await;
+            assert_eq!(r.unwrap(), size as u64, "write of {size}");
+            let mut landed = vec![0u8; size];
+            assert!(p.kv.read_at(1, &mut landed));
+            assert!(
+                landed == src[..],
+                "target memory differs after a {size}-byte write"
+            );
+            let dst = p.region.lease(max..max + size).unwrap();
+            let (r, dst) = p.remote.read(1, size as u64, dst, 2).await;
+            assert_eq!(r.unwrap(), size as u64, "read of {size}");
+            assert!(dst[..] == src[..], "read-back differs for {size} bytes");
+        }
+        let s = p.initiator.stats();
+        assert_eq!(s.in_flight, 0);
+        assert!(s.posted >= 16 + 2, "{s:?}");
+        assert_eq!(s.posted, s.reaped);
+        drop(p.target);
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn bad_input_is_refused_before_posting() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        // Not in registered memory: refused, buffer back untouched.
+        let (r, v) = p.remote.write(0, vec![5u8; 4096], 1).await;
+        assert!(
+            matches!(r, Err(TransferError::Unregistered { len: 4096, .. })),
+            "{r:?}"
+        );
+        assert!(v.iter().all(|&b| b == 5));
+        // Out of bounds and zero length: typed, nothing posted.
+        let l = p.region.lease(0..4096).unwrap();
+        let (r, l) = p.remote.write((1 << 20) - 100, l, 1).await;
+        assert!(matches!(r, Err(TransferError::OutOfBounds { .. })), "{r:?}");
+        let (r, _l) = p.remote.read(0, 8192, l, 1).await;
+        assert!(matches!(r, Err(TransferError::BadLength(_))), "{r:?}");
+        assert_eq!(p.initiator.stats().posted, 0);
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn the_nic_enforces_rights_then_the_queue_pair_is_rebuilt() {
+    Runtime::new().unwrap().block_on(async {
+        let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let ro = target
+            .register("ro", AlignedBuf::new(8192), Rights::READ)
+            .unwrap();
+        let kv = target
+            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
+            .unwrap();
+        let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let region = Region::new(1 << 20);
+        let _local = init.register_region(&region).unwrap();
+        let peer = init.connect(target.local_addr()).await.unwrap();
+        let ro_r = peer.open("ro", ro.token()).await.unwrap();
+        let kv_r = peer.open("kv", kv.token()).await.unwrap();
+        let mut l = region.lease(0..4096).unwrap();
+        fill(&mut l, 9);
+        let (r, l) = ro_r.write(0, l, 1).await;
+        assert!(matches!(r, Err(TransferError::RemoteAccess(_))), "{r:?}");
+        let mut snap = vec![1u8; 4096];
+        assert!(ro.read_at(0, &mut snap));
+        assert!(snap.iter().all(|&b| b == 0), "a refused write landed");
+        // Reads are allowed, and the next transfer gets a new queue pair.
+        let (r, l) = ro_r.read(0, 4096, l, 2).await;
+        assert_eq!(r.unwrap(), 4096);
+        let (r, _l) = kv_r.write(0, l, 3).await;
+        assert_eq!(r.unwrap(), 4096);
+        let s = init.stats();
+        assert_eq!((s.in_flight, s.posted), (0, s.reaped));
+    });
+}
+
+/// Samples `len` bytes of `seg` now and `after` later: equal once fenced.
+async fn quiet(seg: &Segment, len: usize, after: Duration) -> bool {
+    let mut a = vec![0u8; len];
+    let mut b = vec![0u8; len];
+    seg.read_at(0, &mut a);
+    sleep(after).await;
+    seg.read_at(0, &mut b);
+    a == b
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn fence_stops_a_write_mid_flight() {
+    Runtime::new().unwrap().block_on(async {
+        let size = 32 << 20;
+        let p = pair(size, size).await;
+        let mut src = p.region.lease(0..size).unwrap();
+        fill(&mut src, 3);
+        let remote = p.remote.clone();
+        let t = spawn_local(async move { remote.write(0, src, 7).await });
+        sleep(Duration::from_millis(30)).await;
+        let t0 = Instant::now();
+        p.remote.peer().fence(7).await.unwrap();
+        let (r, src) = t.await.unwrap();
+        drop(src);
+        eprintln!(
+            "fence after 30 ms: {r:?}, transfer resolved {:?} after the fence",
+            t0.elapsed()
+        );
+        assert!(matches!(r, Err(TransferError::Fenced) | Ok(_)), "{r:?}");
+        assert!(
+            quiet(&p.kv, size, Duration::from_millis(300)).await,
+            "bytes landed after the fence"
+        );
+        // The batch stays fenced; another batch gets a new queue pair.
+        let l = p.region.lease(0..4096).unwrap();
+        let (r, l) = p.remote.write(0, l, 7).await;
+        assert_eq!(r, Err(TransferError::Fenced));
+        let (r, _l) = p.remote.write(0, l, 8).await;
+        assert_eq!(r.unwrap(), 4096);
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn memory_is_deregistered_only_after_quiescence() {
+    Runtime::new().unwrap().block_on(async {
+        let size = 32 << 20;
+        let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let kv = target
+            .register("kv", AlignedBuf::new(size), Rights::READ | Rights::WRITE)
+            .unwrap();
+        let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let region = Region::new(size);
+        let local = init.register_region(&region).unwrap();
+        let peer = init.connect(target.local_addr()).await.unwrap();
+        let remote = peer.open("kv", kv.token()).await.unwrap();
+        assert_eq!(init.stats().memory_regions, 1);
+        // Set the queue pair up, so that the write below posts at once.
+        let (r, l) = remote.write(0, region.lease(0..64).unwrap(), 1).await;
+        assert_eq!(r.unwrap(), 64);
+        drop(l);
+        let mut src = region.lease(0..size).unwrap();
+        fill(&mut src, 4);
+        // Start the write, then drop its future and the registration.
+        let mut fut = Box::pin(remote.write(0, src, 1));
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        sleep(Duration::from_millis(5)).await;
+        drop(fut);
+        drop(local);
+        let s = init.stats();
+        assert_eq!(s.in_flight, 1, "the dropped transfer is parked: {s:?}");
+        assert_eq!(
+            s.memory_regions, 1,
+            "deregistered while the NIC may still read it"
+        );
+        let t0 = Instant::now();
+        while init.stats().in_flight > 0 {
+            assert!(t0.elapsed() < Duration::from_secs(60), "never drained");
+            sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(
+            init.stats().memory_regions,
+            0,
+            "not deregistered after quiescence"
+        );
+        let mut landed = vec![0u8; size];
+        kv.read_at(0, &mut landed);
+        assert!(
+            landed == pattern(size, 4),
+            "the parked write did not complete"
+        );
+        // A lease of the region is now refused as unregistered.
+        let l = region.lease(0..64).unwrap();
+        let (r, _) = remote.write(0, l, 2).await;
+        assert!(
+            matches!(r, Err(TransferError::Unregistered { .. })),
+            "{r:?}"
+        );
+        // Target-side: deregistering the segment makes the NIC refuse its key.
+        let local = init.register_region(&region).unwrap();
+        assert!(target.deregister(kv.id()));
+        let l = region.lease(0..64).unwrap();
+        let (r, _) = remote.write(0, l, 3).await;
+        assert!(matches!(r, Err(TransferError::RemoteAccess(_))), "{r:?}");
+        drop(local);
+        assert!(init.shutdown(Duration::from_secs(5)));
+        assert_eq!(init.stats().memory_regions, 0);
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_killed_peer_fails_the_transfer_after_its_requests_are_reaped() {
+    let target = TargetProcess::spawn(&["--rdma", "--segment", "kv:67108864:rw"]);
+    Runtime::new().unwrap().block_on(async {
+        let size = 64 << 20;
+        let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let region = Region::new(size);
+        let _local = init.register_region(&region).unwrap();
+        let peer = init.connect(target.addr).await.unwrap();
+        let remote = peer.open("kv", target.seg("kv").token).await.unwrap();
+        let mut src = region.lease(0..size).unwrap();
+        fill(&mut src, 6);
+        let t = spawn_local(async move { remote.write(0, src, 1).await });
+        sleep(Duration::from_millis(50)).await;
+        target.signal(libc::SIGKILL);
+        let t0 = Instant::now();
+
+        let (r, src) = t.await.unwrap();
+        eprintln!("after kill: {r:?} in {:?}", t0.elapsed());
+        match r {
+            Err(e) => assert!(e.is_retryable(), "{e:?}"),
+            Ok(n) => assert_eq!(n, size as u64), // finished before the kill
+        }
+        assert_eq!(init.stats().in_flight, 0);
+        assert!(src[..] == pattern(size, 6)[..], "the source changed");
+    });
+}
