@@ -435,7 +435,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # Prints the executables of `cargo test --no-run ARGS`, one per line.
 test_executables() {
     (cd "$REPO" && cargo test --no-run --message-format=json "$@" 2>/dev/null) \
-        | grep '"test":true' | grep -o '"executable":"[^"]*"' | cut -d'"' -f4
+        | grep '"kind":\["test"\]' | grep '"test":true' | grep -o '"executable":"[^"]*"' | cut -d'"' -f4
 }
 
 run_tests() {
@@ -447,7 +447,7 @@ run_tests() {
     [ -n "$bins" ] || die "no test binaries were built"
     local script="set -u; rc=0"
     for b in $bins; do
-        script+=$'\n'"echo \"=== \$(basename $b)\"; $b --include-ignored --test-threads=1 || rc=1"
+        script+=$'\n'"echo \"=== \$(basename $b)\"; $b --include-ignored --test-threads=1 --show-output || rc=1"
     done
     script+=$'\n''exit $rc'
     setup_all

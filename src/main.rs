@@ -1,4 +1,4 @@
-//! The `quiesce` command: `demo`, `target`.
+//! The `quiesce` command: `demo`, `target`, `bench`.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -34,6 +34,9 @@ enum Cmd {
         /// Size of the valid write, in bytes (suffixes K, M, G).
         #[arg(long, default_value = "64M", value_parser = parse_size)]
         size: usize,
+        /// tcp, or rdma (needs an RDMA device; `scripts/softroce-vm.sh` has one).
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+        transport: String,
     },
     /// Latency and bandwidth against a target, or `--compare` against raw TCP and tokio.
     Bench {
@@ -46,9 +49,12 @@ enum Cmd {
         /// Token of the target's `kv` segment.
         #[arg(long)]
         token: Option<quiesce::transports::Token>,
-        /// tcp (rdma when built with it).
-        #[arg(long, default_value = "tcp")]
+        /// tcp, or rdma (needs an RDMA device).
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
         transport: String,
+        /// rdma: busy-poll the completion queue (lowest latency, a core spins).
+        #[arg(long)]
+        busy_poll: bool,
         /// write or read.
         #[arg(long, default_value = "write")]
         op: String,
@@ -88,6 +94,9 @@ enum Cmd {
         /// Keep serving when stdin closes.
         #[arg(long)]
         no_stdin: bool,
+        /// tcp, or rdma: the segments are RDMA memory regions too.
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+        transport: String,
     },
 }
 
@@ -111,18 +120,25 @@ fn main() -> ExitCode {
     let res = match cli.cmd.unwrap_or(Cmd::Demo {
         rounds: 50,
         size: 64 << 20,
+        transport: "tcp".into(),
     }) {
-        Cmd::Demo { rounds, size } => cmd::demo::run(rounds, size),
+        Cmd::Demo {
+            rounds,
+            size,
+            transport,
+        } => cmd::demo::run(rounds, size, transport == "rdma"),
         Cmd::Target {
             listen,
             size,
             no_stdin,
-        } => cmd::target::run(listen, size, !no_stdin).map(|()| true),
+            transport,
+        } => cmd::target::run(listen, size, !no_stdin, transport == "rdma").map(|()| true),
         Cmd::Bench {
             compare,
             connect,
             token,
             transport,
+            busy_poll,
             op,
             size,
             iters,
@@ -143,6 +159,7 @@ fn main() -> ExitCode {
                 token,
                 ro_token: None,
                 transport,
+                busy_poll,
                 op,
                 sizes: size,
                 iters,

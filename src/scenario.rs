@@ -6,9 +6,15 @@
 
 use std::time::{Duration, Instant};
 
-use quiesce_batch::{Batch, BatchOptions, FailurePolicy, Outcome, RemoteRange, Tcp};
+use std::ops::DerefMut;
+
+use quiesce_batch::{
+    Batch, BatchOptions, FailurePolicy, Outcome, Rdma, RdmaRange, RemoteRange, Tcp, Transport,
+};
 use quiesce_runtime::time::sleep;
-use quiesce_transports::{AlignedBuf, RemoteSegment};
+use quiesce_runtime::{IoBuf, IoBufMut};
+use quiesce_transports::rdma::RdmaSegment;
+use quiesce_transports::RemoteSegment;
 
 /// The byte written into a returned buffer after the outcome. Pre-outcome
 /// data never uses it.
@@ -36,37 +42,86 @@ pub struct Round {
     pub corrupted_bytes: usize,
 }
 
-/// The remote side of the scenario: the large segment and the refusing one.
-#[derive(Clone)]
-pub struct Remote {
-    /// Read-write segment that takes the valid transfer.
-    pub kv: RemoteSegment,
-    /// Segment that refuses the small transfer (read-only for writes,
-    /// write-only for reads).
-    pub refuse: RemoteSegment,
+/// A remote segment the scenario can address, over TCP or RDMA.
+pub trait Seg: Clone + 'static {
+    /// The transport that reaches it.
+    type T: Transport;
+    /// The transport value.
+    fn transport(&self) -> Self::T;
+    /// `self[offset..offset + len]` as a transfer target.
+    fn range(&self, offset: u64, len: u64) -> <Self::T as Transport>::Target;
 }
 
-/// Runs one write round: returns the source buffer for the next round.
-pub async fn write_round(
-    remote: &Remote,
-    mut src: AlignedBuf,
+impl Seg for RemoteSegment {
+    type T = Tcp;
+    fn transport(&self) -> Tcp {
+        Tcp
+    }
+    fn range(&self, offset: u64, len: u64) -> RemoteRange {
+        RemoteRange::new(self, offset, len)
+    }
+}
+
+impl Seg for RdmaSegment {
+    type T = Rdma;
+    fn transport(&self) -> Rdma {
+        Rdma
+    }
+    fn range(&self, offset: u64, len: u64) -> RdmaRange {
+        RdmaRange::new(self, offset, len)
+    }
+}
+
+/// Buffers a round moves: plain memory for TCP, leases of a registered
+/// region for RDMA.
+pub trait Buf: IoBuf + IoBufMut + DerefMut<Target = [u8]> {}
+impl<B: IoBuf + IoBufMut + DerefMut<Target = [u8]>> Buf for B {}
+
+/// The remote side of the scenario: the large segment and the refusing one.
+#[derive(Clone)]
+pub struct Remote<S> {
+    /// Read-write segment that takes the valid transfer.
+    pub kv: S,
+    /// Segment that refuses the small transfer (read-only for writes,
+    /// write-only for reads). Over RDMA the target's NIC refuses it (the
+    /// memory region's access flags).
+    pub refuse: S,
+}
+
+/// The buffers of one round, handed back with its result.
+pub struct Bufs<B> {
+    /// The large source (writes) or destination (reads).
+    pub big: B,
+    /// The 4 KiB buffer of the refused transfer.
+    pub probe: B,
+    /// Where the destination is read back into, in pieces.
+    pub scratch: B,
+}
+
+/// Runs one write round.
+pub async fn write_round<S: Seg, B: Buf>(
+    remote: &Remote<S>,
+    bufs: Bufs<B>,
     round: u32,
     opts: BatchOptions,
     settle: Duration,
-) -> (Round, AlignedBuf) {
+) -> (Round, Bufs<B>) {
+    let Bufs {
+        big: mut src,
+        mut probe,
+        scratch,
+    } = bufs;
     let pre = (round % 200) as u8 + 1;
     src.fill(pre);
+    probe.fill(pre);
     let size = src.len() as u64;
-    let mut batch = Batch::new(Tcp, opts);
+    let mut batch = Batch::new(remote.kv.transport(), opts);
     batch
-        .write(
-            AlignedBuf::from_slice(&[pre; 4096]),
-            RemoteRange::new(&remote.refuse, 0, 4096),
-        )
+        .write(probe, remote.refuse.range(0, 4096))
         .map_err(|r| r.reason)
         .unwrap();
     batch
-        .write(src, RemoteRange::new(&remote.kv, 0, size))
+        .write(src, remote.kv.range(0, size))
         .map_err(|r| r.reason)
         .unwrap();
     let t0 = Instant::now();
@@ -75,58 +130,71 @@ pub async fn write_round(
     let (kind, q) = resolve(outcome).await;
     let mut bufs = q.into_buffers();
     let mut src = bufs.pop().expect("the large buffer");
+    let probe = bufs.pop().expect("the probe");
     // The caller reuses its buffer at once, as a serving runtime would.
     src.fill(POST_OUTCOME);
     sleep(settle).await;
-    let corrupted_bytes = count_remote(&remote.kv, size, POST_OUTCOME).await;
+    let (corrupted_bytes, scratch) = count_remote(&remote.kv, size, POST_OUTCOME, scratch).await;
+    let round = Round {
+        kind,
+        time_to_safe,
+        corrupted_bytes,
+    };
     (
-        Round {
-            kind,
-            time_to_safe,
-            corrupted_bytes,
+        round,
+        Bufs {
+            big: src,
+            probe,
+            scratch,
         },
-        src,
     )
 }
 
-/// Runs one read round (the mirror): returns the destination for the next round.
-pub async fn read_round(
-    remote: &Remote,
-    dst: AlignedBuf,
-    round: u32,
+/// Runs one read round (the mirror).
+pub async fn read_round<S: Seg, B: Buf>(
+    remote: &Remote<S>,
+    bufs: Bufs<B>,
     opts: BatchOptions,
     settle: Duration,
-) -> (Round, AlignedBuf) {
-    let _ = round;
+) -> (Round, Bufs<B>) {
+    let Bufs {
+        big: dst,
+        probe,
+        scratch,
+    } = bufs;
     let size = dst.len() as u64;
-    let mut batch = Batch::new(Tcp, opts);
+    let mut batch = Batch::new(remote.kv.transport(), opts);
     batch
-        .read(
-            AlignedBuf::new(4096),
-            RemoteRange::new(&remote.refuse, 0, 4096),
-        )
+        .read(probe, remote.refuse.range(0, 4096))
         .map_err(|r| r.reason)
         .unwrap();
     batch
-        .read(dst, RemoteRange::new(&remote.kv, 0, size))
+        .read(dst, remote.kv.range(0, size))
         .map_err(|r| r.reason)
         .unwrap();
     let t0 = Instant::now();
     let outcome = batch.submit().await;
     let time_to_safe = t0.elapsed();
     let (kind, q) = resolve(outcome).await;
-    let mut dst = q.into_buffers().pop().expect("the large buffer");
+    let mut bufs = q.into_buffers();
+    let mut dst = bufs.pop().expect("the large buffer");
+    let probe = bufs.pop().expect("the probe");
     dst.fill(POST_OUTCOME);
     sleep(settle).await;
     // Remote data landing in the buffer after the outcome would overwrite the marker.
     let corrupted_bytes = dst.iter().filter(|&&b| b != POST_OUTCOME).count();
+    let round = Round {
+        kind,
+        time_to_safe,
+        corrupted_bytes,
+    };
     (
-        Round {
-            kind,
-            time_to_safe,
-            corrupted_bytes,
+        round,
+        Bufs {
+            big: dst,
+            probe,
+            scratch,
         },
-        dst,
     )
 }
 
@@ -139,18 +207,19 @@ async fn resolve<B>(outcome: Outcome<B>) -> (Kind, quiesce_batch::Quiesced<B>) {
     }
 }
 
-/// Counts bytes equal to `b` in `seg[0..len]` (read in 8 MiB pieces).
-pub async fn count_remote(seg: &RemoteSegment, len: u64, b: u8) -> usize {
-    const PIECE: u64 = 8 << 20;
+/// Counts bytes equal to `b` in `seg[0..len]`, read back in pieces of
+/// `scratch`'s size.
+pub async fn count_remote<S: Seg, B: Buf>(seg: &S, len: u64, b: u8, scratch: B) -> (usize, B) {
+    let piece = scratch.len() as u64;
+    assert!(piece > 0, "empty scratch buffer");
     let mut n = 0;
-    let mut buf = AlignedBuf::new(PIECE.min(len) as usize);
+    let mut buf = scratch;
     let mut off = 0;
     while off < len {
-        let l = PIECE.min(len - off);
-        let mut batch = Batch::new(Tcp, BatchOptions::default());
-        let dst = std::mem::replace(&mut buf, AlignedBuf::new(0));
+        let l = piece.min(len - off);
+        let mut batch = Batch::new(seg.transport(), BatchOptions::default());
         batch
-            .read(dst, RemoteRange::new(seg, off, l))
+            .read(buf, seg.range(off, l))
             .map_err(|r| r.reason)
             .unwrap();
         let q = batch.submit().await.quiesced().await;
@@ -163,7 +232,7 @@ pub async fn count_remote(seg: &RemoteSegment, len: u64, b: u8) -> usize {
         n += buf[..l as usize].iter().filter(|&&x| x == b).count();
         off += l;
     }
-    n
+    (n, buf)
 }
 
 /// The options of the seed scenario: fail fast, 10 s deadline, 1 s grace.

@@ -11,9 +11,9 @@ use std::time::Duration;
 use quiesce::batch::{Batch, BatchOptions, FailurePolicy, Outcome, RemoteRange, TaskStatus, Tcp};
 use quiesce::runtime::{spawn_local, time, Runtime};
 use quiesce::scenario::{
-    count_remote, read_round, seed_options, write_round, Kind, Remote, POST_OUTCOME,
+    count_remote, read_round, seed_options, write_round, Bufs, Kind, Remote, POST_OUTCOME,
 };
-use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Token, TransferError};
+use quiesce::transports::{AlignedBuf, Engine, EngineConfig, RemoteSegment, Token, TransferError};
 
 const BIG: usize = 64 << 20;
 
@@ -69,7 +69,7 @@ impl Drop for Target {
     }
 }
 
-async fn remote(t: &Target, refuse: &str) -> (Engine, Remote) {
+async fn remote(t: &Target, refuse: &str) -> (Engine, Remote<RemoteSegment>) {
     let e = Engine::bind(EngineConfig::default()).unwrap();
     let peer = e.connect(t.addr).await.unwrap();
     let r = Remote {
@@ -79,17 +79,25 @@ async fn remote(t: &Target, refuse: &str) -> (Engine, Remote) {
     (e, r)
 }
 
+fn bufs(size: usize) -> Bufs<AlignedBuf> {
+    Bufs {
+        big: AlignedBuf::new(size),
+        probe: AlignedBuf::new(4096),
+        scratch: AlignedBuf::new(8 << 20),
+    }
+}
+
 #[test]
 fn seed_scenario_50_rounds_no_post_outcome_byte_lands() {
     let t = Target::spawn();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "ro").await;
-        let mut src = AlignedBuf::new(BIG);
+        let mut bufs = bufs(BIG);
         let mut corrupted = 0;
         for round in 0..50 {
-            let (res, s) =
-                write_round(&r, src, round, seed_options(), Duration::from_millis(10)).await;
-            src = s;
+            let (res, b) =
+                write_round(&r, bufs, round, seed_options(), Duration::from_millis(10)).await;
+            bufs = b;
             assert_ne!(
                 res.kind,
                 Kind::Completed,
@@ -106,11 +114,10 @@ fn read_mirror_no_remote_byte_lands_after_the_outcome() {
     let t = Target::spawn();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "wo").await;
-        let mut dst = AlignedBuf::new(BIG);
+        let mut bufs = bufs(BIG);
         for round in 0..10 {
-            let (res, d) =
-                read_round(&r, dst, round, seed_options(), Duration::from_millis(10)).await;
-            dst = d;
+            let (res, b) = read_round(&r, bufs, seed_options(), Duration::from_millis(10)).await;
+            bufs = b;
             assert_ne!(res.kind, Kind::Completed);
             assert_eq!(
                 res.corrupted_bytes, 0,
@@ -153,7 +160,9 @@ fn deadline_with_the_target_stopped_then_resumed() {
         t.signal(libc::SIGCONT);
         time::sleep(Duration::from_millis(100)).await;
         assert_eq!(
-            count_remote(&r.kv, BIG as u64, POST_OUTCOME).await,
+            count_remote(&r.kv, BIG as u64, POST_OUTCOME, AlignedBuf::new(8 << 20))
+                .await
+                .0,
             0,
             "a post-outcome byte landed"
         );

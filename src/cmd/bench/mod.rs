@@ -5,6 +5,7 @@
 
 mod quiesce_client;
 mod raw;
+mod rdma_client;
 mod tokio_client;
 
 use std::fmt::Write as _;
@@ -251,6 +252,7 @@ enum Impl {
     Tokio,
     Uring,
     Epoll,
+    Rdma { busy_poll: bool },
 }
 
 impl Impl {
@@ -260,6 +262,7 @@ impl Impl {
             Impl::Tokio => "tokio",
             Impl::Uring => "quiesce-io_uring",
             Impl::Epoll => "quiesce-epoll",
+            Impl::Rdma { .. } => "quiesce-rdma",
         }
     }
 }
@@ -278,6 +281,7 @@ fn run_impl(
         Impl::Tokio => tokio_client::run(*addr, kv, ro, case, iters)?,
         Impl::Uring => quiesce_client::run(DriverKind::IoUring, *addr, kv, ro, case, iters, zc)?,
         Impl::Epoll => quiesce_client::run(DriverKind::Epoll, *addr, kv, ro, case, iters, zc)?,
+        Impl::Rdma { busy_poll } => rdma_client::run(*addr, kv, ro, case, iters, busy_poll)?,
     })
 }
 
@@ -288,6 +292,8 @@ pub struct BenchArgs {
     pub token: Option<Token>,
     pub ro_token: Option<Token>,
     pub transport: String,
+    /// rdma: busy-poll the completion queue.
+    pub busy_poll: bool,
     pub op: String,
     pub sizes: Vec<usize>,
     pub iters: Option<usize>,
@@ -302,12 +308,12 @@ pub struct BenchArgs {
 }
 
 pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
-    if a.transport != "tcp" {
-        return Err(format!(
-            "transport {:?} is not available in this build (tcp only)",
-            a.transport
-        )
-        .into());
+    if a.transport == "rdma" && a.compare {
+        return Err(
+            "--compare runs the TCP initiators; for RDMA, perftest is the baseline \
+             (scripts/softroce-vm.sh bench runs both)"
+                .into(),
+        );
     }
     if a.compare {
         compare(&a)
@@ -322,15 +328,37 @@ fn progress(msg: &str) {
 
 /// Runs the quiesce client against `--connect`, perftest style.
 fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
-    let addr = a.connect.ok_or("--connect ADDR (or --compare)")?;
-    let token = a.token.ok_or("--token HEX (printed by `quiesce target`)")?;
+    let rdma = a.transport == "rdma";
+    // RDMA without --connect: a `quiesce target --transport rdma` child.
+    let child = match (rdma, a.connect) {
+        (true, None) => {
+            let size = a.sizes.iter().max().copied().unwrap_or(1 << 20) * a.batch.max(1);
+            Some(crate::cmd::demo::TargetChild::spawn(size, true)?)
+        }
+        _ => None,
+    };
+    let addr = match &child {
+        Some(c) => c.addr,
+        None => a.connect.ok_or("--connect ADDR (or --compare)")?,
+    };
+    let token = match &child {
+        Some(c) => c.tokens["kv"],
+        None => a.token.ok_or("--token HEX (printed by `quiesce target`)")?,
+    };
     // Segment ids as `quiesce target` registers them: kv, ro, wo.
     let kv = SegInfo { id: 1, token };
     let ro = SegInfo {
         id: 2,
-        token: a.ro_token.unwrap_or(token),
+        token: child
+            .as_ref()
+            .map(|c| c.tokens["ro"])
+            .or(a.ro_token)
+            .unwrap_or(token),
     };
     let im = match (a.initiator.as_str(), a.driver) {
+        _ if rdma => Impl::Rdma {
+            busy_poll: a.busy_poll,
+        },
         ("raw", _) => Impl::Raw,
         ("tokio", _) => Impl::Tokio,
         ("quiesce", DriverKind::Epoll) => Impl::Epoll,

@@ -1,0 +1,88 @@
+//! quiesce over RDMA verbs, through the batch API a user calls.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use quiesce::batch::{Batch, BatchOptions, FailurePolicy, Rdma, RdmaRange};
+use quiesce::runtime::Runtime;
+use quiesce::transports::rdma::{RdmaConfig, RdmaEngine};
+use quiesce::transports::Region;
+
+use super::{Case, Sample, SegInfo};
+
+/// Runs `iters` iterations of `case` against the RDMA target at `addr`.
+pub fn run(
+    addr: SocketAddr,
+    kv: &SegInfo,
+    ro: &SegInfo,
+    case: Case,
+    iters: usize,
+    busy_poll: bool,
+) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
+    let rt = Runtime::new()?;
+    rt.block_on(async {
+        let engine = RdmaEngine::bind(RdmaConfig {
+            busy_poll,
+            ..Default::default()
+        })?;
+        let (tasks, task_size) = match case {
+            Case::Batch { tasks, size } => (tasks, size),
+            _ => (1, case.size()),
+        };
+        let region = Region::new(tasks * task_size + 4096);
+        let _registration = engine.register_region(&region)?;
+        let peer = engine.connect(addr).await?;
+        let kvs = peer.open("kv", kv.token).await?;
+        let ros = match case {
+            Case::FailFast(_) => Some(peer.open("ro", ro.token).await?),
+            _ => None,
+        };
+        let mut bufs = (0..tasks)
+            .map(|i| region.lease(i * task_size..(i + 1) * task_size))
+            .collect::<Result<Vec<_>, _>>()?;
+        let probe_at = tasks * task_size;
+        let mut small = Some(region.lease(probe_at..probe_at + 4096)?);
+        let mut out = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let opts = match case {
+                Case::FailFast(_) => BatchOptions::default().policy(FailurePolicy::FailFast),
+                _ => BatchOptions::default(),
+            };
+            let mut batch = Batch::new(Rdma, opts);
+            if let Some(ros) = &ros {
+                let small = small.take().expect("returned by the last round");
+                batch
+                    .write(small, RdmaRange::new(ros, 0, 4096))
+                    .map_err(|r| r.reason)?;
+            }
+            for (i, b) in bufs.drain(..).enumerate() {
+                let range = RdmaRange::new(&kvs, (i * task_size) as u64, task_size as u64);
+                match case {
+                    Case::Read(_) => batch.read(b, range),
+                    _ => batch.write(b, range),
+                }
+                .map_err(|r| r.reason)?;
+            }
+            let t0 = Instant::now();
+            let q = batch.submit().await.quiesced().await;
+            let took = t0.elapsed();
+            let fence = q.fence_time();
+            match case {
+                Case::FailFast(_) => assert!(!q.all_completed(), "the refused write must fail"),
+                _ => assert!(q.all_completed(), "{:?}", q.tasks()),
+            }
+            let mut back = q.into_buffers();
+            if let Case::FailFast(_) = case {
+                small = Some(back.remove(0));
+            }
+            bufs = back;
+            out.push(Sample {
+                took,
+                bytes: case.bytes(),
+                fence,
+            });
+        }
+        engine.shutdown(Duration::from_secs(5));
+        Ok(out)
+    })
+}

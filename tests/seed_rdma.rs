@@ -1,0 +1,232 @@
+//! The seed scenario over RDMA verbs, the target in its own process
+//! (`quiesce target --transport rdma`). The refused write is an access the
+//! target's NIC refuses (a write to a read-only memory region); the queue
+//! pair goes to the error state and the 64 MiB write's requests flush.
+//! Tests that need a device are `#[ignore]`d: `scripts/softroce-vm.sh test`
+//! runs them in a Soft-RoCE guest.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use quiesce::batch::{Batch, BatchOptions, FailurePolicy, Rdma, RdmaRange};
+use quiesce::runtime::{time, Runtime};
+use quiesce::scenario::{
+    count_remote, read_round, seed_options, write_round, Bufs, Kind, Remote, POST_OUTCOME,
+};
+use quiesce::transports::rdma::{LocalMemory, RdmaConfig, RdmaEngine, RdmaSegment};
+use quiesce::transports::{Lease, Region, Token};
+
+const BIG: usize = 64 << 20;
+const PIECE: usize = 8 << 20;
+
+fn has_device() -> bool {
+    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
+}
+
+struct Target {
+    child: Child,
+    addr: SocketAddr,
+    tokens: HashMap<String, Token>,
+}
+
+impl Target {
+    fn spawn() -> Target {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_quiesce"))
+            .args(["target", "--size", &BIG.to_string(), "--transport", "rdma"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut tokens = HashMap::new();
+        let addr = loop {
+            let line = lines.next().expect("target exited").unwrap();
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.as_slice() {
+                ["segment", name, _, _, token] => {
+                    tokens.insert(name.to_string(), token.parse().unwrap());
+                }
+                ["listening", a] => break a.parse().unwrap(),
+                _ => panic!("{line}"),
+            }
+        };
+        Target {
+            child,
+            addr,
+            tokens,
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Initiator {
+    engine: RdmaEngine,
+    region: Region,
+    _reg: LocalMemory,
+    remote: Remote<RdmaSegment>,
+}
+
+async fn initiator(t: &Target, refuse: &str) -> Initiator {
+    let engine = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+    let region = Region::new(BIG + 4096 + PIECE);
+    let reg = engine.register_region(&region).unwrap();
+    let peer = engine.connect(t.addr).await.unwrap();
+    let remote = Remote {
+        kv: peer.open("kv", t.tokens["kv"]).await.unwrap(),
+        refuse: peer.open(refuse, t.tokens[refuse]).await.unwrap(),
+    };
+    Initiator {
+        engine,
+        region,
+        _reg: reg,
+        remote,
+    }
+}
+
+fn bufs(region: &Region) -> Bufs<Lease> {
+    Bufs {
+        big: region.lease(0..BIG).unwrap(),
+        probe: region.lease(BIG..BIG + 4096).unwrap(),
+        scratch: region.lease(BIG + 4096..BIG + 4096 + PIECE).unwrap(),
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn seed_scenario_over_rdma_20_rounds_no_post_outcome_byte_lands() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let i = initiator(&t, "ro").await;
+        let mut bufs = bufs(&i.region);
+        let mut corrupted = 0;
+        let mut times = Vec::new();
+        for round in 0..20 {
+            let (res, b) = write_round(
+                &i.remote,
+                bufs,
+                round,
+                seed_options(),
+                Duration::from_millis(20),
+            )
+            .await;
+            bufs = b;
+            assert_ne!(
+                res.kind,
+                Kind::Completed,
+                "the NIC-refused write must fail the batch"
+            );
+            corrupted += (res.corrupted_bytes > 0) as u32;
+            times.push(res.time_to_safe);
+        }
+        times.sort();
+        eprintln!(
+            "rdma seed: corrupted {corrupted}/20, time to safe outcome p50 {:?} max {:?}, {:?}",
+            times[10],
+            times[19],
+            i.engine.stats()
+        );
+        assert_eq!(corrupted, 0, "corrupted: {corrupted}/20");
+        assert_eq!(i.engine.stats().in_flight, 0);
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn read_mirror_over_rdma() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let i = initiator(&t, "wo").await;
+        let mut bufs = bufs(&i.region);
+        for round in 0..5 {
+            let (res, b) =
+                read_round(&i.remote, bufs, seed_options(), Duration::from_millis(20)).await;
+            bufs = b;
+            assert_ne!(res.kind, Kind::Completed);
+            assert_eq!(res.corrupted_bytes, 0, "round {round}");
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn deadline_fences_a_64m_write_and_nothing_lands_after_the_outcome() {
+    let t = Target::spawn();
+    Runtime::new().unwrap().block_on(async {
+        let i = initiator(&t, "ro").await;
+        let Bufs {
+            big: mut src,
+            scratch,
+            ..
+        } = bufs(&i.region);
+        src.fill(7);
+        let opts = BatchOptions::default()
+            .policy(FailurePolicy::FailFast)
+            .deadline(Duration::from_millis(10))
+            .fence_grace(Duration::from_secs(2));
+        let mut batch = Batch::new(Rdma, opts);
+        batch
+            .write(src, RdmaRange::new(&i.remote.kv, 0, BIG as u64))
+            .ok()
+            .unwrap();
+        let t0 = Instant::now();
+        let outcome = batch.submit().await;
+        let took = t0.elapsed();
+        let code = outcome.sync_code();
+        let q = outcome.quiesced().await;
+        eprintln!(
+            "deadline 10 ms: code {code} after {took:?}: {:?}",
+            q.tasks()
+        );
+        assert!(
+            code == -1 || code == 0,
+            "the fence is local and remote: it finishes within the grace ({code})"
+        );
+        let mut src = q.into_buffers().pop().unwrap();
+        src.fill(POST_OUTCOME);
+        time::sleep(Duration::from_millis(200)).await;
+        let (n, _) = count_remote(&i.remote.kv, BIG as u64, POST_OUTCOME, scratch).await;
+        assert_eq!(n, 0, "a post-outcome byte landed");
+        assert_eq!(i.engine.stats().in_flight, 0);
+    });
+}
+
+/// Without a device the binaries start and say so (typed error, exit 2);
+/// with one, an RDMA target starts and serves.
+#[test]
+fn an_rdma_target_starts_or_reports_no_device() {
+    let out = Command::new(env!("CARGO_BIN_EXE_quiesce"))
+        .args([
+            "target",
+            "--transport",
+            "rdma",
+            "--size",
+            "4096",
+            "--no-stdin",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if has_device() {
+        let mut out = out;
+        let mut lines = BufReader::new(out.stdout.take().unwrap()).lines();
+        let first = lines.next().unwrap().unwrap();
+        assert!(first.starts_with("segment kv"), "{first}");
+        let _ = out.kill();
+        let _ = out.wait();
+    } else {
+        let o = out.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "stderr: {err}");
+        assert!(err.contains("no RDMA device"), "stderr: {err}");
+    }
+}
