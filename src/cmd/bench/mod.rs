@@ -252,7 +252,7 @@ enum Impl {
     Tokio,
     Uring,
     Epoll,
-    Rdma { busy_poll: bool },
+    Rdma { busy_poll: bool, direct: bool },
 }
 
 impl Impl {
@@ -262,7 +262,8 @@ impl Impl {
             Impl::Tokio => "tokio",
             Impl::Uring => "quiesce-io_uring",
             Impl::Epoll => "quiesce-epoll",
-            Impl::Rdma { .. } => "quiesce-rdma",
+            Impl::Rdma { direct: false, .. } => "quiesce-rdma",
+            Impl::Rdma { direct: true, .. } => "quiesce-rdma-direct",
         }
     }
 }
@@ -281,7 +282,9 @@ fn run_impl(
         Impl::Tokio => tokio_client::run(*addr, kv, ro, case, iters)?,
         Impl::Uring => quiesce_client::run(DriverKind::IoUring, *addr, kv, ro, case, iters, zc)?,
         Impl::Epoll => quiesce_client::run(DriverKind::Epoll, *addr, kv, ro, case, iters, zc)?,
-        Impl::Rdma { busy_poll } => rdma_client::run(*addr, kv, ro, case, iters, busy_poll)?,
+        Impl::Rdma { busy_poll, direct } => {
+            rdma_client::run(*addr, kv, ro, case, iters, busy_poll, direct)?
+        }
     })
 }
 
@@ -356,8 +359,13 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
             .unwrap_or(token),
     };
     let im = match (a.initiator.as_str(), a.driver) {
+        ("direct", _) if rdma => Impl::Rdma {
+            busy_poll: a.busy_poll,
+            direct: true,
+        },
         _ if rdma => Impl::Rdma {
             busy_poll: a.busy_poll,
+            direct: false,
         },
         ("raw", _) => Impl::Raw,
         ("tokio", _) => Impl::Tokio,

@@ -18,6 +18,7 @@ pub fn run(
     case: Case,
     iters: usize,
     busy_poll: bool,
+    direct: bool,
 ) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
     let rt = Runtime::new()?;
     rt.block_on(async {
@@ -43,6 +44,30 @@ pub fn run(
         let probe_at = tasks * task_size;
         let mut small = Some(region.lease(probe_at..probe_at + 4096)?);
         let mut out = Vec::with_capacity(iters);
+        if direct {
+            // The transport alone (`RdmaSegment::write`/`read`), no batch:
+            // shows what the batch layer costs.
+            let mut buf = bufs.pop().ok_or("no buffer")?;
+            let len = buf.len() as u64;
+            for i in 0..iters {
+                let t0 = Instant::now();
+                let (r, b) = match case {
+                    Case::Read(_) => kvs.read(0, len, buf, i as u64).await,
+                    Case::Write(_) => kvs.write(0, buf, i as u64).await,
+                    _ => return Err("--impl direct runs single writes and reads".into()),
+                };
+                let took = t0.elapsed();
+                r?;
+                buf = b;
+                out.push(Sample {
+                    took,
+                    bytes: len,
+                    fence: None,
+                });
+            }
+            engine.shutdown(Duration::from_secs(5));
+            return Ok(out);
+        }
         for _ in 0..iters {
             let opts = match case {
                 Case::FailFast(_) => BatchOptions::default().policy(FailurePolicy::FailFast),

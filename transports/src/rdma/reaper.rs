@@ -166,6 +166,8 @@ pub(crate) struct Reaper {
     dirty: Vec<Rc<Link>>,
     next_gen: u32,
     scratch: Vec<Completion>,
+    /// Reused list of the requests one doorbell posts.
+    to_post: Vec<WorkRequest>,
     stats: RdmaStats,
     pub(crate) mrs: Rc<Cell<u64>>,
     cq: Cq,
@@ -180,6 +182,7 @@ impl Reaper {
             dirty: Vec::new(),
             next_gen: 1,
             scratch: Vec::with_capacity(32),
+            to_post: Vec::new(),
             stats: RdmaStats::default(),
             mrs,
             cq,
@@ -256,7 +259,9 @@ impl Reaper {
                 let room = link.depth.saturating_sub(link.outstanding.get()) as usize;
                 let n = room.min(queued.len());
                 if n > 0 {
-                    let wrs: Vec<WorkRequest> = queued.drain(..n).collect();
+                    let mut wrs = std::mem::take(&mut self.to_post);
+                    wrs.clear();
+                    wrs.extend(queued.drain(..n));
                     drop(queued);
                     self.stats.doorbells += 1;
                     match link.qp.post(&wrs) {
@@ -278,6 +283,7 @@ impl Reaper {
                             }
                         }
                     }
+                    self.to_post = wrs;
                 } else {
                     drop(queued);
                 }

@@ -7,6 +7,7 @@
 //! kept alive by an `Rc` (a QP keeps its PD and CQ, an MR its PD, a PD its
 //! context).
 
+use std::cell::RefCell;
 use std::ffi::CStr;
 use std::io;
 use std::mem::MaybeUninit;
@@ -450,6 +451,8 @@ pub(crate) struct Qp {
     qp: *mut sys::ibv_qp,
     pd: Rc<Pd>,
     pub(crate) max_inline: u32,
+    /// Reused SGE and work request arrays of `post`.
+    scratch: RefCell<(Vec<sys::ibv_sge>, Vec<sys::ibv_send_wr>)>,
 }
 
 impl Qp {
@@ -478,6 +481,7 @@ impl Qp {
             qp,
             pd: pd.clone(),
             max_inline: init.cap.max_inline_data,
+            scratch: RefCell::default(),
         })
     }
 
@@ -600,22 +604,27 @@ impl Qp {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<sys::ibv_sge> = wrs
-            .iter()
-            .map(|w| sys::ibv_sge {
-                addr: w.local,
-                length: w.len,
-                lkey: w.lkey,
-            })
-            .collect();
+        let mut scratch = self.scratch.borrow_mut();
+        let (sges, list) = &mut *scratch;
+        sges.clear();
+        sges.extend(wrs.iter().map(|w| sys::ibv_sge {
+            addr: w.local,
+            length: w.len,
+            lkey: w.lkey,
+        }));
+        list.clear();
         // SAFETY: an all-zero send WR is valid; fields set below.
-        let mut list: Vec<sys::ibv_send_wr> =
-            wrs.iter().map(|_| unsafe { std::mem::zeroed() }).collect();
+        list.extend(
+            wrs.iter()
+                .map(|_| unsafe { std::mem::zeroed::<sys::ibv_send_wr>() }),
+        );
         let base = list.as_mut_ptr();
-        for (i, (w, s)) in wrs.iter().zip(sges.iter_mut()).enumerate() {
+        let sge_base = sges.as_mut_ptr();
+        for (i, w) in wrs.iter().enumerate() {
             let e = &mut list[i];
             e.wr_id = w.wr_id;
-            e.sg_list = s;
+            // SAFETY: `i` is within `sges`, which has one entry per request.
+            e.sg_list = unsafe { sge_base.add(i) };
             e.num_sge = 1;
             e.opcode = if w.read {
                 sys::ibv_wr_opcode::IBV_WR_RDMA_READ
@@ -631,8 +640,8 @@ impl Qp {
                 remote_addr: w.remote,
                 rkey: w.rkey,
             };
-            // SAFETY: `i + 1` is at most `len`, one past the end is allowed.
             e.next = if i + 1 < wrs.len() {
+                // SAFETY: `i + 1 < len`: inside `list`.
                 unsafe { base.add(i + 1) }
             } else {
                 ptr::null_mut()
@@ -645,10 +654,10 @@ impl Qp {
         if rc == 0 {
             return Ok(());
         }
-        // SAFETY: `bad` points into `list` when set.
         let posted = if bad.is_null() {
             0
         } else {
+            // SAFETY: `bad` points into `list` when set.
             (unsafe { bad.offset_from(base) }) as usize
         };
         Err((
