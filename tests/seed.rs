@@ -2,10 +2,7 @@
 //! its variants: the read mirror, a deadline with the target stopped, a
 //! dropped batch, FailFast against Drain.
 
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::Duration;
 
 use quiesce::batch::{Batch, BatchOptions, FailurePolicy, Outcome, RemoteRange, TaskStatus, Tcp};
@@ -13,7 +10,8 @@ use quiesce::runtime::{spawn_local, time, Runtime};
 use quiesce::scenario::{
     count_remote, read_round, seed_options, write_round, Bufs, Kind, Remote, POST_OUTCOME,
 };
-use quiesce::transports::{AlignedBuf, Engine, EngineConfig, RemoteSegment, Token, TransferError};
+use quiesce::target_child::TargetChild;
+use quiesce::transports::{AlignedBuf, Engine, EngineConfig, RemoteSegment, TransferError};
 
 const BIG: usize = 64 << 20;
 
@@ -22,51 +20,10 @@ fn io_uring() -> bool {
     Runtime::new().unwrap().driver_kind() == quiesce::runtime::DriverKind::IoUring
 }
 
-struct Target {
-    child: Child,
-    addr: SocketAddr,
-    tokens: HashMap<String, Token>,
-}
+type Target = TargetChild;
 
-impl Target {
-    fn spawn() -> Target {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_quiesce"))
-            .args(["target", "--size", &BIG.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let mut tokens = HashMap::new();
-        let addr = loop {
-            let line = lines.next().unwrap().unwrap();
-            let w: Vec<&str> = line.split_whitespace().collect();
-            match w.as_slice() {
-                ["segment", name, _, _, token] => {
-                    tokens.insert(name.to_string(), token.parse().unwrap());
-                }
-                ["listening", a] => break a.parse().unwrap(),
-                _ => panic!("{line}"),
-            }
-        };
-        Target {
-            child,
-            addr,
-            tokens,
-        }
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) takes no pointers.
-        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn spawn_target() -> Target {
+    TargetChild::spawn(Path::new(env!("CARGO_BIN_EXE_quiesce")), BIG, false).unwrap()
 }
 
 async fn remote(t: &Target, refuse: &str) -> (Engine, Remote<RemoteSegment>) {
@@ -89,7 +46,7 @@ fn bufs(size: usize) -> Bufs<AlignedBuf> {
 
 #[test]
 fn seed_scenario_50_rounds_no_post_outcome_byte_lands() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "ro").await;
         let mut bufs = bufs(BIG);
@@ -111,7 +68,7 @@ fn seed_scenario_50_rounds_no_post_outcome_byte_lands() {
 
 #[test]
 fn read_mirror_no_remote_byte_lands_after_the_outcome() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "wo").await;
         let mut bufs = bufs(BIG);
@@ -129,7 +86,7 @@ fn read_mirror_no_remote_byte_lands_after_the_outcome() {
 
 #[test]
 fn deadline_with_the_target_stopped_then_resumed() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "ro").await;
         let opts = BatchOptions::default()
@@ -146,7 +103,7 @@ fn deadline_with_the_target_stopped_then_resumed() {
             .unwrap();
         let sub = batch.submit();
         time::sleep(Duration::from_millis(3)).await;
-        t.signal(libc::SIGSTOP);
+        t.signal(libc::SIGSTOP).unwrap();
         let outcome = sub.await;
         let code = outcome.sync_code();
         assert!(
@@ -157,7 +114,7 @@ fn deadline_with_the_target_stopped_then_resumed() {
         assert!(!q.all_completed());
         let mut src = q.into_buffers().pop().unwrap();
         src.fill(POST_OUTCOME);
-        t.signal(libc::SIGCONT);
+        t.signal(libc::SIGCONT).unwrap();
         time::sleep(Duration::from_millis(100)).await;
         assert_eq!(
             count_remote(&r.kv, BIG as u64, POST_OUTCOME, AlignedBuf::new(8 << 20))
@@ -171,7 +128,7 @@ fn deadline_with_the_target_stopped_then_resumed() {
 
 #[test]
 fn a_dropped_batch_drains_in_the_background() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "ro").await;
         let mut batch = Batch::new(Tcp, BatchOptions::default());
@@ -202,7 +159,7 @@ fn a_dropped_batch_drains_in_the_background() {
 
 #[test]
 fn fail_fast_fences_the_rest_while_drain_lets_it_finish() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "ro").await;
         for policy in [FailurePolicy::FailFast, FailurePolicy::Drain] {
@@ -256,7 +213,7 @@ fn fail_fast_fences_the_rest_while_drain_lets_it_finish() {
 
 #[test]
 fn retries_happen_after_quiescence_and_only_for_failed_tasks() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "ro").await;
         // A connection reset mid-batch makes the slices fail retryably.
@@ -293,7 +250,7 @@ fn retries_happen_after_quiescence_and_only_for_failed_tasks() {
 
 #[test]
 fn bad_input_is_a_typed_error_and_loses_nothing() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "ro").await;
         let mut batch = Batch::new(Tcp, BatchOptions::default().max_tasks(1));

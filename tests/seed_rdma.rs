@@ -5,10 +5,9 @@
 //! Tests that need a device are `#[ignore]`d: `scripts/softroce-vm.sh test`
 //! runs them in a Soft-RoCE guest.
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use quiesce::batch::{Batch, BatchOptions, FailurePolicy, Rdma, RdmaRange};
@@ -16,8 +15,9 @@ use quiesce::runtime::{time, Runtime};
 use quiesce::scenario::{
     count_remote, read_round, seed_options, write_round, Bufs, Kind, Remote, POST_OUTCOME,
 };
+use quiesce::target_child::TargetChild;
 use quiesce::transports::rdma::{LocalMemory, RdmaConfig, RdmaEngine, RdmaSegment};
-use quiesce::transports::{Lease, Region, Token};
+use quiesce::transports::{Lease, Region};
 
 const BIG: usize = 64 << 20;
 const PIECE: usize = 8 << 20;
@@ -26,46 +26,10 @@ fn has_device() -> bool {
     std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
 }
 
-struct Target {
-    child: Child,
-    addr: SocketAddr,
-    tokens: HashMap<String, Token>,
-}
+type Target = TargetChild;
 
-impl Target {
-    fn spawn() -> Target {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_quiesce"))
-            .args(["target", "--size", &BIG.to_string(), "--transport", "rdma"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let mut tokens = HashMap::new();
-        let addr = loop {
-            let line = lines.next().expect("target exited").unwrap();
-            let w: Vec<&str> = line.split_whitespace().collect();
-            match w.as_slice() {
-                ["segment", name, _, _, token] => {
-                    tokens.insert(name.to_string(), token.parse().unwrap());
-                }
-                ["listening", a] => break a.parse().unwrap(),
-                _ => panic!("{line}"),
-            }
-        };
-        Target {
-            child,
-            addr,
-            tokens,
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn spawn_target() -> Target {
+    TargetChild::spawn(Path::new(env!("CARGO_BIN_EXE_quiesce")), BIG, true).unwrap()
 }
 
 struct Initiator {
@@ -103,7 +67,7 @@ fn bufs(region: &Region) -> Bufs<Lease> {
 #[test]
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn seed_scenario_over_rdma_20_rounds_no_post_outcome_byte_lands() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let i = initiator(&t, "ro").await;
         let mut bufs = bufs(&i.region);
@@ -142,7 +106,7 @@ fn seed_scenario_over_rdma_20_rounds_no_post_outcome_byte_lands() {
 #[test]
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn read_mirror_over_rdma() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let i = initiator(&t, "wo").await;
         let mut bufs = bufs(&i.region);
@@ -159,7 +123,7 @@ fn read_mirror_over_rdma() {
 #[test]
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn deadline_fences_a_64m_write_and_nothing_lands_after_the_outcome() {
-    let t = Target::spawn();
+    let t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let i = initiator(&t, "ro").await;
         let Bufs {

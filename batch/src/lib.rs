@@ -30,7 +30,10 @@ mod transport;
 pub use batch::{Batch, BatchError, Rejected};
 pub use options::{BatchOptions, FailurePolicy, RetryPolicy};
 pub use outcome::{Outcome, Quiesced, Submitted, TaskReport, TaskStatus, Ticket};
-pub use transport::{PeerKey, Rdma, RdmaPeerKey, RdmaRange, RemoteRange, Tcp, Transport};
+pub use transport::{
+    FencePeer, Key, OneSided, PeerKey, Range, Rdma, RdmaPeerKey, RdmaRange, RemoteRange, Segments,
+    Tcp, Transport,
+};
 
 /// Sync code: every task completed.
 pub const SYNC_OK: i32 = 0;

@@ -1,7 +1,10 @@
-//! What a batch needs from a transport, and the TCP transport's answer.
+//! What a batch needs from a transport, and the answer of the one-sided
+//! transports (TCP and RDMA verbs).
 
 use std::future::Future;
 use std::hash::{Hash, Hasher};
+use std::marker::PhantomData;
+use std::net::SocketAddr;
 
 use quiesce_runtime::{IoBuf, IoBufMut};
 use quiesce_transports::rdma::{RdmaPeer, RdmaSegment};
@@ -50,21 +53,98 @@ pub trait Transport: Clone + 'static {
     fn abort(&self, peer: &Self::Peer);
 }
 
+/// A segment handle of a one-sided transport (TCP's [`RemoteSegment`],
+/// RDMA's [`RdmaSegment`]): what [`Segments`] needs to drive it.
+pub trait OneSided: Clone + 'static {
+    /// The peer serving it.
+    type Peer: FencePeer;
+    /// The peer.
+    fn peer(&self) -> &Self::Peer;
+    /// Writes the initialised bytes of `src` at `offset`.
+    fn write_at<B: IoBuf>(
+        &self,
+        offset: u64,
+        src: B,
+        batch: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)>;
+    /// Reads `len` bytes at `offset` into `dst`.
+    fn read_at<B: IoBufMut>(
+        &self,
+        offset: u64,
+        len: u64,
+        dst: B,
+        batch: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)>;
+}
+
+/// A peer that can be fenced and torn down.
+pub trait FencePeer: Clone + 'static {
+    /// Its address (its identity).
+    fn addr(&self) -> SocketAddr;
+    /// Remote fence of `batch`.
+    fn fence(&self, batch: u64) -> impl Future<Output = Result<(), TransferError>>;
+    /// Local teardown.
+    fn abort(&self);
+}
+
+macro_rules! one_sided {
+    ($seg:ty, $peer:ty) => {
+        impl OneSided for $seg {
+            type Peer = $peer;
+            fn peer(&self) -> &$peer {
+                <$seg>::peer(self)
+            }
+            fn write_at<B: IoBuf>(
+                &self,
+                offset: u64,
+                src: B,
+                batch: u64,
+            ) -> impl Future<Output = (Result<u64, TransferError>, B)> {
+                <$seg>::write(self, offset, src, batch)
+            }
+            fn read_at<B: IoBufMut>(
+                &self,
+                offset: u64,
+                len: u64,
+                dst: B,
+                batch: u64,
+            ) -> impl Future<Output = (Result<u64, TransferError>, B)> {
+                <$seg>::read(self, offset, len, dst, batch)
+            }
+        }
+
+        impl FencePeer for $peer {
+            fn addr(&self) -> SocketAddr {
+                <$peer>::addr(self)
+            }
+            fn fence(&self, batch: u64) -> impl Future<Output = Result<(), TransferError>> {
+                <$peer>::fence(self, batch)
+            }
+            fn abort(&self) {
+                <$peer>::abort(self)
+            }
+        }
+    };
+}
+
+one_sided!(RemoteSegment, Peer);
+one_sided!(RdmaSegment, RdmaPeer);
+
 /// A range of a remote segment.
 #[derive(Clone)]
-pub struct RemoteRange {
+pub struct Range<S> {
     /// The segment.
-    pub segment: RemoteSegment,
+    pub segment: S,
     /// Offset within it.
     pub offset: u64,
     /// Length.
     pub len: u64,
 }
 
-impl RemoteRange {
+impl<S: Clone> Range<S> {
     /// `segment[offset..offset + len]`.
-    pub fn new(segment: &RemoteSegment, offset: u64, len: u64) -> RemoteRange {
-        RemoteRange {
+    pub fn new(segment: &S, offset: u64, len: u64) -> Range<S> {
+        Range {
             segment: segment.clone(),
             offset,
             len,
@@ -72,161 +152,112 @@ impl RemoteRange {
     }
 }
 
-/// A peer compared by identity, for fence bookkeeping.
-#[derive(Clone)]
-pub struct PeerKey(pub Peer);
+/// A range of a TCP segment.
+pub type RemoteRange = Range<RemoteSegment>;
+/// A range of an RDMA segment.
+pub type RdmaRange = Range<RdmaSegment>;
 
-impl PartialEq for PeerKey {
+/// A peer compared by address, for fence bookkeeping.
+#[derive(Clone)]
+pub struct Key<P>(pub P);
+
+impl<P: FencePeer> PartialEq for Key<P> {
     fn eq(&self, other: &Self) -> bool {
         self.0.addr() == other.0.addr()
     }
 }
 
-impl Eq for PeerKey {}
+impl<P: FencePeer> Eq for Key<P> {}
 
-impl Hash for PeerKey {
+impl<P: FencePeer> Hash for Key<P> {
     fn hash<H: Hasher>(&self, h: &mut H) {
         self.0.addr().hash(h)
+    }
+}
+
+/// A TCP peer as a fence key.
+pub type PeerKey = Key<Peer>;
+/// An RDMA peer as a fence key.
+pub type RdmaPeerKey = Key<RdmaPeer>;
+
+/// The transport of one-sided segments `S`.
+pub struct Segments<S>(PhantomData<fn() -> S>);
+
+impl<S> Clone for Segments<S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<S> Copy for Segments<S> {}
+
+impl<S> Default for Segments<S> {
+    fn default() -> Self {
+        Segments(PhantomData)
+    }
+}
+
+impl<S> std::fmt::Debug for Segments<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(std::any::type_name::<S>())
     }
 }
 
 /// The TCP transport of `quiesce-transports`.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Tcp;
-
-impl Transport for Tcp {
-    type Target = RemoteRange;
-    type Peer = PeerKey;
-
-    fn peer(&self, t: &RemoteRange) -> PeerKey {
-        PeerKey(t.segment.peer().clone())
-    }
-
-    fn len(&self, t: &RemoteRange) -> u64 {
-        t.len
-    }
-
-    fn write<B: IoBuf>(
-        &self,
-        t: &RemoteRange,
-        src: B,
-        batch: u64,
-    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
-        let t = t.clone();
-        async move { t.segment.write(t.offset, src, batch).await }
-    }
-
-    fn read<B: IoBufMut>(
-        &self,
-        t: &RemoteRange,
-        dst: B,
-        batch: u64,
-    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
-        let t = t.clone();
-        async move { t.segment.read(t.offset, t.len, dst, batch).await }
-    }
-
-    fn fence(
-        &self,
-        peer: &PeerKey,
-        batch: u64,
-    ) -> impl Future<Output = Result<(), TransferError>> + 'static {
-        let p = peer.0.clone();
-        async move { p.fence(batch).await }
-    }
-
-    fn abort(&self, peer: &PeerKey) {
-        peer.0.abort()
-    }
-}
-
-/// A range of an RDMA segment.
-#[derive(Clone)]
-pub struct RdmaRange {
-    /// The segment.
-    pub segment: RdmaSegment,
-    /// Offset within it.
-    pub offset: u64,
-    /// Length.
-    pub len: u64,
-}
-
-impl RdmaRange {
-    /// `segment[offset..offset + len]`.
-    pub fn new(segment: &RdmaSegment, offset: u64, len: u64) -> RdmaRange {
-        RdmaRange {
-            segment: segment.clone(),
-            offset,
-            len,
-        }
-    }
-}
-
-/// An RDMA peer compared by identity, for fence bookkeeping.
-#[derive(Clone)]
-pub struct RdmaPeerKey(pub RdmaPeer);
-
-impl PartialEq for RdmaPeerKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.addr() == other.0.addr()
-    }
-}
-
-impl Eq for RdmaPeerKey {}
-
-impl Hash for RdmaPeerKey {
-    fn hash<H: Hasher>(&self, h: &mut H) {
-        self.0.addr().hash(h)
-    }
-}
+pub type Tcp = Segments<RemoteSegment>;
+/// The TCP transport (the value).
+#[allow(non_upper_case_globals)]
+pub const Tcp: Tcp = Segments(PhantomData);
 
 /// The RDMA verbs transport of `quiesce-transports`: buffers must lie in a
 /// region registered with the initiator's `RdmaEngine`.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Rdma;
+pub type Rdma = Segments<RdmaSegment>;
+/// The RDMA transport (the value).
+#[allow(non_upper_case_globals)]
+pub const Rdma: Rdma = Segments(PhantomData);
 
-impl Transport for Rdma {
-    type Target = RdmaRange;
-    type Peer = RdmaPeerKey;
+impl<S: OneSided> Transport for Segments<S> {
+    type Target = Range<S>;
+    type Peer = Key<S::Peer>;
 
-    fn peer(&self, t: &RdmaRange) -> RdmaPeerKey {
-        RdmaPeerKey(t.segment.peer().clone())
+    fn peer(&self, t: &Range<S>) -> Key<S::Peer> {
+        Key(t.segment.peer().clone())
     }
 
-    fn len(&self, t: &RdmaRange) -> u64 {
+    fn len(&self, t: &Range<S>) -> u64 {
         t.len
     }
 
     fn write<B: IoBuf>(
         &self,
-        t: &RdmaRange,
+        t: &Range<S>,
         src: B,
         batch: u64,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
         let t = t.clone();
-        async move { t.segment.write(t.offset, src, batch).await }
+        async move { t.segment.write_at(t.offset, src, batch).await }
     }
 
     fn read<B: IoBufMut>(
         &self,
-        t: &RdmaRange,
+        t: &Range<S>,
         dst: B,
         batch: u64,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
         let t = t.clone();
-        async move { t.segment.read(t.offset, t.len, dst, batch).await }
+        async move { t.segment.read_at(t.offset, t.len, dst, batch).await }
     }
 
     fn fence(
         &self,
-        peer: &RdmaPeerKey,
+        peer: &Key<S::Peer>,
         batch: u64,
     ) -> impl Future<Output = Result<(), TransferError>> + 'static {
         let p = peer.0.clone();
         async move { p.fence(batch).await }
     }
 
-    fn abort(&self, peer: &RdmaPeerKey) {
+    fn abort(&self, peer: &Key<S::Peer>) {
         peer.0.abort()
     }
 }

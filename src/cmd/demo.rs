@@ -1,68 +1,12 @@
 //! `quiesce demo`: the seed scenario against a target process on loopback.
 
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use quiesce::runtime::Runtime;
 use quiesce::scenario::{seed_options, write_round, Buf, Bufs, Kind, Remote, Round, Seg};
+use quiesce::target_child::TargetChild;
 use quiesce::transports::rdma::{RdmaConfig, RdmaEngine};
-use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Region, Token};
-
-/// A `quiesce target` child process, killed on drop.
-pub struct TargetChild {
-    child: Child,
-    /// Where it listens.
-    pub addr: SocketAddr,
-    /// Segment name → token.
-    pub tokens: HashMap<String, Token>,
-}
-
-impl TargetChild {
-    /// Starts `quiesce target --size SIZE --transport T` from this executable.
-    pub fn spawn(size: usize, rdma: bool) -> Result<TargetChild, Box<dyn std::error::Error>> {
-        let exe = std::env::current_exe()?;
-        let transport = if rdma { "rdma" } else { "tcp" };
-        let mut child = Command::new(exe)
-            .args([
-                "target",
-                "--size",
-                &size.to_string(),
-                "--transport",
-                transport,
-            ])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let mut tokens = HashMap::new();
-        let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
-        let addr = loop {
-            let line = lines.next().ok_or("the target exited before listening")??;
-            let w: Vec<&str> = line.split_whitespace().collect();
-            match w.as_slice() {
-                ["segment", name, _, _, token] => {
-                    tokens.insert(name.to_string(), token.parse()?);
-                }
-                ["listening", addr] => break addr.parse()?,
-                _ => return Err(format!("unexpected target output {line:?}").into()),
-            }
-        };
-        Ok(TargetChild {
-            child,
-            addr,
-            tokens,
-        })
-    }
-}
-
-impl Drop for TargetChild {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Region};
 
 /// Runs `rounds` write rounds over `remote`.
 async fn rounds<S: Seg, B: Buf>(remote: &Remote<S>, mut bufs: Bufs<B>, rounds: u32) -> Vec<Round> {
@@ -84,7 +28,7 @@ async fn rounds<S: Seg, B: Buf>(remote: &Remote<S>, mut bufs: Bufs<B>, rounds: u
 
 /// Runs the scenario; `Ok(true)` if no round was corrupted.
 pub fn run(rounds_n: u32, size: usize, rdma: bool) -> Result<bool, Box<dyn std::error::Error>> {
-    let target = TargetChild::spawn(size, rdma)?;
+    let target = TargetChild::spawn(&std::env::current_exe()?, size, rdma)?;
     println!(
         "quiesce demo: target on {} (separate process, {}), {rounds_n} rounds",
         target.addr,

@@ -228,6 +228,22 @@ pub struct RemoteSegment {
     desc: Descriptor,
 }
 
+/// A transfer of `len` bytes at `offset` of a segment of `seg_len` bytes:
+/// not empty, and inside without overflow.
+pub(crate) fn check_range(offset: u64, len: u64, seg_len: u64) -> Result<(), TransferError> {
+    if len == 0 {
+        return Err(TransferError::BadLength("zero-length transfer"));
+    }
+    if offset.checked_add(len).is_none_or(|e| e > seg_len) {
+        return Err(TransferError::OutOfBounds {
+            offset,
+            len,
+            seg_len,
+        });
+    }
+    Ok(())
+}
+
 /// `(offset, len)` slices of `0..len`.
 pub(crate) fn slices(len: u64, slice: usize) -> impl Iterator<Item = (u64, u64)> {
     let slice = slice.max(1) as u64;
@@ -330,17 +346,7 @@ impl RemoteSegment {
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), TransferError> {
-        if len == 0 {
-            return Err(TransferError::BadLength("zero-length transfer"));
-        }
-        if offset.checked_add(len).is_none_or(|e| e > self.desc.len) {
-            return Err(TransferError::OutOfBounds {
-                offset,
-                len,
-                seg_len: self.desc.len,
-            });
-        }
-        Ok(())
+        check_range(offset, len, self.desc.len)
     }
 
     /// Writes the initialised bytes of `src` to `offset`, sliced and striped

@@ -10,10 +10,12 @@ mod tokio_client;
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
+use quiesce::batch::{Batch, BatchOptions, FailurePolicy};
 use quiesce::runtime::DriverKind;
+use quiesce::scenario::{Buf, Seg};
 use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Rights, Token};
 
 /// A segment as a client needs it.
@@ -88,6 +90,64 @@ pub fn write_frame(task: u64, segment: u64, offset: u64, data: &[u8]) -> (Vec<u8
     } else {
         (head, data)
     }
+}
+
+/// The loop every quiesce initiator runs, over TCP or RDMA: one batch per
+/// iteration (with the refused 4 KiB probe first for fail-fast), timed from
+/// submit to the quiesced outcome.
+pub async fn batch_loop<S: Seg, B: Buf>(
+    kv: &S,
+    ro: Option<&S>,
+    case: Case,
+    iters: usize,
+    mut bufs: Vec<B>,
+    mut small: Option<B>,
+) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
+    let task_size = match case {
+        Case::Batch { size, .. } => size,
+        _ => case.size(),
+    };
+    let mut out = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let opts = match case {
+            Case::FailFast(_) => BatchOptions::default().policy(FailurePolicy::FailFast),
+            _ => BatchOptions::default(),
+        };
+        let mut batch = Batch::new(kv.transport(), opts);
+        if let Some(ro) = ro {
+            let small = small.take().expect("returned by the last round");
+            batch
+                .write(small, ro.range(0, 4096))
+                .map_err(|r| r.reason)?;
+        }
+        for (i, b) in bufs.drain(..).enumerate() {
+            let range = kv.range((i * task_size) as u64, task_size as u64);
+            match case {
+                Case::Read(_) => batch.read(b, range),
+                _ => batch.write(b, range),
+            }
+            .map_err(|r| r.reason)?;
+        }
+        let t0 = Instant::now();
+        let q = batch.submit().await.quiesced().await;
+        let took = t0.elapsed();
+        let fence = q.fence_time();
+        match case {
+            Case::FailFast(_) => assert!(!q.all_completed(), "the refused write must fail"),
+            _ => assert!(q.all_completed(), "{:?}", q.tasks()),
+        }
+        let mut back = q.into_buffers();
+        if ro.is_some() {
+            small = Some(back.remove(0));
+        }
+        bufs = back;
+        out.push(Sample {
+            took,
+            bytes: case.bytes(),
+            fence,
+        });
+    }
+    Ok(out)
 }
 
 /// One workload.
@@ -336,7 +396,11 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
     let child = match (rdma, a.connect) {
         (true, None) => {
             let size = a.sizes.iter().max().copied().unwrap_or(1 << 20) * a.batch.max(1);
-            Some(crate::cmd::demo::TargetChild::spawn(size, true)?)
+            Some(quiesce::target_child::TargetChild::spawn(
+                &std::env::current_exe()?,
+                size,
+                true,
+            )?)
         }
         _ => None,
     };

@@ -3,7 +3,6 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use quiesce::batch::{Batch, BatchOptions, FailurePolicy, Rdma, RdmaRange};
 use quiesce::runtime::Runtime;
 use quiesce::transports::rdma::{RdmaConfig, RdmaEngine};
 use quiesce::transports::Region;
@@ -42,13 +41,13 @@ pub fn run(
             .map(|i| region.lease(i * task_size..(i + 1) * task_size))
             .collect::<Result<Vec<_>, _>>()?;
         let probe_at = tasks * task_size;
-        let mut small = Some(region.lease(probe_at..probe_at + 4096)?);
-        let mut out = Vec::with_capacity(iters);
+        let small = Some(region.lease(probe_at..probe_at + 4096)?);
         if direct {
             // The transport alone (`RdmaSegment::write`/`read`), no batch:
             // shows what the batch layer costs.
             let mut buf = bufs.pop().ok_or("no buffer")?;
             let len = buf.len() as u64;
+            let mut out = Vec::with_capacity(iters);
             for i in 0..iters {
                 let t0 = Instant::now();
                 let (r, b) = match case {
@@ -68,45 +67,7 @@ pub fn run(
             engine.shutdown(Duration::from_secs(5));
             return Ok(out);
         }
-        for _ in 0..iters {
-            let opts = match case {
-                Case::FailFast(_) => BatchOptions::default().policy(FailurePolicy::FailFast),
-                _ => BatchOptions::default(),
-            };
-            let mut batch = Batch::new(Rdma, opts);
-            if let Some(ros) = &ros {
-                let small = small.take().expect("returned by the last round");
-                batch
-                    .write(small, RdmaRange::new(ros, 0, 4096))
-                    .map_err(|r| r.reason)?;
-            }
-            for (i, b) in bufs.drain(..).enumerate() {
-                let range = RdmaRange::new(&kvs, (i * task_size) as u64, task_size as u64);
-                match case {
-                    Case::Read(_) => batch.read(b, range),
-                    _ => batch.write(b, range),
-                }
-                .map_err(|r| r.reason)?;
-            }
-            let t0 = Instant::now();
-            let q = batch.submit().await.quiesced().await;
-            let took = t0.elapsed();
-            let fence = q.fence_time();
-            match case {
-                Case::FailFast(_) => assert!(!q.all_completed(), "the refused write must fail"),
-                _ => assert!(q.all_completed(), "{:?}", q.tasks()),
-            }
-            let mut back = q.into_buffers();
-            if let Case::FailFast(_) = case {
-                small = Some(back.remove(0));
-            }
-            bufs = back;
-            out.push(Sample {
-                took,
-                bytes: case.bytes(),
-                fence,
-            });
-        }
+        let out = super::batch_loop(&kvs, ros.as_ref(), case, iters, bufs, small).await?;
         engine.shutdown(Duration::from_secs(5));
         Ok(out)
     })

@@ -15,7 +15,7 @@ use super::verbs::{Access, QpEndpoint, WorkRequest};
 use crate::auth::Token;
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
-use crate::peer::{slices, Peer};
+use crate::peer::{check_range, slices, Peer};
 use crate::segment::Rights;
 use crate::shared::set_filled;
 use crate::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
@@ -289,17 +289,7 @@ impl RdmaSegment {
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), TransferError> {
-        if len == 0 {
-            return Err(TransferError::BadLength("zero-length transfer"));
-        }
-        if offset.checked_add(len).is_none_or(|e| e > self.desc.len) {
-            return Err(TransferError::OutOfBounds {
-                offset,
-                len,
-                seg_len: self.desc.len,
-            });
-        }
-        Ok(())
+        check_range(offset, len, self.desc.len)
     }
 
     /// RDMA-writes the initialised bytes of `src` (which must lie in a

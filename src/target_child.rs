@@ -1,0 +1,76 @@
+//! A `quiesce target` child process: what `quiesce demo` and `quiesce bench`
+//! start, and what the end-to-end tests run against.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use quiesce_transports::Token;
+
+/// A `quiesce target` child process, killed on drop.
+pub struct TargetChild {
+    child: Child,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Segment name → token.
+    pub tokens: HashMap<String, Token>,
+}
+
+impl TargetChild {
+    /// Starts `EXE target --size SIZE --transport tcp|rdma` and reads its
+    /// segments and address. It exits when its stdin (kept here) closes.
+    pub fn spawn(
+        exe: &Path,
+        size: usize,
+        rdma: bool,
+    ) -> Result<TargetChild, Box<dyn std::error::Error>> {
+        let transport = if rdma { "rdma" } else { "tcp" };
+        let mut child = Command::new(exe)
+            .args([
+                "target",
+                "--size",
+                &size.to_string(),
+                "--transport",
+                transport,
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut tokens = HashMap::new();
+        let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
+        let addr = loop {
+            let line = lines.next().ok_or("the target exited before listening")??;
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.as_slice() {
+                ["segment", name, _, _, token] => {
+                    tokens.insert(name.to_string(), token.parse()?);
+                }
+                ["listening", addr] => break addr.parse()?,
+                _ => return Err(format!("unexpected target output {line:?}").into()),
+            }
+        };
+        Ok(TargetChild {
+            child,
+            addr,
+            tokens,
+        })
+    }
+
+    /// Sends `sig` to the process.
+    pub fn signal(&self, sig: i32) -> std::io::Result<()> {
+        // SAFETY: kill(2) takes no pointers.
+        match unsafe { libc::kill(self.child.id() as i32, sig) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    }
+}
+
+impl Drop for TargetChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
