@@ -110,7 +110,8 @@ enum Pending {
 struct State {
     dead: Option<String>,
     pending: HashMap<u64, Pending>,
-    fences: HashMap<u64, Vec<Shared<Result<(), TransferError>>>>,
+    /// Fence waiters; filled with the QPN the target reset (0: none).
+    fences: HashMap<u64, Vec<Shared<Result<u64, TransferError>>>>,
     auths: VecDeque<Shared<Result<AuthAck, TransferError>>>,
     qp_accepts: VecDeque<Shared<Result<QpAccept, TransferError>>>,
 }
@@ -321,8 +322,9 @@ impl Conn {
         wait(&result).await
     }
 
-    /// Asks the target to fence `batch`; resolves on its `FenceAck`.
-    pub(crate) async fn fence(&self, batch: u64) -> Result<(), TransferError> {
+    /// Asks the target to fence `batch`; resolves on its `FenceAck`, with the
+    /// QPN of the RDMA queue pair it reset (0 if none).
+    pub(crate) async fn fence(&self, batch: u64) -> Result<u64, TransferError> {
         let result = slot();
         {
             let mut st = self.state.borrow_mut();
@@ -575,7 +577,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                     .fences
                     .remove(&h.batch)
                     .unwrap_or_default();
-                waiters.iter().for_each(|r| fill(r, Ok(())));
+                waiters.iter().for_each(|r| fill(r, Ok(h.offset)));
             }
             Op::AuthAck => {
                 if h.length as usize > MAX_HANDSHAKE_PAYLOAD {

@@ -179,6 +179,12 @@ impl Peer {
     /// confirmed. Covers every connection of this session to the peer. The
     /// request travels on the control connection, ahead of queued payloads.
     pub async fn fence(&self, batch: u64) -> Result<(), TransferError> {
+        self.fence_qp(batch).await.map(|_| ())
+    }
+
+    /// [`fence`](Self::fence), returning the QPN of the RDMA queue pair the
+    /// target reset with it (0 if none).
+    pub(crate) async fn fence_qp(&self, batch: u64) -> Result<u64, TransferError> {
         // Slices of the batch that have not started are not sent at all.
         self.inner.fenced.borrow_mut().insert(batch);
         self.conn(0).await?.fence(batch).await

@@ -163,9 +163,12 @@ async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> 
             Op::Fence => {
                 // RDMA: the responder accepts no further packet of any batch
                 // on this queue pair; the initiator builds a new one.
-                if let Some(qp) = c.served.take() {
+                // The ack names the queue pair reset (its QPN in `offset`,
+                // 0 if none), so the initiator resets the link it belongs to.
+                let reset_qpn = c.served.take().map_or(0, |qp| {
                     qp.fence();
-                }
+                    qp.qpn() as u64
+                });
                 engine.fences.fence(c.session, h.batch);
                 engine.fences.quiet(c.session, h.batch).await;
                 send_frame(
@@ -173,6 +176,7 @@ async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> 
                     &Header {
                         op: Op::FenceAck,
                         length: 0,
+                        offset: reset_qpn,
                         ..h
                     },
                     &[],

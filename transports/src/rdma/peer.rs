@@ -155,7 +155,12 @@ impl RdmaPeer {
             .keys
             .borrow_mut()
             .extend(accept.keys.iter().map(|k| (k.segment, *k)));
-        let link = Rc::new(Link::new(qp, node.depth, Rc::as_ptr(&conn) as usize));
+        let link = Rc::new(Link::new(
+            qp,
+            node.depth,
+            Rc::as_ptr(&conn) as usize,
+            remote.qpn,
+        ));
         // The target's queue pair dies with the control connection: reset
         // ours at once instead of waiting for the NIC's retries to run out.
         let weak = Rc::downgrade(&link);
@@ -186,7 +191,16 @@ impl RdmaPeer {
         if let Some(l) = self.inner.link.borrow().as_ref() {
             l.fence(Some(batch));
         }
-        self.inner.tcp.fence(batch).await
+        let reset = self.inner.tcp.fence_qp(batch).await?;
+        // A queue pair set up while the fence was on its way (a transfer was
+        // connecting) was reset by the target too: retire the link that
+        // points at it, or its requests would wait for a dead responder.
+        if let Some(l) = self.inner.link.borrow().as_ref() {
+            if reset != 0 && l.remote_qpn as u64 == reset {
+                l.fence(Some(batch));
+            }
+        }
+        Ok(())
     }
 
     /// Moves the queue pair to the error state; its requests fail once
@@ -217,6 +231,10 @@ impl RdmaPeer {
             Ok(l) => l,
             Err(e) => return (Err(e), buf),
         };
+        // The batch may have been fenced while the link was being set up.
+        if self.inner.fenced.borrow().contains(&batch) {
+            return (Err(TransferError::Fenced), buf);
+        }
         let lkey = mr.mr.lkey();
         let wrs = slices(len, self.inner.engine.slice_size)
             .map(|(off, l)| WorkRequest {

@@ -71,10 +71,12 @@ pub(crate) struct Link {
     fenced: RefCell<HashSet<u64>>,
     /// Identity of the control connection the link was set up on.
     pub(crate) conn: usize,
+    /// The target's queue pair number.
+    pub(crate) remote_qpn: u32,
 }
 
 impl Link {
-    pub(crate) fn new(qp: Qp, depth: u32, conn: usize) -> Link {
+    pub(crate) fn new(qp: Qp, depth: u32, conn: usize, remote_qpn: u32) -> Link {
         Link {
             qp,
             state: Cell::new(LinkState::Ready),
@@ -84,6 +86,7 @@ impl Link {
             depth,
             fenced: RefCell::default(),
             conn,
+            remote_qpn,
         }
     }
 

@@ -145,6 +145,11 @@ impl ServedQp {
         ))
     }
 
+    /// The queue pair's number.
+    pub(crate) fn qpn(&self) -> u32 {
+        self.qp.qpn()
+    }
+
     /// Fence: the responder accepts no further packet once this returns.
     pub(crate) fn fence(&self) {
         if let Err(e) = self.qp.set_error() {
