@@ -9,6 +9,8 @@
 #   a ping-pong round trip);
 # * read latency: quiesce's p50 against ib_read_lat's t_typical (both one
 #   round trip);
+# * "transport only" rows: the same operation through RdmaSegment::write/read
+#   without the batch layer (--impl direct), to show what each layer costs;
 # * bandwidth: quiesce MB/s against ib_write_bw's BW average, same message
 #   size and the same number of requests in flight (64 x 64 KiB; 1 MiB slices
 #   of a 64 MiB write against -s 1M with tx-depth 64).
@@ -47,10 +49,16 @@ for r in $(seq "$ROUNDS"); do
         pt=$(col "$p" 5); qt=$(col "$q" 4)
         p2=$(awk -v x="$pt" 'BEGIN { printf "%.2f", 2 * x }')
         printf '%-34s %11s us %11s us %8s %s\n' "write_lat_${s}B (p50 vs 2x t_typ)" "$qt" "$p2" "$(ratio "$qt" "$p2")" "<= 1.10"
+        q=$(qb --impl direct --op write --size $s --iters 2000)
+        qt=$(col "$q" 4)
+        printf '%-34s %11s us %11s us %8s %s\n' "  same, transport only (no batch)" "$qt" "$p2" "$(ratio "$qt" "$p2")" ""
         p=$(perf rlat$s ib_read_lat $DEV -s $s -n 2000)
         q=$(qb --op read --size $s --iters 2000)
         pt=$(col "$p" 5); qt=$(col "$q" 4)
         printf '%-34s %11s us %11s us %8s %s\n' "read_lat_${s}B (p50 vs t_typ)" "$qt" "$pt" "$(ratio "$qt" "$pt")" "<= 1.10"
+        q=$(qb --impl direct --op read --size $s --iters 2000)
+        qt=$(col "$q" 4)
+        printf '%-34s %11s us %11s us %8s %s\n' "  same, transport only (no batch)" "$qt" "$pt" "$(ratio "$qt" "$pt")" ""
     done
     # Bandwidth.
     p=$(perf bw64k ib_write_bw $DEV -s 65536 -n 2000 -t 64)

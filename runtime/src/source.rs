@@ -134,8 +134,10 @@ impl Sources {
         self.slab.is_empty()
     }
 
-    fn keys(&self) -> Vec<usize> {
-        self.slab.iter().map(|(k, _)| k).collect()
+    /// Every key is below this (walking `0..bound` allocates nothing, unlike
+    /// collecting the keys: this runs every tick).
+    fn key_bound(&self) -> usize {
+        self.slab.capacity()
     }
 }
 
@@ -158,8 +160,8 @@ pub(crate) fn poll_all(cx: &Context) -> usize {
     if cx.sources.borrow().is_empty() {
         return 0;
     }
-    let keys = cx.sources.borrow().keys();
-    keys.into_iter()
+    let bound = cx.sources.borrow().key_bound();
+    (0..bound)
         .filter_map(|k| with_source(cx, k, |s| s.poll()))
         .sum()
 }
@@ -171,8 +173,8 @@ pub(crate) fn arm_all(cx: &Context) -> std::io::Result<usize> {
         return Ok(0);
     }
     let found = Cell::new(0);
-    let keys = cx.sources.borrow().keys();
-    for key in keys {
+    let bound = cx.sources.borrow().key_bound();
+    for key in 0..bound {
         let Some(fd) = cx.sources.borrow().slab.get(key).and_then(|e| e.fd) else {
             continue;
         };

@@ -121,7 +121,7 @@ impl Peer {
         }
         Ok(RemoteSegment {
             peer: self.clone(),
-            desc,
+            desc: Rc::new(desc),
         })
     }
 
@@ -231,7 +231,8 @@ fn check_auth(results: &[(u64, Status)]) -> Result<(), TransferError> {
 #[derive(Clone)]
 pub struct RemoteSegment {
     peer: Peer,
-    desc: Descriptor,
+    /// Shared: a segment handle is cloned per transfer.
+    desc: Rc<Descriptor>,
 }
 
 /// A transfer of `len` bytes at `offset` of a segment of `seg_len` bytes:

@@ -10,7 +10,7 @@ use std::rc::Rc;
 use quiesce_runtime::{IoBuf, IoBufMut};
 
 use super::engine::RdmaInner;
-use super::reaper::{Link, LinkState, Reaper};
+use super::reaper::{Link, LinkState, Reaper, Submission};
 use super::verbs::{Access, QpEndpoint, WorkRequest};
 use crate::auth::Token;
 use crate::error::TransferError;
@@ -104,7 +104,7 @@ impl RdmaPeer {
             })?;
         Ok(RdmaSegment {
             peer: self.clone(),
-            desc,
+            desc: Rc::new(desc),
             key,
         })
     }
@@ -236,20 +236,28 @@ impl RdmaPeer {
             return (Err(TransferError::Fenced), buf);
         }
         let lkey = mr.mr.lkey();
-        let wrs = slices(len, self.inner.engine.slice_size)
-            .map(|(off, l)| WorkRequest {
-                wr_id: 0,
-                read,
-                local: addr + off,
-                len: l as u32,
-                lkey,
-                remote: key.addr + offset + off,
-                rkey: key.rkey,
-                inline: !read,
-            })
-            .collect();
+        let slice = self.inner.engine.slice_size;
+        let count = len.div_ceil(slice as u64) as u32;
+        let wrs = slices(len, slice).map(|(off, l)| WorkRequest {
+            wr_id: 0,
+            read,
+            local: addr + off,
+            len: l as u32,
+            lkey,
+            remote: key.addr + offset + off,
+            rkey: key.rkey,
+            inline: !read,
+        });
         let reaper = &self.inner.engine.node.reaper;
-        Reaper::submit(reaper, &link, wrs, batch, len, Some(mr), buf).await
+        let sub = Submission {
+            wrs,
+            count,
+            batch,
+            bytes: len,
+            keep: Some(mr),
+            buf,
+        };
+        Reaper::submit(reaper, &link, sub).await
     }
 }
 
@@ -269,7 +277,8 @@ fn check_status(status: u8, peer: SocketAddr) -> Result<(), TransferError> {
 #[derive(Clone)]
 pub struct RdmaSegment {
     peer: RdmaPeer,
-    desc: Descriptor,
+    /// Shared: a segment handle is cloned per transfer.
+    desc: Rc<Descriptor>,
     key: RemoteKey,
 }
 

@@ -147,6 +147,22 @@ struct Slot {
     orphan: Option<Box<dyn Any>>,
 }
 
+/// One transfer handed to [`Reaper::submit`].
+pub(crate) struct Submission<I, B> {
+    /// Its work requests (`wr_id` is filled in).
+    pub(crate) wrs: I,
+    /// How many `wrs` yields.
+    pub(crate) count: u32,
+    /// The batch it belongs to (for fences).
+    pub(crate) batch: u64,
+    /// Bytes it moves, reported on success.
+    pub(crate) bytes: u64,
+    /// What must outlive the NIC's use of the buffer (its registration).
+    pub(crate) keep: Option<Rc<dyn Any>>,
+    /// The buffer, handed back when every request is reaped.
+    pub(crate) buf: B,
+}
+
 /// Counters, for tests and `quiesce bench`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RdmaStats {
@@ -204,36 +220,35 @@ impl Reaper {
         }
     }
 
-    /// Queues `wrs` (their `wr_id`s are filled in) on `link` as one transfer
-    /// of `bytes`; returns the future that resolves once all are reaped.
-    pub(crate) fn submit<B: 'static>(
+    /// Queues `sub`'s requests on `link` as one transfer (their `wr_id`s
+    /// are filled in); returns the future that resolves once all are reaped.
+    pub(crate) fn submit<I, B>(
         this: &SharedReaper,
         link: &Rc<Link>,
-        mut wrs: Vec<WorkRequest>,
-        batch: u64,
-        bytes: u64,
-        keep: Option<Rc<dyn Any>>,
-        buf: B,
-    ) -> Transfer<B> {
+        sub: Submission<I, B>,
+    ) -> Transfer<B>
+    where
+        I: Iterator<Item = WorkRequest>,
+        B: 'static,
+    {
         let mut r = this.borrow_mut();
         let gen = r.next_gen;
         r.next_gen = r.next_gen.wrapping_add(1).max(1);
         let key = r.slots.insert(Slot {
             gen,
-            batch,
-            outstanding: wrs.len() as u32,
-            bytes,
+            batch: sub.batch,
+            outstanding: sub.count,
+            bytes: sub.bytes,
             error: None,
             waker: None,
             link: link.clone(),
-            _keep: keep,
+            _keep: sub.keep,
             orphan: None,
         });
         let wr_id = (gen as u64) << 32 | key as u64;
-        for w in &mut wrs {
-            w.wr_id = wr_id;
-        }
-        link.queued.borrow_mut().extend(wrs);
+        link.queued
+            .borrow_mut()
+            .extend(sub.wrs.map(|w| WorkRequest { wr_id, ..w }));
         if !link.in_dirty.replace(true) {
             r.dirty.push(link.clone());
         }
@@ -241,7 +256,7 @@ impl Reaper {
             reaper: this.clone(),
             key,
             gen,
-            buf: Some(buf),
+            buf: Some(sub.buf),
         }
     }
 
