@@ -13,7 +13,6 @@ use crate::auth::Token;
 use crate::conn::{Conn, ConnParams, LocalFences};
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
-use crate::segment::Rights;
 use crate::shared::{set_filled, Part, Shared};
 use crate::wire::{Descriptor, Status};
 
@@ -280,31 +279,42 @@ async fn join_slices(
     first_err.map_or(Ok(total), Err)
 }
 
+/// The descriptor accessors of a remote segment handle (a `desc:
+/// Rc<Descriptor>` field): TCP's and RDMA's alike.
+macro_rules! descriptor_accessors {
+    () => {
+        /// The segment's id at the peer.
+        pub fn id(&self) -> u64 {
+            self.desc.id
+        }
+
+        /// Its length.
+        pub fn len(&self) -> u64 {
+            self.desc.len
+        }
+
+        /// True for an empty segment.
+        pub fn is_empty(&self) -> bool {
+            self.desc.len == 0
+        }
+
+        /// Its name.
+        pub fn name(&self) -> &str {
+            &self.desc.name
+        }
+
+        /// What the peer advertised. The target enforces it: in its request
+        /// checks over TCP, with its memory region's access flags (its NIC)
+        /// over RDMA.
+        pub fn rights(&self) -> crate::segment::Rights {
+            self.desc.rights
+        }
+    };
+}
+pub(crate) use descriptor_accessors;
+
 impl RemoteSegment {
-    /// The segment's id at the peer.
-    pub fn id(&self) -> u64 {
-        self.desc.id
-    }
-
-    /// Its length.
-    pub fn len(&self) -> u64 {
-        self.desc.len
-    }
-
-    /// True for an empty segment.
-    pub fn is_empty(&self) -> bool {
-        self.desc.len == 0
-    }
-
-    /// Its name.
-    pub fn name(&self) -> &str {
-        &self.desc.name
-    }
-
-    /// What the peer advertised (the target enforces it).
-    pub fn rights(&self) -> Rights {
-        self.desc.rights
-    }
+    descriptor_accessors!();
 
     /// The peer it lives on.
     pub fn peer(&self) -> &Peer {

@@ -15,8 +15,7 @@ use super::verbs::{Access, QpEndpoint, WorkRequest};
 use crate::auth::Token;
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
-use crate::peer::{check_range, slices, Peer};
-use crate::segment::Rights;
+use crate::peer::{check_range, descriptor_accessors, slices, Peer};
 use crate::shared::set_filled;
 use crate::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 
@@ -283,32 +282,7 @@ pub struct RdmaSegment {
 }
 
 impl RdmaSegment {
-    /// The segment's id at the peer.
-    pub fn id(&self) -> u64 {
-        self.desc.id
-    }
-
-    /// Its length.
-    pub fn len(&self) -> u64 {
-        self.desc.len
-    }
-
-    /// True for an empty segment.
-    pub fn is_empty(&self) -> bool {
-        self.desc.len == 0
-    }
-
-    /// Its name.
-    pub fn name(&self) -> &str {
-        &self.desc.name
-    }
-
-    /// Rights the target advertised. Its NIC enforces them: a request the
-    /// rights do not allow is posted and refused there
-    /// ([`TransferError::RemoteAccess`]).
-    pub fn rights(&self) -> Rights {
-        self.desc.rights
-    }
+    descriptor_accessors!();
 
     /// The peer.
     pub fn peer(&self) -> &RdmaPeer {

@@ -446,6 +446,12 @@ pub(crate) struct WorkRequest {
     pub(crate) inline: bool,
 }
 
+/// A send work request with every field zero (null pointers, no flags).
+fn blank_send_wr() -> sys::ibv_send_wr {
+    // SAFETY: ibv_send_wr is plain C data; all-zero is a valid value of it.
+    unsafe { std::mem::zeroed() }
+}
+
 /// A reliable-connected queue pair.
 pub(crate) struct Qp {
     qp: *mut sys::ibv_qp,
@@ -613,11 +619,7 @@ impl Qp {
             lkey: w.lkey,
         }));
         list.clear();
-        // SAFETY: an all-zero send WR is valid; fields set below.
-        list.extend(
-            wrs.iter()
-                .map(|_| unsafe { std::mem::zeroed::<sys::ibv_send_wr>() }),
-        );
+        list.extend(wrs.iter().map(|_| blank_send_wr()));
         let base = list.as_mut_ptr();
         let sge_base = sges.as_mut_ptr();
         for (i, w) in wrs.iter().enumerate() {
