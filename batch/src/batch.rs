@@ -1,11 +1,12 @@
 //! Building and submitting a batch.
 
 use std::rc::Rc;
+use std::task::{Context, Waker};
 
-use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
+use quiesce_runtime::{IoBuf, IoBufMut};
 
 use crate::options::BatchOptions;
-use crate::outcome::{Shared, Submitted};
+use crate::outcome::{DriverFuture, Shared, Submitted};
 use crate::run::{Driver, Task, TaskState, TransferFuture};
 use crate::transport::Transport;
 
@@ -155,10 +156,18 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             shared.clone(),
             self.id,
         );
-        spawn_local(driver.run());
+        let mut driver: DriverFuture = Box::pin(driver.run());
+        // Start the transfers now. Wake-ups before the first poll of the
+        // `Submitted` need no waker: that poll polls the driver again,
+        // which registers the caller's.
+        let finished = driver
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+            .is_ready();
         Submitted {
             shared,
             done: false,
+            driver: (!finished).then_some(driver),
         }
     }
 }

@@ -176,12 +176,35 @@ impl<B> Shared<B> {
 pub struct Submitted<B> {
     pub(crate) shared: Rc<Shared<B>>,
     pub(crate) done: bool,
+    /// The batch driver, polled in place by this future (no task of its
+    /// own, no cross-task wake per batch). It moves into a task of its own
+    /// when the batch must go on without this future: when it is dropped in
+    /// flight, or resolves to `CompletionUnknown`. `None` once finished.
+    pub(crate) driver: Option<DriverFuture>,
+}
+
+/// The batch driver's future.
+pub(crate) type DriverFuture = Pin<Box<dyn Future<Output = ()>>>;
+
+/// Lets `driver` run on without the `Submitted` that polled it. Outside a
+/// runtime nothing can drive it: it is leaked, with whatever it holds,
+/// rather than freeing buffers a NIC or the kernel may still touch.
+fn detach(driver: DriverFuture) {
+    if let Err(d) = quiesce_runtime::try_spawn_local(driver) {
+        tracing::error!("batch dropped in flight outside a runtime: leaking its buffers");
+        std::mem::forget(d);
+    }
 }
 
 impl<B> Future for Submitted<B> {
     type Output = Outcome<B>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome<B>> {
+        if let Some(d) = self.driver.as_mut() {
+            if d.as_mut().poll(cx).is_ready() {
+                self.driver = None;
+            }
+        }
         let sh = self.shared.clone();
         if let Some(q) = sh.final_result.borrow_mut().take() {
             self.done = true;
@@ -189,12 +212,17 @@ impl<B> Future for Submitted<B> {
         }
         if sh.unknown.get() {
             self.done = true;
+            if let Some(d) = self.driver.take() {
+                detach(d);
+            }
             return Poll::Ready(Outcome::CompletionUnknown(Ticket {
                 shared: sh.clone(),
                 taken: false,
             }));
         }
-        *sh.waiter.borrow_mut() = Some(cx.waker().clone());
+        if self.driver.is_none() {
+            *sh.waiter.borrow_mut() = Some(cx.waker().clone());
+        }
         Poll::Pending
     }
 }
@@ -204,6 +232,9 @@ impl<B> Drop for Submitted<B> {
         if !self.done {
             tracing::debug!("in-flight batch dropped: fencing it and parking it until it drains");
             self.shared.abandon();
+            if let Some(d) = self.driver.take() {
+                detach(d);
+            }
         }
     }
 }

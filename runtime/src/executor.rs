@@ -195,6 +195,19 @@ impl<F: Future> Drop for Harness<F> {
     }
 }
 
+/// [`spawn_local`] that hands the future back instead of panicking when the
+/// thread has no runtime (or it is being torn down).
+pub fn try_spawn_local<F>(fut: F) -> Result<JoinHandle<F::Output>, F>
+where
+    F: Future + 'static,
+    F::Output: 'static,
+{
+    if context::try_with(|cx| cx.is_none()) {
+        return Err(fut);
+    }
+    Ok(spawn_local(fut))
+}
+
 /// Spawns a `!Send` future on the runtime of the current thread.
 ///
 /// # Panics
