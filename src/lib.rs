@@ -3,7 +3,7 @@
 //!
 //! This facade re-exports the member crates: [`runtime`] (executor, io_uring
 //! and epoll drivers, timers, completion sources, shards), [`transports`]
-//! (segments, peers, the TCP engine) and [`batch`] (batches, outcomes,
+//! (segments, peers, the TCP and RDMA engines) and [`batch`] (batches, outcomes,
 //! fences, the sync and C APIs).
 #![deny(missing_docs)]
 

@@ -3,7 +3,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use quiesce_transports::wire::{AuthAck, AuthRequest, Header, Hello, HelloAck};
+use quiesce_transports::wire::{
+    AuthAck, AuthRequest, Header, Hello, HelloAck, QpAccept, QpConnect,
+};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(h) = Header::decode(data) {
@@ -12,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
     }
     // The first byte picks the payload decoder; the rest is the payload.
     let Some((&which, payload)) = data.split_first() else { return };
-    match which % 4 {
+    match which % 6 {
         0 => {
             if let Ok(m) = Hello::decode(payload) {
                 assert_eq!(Hello::decode(&m.encode().unwrap()).unwrap(), m);
@@ -31,9 +33,19 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(AuthRequest::decode(&m.encode().unwrap()).unwrap(), m);
             }
         }
-        _ => {
+        3 => {
             if let Ok(m) = AuthAck::decode(payload) {
                 assert_eq!(AuthAck::decode(&m.encode()).unwrap(), m);
+            }
+        }
+        4 => {
+            if let Ok(m) = QpConnect::decode(payload) {
+                assert_eq!(QpConnect::decode(&m.encode()).unwrap(), m);
+            }
+        }
+        _ => {
+            if let Ok(m) = QpAccept::decode(payload) {
+                assert_eq!(QpAccept::decode(&m.encode().unwrap()).unwrap(), m);
             }
         }
     }
