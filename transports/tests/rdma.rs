@@ -306,3 +306,50 @@ fn a_killed_peer_fails_the_transfer_after_its_requests_are_reaped() {
         assert!(src[..] == pattern(size, 6)[..], "the source changed");
     });
 }
+
+/// Two shards, each with its own engine (device context, PD, CQ) and its own
+/// queue pair to the same target, write and read back disjoint halves at once.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn each_shard_has_its_own_completion_queue_and_queue_pair() {
+    use quiesce_runtime::shard::Shards;
+    const HALF: usize = 4 << 20;
+    let target = TargetProcess::spawn(&["--rdma", "--segment", "kv:8388608:rw"]);
+    let (addr, token) = (target.addr, target.seg("kv").token);
+    let shards = Shards::builder()
+        .count(2)
+        .pin(false)
+        .spawn(move |shard| async move {
+            let i = shard.index();
+            let engine = RdmaEngine::bind(RdmaConfig::default()).expect("engine");
+            let region = Region::new(2 * HALF);
+            let _reg = engine.register_region(&region).unwrap();
+            let peer = engine.connect(addr).await.unwrap();
+            let kv = peer.open("kv", token).await.unwrap();
+            let mut src = region.lease(0..HALF).unwrap();
+            fill(&mut src, 20 + i as u8);
+            let mut dst = region.lease(HALF..2 * HALF).unwrap();
+            for round in 0..4u64 {
+                let (r, s) = kv.write((i * HALF) as u64, src, round).await;
+                assert_eq!(r.unwrap(), HALF as u64);
+                src = s;
+                let (r, d) = kv
+                    .read((i * HALF) as u64, HALF as u64, dst, 100 + round)
+                    .await;
+                assert_eq!(r.unwrap(), HALF as u64);
+                dst = d;
+                assert!(dst[..] == src[..], "shard {i} read back other bytes");
+            }
+            engine.stats()
+        })
+        .unwrap();
+    for (i, s) in shards.shutdown().into_iter().enumerate() {
+        let s = s.expect("shard panicked");
+        assert_eq!(s.in_flight, 0, "shard {i}: {s:?}");
+        assert_eq!(s.posted, s.reaped, "shard {i}: {s:?}");
+        assert!(
+            s.posted >= 8 * 4,
+            "shard {i} used another shard's queues? {s:?}"
+        );
+    }
+}
