@@ -353,3 +353,45 @@ fn each_shard_has_its_own_completion_queue_and_queue_pair() {
         );
     }
 }
+
+/// More requests than the completion queue holds: they are posted as
+/// completions make room (several doorbells), never overflowing it.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn requests_beyond_the_completion_queue_wait_for_room() {
+    Runtime::new().unwrap().block_on(async {
+        let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let kv = target
+            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
+            .unwrap();
+        let init = RdmaEngine::bind(RdmaConfig {
+            queue_depth: 256,
+            cq_depth: Some(8),
+            slice_size: 4096,
+            ..Default::default()
+        })
+        .unwrap();
+        let region = Region::new(1 << 20);
+        let _reg = init.register_region(&region).unwrap();
+        let peer = init.connect(target.local_addr()).await.unwrap();
+        let remote = peer.open("kv", kv.token()).await.unwrap();
+        let mut src = region.lease(0..256 << 10).unwrap();
+        fill(&mut src, 11);
+        // 64 requests of 4 KiB. An overflowed CQ loses completions: the
+        // transfer would never resolve, hence the timeout.
+        let (r, src) =
+            quiesce_runtime::time::timeout(Duration::from_secs(30), remote.write(0, src, 1))
+                .await
+                .expect("the CQ overflowed: completions were lost");
+        assert_eq!(r.unwrap(), 256 << 10);
+        let mut landed = vec![0u8; 256 << 10];
+        kv.read_at(0, &mut landed);
+        assert!(landed == src[..]);
+        let s = init.stats();
+        assert_eq!((s.posted, s.reaped, s.in_flight), (64, 64, 0), "{s:?}");
+        assert!(
+            s.doorbells >= 2,
+            "64 requests cannot fit one small CQ: {s:?}"
+        );
+    });
+}

@@ -34,6 +34,10 @@ pub struct RdmaConfig {
     pub busy_poll: bool,
     /// Work requests in flight per queue pair.
     pub queue_depth: u32,
+    /// Entries of the shard's completion queue (`None`: 4 × `queue_depth`,
+    /// at least 64). Requests in flight over all queue pairs never exceed
+    /// it: the rest wait for completions to make room.
+    pub cq_depth: Option<u32>,
     /// Transfers are cut into work requests of at most this many bytes.
     pub slice_size: usize,
 }
@@ -46,6 +50,7 @@ impl Default for RdmaConfig {
             gid_index: None,
             busy_poll: false,
             queue_depth: 256,
+            cq_depth: None,
             slice_size: 1 << 20,
         }
     }
@@ -102,7 +107,11 @@ impl RdmaEngine {
         let (gid_index, gid) = pick_gid(&ctx, config.gid_index)?;
         let max_msg = (ctx.max_msg as usize).max(1);
         let pd = Pd::new(&ctx)?;
-        let cq = Cq::new(&ctx, 4 * config.queue_depth.max(16) as i32)?;
+        let cq_depth = config
+            .cq_depth
+            .unwrap_or(4 * config.queue_depth.max(16))
+            .clamp(1, i32::MAX as u32);
+        let cq = Cq::new(&ctx, cq_depth as i32)?;
         let fd = cq.fd();
         let mrs = Rc::new(Cell::new(0));
         let reaper: SharedReaper = Rc::new(RefCell::new(Reaper::new(cq, mrs.clone())));

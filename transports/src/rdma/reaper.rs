@@ -187,6 +187,9 @@ pub(crate) struct Reaper {
     scratch: Vec<Completion>,
     /// Reused list of the requests one doorbell posts.
     to_post: Vec<WorkRequest>,
+    /// Posted requests whose completion is not reaped yet, over all links:
+    /// never more than the CQ holds, or it would overflow.
+    in_cq: u32,
     stats: RdmaStats,
     pub(crate) mrs: Rc<Cell<u64>>,
     cq: Cq,
@@ -202,6 +205,7 @@ impl Reaper {
             next_gen: 1,
             scratch: Vec::with_capacity(32),
             to_post: Vec::new(),
+            in_cq: 0,
             stats: RdmaStats::default(),
             mrs,
             cq,
@@ -274,7 +278,11 @@ impl Reaper {
                     self.retire(w.wr_id, Some(e));
                 }
             } else {
-                let room = link.depth.saturating_sub(link.outstanding.get()) as usize;
+                let cq_room = self.cq.capacity().saturating_sub(self.in_cq);
+                let room = link
+                    .depth
+                    .saturating_sub(link.outstanding.get())
+                    .min(cq_room) as usize;
                 let n = room.min(queued.len());
                 if n > 0 {
                     let mut wrs = std::mem::take(&mut self.to_post);
@@ -285,11 +293,13 @@ impl Reaper {
                     match link.qp.post(&wrs) {
                         Ok(()) => {
                             link.outstanding.set(link.outstanding.get() + n as u32);
+                            self.in_cq += n as u32;
                             self.stats.posted += n as u64;
                         }
                         Err((posted, e)) => {
                             tracing::warn!(error = %e, posted, "post_send failed; resetting the queue pair");
                             link.outstanding.set(link.outstanding.get() + posted as u32);
+                            self.in_cq += posted as u32;
                             self.stats.posted += posted as u64;
                             link.state.set(LinkState::Failed);
                             let _ = link.qp.set_error();
@@ -370,6 +380,7 @@ impl Reaper {
         let link = slot.link.clone();
         link.outstanding
             .set(link.outstanding.get().saturating_sub(1));
+        self.in_cq = self.in_cq.saturating_sub(1);
         let error = match wc.status {
             WC_SUCCESS => None,
             WC_WR_FLUSH_ERR => Some(link.flushed_error(slot.batch)),

@@ -384,6 +384,12 @@ impl Cq {
         out.len()
     }
 
+    /// Entries the CQ holds (the device may round the size asked for up).
+    pub(crate) fn capacity(&self) -> u32 {
+        // SAFETY: the CQ is live; `cqe` is set by ibv_create_cq.
+        unsafe { (*self.cq).cqe.max(1) as u32 }
+    }
+
     /// Requests an event on the channel for the next completion.
     pub(crate) fn arm(&mut self) {
         // SAFETY: the CQ is live.
