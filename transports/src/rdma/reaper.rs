@@ -372,6 +372,8 @@ impl Reaper {
 
     fn complete(&mut self, wc: &Completion) {
         self.stats.reaped += 1;
+        // Whatever it belongs to, the completion left the CQ.
+        self.in_cq = self.in_cq.saturating_sub(1);
         let key = wc.wr_id as u32 as usize;
         let Some(slot) = self.slots.get(key) else {
             tracing::error!(wr_id = wc.wr_id, "completion for an unknown slot");
@@ -380,7 +382,6 @@ impl Reaper {
         let link = slot.link.clone();
         link.outstanding
             .set(link.outstanding.get().saturating_sub(1));
-        self.in_cq = self.in_cq.saturating_sub(1);
         let error = match wc.status {
             WC_SUCCESS => None,
             WC_WR_FLUSH_ERR => Some(link.flushed_error(slot.batch)),
