@@ -169,6 +169,12 @@ impl Peer {
         self.conn(0).await
     }
 
+    /// Whether `batch` was fenced towards this peer (its later requests are
+    /// refused locally, never sent).
+    pub(crate) fn is_fenced(&self, batch: u64) -> bool {
+        self.inner.fenced.borrow().contains(&batch)
+    }
+
     /// The control connection if it is alive.
     pub(crate) fn live_control(&self) -> Option<Rc<Conn>> {
         self.live(0)

@@ -206,17 +206,7 @@ impl RdmaEngine {
         }
         // SAFETY: the registration keeps a clone of the region (its memory)
         // alive and is dropped before it.
-        let mr = unsafe {
-            Mr::register(
-                &self.inner.node.pd,
-                ptr,
-                len,
-                Access {
-                    remote_write: false,
-                    remote_read: false,
-                },
-            )?
-        };
+        let mr = unsafe { Mr::register(&self.inner.node.pd, ptr, len, Access::LOCAL)? };
         let count = self.inner.node.mrs.clone();
         count.set(count.get() + 1);
         self.inner.locals.borrow_mut().insert(

@@ -3,7 +3,7 @@
 //! and the remote keys of the segments opened on it.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::rc::Rc;
 
@@ -11,7 +11,7 @@ use quiesce_runtime::{IoBuf, IoBufMut};
 
 use super::engine::RdmaInner;
 use super::reaper::{Link, LinkState, Reaper, Submission};
-use super::verbs::{Access, QpEndpoint, WorkRequest};
+use super::verbs::{Access, WorkRequest};
 use crate::auth::Token;
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
@@ -25,9 +25,6 @@ struct PeerState {
     link: RefCell<Option<Rc<Link>>>,
     keys: RefCell<HashMap<u64, RemoteKey>>,
     setup: AsyncLock,
-    /// Batches fenced towards this peer: their later transfers are refused
-    /// locally without being posted.
-    fenced: RefCell<HashSet<u64>>,
 }
 
 /// A connected remote RDMA engine. Cheap to clone.
@@ -45,7 +42,6 @@ impl RdmaPeer {
                 link: RefCell::default(),
                 keys: RefCell::default(),
                 setup: AsyncLock::default(),
-                fenced: RefCell::default(),
             }),
         }
     }
@@ -125,30 +121,10 @@ impl RdmaPeer {
             .new_qp()
             .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
         let local = node.endpoint(&qp);
-        let accept = conn
-            .qp_connect(QpConnect {
-                qp: QpWire {
-                    qpn: local.qpn,
-                    psn: local.psn,
-                    gid: local.gid,
-                    lid: local.lid,
-                    mtu: local.mtu,
-                },
-            })
-            .await?;
+        let accept = conn.qp_connect(QpConnect { qp: local }).await?;
         check_status(accept.status, self.addr())?;
-        let remote = QpEndpoint {
-            qpn: accept.qp.qpn,
-            psn: accept.qp.psn,
-            gid: accept.qp.gid,
-            lid: accept.qp.lid,
-            mtu: accept.qp.mtu,
-        };
-        let none = Access {
-            remote_write: false,
-            remote_read: false,
-        };
-        qp.connect(&local, &remote, node.gid_index, none)
+        let remote = accept.qp;
+        qp.connect(&local, &remote, node.gid_index, Access::LOCAL)
             .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
         self.inner
             .keys
@@ -186,7 +162,6 @@ impl RdmaPeer {
     /// leaves, posted requests flush), then the target's (nothing more
     /// lands); resolves once the target confirmed.
     pub async fn fence(&self, batch: u64) -> Result<(), TransferError> {
-        self.inner.fenced.borrow_mut().insert(batch);
         if let Some(l) = self.inner.link.borrow().as_ref() {
             l.fence(Some(batch));
         }
@@ -223,7 +198,7 @@ impl RdmaPeer {
         let Some(mr) = self.inner.engine.local(addr, len) else {
             return (Err(TransferError::Unregistered { addr, len }), buf);
         };
-        if self.inner.fenced.borrow().contains(&batch) {
+        if self.inner.tcp.is_fenced(batch) {
             return (Err(TransferError::Fenced), buf);
         }
         let link = match self.link().await {
@@ -231,7 +206,7 @@ impl RdmaPeer {
             Err(e) => return (Err(e), buf),
         };
         // The batch may have been fenced while the link was being set up.
-        if self.inner.fenced.borrow().contains(&batch) {
+        if self.inner.tcp.is_fenced(batch) {
             return (Err(TransferError::Fenced), buf);
         }
         let lkey = mr.mr.lkey();

@@ -113,35 +113,21 @@ impl ServedQp {
     ) -> Result<(ServedQp, QpWire), RdmaError> {
         let qp = node.new_qp()?;
         let local = node.endpoint(&qp);
-        let remote = QpEndpoint {
-            qpn: remote.qpn,
-            psn: remote.psn,
-            gid: remote.gid,
-            lid: remote.lid,
-            mtu: remote.mtu,
-        };
         qp.connect(
             &local,
-            &remote,
+            remote,
             node.gid_index,
             Access {
                 remote_write: true,
                 remote_read: true,
             },
         )?;
-        let wire = QpWire {
-            qpn: local.qpn,
-            psn: local.psn,
-            gid: local.gid,
-            lid: local.lid,
-            mtu: local.mtu,
-        };
         Ok((
             ServedQp {
                 qp,
                 _node: node.clone(),
             },
-            wire,
+            local,
         ))
     }
 

@@ -22,20 +22,9 @@ use super::RdmaError;
 /// The port every device is used through (RoCE NICs and rxe have one).
 pub(crate) const PORT: u8 = 1;
 
-/// How a remote peer's queue pair is reached; exchanged in the handshake.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QpEndpoint {
-    /// Queue pair number.
-    pub qpn: u32,
-    /// First packet sequence number the owner sends.
-    pub psn: u32,
-    /// The GID of the owner's port (RoCE v2: the IPv4-mapped address).
-    pub gid: [u8; 16],
-    /// The owner's port LID (InfiniBand; 0 on RoCE).
-    pub lid: u16,
-    /// The owner's active path MTU (`ibv_mtu` enum value, 1 = 256 … 5 = 4096).
-    pub mtu: u8,
-}
+/// How a queue pair is reached: the struct the handshake carries
+/// (`QpConnect`/`QpAccept`), used as it is.
+pub type QpEndpoint = crate::wire::QpWire;
 
 /// Names of the RDMA devices on this machine.
 pub fn device_names() -> Result<Vec<String>, RdmaError> {
@@ -260,6 +249,14 @@ pub struct Access {
     pub remote_write: bool,
     /// Peers may RDMA-read from it.
     pub remote_read: bool,
+}
+
+impl Access {
+    /// Local use only (an initiator's buffers, its queue pairs).
+    pub const LOCAL: Access = Access {
+        remote_write: false,
+        remote_read: false,
+    };
 }
 
 /// A registered memory region. Dropping it deregisters it: the caller
