@@ -168,6 +168,7 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             shared,
             done: false,
             driver: (!finished).then_some(driver),
+            runtime: quiesce_runtime::Handle::try_current(),
         }
     }
 }

@@ -181,17 +181,25 @@ pub struct Submitted<B> {
     /// when the batch must go on without this future: when it is dropped in
     /// flight, or resolves to `CompletionUnknown`. `None` once finished.
     pub(crate) driver: Option<DriverFuture>,
+    /// The runtime the batch was submitted on, where its driver goes on.
+    pub(crate) runtime: Option<quiesce_runtime::Handle>,
 }
 
 /// The batch driver's future.
 pub(crate) type DriverFuture = Pin<Box<dyn Future<Output = ()>>>;
 
-/// Lets `driver` run on without the `Submitted` that polled it. Outside a
-/// runtime nothing can drive it: it is leaked, with whatever it holds,
-/// rather than freeing buffers a NIC or the kernel may still touch.
-fn detach(driver: DriverFuture) {
-    if let Err(d) = quiesce_runtime::try_spawn_local(driver) {
-        tracing::error!("batch dropped in flight outside a runtime: leaking its buffers");
+/// Lets `driver` run on, as a task of the runtime the batch was submitted
+/// on, without the `Submitted` that polled it (wherever that is dropped).
+/// Once that runtime is gone nothing can drive it: it is leaked, with
+/// whatever it holds, rather than freeing buffers a NIC or the kernel may
+/// still touch.
+fn detach(runtime: Option<&quiesce_runtime::Handle>, driver: DriverFuture) {
+    let left = match runtime {
+        Some(rt) => rt.spawn_local(driver).err(),
+        None => Some(driver),
+    };
+    if let Some(d) = left {
+        tracing::error!("batch dropped in flight after its runtime shut down: leaking its buffers");
         std::mem::forget(d);
     }
 }
@@ -213,7 +221,7 @@ impl<B> Future for Submitted<B> {
         if sh.unknown.get() {
             self.done = true;
             if let Some(d) = self.driver.take() {
-                detach(d);
+                detach(self.runtime.as_ref(), d);
             }
             return Poll::Ready(Outcome::CompletionUnknown(Ticket {
                 shared: sh.clone(),
@@ -233,7 +241,7 @@ impl<B> Drop for Submitted<B> {
             tracing::debug!("in-flight batch dropped: fencing it and parking it until it drains");
             self.shared.abandon();
             if let Some(d) = self.driver.take() {
-                detach(d);
+                detach(self.runtime.as_ref(), d);
             }
         }
     }
@@ -277,16 +285,19 @@ impl<B> Ticket<B> {
 
     /// Waits until the batch drains.
     pub async fn wait(mut self) -> Quiesced<B> {
-        let q = std::future::poll_fn(|cx| {
+        let q = self.drained().await;
+        self.taken = true;
+        q
+    }
+
+    fn drained(&self) -> impl Future<Output = Quiesced<B>> + '_ {
+        std::future::poll_fn(|cx| {
             if let Some(q) = self.shared.final_result.borrow_mut().take() {
                 return Poll::Ready(q);
             }
             *self.shared.waiter.borrow_mut() = Some(cx.waker().clone());
             Poll::Pending
         })
-        .await;
-        self.taken = true;
-        q
     }
 }
 

@@ -180,8 +180,14 @@ unsafe impl<B: IoBufMut> IoBufMut for Slice<B> {
         self.buf.stable_mut_ptr().wrapping_add(self.begin)
     }
     unsafe fn set_init(&mut self, pos: usize) {
-        // SAFETY: forwarded from the caller's guarantee, shifted by `begin`.
-        unsafe { self.buf.set_init(self.begin + pos) }
+        // The inner buffer's initialised bytes are a prefix: the slice's bytes
+        // extend it only if that prefix already reaches `begin`. Otherwise the
+        // bytes between would be marked without ever having been written.
+        if self.buf.bytes_init() >= self.begin {
+            // SAFETY: bytes up to `begin` are initialised (just checked) and the
+            // caller guarantees the slice's first `pos` bytes were written.
+            unsafe { self.buf.set_init(self.begin + pos) }
+        }
     }
 }
 

@@ -1,8 +1,10 @@
 //! The thread-local handle to the runtime that is running on this thread.
 //!
-//! Everything a task touches — the driver, the ready queue, the timers, the
-//! completion sources — is reached through this context, so futures need no
-//! handle of their own. One runtime is entered per thread at a time.
+//! Spawning, timers and new operations reach the runtime through this
+//! context. What outlives the moment it was created in — an op, a stream's
+//! fd, a buffer pool, a completion source's handle — keeps an `Rc` of its own
+//! runtime's context instead ([`current`]), so where it is later polled or
+//! dropped never matters. One runtime is entered per thread at a time.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -35,6 +37,8 @@ pub(crate) struct Context {
     /// Tasks that yielded (or spent their budget): woken after the next
     /// reactor turn, so they run after I/O completions, not before.
     pub(crate) deferred: RefCell<Vec<std::task::Waker>>,
+    /// Set when the `Runtime` is dropped: nothing runs tasks any more.
+    pub(crate) closed: Cell<bool>,
 }
 
 thread_local! {
@@ -64,6 +68,15 @@ pub(crate) fn with<R>(f: impl FnOnce(&Rc<Context>) -> R) -> R {
     try_with(|cx| {
         f(cx.expect("quiesce: this needs a runtime; call it from inside Runtime::block_on"))
     })
+}
+
+/// A handle to the current runtime, for resources that must reach their own
+/// runtime wherever they are later polled or dropped.
+///
+/// # Panics
+/// Outside a runtime.
+pub(crate) fn current() -> Rc<Context> {
+    with(Rc::clone)
 }
 
 /// Id of the runtime entered on this thread, 0 when none.

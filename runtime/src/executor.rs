@@ -217,6 +217,14 @@ where
     F: Future + 'static,
     F::Output: 'static,
 {
+    context::with(|cx| spawn_on(cx, fut))
+}
+
+fn spawn_on<F>(cx: &context::Context, fut: F) -> JoinHandle<F::Output>
+where
+    F: Future + 'static,
+    F::Output: 'static,
+{
     let state = Rc::new(RefCell::new(JoinState {
         output: None,
         waiter: None,
@@ -227,25 +235,51 @@ where
         fut: Some(Box::pin(fut)),
         state: state.clone(),
     };
-    context::with(|cx| {
-        let mut tasks = cx.tasks.borrow_mut();
-        let entry = tasks.vacant_entry();
-        let key = entry.key() as u64;
-        let gen = cx.counters.next_gen();
-        let id = (u64::from(gen) << 32) | key;
-        let waker = TaskWaker::new(id, cx.unparker.clone());
-        waker.queued.store(true, Ordering::Relaxed);
-        entry.insert(Task {
-            gen,
-            fut: Some(Box::pin(harness)),
-            waker,
-        });
-        cx.ready.borrow_mut().push_back(id);
-        cx.counters
-            .tasks_spawned
-            .set(cx.counters.tasks_spawned.get() + 1);
+    let mut tasks = cx.tasks.borrow_mut();
+    let entry = tasks.vacant_entry();
+    let key = entry.key() as u64;
+    let gen = cx.counters.next_gen();
+    let id = (u64::from(gen) << 32) | key;
+    let waker = TaskWaker::new(id, cx.unparker.clone());
+    waker.queued.store(true, Ordering::Relaxed);
+    entry.insert(Task {
+        gen,
+        fut: Some(Box::pin(harness)),
+        waker,
     });
+    cx.ready.borrow_mut().push_back(id);
+    cx.counters
+        .tasks_spawned
+        .set(cx.counters.tasks_spawned.get() + 1);
     JoinHandle { state }
+}
+
+/// A handle to one runtime, for work that must go on *there* wherever the
+/// code holding it later runs (a batch dropped inside another runtime's
+/// `block_on` keeps fencing on its own).
+#[derive(Clone)]
+pub struct Handle {
+    cx: Rc<context::Context>,
+}
+
+impl Handle {
+    /// The runtime running on this thread, if any.
+    pub fn try_current() -> Option<Handle> {
+        context::try_with(|cx| cx.map(|cx| Handle { cx: cx.clone() }))
+    }
+
+    /// Spawns `fut` on this handle's runtime, from anywhere on its thread.
+    /// Hands the future back once that runtime has shut down.
+    pub fn spawn_local<F>(&self, fut: F) -> Result<JoinHandle<F::Output>, F>
+    where
+        F: Future + 'static,
+        F::Output: 'static,
+    {
+        if self.cx.closed.get() {
+            return Err(fut);
+        }
+        Ok(spawn_on(&self.cx, fut))
+    }
 }
 
 /// Polls the task with id `id` once, if it still exists.
@@ -281,7 +315,12 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
 /// Returns `Pending` (after waking the task) when the budget is spent, so a
 /// task whose operations keep completing at once still lets the reactor run.
 pub(crate) fn poll_budget(tcx: &mut TaskCx<'_>) -> Poll<()> {
-    context::with(|cx| {
+    // The budget is the polling task's: that of the runtime running now (none
+    // outside a runtime, where nothing needs sharing).
+    context::try_with(|cx| {
+        let Some(cx) = cx else {
+            return Poll::Ready(());
+        };
         let b = cx.budget.get();
         if b == 0 {
             cx.deferred.borrow_mut().push(tcx.waker().clone());

@@ -42,6 +42,6 @@ pub mod time;
 pub use buf::{BufResult, IoBuf, IoBufMut, Slice};
 pub use driver::op::{BufPool, PooledBuf};
 pub use driver::{Canceller, DriverKind, Op};
-pub use executor::{spawn_local, try_spawn_local, yield_now, JoinError, JoinHandle};
+pub use executor::{spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle};
 pub use runtime::{BuildError, Builder, Runtime};
 pub use stats::{stats, try_stats, Stats};

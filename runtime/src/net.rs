@@ -5,13 +5,15 @@ use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use crate::buf::{BufResult, IoBuf, IoBufMut};
-use crate::driver::op::{Accept, BufPool, Close, Connect, PollAdd, Recv, RecvMulti, Send, SendZc};
-use crate::driver::socket::{current_is_epoll, forget_fd, set_nonblocking, tcp_socket};
+use crate::context;
+use crate::driver::op::{Accept, BufPool, Connect, PollAdd, Recv, RecvMulti, Send, SendZc};
+use crate::driver::shared_fd::SharedFd;
+use crate::driver::socket::{current_is_epoll, set_nonblocking, tcp_socket, view};
 use crate::driver::Op;
 
 /// A listening TCP socket.
 pub struct TcpListener {
-    inner: std::net::TcpListener,
+    fd: SharedFd,
     epoll: bool,
 }
 
@@ -24,67 +26,61 @@ impl TcpListener {
         TcpListener::from_std(std::net::TcpListener::bind(addr)?)
     }
 
-    /// Adopts a listening socket.
+    /// Adopts a listening socket on the current runtime.
+    ///
+    /// # Panics
+    /// Outside a runtime.
     pub fn from_std(inner: std::net::TcpListener) -> io::Result<TcpListener> {
         let epoll = current_is_epoll();
         set_nonblocking(&inner, epoll)?;
-        Ok(TcpListener { inner, epoll })
+        Ok(TcpListener {
+            fd: SharedFd::new(OwnedFd::from(inner), context::current()),
+            epoll,
+        })
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.inner.local_addr()
+        view::<std::net::TcpListener>(&self.fd).local_addr()
     }
 
     /// The accept operation (cancellable through [`Op::canceller`]).
-    pub fn accept_op(&self) -> Op<'_, Accept> {
-        Op::new(Accept::new(self.inner.as_raw_fd(), self.epoll))
+    pub fn accept_op(&self) -> Op<Accept> {
+        Op::on(
+            self.fd.context().clone(),
+            Accept::new(self.fd.clone(), self.epoll),
+        )
     }
 
-    /// Accepts one connection.
+    /// Accepts one connection (on the listener's runtime).
     pub async fn accept(&self) -> io::Result<(TcpStream, SocketAddr)> {
         let (fd, addr) = self.accept_op().await?;
-        Ok((TcpStream::from_fd(fd, self.epoll), addr))
-    }
-}
-
-impl Drop for TcpListener {
-    fn drop(&mut self) {
-        if self.epoll {
-            forget_fd(self.inner.as_raw_fd());
-        }
+        let stream = TcpStream {
+            fd: SharedFd::new(fd, self.fd.context().clone()),
+        };
+        Ok((stream, addr))
     }
 }
 
 impl AsRawFd for TcpListener {
     fn as_raw_fd(&self) -> RawFd {
-        self.inner.as_raw_fd()
+        self.fd.raw()
     }
 }
 
 /// A connected TCP socket.
 ///
-/// Every operation borrows the stream, so the fd outlives it; an operation
-/// dropped early is parked in the driver until the kernel lets go of its buffer.
+/// Each operation holds the socket's shared fd, so the descriptor is closed
+/// only when the stream and every op started on it are gone: an op dropped
+/// early is parked in its runtime's driver until the kernel lets go of its
+/// buffer, and the fd number cannot be reused meanwhile.
 pub struct TcpStream {
-    inner: Option<std::net::TcpStream>,
-    epoll: bool,
+    fd: SharedFd,
 }
 
 impl TcpStream {
-    fn from_fd(fd: OwnedFd, epoll: bool) -> TcpStream {
-        TcpStream {
-            inner: Some(std::net::TcpStream::from(fd)),
-            epoll,
-        }
-    }
-
-    fn std(&self) -> &std::net::TcpStream {
-        self.inner.as_ref().expect("stream present until close")
-    }
-
-    fn fd(&self) -> RawFd {
-        self.std().as_raw_fd()
+    fn op<T: crate::driver::op::Operation>(&self, spec: T) -> Op<T> {
+        Op::on(self.fd.context().clone(), spec)
     }
 
     /// Connects to `addr`.
@@ -92,20 +88,22 @@ impl TcpStream {
     /// # Panics
     /// Outside a runtime.
     pub async fn connect(addr: SocketAddr) -> io::Result<TcpStream> {
-        let epoll = current_is_epoll();
-        let fd = tcp_socket(&addr, epoll)?;
-        let stream = TcpStream::from_fd(fd, epoll);
-        Op::new(Connect::new(stream.fd(), &addr)).await?;
+        let fd = tcp_socket(&addr, current_is_epoll())?;
+        let stream = TcpStream {
+            fd: SharedFd::new(fd, context::current()),
+        };
+        stream.op(Connect::new(stream.fd.clone(), &addr)).await?;
         Ok(stream)
     }
 
-    /// Adopts a connected socket.
+    /// Adopts a connected socket on the current runtime.
+    ///
+    /// # Panics
+    /// Outside a runtime.
     pub fn from_std(inner: std::net::TcpStream) -> io::Result<TcpStream> {
-        let epoll = current_is_epoll();
-        set_nonblocking(&inner, epoll)?;
+        set_nonblocking(&inner, current_is_epoll())?;
         Ok(TcpStream {
-            inner: Some(inner),
-            epoll,
+            fd: SharedFd::new(OwnedFd::from(inner), context::current()),
         })
     }
 
@@ -114,19 +112,19 @@ impl TcpStream {
     /// The first `n` bytes become initialised; a `Vec`'s length is raised to
     /// `n` but never lowered, so reuse a `Vec` with `clear()` (or pass
     /// `buf.slice(..)` and look at the returned count).
-    pub fn read<B: IoBufMut>(&self, buf: B) -> Op<'_, Recv<B>> {
-        Op::new(Recv::new(self.fd(), buf))
+    pub fn read<B: IoBufMut>(&self, buf: B) -> Op<Recv<B>> {
+        self.op(Recv::new(self.fd.clone(), buf))
     }
 
     /// Sends the initialised bytes of `buf`; may send fewer.
-    pub fn write<B: IoBuf>(&self, buf: B) -> Op<'_, Send<B>> {
-        Op::new(Send::new(self.fd(), buf))
+    pub fn write<B: IoBuf>(&self, buf: B) -> Op<Send<B>> {
+        self.op(Send::new(self.fd.clone(), buf))
     }
 
     /// Zero-copy send on io_uring (`SEND_ZC`): resolves only after the
     /// kernel's notification that it no longer references `buf`. A plain send on epoll.
-    pub fn send_zc<B: IoBuf>(&self, buf: B) -> Op<'_, SendZc<B>> {
-        Op::new(SendZc::new(self.fd(), buf))
+    pub fn send_zc<B: IoBuf>(&self, buf: B) -> Op<SendZc<B>> {
+        self.op(SendZc::new(self.fd.clone(), buf))
     }
 
     /// Sends all initialised bytes of `buf`.
@@ -178,66 +176,57 @@ impl TcpStream {
     }
 
     /// A multishot receive into buffers of `pool`.
-    pub fn recv_multishot(&self, pool: &BufPool) -> RecvMulti<'_> {
-        RecvMulti::new(self.fd(), pool)
+    pub fn recv_multishot(&self, pool: &BufPool) -> RecvMulti {
+        RecvMulti::new(self.fd.clone(), pool)
     }
 
     /// Waits until the socket is readable (`POLL_ADD`); returns the events.
-    pub fn readable(&self) -> Op<'_, PollAdd> {
-        Op::new(PollAdd::new(self.fd(), libc::POLLIN as u32))
+    pub fn readable(&self) -> Op<PollAdd> {
+        self.op(PollAdd::new(self.fd.clone(), libc::POLLIN as u32))
     }
 
     /// Waits until the socket is writable.
-    pub fn writable(&self) -> Op<'_, PollAdd> {
-        Op::new(PollAdd::new(self.fd(), libc::POLLOUT as u32))
+    pub fn writable(&self) -> Op<PollAdd> {
+        self.op(PollAdd::new(self.fd.clone(), libc::POLLOUT as u32))
     }
 
     /// Sets `TCP_NODELAY`.
     pub fn set_nodelay(&self, on: bool) -> io::Result<()> {
-        self.std().set_nodelay(on)
+        view::<std::net::TcpStream>(&self.fd).set_nodelay(on)
     }
 
     /// The peer's address.
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
-        self.std().peer_addr()
+        view::<std::net::TcpStream>(&self.fd).peer_addr()
     }
 
     /// The local address.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.std().local_addr()
+        view::<std::net::TcpStream>(&self.fd).local_addr()
     }
 
-    /// Sets `SO_LINGER`: `Some(Duration::ZERO)` makes close send an RST and
-    /// drop unsent data at once (which also releases zero-copy pages).
+    /// Sets `SO_LINGER`: `Some(Duration::ZERO)` makes the close send an RST
+    /// and drop unsent data at once (which also releases zero-copy pages).
+    /// The close happens when the stream and the last op on it are gone.
     pub fn set_linger(&self, linger: Option<std::time::Duration>) -> io::Result<()> {
-        crate::driver::socket::set_linger(self.std(), linger)
+        crate::driver::socket::set_linger(&self.fd.raw(), linger)
     }
 
     /// Shuts down one or both directions.
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        self.std().shutdown(how)
+        view::<std::net::TcpStream>(&self.fd).shutdown(how)
     }
 
-    /// Closes the socket through the driver (`IORING_OP_CLOSE`).
-    pub async fn close(mut self) -> io::Result<()> {
-        let s = self.inner.take().expect("stream present until close");
-        if self.epoll {
-            forget_fd(s.as_raw_fd());
-        }
-        Op::<Close>::new(Close::new(OwnedFd::from(s))).await
+    /// Closes the socket. When no op holds it any more, through the driver
+    /// (`IORING_OP_CLOSE`); otherwise the descriptor closes when the last op
+    /// on it (parked, its cancel posted) has been reaped.
+    pub async fn close(self) -> io::Result<()> {
+        self.fd.close().await
     }
 }
 
 impl AsRawFd for TcpStream {
     fn as_raw_fd(&self) -> RawFd {
-        self.fd()
-    }
-}
-
-impl Drop for TcpStream {
-    fn drop(&mut self) {
-        if let (true, Some(s)) = (self.epoll, &self.inner) {
-            forget_fd(s.as_raw_fd());
-        }
+        self.fd.raw()
     }
 }

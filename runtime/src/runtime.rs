@@ -1,7 +1,7 @@
 //! `Runtime` and its `Builder`: one executor plus one reactor per thread.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::rc::Rc;
@@ -24,16 +24,6 @@ use crate::time::{self, Timers};
 const TASKS_PER_TICK: usize = 128;
 
 static NEXT_RUNTIME_ID: AtomicUsize = AtomicUsize::new(1);
-
-thread_local! {
-    /// Runtimes on this thread whose drain timed out: their ops' buffers must leak.
-    static UNDRAINED: RefCell<HashSet<usize>> = RefCell::new(HashSet::new());
-}
-
-/// True if runtime `id` shut down without reaping every completion.
-pub(crate) fn was_undrained(id: usize) -> bool {
-    UNDRAINED.with(|u| u.borrow().contains(&id))
-}
 
 /// Why a runtime could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -188,6 +178,7 @@ impl Builder {
             counters: Counters::default(),
             budget: Cell::new(OP_BUDGET),
             deferred: RefCell::new(Vec::new()),
+            closed: Cell::new(false),
         };
         Ok(Runtime {
             cx: Rc::new(cx),
@@ -332,6 +323,7 @@ impl Drop for Runtime {
             std::mem::forget(self.cx.clone());
             return;
         }
+        self.cx.closed.set(true);
         let outer = context::current_id();
         let _enter = (outer != self.cx.id).then(|| context::enter(self.cx.clone()));
         let cx = &*self.cx;
@@ -355,8 +347,6 @@ impl Drop for Runtime {
                     live,
                     "io_uring operations did not complete after cancellation; leaking their buffers and the ring"
                 );
-                UNDRAINED.with(|s| s.borrow_mut().insert(cx.id));
-                u.leak_parked();
                 u.set_leak();
             }
             drop(d);

@@ -16,7 +16,6 @@
 //! the reactor never blocks (the usual mode for low-latency RDMA).
 
 use std::cell::Cell;
-use std::marker::PhantomData;
 use std::os::fd::RawFd;
 use std::rc::Rc;
 
@@ -64,10 +63,12 @@ pub(crate) struct Sources {
 }
 
 /// Keeps a source registered; dropping it deregisters the source (and drops it).
+///
+/// The handle holds its runtime: dropped anywhere on the thread, it removes
+/// the source from that runtime.
 pub struct SourceHandle {
     token: u64,
-    runtime: usize,
-    _not_send: PhantomData<Rc<()>>,
+    cx: Rc<Context>,
 }
 
 /// Registers `src` with the current runtime.
@@ -75,7 +76,8 @@ pub struct SourceHandle {
 /// # Panics
 /// Outside a runtime.
 pub fn register<S: CompletionSource>(src: S) -> SourceHandle {
-    context::with(|cx| {
+    let cx = context::current();
+    let token = {
         let fd = src.notify_fd();
         let mut s = cx.sources.borrow_mut();
         let gen = cx.counters.next_gen();
@@ -88,18 +90,15 @@ pub fn register<S: CompletionSource>(src: S) -> SourceHandle {
         if fd.is_none() {
             s.busy += 1;
         }
-        SourceHandle {
-            token: (u64::from(gen) << 32) | key as u64,
-            runtime: cx.id,
-            _not_send: PhantomData,
-        }
-    })
+        (u64::from(gen) << 32) | key as u64
+    };
+    SourceHandle { token, cx }
 }
 
 impl Drop for SourceHandle {
     fn drop(&mut self) {
-        let removed = context::try_with(|cx| {
-            let cx = cx.filter(|cx| cx.id == self.runtime)?;
+        let cx = &self.cx;
+        let removed = (|| {
             let key = (self.token & 0xffff_ffff) as usize;
             let entry = {
                 let mut s = cx.sources.borrow_mut();
@@ -114,12 +113,15 @@ impl Drop for SourceHandle {
                 e
             };
             if let (true, Some(fd)) = (entry.watching, entry.fd) {
-                cx.driver
-                    .borrow_mut()
-                    .unwatch_source(fd, self.token, &cx.counters);
+                match cx.driver.try_borrow_mut() {
+                    Ok(mut d) => d.unwatch_source(fd, self.token, &cx.counters),
+                    Err(_) => tracing::error!(
+                        "a source dropped while its driver is busy; its fd stays watched"
+                    ),
+                }
             }
             Some(entry)
-        });
+        })();
         drop(removed);
     }
 }

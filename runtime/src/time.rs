@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::rc::Rc;
 use std::task::{Context as TaskCx, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -58,10 +59,11 @@ pub(crate) fn fire_due(cx: &context::Context) {
 
 /// Future of [`sleep`] / [`sleep_until`].
 #[must_use = "a Sleep does nothing unless awaited"]
-#[derive(Debug)]
 pub struct Sleep {
     deadline: Instant,
-    key: Option<(Instant, u64)>,
+    /// Where the waker is registered: the runtime it was first polled on, and
+    /// the key in its timer map.
+    key: Option<(Rc<context::Context>, (Instant, u64))>,
 }
 
 impl Sleep {
@@ -77,12 +79,8 @@ impl Sleep {
     }
 
     fn unregister(&mut self) {
-        if let Some(key) = self.key.take() {
-            context::try_with(|cx| {
-                if let Some(cx) = cx {
-                    cx.timers.borrow_mut().map.remove(&key);
-                }
-            });
+        if let Some((cx, key)) = self.key.take() {
+            cx.timers.borrow_mut().map.remove(&key);
         }
     }
 }
@@ -96,8 +94,12 @@ impl Future for Sleep {
             return Poll::Ready(());
         }
         let deadline = self.deadline;
-        let key = self.key;
-        let new_key = context::with(|cx| {
+        let (cx, key) = match self.key.take() {
+            Some((cx, k)) => (cx, Some(k)),
+            // Registered with the runtime it is first polled on, and kept there.
+            None => (context::current(), None),
+        };
+        let new_key = {
             let mut t = cx.timers.borrow_mut();
             match key {
                 Some(k) if t.map.contains_key(&k) => {
@@ -114,9 +116,18 @@ impl Future for Sleep {
                     k
                 }
             }
-        });
-        self.key = Some(new_key);
+        };
+        self.key = Some((cx, new_key));
         Poll::Pending
+    }
+}
+
+impl std::fmt::Debug for Sleep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sleep")
+            .field("deadline", &self.deadline)
+            .field("registered", &self.key.is_some())
+            .finish()
     }
 }
 
@@ -176,6 +187,7 @@ pub fn timeout<F: Future>(duration: Duration, fut: F) -> Timeout<F> {
 
 /// Sleeps on a timer armed in the kernel: `IORING_OP_TIMEOUT` on io_uring,
 /// a `timerfd` on epoll. Costs a syscall (or an SQE); prefer [`sleep`].
-pub fn kernel_sleep(duration: Duration) -> Op<'static, TimeoutOp> {
-    Op::new(TimeoutOp::new(duration))
+pub fn kernel_sleep(duration: Duration) -> Op<TimeoutOp> {
+    let cx = context::current();
+    Op::on(cx.clone(), TimeoutOp::new(duration, cx))
 }

@@ -326,3 +326,25 @@ fn ring_knobs_build_working_runtimes() {
         });
     }
 }
+
+#[test]
+fn a_read_into_a_slice_past_the_initialised_prefix_marks_nothing_it_did_not_write() {
+    rt().block_on(async {
+        let (a, b) = pair().await;
+        a.write_all(b"12345678".to_vec()).await.0.unwrap();
+        let v: Vec<u8> = Vec::with_capacity(64);
+        let (res, slice) = b.read(v.slice(8..16)).await;
+        assert_eq!(res.unwrap(), 8);
+        let v = slice.into_inner();
+        // Bytes 0..8 were never written: a Vec can only mark a prefix, so
+        // nothing may be marked initialised.
+        assert_eq!(v.len(), 0, "bytes before the slice were marked initialised");
+        // A slice that starts inside the initialised prefix extends it.
+        a.write_all(b"abcd".to_vec()).await.0.unwrap();
+        let mut v = Vec::with_capacity(8);
+        v.extend_from_slice(b"xx");
+        let (res, slice) = b.read(v.slice(2..6)).await;
+        assert_eq!(res.unwrap(), 4);
+        assert_eq!(slice.into_inner(), b"xxabcd");
+    });
+}

@@ -489,18 +489,11 @@ impl Uring {
         }
     }
 
-    /// Leaks every parked op (used when draining timed out: the kernel may still
-    /// write into their buffers, so they must never be freed).
-    pub(crate) fn leak_parked(&mut self) {
-        for slot in self.ops.drain() {
-            if let Lifecycle::Ignored(op) = slot.life {
-                std::mem::forget(op);
-            }
-        }
-    }
-
-    /// Leaks the ring itself (after a failed drain): closing it would let the
-    /// kernel's teardown race with memory handed back to the allocator.
+    /// Leaks the ring and every parked op when the driver is dropped (after a
+    /// failed drain): the kernel may still write into their buffers, and
+    /// closing the ring would let its teardown race with memory handed back to
+    /// the allocator. Ops whose futures are still alive keep their slots and
+    /// stay pending.
     pub(crate) fn set_leak(&mut self) {
         self.leaked = true;
     }
@@ -508,7 +501,9 @@ impl Uring {
 
 impl Drop for Uring {
     fn drop(&mut self) {
-        if !self.leaked {
+        if self.leaked {
+            std::mem::forget(std::mem::take(&mut self.ops));
+        } else {
             // SAFETY: dropped exactly once, here; nothing uses the ring afterwards.
             unsafe { ManuallyDrop::drop(&mut self.ring) };
         }

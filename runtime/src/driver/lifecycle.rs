@@ -15,14 +15,13 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context as TaskCx, Poll, Waker};
 
 use super::op::Operation;
 use super::Driver;
-use crate::context;
+use crate::context::Context;
 
 /// Where an io_uring operation is, and who owns its buffers.
 pub(crate) enum Lifecycle {
@@ -85,12 +84,12 @@ pub(crate) fn cqe_result(res: i32) -> io::Result<u32> {
 }
 
 /// Shared between an [`Op`] and its [`Canceller`]s.
-#[derive(Default)]
 struct CancelState {
     requested: Cell<bool>,
     /// io_uring `user_data` once submitted (0: not submitted there).
     token: Cell<u64>,
-    runtime: Cell<usize>,
+    /// The op's own runtime.
+    cx: Rc<Context>,
     waker: RefCell<Option<Waker>>,
 }
 
@@ -105,8 +104,9 @@ pub struct Canceller {
 }
 
 impl Canceller {
-    /// Requests cancellation (io_uring: posts an async cancel; epoll: the
-    /// waiting op completes with `ECANCELED` at its next poll). Idempotent.
+    /// Requests cancellation (io_uring: posts an async cancel to the op's own
+    /// ring; epoll: the waiting op completes with `ECANCELED` at its next
+    /// poll). Idempotent; callable from anywhere on the op's thread.
     pub fn cancel(&self) {
         let st = &self.state;
         if st.requested.replace(true) {
@@ -114,13 +114,17 @@ impl Canceller {
         }
         let token = st.token.get();
         if token != 0 {
-            context::try_with(|cx| {
-                if let Some(cx) = cx.filter(|cx| cx.id == st.runtime.get()) {
-                    if let Driver::Uring(u) = &mut *cx.driver.borrow_mut() {
+            let cx = &st.cx;
+            match cx.driver.try_borrow_mut() {
+                Ok(mut d) => {
+                    if let Driver::Uring(u) = &mut *d {
                         u.cancel(token, &cx.counters);
                     }
                 }
-            });
+                Err(_) => {
+                    tracing::error!("cancel requested while the op's driver is busy; ignored")
+                }
+            }
         }
         if let Some(w) = st.waker.borrow_mut().take() {
             w.wake();
@@ -131,61 +135,74 @@ impl Canceller {
 enum State<T> {
     /// Not yet started (epoll backend; io_uring ops start at creation).
     Idle(T),
-    /// Submitted to the io_uring of runtime `runtime`, slot `token`.
-    Uring { token: u64, runtime: usize, spec: T },
+    /// Submitted to the op's io_uring, slot `token`.
+    Uring { token: u64, spec: T },
     /// The future completed.
     Done,
 }
 
 /// The future of one operation over owned buffers.
 ///
+/// An `Op` belongs to the runtime it was created on: it holds a handle to
+/// that runtime's driver, and the fd it works on (a shared fd, closed only
+/// when the last op on it is gone). Polled or dropped anywhere on the thread
+/// — inside its runtime's `block_on`, outside any, inside another runtime's,
+/// after its runtime was dropped — it always talks to its own driver.
+///
 /// On io_uring the operation is submitted when the `Op` is created (the SQE
 /// is flushed at the next park, together with every other pushed SQE). On
 /// epoll it starts at the first poll.
 ///
 /// Dropping the `Op` early never frees a buffer the kernel may touch: on
-/// io_uring the op is parked in the driver with an async cancel posted, and
-/// its buffers are released only once its final CQE (for `SEND_ZC`, the
-/// notification) has been reaped. On epoll nothing is in the kernel's hands
-/// between polls, so the buffers are released at once.
+/// io_uring the op is parked in its driver with an async cancel posted, and
+/// its buffers (and its fd) are released only once its final CQE (for
+/// `SEND_ZC`, the notification) has been reaped. On epoll nothing is in the
+/// kernel's hands between polls, so the buffers are released at once.
+///
+/// Dropping the runtime cancels and reaps every op it has in flight (see
+/// `Builder::drain_timeout`); an `Op` that outlives it then completes with
+/// the result of that drain. If the drain timed out, a still-live op stays
+/// pending for ever and its buffers are leaked, never freed.
 #[must_use = "an operation does nothing useful unless awaited"]
-pub struct Op<'fd, T: Operation> {
+pub struct Op<T: Operation> {
+    cx: Rc<Context>,
     state: State<T>,
     cancel: Option<Rc<CancelState>>,
-    /// Borrows the fd the op works on; `Rc` keeps the op on its thread.
-    _marker: PhantomData<(&'fd (), Rc<()>)>,
 }
 
-impl<T: Operation> Op<'_, T> {
-    /// Starts `spec` on the current runtime.
-    pub(crate) fn new(mut spec: T) -> Self {
-        let state = context::with(|cx| {
-            let mut d = cx.driver.borrow_mut();
-            match &mut *d {
-                Driver::Uring(u) => {
-                    let token = u.submit(spec.uring_entry(), Lifecycle::Submitted, &cx.counters);
-                    State::Uring {
-                        token,
-                        runtime: cx.id,
-                        spec,
-                    }
-                }
-                Driver::Poll(_) => State::Idle(spec),
+impl<T: Operation> Op<T> {
+    /// Starts `spec` on runtime `cx` (the runtime of the fd it works on).
+    pub(crate) fn on(cx: Rc<Context>, mut spec: T) -> Self {
+        let state = match &mut *cx.driver.borrow_mut() {
+            Driver::Uring(u) => {
+                let token = u.submit(spec.uring_entry(), Lifecycle::Submitted, &cx.counters);
+                State::Uring { token, spec }
             }
-        });
+            Driver::Poll(_) => State::Idle(spec),
+        };
         Op {
+            cx,
             state,
             cancel: None,
-            _marker: PhantomData,
         }
     }
 
     /// A handle that cancels this operation while it is in flight.
     pub fn canceller(&mut self) -> Canceller {
-        let st = self.cancel.get_or_insert_with(Default::default).clone();
-        if let State::Uring { token, runtime, .. } = &self.state {
+        let cx = &self.cx;
+        let st = self
+            .cancel
+            .get_or_insert_with(|| {
+                Rc::new(CancelState {
+                    requested: Cell::new(false),
+                    token: Cell::new(0),
+                    cx: cx.clone(),
+                    waker: RefCell::new(None),
+                })
+            })
+            .clone();
+        if let State::Uring { token, .. } = &self.state {
             st.token.set(*token);
-            st.runtime.set(*runtime);
         }
         Canceller { state: st }
     }
@@ -195,38 +212,20 @@ impl<T: Operation> Op<'_, T> {
     }
 }
 
-impl<T: Operation> Future for Op<'_, T> {
+impl<T: Operation> Future for Op<T> {
     type Output = T::Output;
 
     fn poll(mut self: Pin<&mut Self>, tcx: &mut TaskCx<'_>) -> Poll<T::Output> {
         let this = &mut *self;
         match std::mem::replace(&mut this.state, State::Done) {
-            State::Uring {
-                token,
-                runtime,
-                spec,
-            } => {
-                let done = context::try_with(|cx| match cx {
-                    Some(cx) if cx.id == runtime => match &mut *cx.driver.borrow_mut() {
-                        Driver::Uring(u) => u.poll_op(token, tcx.waker()),
-                        Driver::Poll(_) => unreachable!("an io_uring op on an epoll runtime"),
-                    },
-                    // Its runtime is gone; it reaped every completion first…
-                    _ if !crate::runtime::was_undrained(runtime) => {
-                        Some((Err(io::Error::other("the op's runtime has shut down")), 0))
-                    }
-                    // …unless its drain timed out: the kernel may still use the buffers.
-                    _ => {
-                        panic!("quiesce: op polled after its runtime shut down without draining it")
-                    }
-                });
+            State::Uring { token, spec } => {
+                let done = match &mut *this.cx.driver.borrow_mut() {
+                    Driver::Uring(u) => u.poll_op(token, tcx.waker()),
+                    Driver::Poll(_) => unreachable!("an io_uring op on an epoll runtime"),
+                };
                 match done {
                     None => {
-                        this.state = State::Uring {
-                            token,
-                            runtime,
-                            spec,
-                        };
+                        this.state = State::Uring { token, spec };
                         Poll::Pending
                     }
                     Some((res, flags)) => Poll::Ready(spec.complete(res, flags)),
@@ -244,10 +243,10 @@ impl<T: Operation> Future for Op<'_, T> {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         let (fd, interest) =
                             spec.poll_fd().expect("WouldBlock from an op without an fd");
-                        let reg = context::with(|cx| match &mut *cx.driver.borrow_mut() {
+                        let reg = match &mut *this.cx.driver.borrow_mut() {
                             Driver::Poll(p) => p.wait(fd, interest, tcx.waker()),
                             Driver::Uring(_) => unreachable!("an epoll op on an io_uring runtime"),
-                        });
+                        };
                         if let Err(e) = reg {
                             return Poll::Ready(spec.complete(Err(e), 0));
                         }
@@ -258,7 +257,7 @@ impl<T: Operation> Future for Op<'_, T> {
                         Poll::Pending
                     }
                     res => {
-                        context::with(|cx| crate::stats::Counters::bump(&cx.counters.completions));
+                        crate::stats::Counters::bump(&this.cx.counters.completions);
                         Poll::Ready(spec.complete(res, 0))
                     }
                 }
@@ -268,29 +267,25 @@ impl<T: Operation> Future for Op<'_, T> {
     }
 }
 
-impl<T: Operation> Drop for Op<'_, T> {
+impl<T: Operation> Drop for Op<T> {
     fn drop(&mut self) {
-        let State::Uring {
-            token,
-            runtime,
-            spec,
-        } = std::mem::replace(&mut self.state, State::Done)
-        else {
+        let State::Uring { token, spec } = std::mem::replace(&mut self.state, State::Done) else {
             return;
         };
-        let leftover = context::try_with(|cx| match cx {
-            Some(cx) if cx.id == runtime => match &mut *cx.driver.borrow_mut() {
+        let cx = &self.cx;
+        let leftover = match cx.driver.try_borrow_mut() {
+            Ok(mut d) => match &mut *d {
                 Driver::Uring(u) => u.park_op(token, Box::new(spec), &cx.counters),
-                Driver::Poll(_) => None,
+                Driver::Poll(_) => unreachable!("an io_uring op on an epoll runtime"),
             },
-            // Its runtime reaped every completion before it shut down…
-            _ if !crate::runtime::was_undrained(runtime) => Some(Box::new(spec) as Box<dyn Parked>),
-            // …unless its drain timed out: never free what the kernel may touch.
-            _ => {
+            Err(_) => {
+                // Never free what the kernel may touch: without the driver the op
+                // cannot be parked, so its buffers (and fd) leak.
+                tracing::error!("an op dropped while its driver is busy; leaking its buffers");
                 std::mem::forget(spec);
                 None
             }
-        });
+        };
         // Dropped here, with the driver no longer borrowed.
         drop(leftover);
     }

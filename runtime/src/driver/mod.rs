@@ -10,6 +10,7 @@ pub(crate) mod iour;
 pub(crate) mod lifecycle;
 pub mod op;
 pub(crate) mod poll;
+pub(crate) mod shared_fd;
 pub(crate) mod socket;
 pub(crate) mod wake;
 

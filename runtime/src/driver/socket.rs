@@ -1,10 +1,12 @@
 //! Socket and fd set-up syscalls that the backends need.
 
 use std::io;
+use std::mem::ManuallyDrop;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use super::op::cvt;
+use super::shared_fd::SharedFd;
 use super::Driver;
 use crate::context;
 
@@ -55,17 +57,12 @@ pub(crate) fn current_is_epoll() -> bool {
     context::with(|cx| matches!(*cx.driver.borrow(), Driver::Poll(_)))
 }
 
-/// Tells the epoll backend that `fd` is about to be closed.
-pub(crate) fn forget_fd(fd: RawFd) {
-    context::try_with(|cx| {
-        if let Some(cx) = cx {
-            if let Ok(mut d) = cx.driver.try_borrow_mut() {
-                if let Driver::Poll(p) = &mut *d {
-                    p.forget(fd);
-                }
-            }
-        }
-    });
+/// `std`'s socket type over a shared fd without owning it, for its getters
+/// and setters. Use it within one expression, while `fd` lives.
+pub(crate) fn view<T: FromRawFd>(fd: &SharedFd) -> ManuallyDrop<T> {
+    // SAFETY: the descriptor is open while `fd` lives, which the caller's borrow
+    // guarantees for the view's use; ManuallyDrop keeps the view from closing it.
+    ManuallyDrop::new(unsafe { T::from_raw_fd(fd.raw()) })
 }
 
 /// The cores this process may run on, in order.

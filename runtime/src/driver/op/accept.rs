@@ -7,11 +7,12 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
 /// Accepts one connection on a listening socket.
 pub struct Accept {
-    fd: RawFd,
+    fd: SharedFd,
     /// Written by the kernel: boxed so it does not move with the op.
     addr: Box<(libc::sockaddr_storage, libc::socklen_t)>,
     /// Extra `SOCK_*` flags for the accepted socket.
@@ -19,7 +20,7 @@ pub struct Accept {
 }
 
 impl Accept {
-    pub(crate) fn new(fd: RawFd, nonblocking: bool) -> Self {
+    pub(crate) fn new(fd: SharedFd, nonblocking: bool) -> Self {
         // SAFETY: sockaddr_storage is plain old data; all-zero is valid.
         let storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
         let len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
@@ -40,7 +41,7 @@ impl Operation for Accept {
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let (storage, len) = &mut *self.addr;
         opcode::Accept::new(
-            types::Fd(self.fd),
+            types::Fd(self.fd.raw()),
             (storage as *mut libc::sockaddr_storage).cast(),
             len,
         )
@@ -57,7 +58,7 @@ impl Operation for Accept {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd, Interest::Read))
+        Some((self.fd.raw(), Interest::Read))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
@@ -65,7 +66,7 @@ impl Operation for Accept {
         // SAFETY: storage and len are live, writable and correctly sized.
         cvt(unsafe {
             libc::accept4(
-                self.fd,
+                self.fd.raw(),
                 (storage as *mut libc::sockaddr_storage).cast(),
                 len,
                 self.flags,

@@ -8,17 +8,18 @@ use io_uring::{opcode, types};
 
 use super::accept::std_to_sockaddr;
 use super::{cvt, sealed, Operation};
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
 /// Connects a socket to a remote address.
 pub struct Connect {
-    fd: RawFd,
+    fd: SharedFd,
     /// Read by the kernel: boxed so it does not move with the op.
     addr: Box<(libc::sockaddr_storage, libc::socklen_t)>,
 }
 
 impl Connect {
-    pub(crate) fn new(fd: RawFd, addr: &SocketAddr) -> Self {
+    pub(crate) fn new(fd: SharedFd, addr: &SocketAddr) -> Self {
         Connect {
             fd,
             addr: Box::new(std_to_sockaddr(addr)),
@@ -34,7 +35,7 @@ impl Operation for Connect {
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let (storage, len) = &*self.addr;
         opcode::Connect::new(
-            types::Fd(self.fd),
+            types::Fd(self.fd.raw()),
             (storage as *const libc::sockaddr_storage).cast(),
             *len,
         )
@@ -46,7 +47,7 @@ impl Operation for Connect {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd, Interest::Write))
+        Some((self.fd.raw(), Interest::Write))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
@@ -54,7 +55,7 @@ impl Operation for Connect {
         // SAFETY: the address is live and `len` bytes long.
         let r = cvt(unsafe {
             libc::connect(
-                self.fd,
+                self.fd.raw(),
                 (storage as *const libc::sockaddr_storage).cast(),
                 *len,
             )

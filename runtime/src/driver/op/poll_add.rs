@@ -6,16 +6,17 @@ use std::os::fd::RawFd;
 use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
 /// Waits until `fd` reports any of the `poll(2)` events in `mask`.
 pub struct PollAdd {
-    fd: RawFd,
+    fd: SharedFd,
     mask: u32,
 }
 
 impl PollAdd {
-    pub(crate) fn new(fd: RawFd, mask: u32) -> Self {
+    pub(crate) fn new(fd: SharedFd, mask: u32) -> Self {
         PollAdd { fd, mask }
     }
 }
@@ -27,7 +28,7 @@ impl Operation for PollAdd {
     type Output = io::Result<u32>;
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
-        opcode::PollAdd::new(types::Fd(self.fd), self.mask).build()
+        opcode::PollAdd::new(types::Fd(self.fd.raw()), self.mask).build()
     }
 
     fn complete(self, res: io::Result<u32>, _flags: u32) -> Self::Output {
@@ -38,7 +39,7 @@ impl Operation for PollAdd {
         let write_only =
             self.mask & libc::POLLOUT as u32 != 0 && self.mask & libc::POLLIN as u32 == 0;
         Some((
-            self.fd,
+            self.fd.raw(),
             if write_only {
                 Interest::Write
             } else {
@@ -49,7 +50,7 @@ impl Operation for PollAdd {
 
     fn poll_try(&mut self) -> io::Result<u32> {
         let mut p = libc::pollfd {
-            fd: self.fd,
+            fd: self.fd.raw(),
             events: self.mask as i16,
             revents: 0,
         };

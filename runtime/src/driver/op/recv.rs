@@ -7,17 +7,18 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBufMut};
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
 /// Receives into `buf` from its first byte up to `bytes_total()`; on success
 /// the first `n` bytes are marked initialised.
 pub struct Recv<B> {
-    fd: RawFd,
+    fd: SharedFd,
     buf: B,
 }
 
 impl<B: IoBufMut> Recv<B> {
-    pub(crate) fn new(fd: RawFd, buf: B) -> Self {
+    pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
         Recv { fd, buf }
     }
 
@@ -36,7 +37,7 @@ impl<B: IoBufMut> Operation for Recv<B> {
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let (ptr, len) = self.target();
-        opcode::Recv::new(types::Fd(self.fd), ptr, len as u32).build()
+        opcode::Recv::new(types::Fd(self.fd.raw()), ptr, len as u32).build()
     }
 
     fn complete(mut self, res: io::Result<u32>, _flags: u32) -> Self::Output {
@@ -48,12 +49,12 @@ impl<B: IoBufMut> Operation for Recv<B> {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd, Interest::Read))
+        Some((self.fd.raw(), Interest::Read))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
         let (ptr, len) = self.target();
         // SAFETY: `ptr..ptr+len` is writable capacity of the owned buffer.
-        cvt(unsafe { libc::recv(self.fd, ptr.cast(), len, libc::MSG_DONTWAIT) })
+        cvt(unsafe { libc::recv(self.fd.raw(), ptr.cast(), len, libc::MSG_DONTWAIT) })
     }
 }

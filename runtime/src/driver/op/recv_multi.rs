@@ -19,8 +19,9 @@ use std::task::{Context as TaskCx, Poll};
 use io_uring::{cqueue, opcode, types};
 
 use super::{cvt, sealed, Operation};
-use crate::context;
+use crate::context::{self, Context};
 use crate::driver::lifecycle::{cqe_result, Lifecycle};
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::{Driver, Interest};
 
 enum PoolKind {
@@ -30,7 +31,8 @@ enum PoolKind {
         ring_layout: Layout,
         bgid: u16,
         tail: Cell<u16>,
-        runtime: usize,
+        /// The runtime whose ring the pool is registered with.
+        cx: Rc<Context>,
     },
     /// epoll: ids of free buffers.
     List(RefCell<Vec<u16>>),
@@ -72,7 +74,8 @@ impl BufPool {
         if mem.is_null() {
             return Err(io::ErrorKind::OutOfMemory.into());
         }
-        let kind = context::with(|cx| -> io::Result<PoolKind> {
+        let cx = context::current();
+        let kind = (|| -> io::Result<PoolKind> {
             match &mut *cx.driver.borrow_mut() {
                 Driver::Uring(u) => {
                     let ring_layout = Layout::from_size_align(
@@ -91,7 +94,7 @@ impl BufPool {
                             ring_layout,
                             bgid,
                             tail: Cell::new(0),
-                            runtime: cx.id,
+                            cx: cx.clone(),
                         }),
                         Err(e) => {
                             // SAFETY: allocated above with this layout, never shared.
@@ -104,7 +107,7 @@ impl BufPool {
                     count as usize,
                 )))),
             }
-        });
+        })();
         let kind = match kind {
             Ok(k) => k,
             Err(e) => {
@@ -181,21 +184,18 @@ impl Drop for PoolInner {
             ring,
             ring_layout,
             bgid,
-            runtime,
+            cx,
             ..
         } = &self.kind
         {
-            let unregistered = context::try_with(|cx| match cx {
-                Some(cx) if cx.id == *runtime => match cx.driver.try_borrow_mut() {
-                    Ok(mut d) => match &mut *d {
-                        Driver::Uring(u) => u.unregister_buf_ring(*bgid).is_ok(),
-                        Driver::Poll(_) => false,
-                    },
-                    Err(_) => false,
+            // The pool holds its runtime's context, so the ring is still there.
+            let unregistered = match cx.driver.try_borrow_mut() {
+                Ok(mut d) => match &mut *d {
+                    Driver::Uring(u) => u.unregister_buf_ring(*bgid).is_ok(),
+                    Driver::Poll(_) => false,
                 },
-                // The ring is gone, and the kernel freed the registration with it.
-                _ => true,
-            });
+                Err(_) => false,
+            };
             if !unregistered {
                 tracing::warn!(
                     bgid,
@@ -246,7 +246,7 @@ impl std::fmt::Debug for PooledBuf {
 
 /// The parked form of a multishot recv: recycles buffers of late CQEs.
 struct MultiSpec {
-    fd: RawFd,
+    fd: SharedFd,
     pool: Rc<PoolInner>,
 }
 
@@ -259,11 +259,11 @@ impl Operation for MultiSpec {
             PoolKind::Ring { bgid, .. } => *bgid,
             PoolKind::List(_) => unreachable!("a free-list pool on io_uring"),
         };
-        opcode::RecvMulti::new(types::Fd(self.fd), bgid).build()
+        opcode::RecvMulti::new(types::Fd(self.fd.raw()), bgid).build()
     }
     fn complete(self, _res: io::Result<u32>, _flags: u32) {}
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd, Interest::Read))
+        Some((self.fd.raw(), Interest::Read))
     }
     fn poll_try(&mut self) -> io::Result<u32> {
         Err(io::ErrorKind::Unsupported.into())
@@ -276,25 +276,30 @@ impl Operation for MultiSpec {
 }
 
 /// A stream of received messages from one multishot recv.
-pub struct RecvMulti<'fd> {
+///
+/// Like an [`Op`](crate::Op) it belongs to the runtime of its socket: polled
+/// or dropped anywhere, it talks to that runtime's driver, and it holds the
+/// socket's fd until its final CQE.
+pub struct RecvMulti {
+    /// The socket's runtime.
+    cx: Rc<Context>,
     spec: Option<MultiSpec>,
     /// io_uring slot of the armed op, until its final CQE has been reaped.
     armed: Option<u64>,
     /// EOF or a final error was returned.
     finished: bool,
-    _marker: std::marker::PhantomData<(&'fd (), Rc<()>)>,
 }
 
-impl RecvMulti<'_> {
-    pub(crate) fn new(fd: RawFd, pool: &BufPool) -> Self {
+impl RecvMulti {
+    pub(crate) fn new(fd: SharedFd, pool: &BufPool) -> Self {
         let mut s = RecvMulti {
+            cx: fd.context().clone(),
             spec: Some(MultiSpec {
                 fd,
                 pool: pool.inner.clone(),
             }),
             armed: None,
             finished: false,
-            _marker: std::marker::PhantomData,
         };
         if s.is_ring() {
             s.arm();
@@ -308,7 +313,8 @@ impl RecvMulti<'_> {
             .as_mut()
             .expect("spec present until drop")
             .uring_entry();
-        let token = context::with(|cx| match &mut *cx.driver.borrow_mut() {
+        let cx = &self.cx;
+        let token = match &mut *cx.driver.borrow_mut() {
             Driver::Uring(u) => u.submit(
                 entry,
                 Lifecycle::Multi {
@@ -319,7 +325,7 @@ impl RecvMulti<'_> {
                 &cx.counters,
             ),
             Driver::Poll(_) => unreachable!("a ring pool on epoll"),
-        });
+        };
         self.armed = Some(token);
         token
     }
@@ -342,10 +348,10 @@ impl RecvMulti<'_> {
             Some(t) => t,
             None => self.arm(),
         };
-        let got = context::with(|cx| match &mut *cx.driver.borrow_mut() {
+        let got = match &mut *self.cx.driver.borrow_mut() {
             Driver::Uring(u) => u.poll_multi(token, tcx.waker()),
             Driver::Poll(_) => unreachable!("a ring pool on epoll"),
-        });
+        };
         let Some((res, flags, last)) = got else {
             return Poll::Pending;
         };
@@ -399,8 +405,14 @@ impl RecvMulti<'_> {
         };
         let ptr = spec.pool.buf_ptr(bid);
         // SAFETY: buffer `bid` was free, so nothing else references its bytes.
-        let r =
-            cvt(unsafe { libc::recv(spec.fd, ptr.cast(), spec.pool.buf_len, libc::MSG_DONTWAIT) });
+        let r = cvt(unsafe {
+            libc::recv(
+                spec.fd.raw(),
+                ptr.cast(),
+                spec.pool.buf_len,
+                libc::MSG_DONTWAIT,
+            )
+        });
         match r {
             Ok(0) => {
                 spec.pool.recycle(bid);
@@ -414,11 +426,11 @@ impl RecvMulti<'_> {
             }))),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 spec.pool.recycle(bid);
-                let fd = spec.fd;
-                let reg = context::with(|cx| match &mut *cx.driver.borrow_mut() {
+                let fd = spec.fd.raw();
+                let reg = match &mut *self.cx.driver.borrow_mut() {
                     Driver::Poll(p) => p.wait(fd, Interest::Read, tcx.waker()),
-                    Driver::Uring(_) => unreachable!(),
-                });
+                    Driver::Uring(_) => unreachable!("a free-list pool on io_uring"),
+                };
                 match reg {
                     Ok(()) => Poll::Pending,
                     Err(e) => Poll::Ready(Some(Err(e))),
@@ -435,33 +447,31 @@ impl RecvMulti<'_> {
     /// taken go back to the pool.
     pub fn cancel(&mut self) {
         if let Some(token) = self.armed {
-            context::with(|cx| {
-                if let Driver::Uring(u) = &mut *cx.driver.borrow_mut() {
-                    u.cancel(token, &cx.counters);
-                }
-            });
+            let cx = &self.cx;
+            if let Driver::Uring(u) = &mut *cx.driver.borrow_mut() {
+                u.cancel(token, &cx.counters);
+            }
         }
     }
 }
 
-impl Drop for RecvMulti<'_> {
+impl Drop for RecvMulti {
     fn drop(&mut self) {
         let spec = self.spec.take().expect("spec");
         let Some(token) = self.armed else { return };
-        let leftover = context::try_with(|cx| match cx {
-            Some(cx) => match cx.driver.try_borrow_mut() {
-                Ok(mut d) => match &mut *d {
-                    Driver::Uring(u) => u.park_op(token, Box::new(spec), &cx.counters),
-                    Driver::Poll(_) => None,
-                },
-                Err(_) => {
-                    tracing::error!("RecvMulti dropped while the driver is busy; leaking its pool");
-                    std::mem::forget(spec);
-                    None
-                }
+        let cx = &self.cx;
+        let leftover = match cx.driver.try_borrow_mut() {
+            Ok(mut d) => match &mut *d {
+                Driver::Uring(u) => u.park_op(token, Box::new(spec), &cx.counters),
+                Driver::Poll(_) => unreachable!("an armed multishot recv on epoll"),
             },
-            None => Some(Box::new(spec) as Box<dyn crate::driver::lifecycle::Parked>),
-        });
+            Err(_) => {
+                tracing::error!("RecvMulti dropped while the driver is busy; leaking its pool");
+                std::mem::forget(spec);
+                None
+            }
+        };
+        // Dropped here, with the driver no longer borrowed.
         drop(leftover);
     }
 }

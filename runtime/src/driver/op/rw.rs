@@ -7,6 +7,7 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBuf, IoBufMut};
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
 /// `None`: the fd's current position (io_uring's offset -1).
@@ -16,14 +17,14 @@ fn uring_offset(off: Option<u64>) -> u64 {
 
 /// Reads into `buf` from its first byte, at `offset` or the fd's position.
 pub struct ReadAt<B> {
-    fd: RawFd,
+    fd: SharedFd,
     buf: B,
     offset: Option<u64>,
     pollable: bool,
 }
 
 impl<B: IoBufMut> ReadAt<B> {
-    pub(crate) fn new(fd: RawFd, buf: B, offset: Option<u64>, pollable: bool) -> Self {
+    pub(crate) fn new(fd: SharedFd, buf: B, offset: Option<u64>, pollable: bool) -> Self {
         ReadAt {
             fd,
             buf,
@@ -40,7 +41,7 @@ impl<B: IoBufMut> Operation for ReadAt<B> {
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_total().min(u32::MAX as usize) as u32;
-        opcode::Read::new(types::Fd(self.fd), self.buf.stable_mut_ptr(), len)
+        opcode::Read::new(types::Fd(self.fd.raw()), self.buf.stable_mut_ptr(), len)
             .offset(uring_offset(self.offset))
             .build()
     }
@@ -54,7 +55,7 @@ impl<B: IoBufMut> Operation for ReadAt<B> {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        self.pollable.then_some((self.fd, Interest::Read))
+        self.pollable.then_some((self.fd.raw(), Interest::Read))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
@@ -63,8 +64,8 @@ impl<B: IoBufMut> Operation for ReadAt<B> {
         // SAFETY: `ptr..ptr+len` is writable capacity of the owned buffer.
         cvt(unsafe {
             match self.offset {
-                Some(off) => libc::pread(self.fd, ptr, len, off as libc::off_t),
-                None => libc::read(self.fd, ptr, len),
+                Some(off) => libc::pread(self.fd.raw(), ptr, len, off as libc::off_t),
+                None => libc::read(self.fd.raw(), ptr, len),
             }
         })
     }
@@ -72,14 +73,14 @@ impl<B: IoBufMut> Operation for ReadAt<B> {
 
 /// Writes the initialised bytes of `buf`, at `offset` or the fd's position.
 pub struct WriteAt<B> {
-    fd: RawFd,
+    fd: SharedFd,
     buf: B,
     offset: Option<u64>,
     pollable: bool,
 }
 
 impl<B: IoBuf> WriteAt<B> {
-    pub(crate) fn new(fd: RawFd, buf: B, offset: Option<u64>, pollable: bool) -> Self {
+    pub(crate) fn new(fd: SharedFd, buf: B, offset: Option<u64>, pollable: bool) -> Self {
         WriteAt {
             fd,
             buf,
@@ -96,7 +97,7 @@ impl<B: IoBuf> Operation for WriteAt<B> {
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_init().min(u32::MAX as usize) as u32;
-        opcode::Write::new(types::Fd(self.fd), self.buf.stable_ptr(), len)
+        opcode::Write::new(types::Fd(self.fd.raw()), self.buf.stable_ptr(), len)
             .offset(uring_offset(self.offset))
             .build()
     }
@@ -106,7 +107,7 @@ impl<B: IoBuf> Operation for WriteAt<B> {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        self.pollable.then_some((self.fd, Interest::Write))
+        self.pollable.then_some((self.fd.raw(), Interest::Write))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
@@ -115,8 +116,8 @@ impl<B: IoBuf> Operation for WriteAt<B> {
         // SAFETY: the first `len` bytes of the owned buffer are initialised.
         cvt(unsafe {
             match self.offset {
-                Some(off) => libc::pwrite(self.fd, ptr, len, off as libc::off_t),
-                None => libc::write(self.fd, ptr, len),
+                Some(off) => libc::pwrite(self.fd.raw(), ptr, len, off as libc::off_t),
+                None => libc::write(self.fd.raw(), ptr, len),
             }
         })
     }

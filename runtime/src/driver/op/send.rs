@@ -7,16 +7,17 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBuf};
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
 /// Sends the initialised bytes of `buf` on a connected socket.
 pub struct Send<B> {
-    fd: RawFd,
+    fd: SharedFd,
     buf: B,
 }
 
 impl<B: IoBuf> Send<B> {
-    pub(crate) fn new(fd: RawFd, buf: B) -> Self {
+    pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
         Send { fd, buf }
     }
 }
@@ -28,7 +29,7 @@ impl<B: IoBuf> Operation for Send<B> {
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_init().min(u32::MAX as usize) as u32;
-        opcode::Send::new(types::Fd(self.fd), self.buf.stable_ptr(), len)
+        opcode::Send::new(types::Fd(self.fd.raw()), self.buf.stable_ptr(), len)
             .flags(libc::MSG_NOSIGNAL)
             .build()
     }
@@ -38,7 +39,7 @@ impl<B: IoBuf> Operation for Send<B> {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd, Interest::Write))
+        Some((self.fd.raw(), Interest::Write))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
@@ -46,7 +47,7 @@ impl<B: IoBuf> Operation for Send<B> {
         // SAFETY: the buffer's first `len` bytes are initialised and live in `self`.
         cvt(unsafe {
             libc::send(
-                self.fd,
+                self.fd.raw(),
                 self.buf.stable_ptr().cast(),
                 len,
                 libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,

@@ -12,16 +12,17 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBuf};
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
 /// Sends `buf` without copying it into the socket buffer (io_uring).
 pub struct SendZc<B> {
-    fd: RawFd,
+    fd: SharedFd,
     buf: B,
 }
 
 impl<B: IoBuf> SendZc<B> {
-    pub(crate) fn new(fd: RawFd, buf: B) -> Self {
+    pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
         SendZc { fd, buf }
     }
 }
@@ -33,7 +34,7 @@ impl<B: IoBuf> Operation for SendZc<B> {
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_init().min(u32::MAX as usize) as u32;
-        opcode::SendZc::new(types::Fd(self.fd), self.buf.stable_ptr(), len)
+        opcode::SendZc::new(types::Fd(self.fd.raw()), self.buf.stable_ptr(), len)
             .flags(libc::MSG_NOSIGNAL)
             .build()
     }
@@ -43,7 +44,7 @@ impl<B: IoBuf> Operation for SendZc<B> {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd, Interest::Write))
+        Some((self.fd.raw(), Interest::Write))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
@@ -51,7 +52,7 @@ impl<B: IoBuf> Operation for SendZc<B> {
         // SAFETY: the buffer's first `len` bytes are initialised and live in `self`.
         cvt(unsafe {
             libc::send(
-                self.fd,
+                self.fd.raw(),
                 self.buf.stable_ptr().cast(),
                 len,
                 libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,

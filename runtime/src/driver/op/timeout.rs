@@ -2,11 +2,14 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
 use std::time::Duration;
 
 use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
+use crate::context::Context;
+use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
 /// Completes once `duration` has passed.
@@ -14,12 +17,14 @@ pub struct Timeout {
     duration: Duration,
     /// Read by the kernel: boxed so it does not move with the op.
     ts: Box<types::Timespec>,
-    /// epoll: the armed timerfd.
-    timerfd: Option<OwnedFd>,
+    /// epoll: the armed timerfd, registered with the runtime's poller.
+    timerfd: Option<SharedFd>,
+    /// The op's runtime (whose poller watches the timerfd).
+    cx: Rc<Context>,
 }
 
 impl Timeout {
-    pub(crate) fn new(duration: Duration) -> Self {
+    pub(crate) fn new(duration: Duration, cx: Rc<Context>) -> Self {
         let ts = types::Timespec::new()
             .sec(duration.as_secs())
             .nsec(duration.subsec_nanos());
@@ -27,6 +32,7 @@ impl Timeout {
             duration,
             ts: Box::new(ts),
             timerfd: None,
+            cx,
         }
     }
 
@@ -57,16 +63,8 @@ impl Timeout {
             unsafe { libc::timerfd_settime(fd.as_raw_fd(), 0, &spec, std::ptr::null_mut()) }
                 as isize,
         )?;
-        self.timerfd = Some(fd);
+        self.timerfd = Some(SharedFd::new(fd, self.cx.clone()));
         Ok(())
-    }
-}
-
-impl Drop for Timeout {
-    fn drop(&mut self) {
-        if let Some(fd) = &self.timerfd {
-            crate::driver::socket::forget_fd(fd.as_raw_fd());
-        }
     }
 }
 
@@ -87,16 +85,14 @@ impl Operation for Timeout {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        self.timerfd
-            .as_ref()
-            .map(|fd| (fd.as_raw_fd(), Interest::Read))
+        self.timerfd.as_ref().map(|fd| (fd.raw(), Interest::Read))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
         if self.timerfd.is_none() {
             self.arm_timerfd()?;
         }
-        let fd = self.timerfd.as_ref().map(AsRawFd::as_raw_fd).unwrap_or(-1);
+        let fd = self.timerfd.as_ref().map(SharedFd::raw).unwrap_or(-1);
         let mut expirations: u64 = 0;
         // SAFETY: reads 8 bytes into a live u64 from a non-blocking timerfd.
         cvt(unsafe { libc::read(fd, (&mut expirations as *mut u64).cast(), 8) })

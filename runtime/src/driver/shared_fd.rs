@@ -1,0 +1,90 @@
+//! A descriptor shared by its owner and every operation on it.
+//!
+//! A stream (or an [`Fd`](crate::fd::Fd)) and each op started on it hold a
+//! [`SharedFd`]; the descriptor is closed when the last of them is gone. An op
+//! parked in the driver after its future was dropped keeps its `SharedFd`
+//! until its final CQE is reaped, so the fd number cannot be reused by a new
+//! file while a queued or in-flight SQE still names it.
+//!
+//! The `SharedFd` also holds the runtime the fd was adopted by: on epoll the
+//! registration is removed from *that* runtime's poller when the fd closes,
+//! wherever the last holder is dropped.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+
+use super::op::Close;
+use super::{Driver, Op};
+use crate::context::Context;
+
+struct FdCell {
+    /// `None` once handed to a `Close` op by [`SharedFd::try_unwrap`].
+    fd: Option<OwnedFd>,
+    cx: Rc<Context>,
+}
+
+/// Reference-counted ownership of one descriptor (see the module docs).
+#[derive(Clone)]
+pub(crate) struct SharedFd(Rc<FdCell>);
+
+impl SharedFd {
+    /// Adopts `fd` on runtime `cx`.
+    pub(crate) fn new(fd: OwnedFd, cx: Rc<Context>) -> SharedFd {
+        SharedFd(Rc::new(FdCell { fd: Some(fd), cx }))
+    }
+
+    /// The descriptor number, valid while this `SharedFd` lives.
+    pub(crate) fn raw(&self) -> RawFd {
+        self.0
+            .fd
+            .as_ref()
+            .expect("the fd is present while shared")
+            .as_raw_fd()
+    }
+
+    /// The runtime the fd was adopted by.
+    pub(crate) fn context(&self) -> &Rc<Context> {
+        &self.0.cx
+    }
+
+    /// Gives up this holder's share. When it was the only one (no op can still
+    /// name the fd), the fd is closed through the driver (`IORING_OP_CLOSE`)
+    /// and its error reported; otherwise it closes when the last op on it has
+    /// been reaped.
+    pub(crate) async fn close(self) -> io::Result<()> {
+        match Rc::try_unwrap(self.0) {
+            Ok(mut cell) => {
+                let fd = cell.fd.take().expect("the fd is present while shared");
+                forget(&cell.cx, fd.as_raw_fd());
+                Op::on(cell.cx.clone(), Close::new(fd)).await
+            }
+            Err(_shared) => Ok(()),
+        }
+    }
+}
+
+impl Drop for FdCell {
+    fn drop(&mut self) {
+        if let Some(fd) = self.fd.take() {
+            forget(&self.cx, fd.as_raw_fd());
+            // Closed here: no op holds the fd any more.
+            drop(fd);
+        }
+    }
+}
+
+/// Removes `fd` from the epoll registrations of runtime `cx` (io_uring keeps none).
+fn forget(cx: &Context, fd: RawFd) {
+    match cx.driver.try_borrow_mut() {
+        Ok(mut d) => {
+            if let Driver::Poll(p) = &mut *d {
+                p.forget(fd);
+            }
+        }
+        Err(_) => tracing::error!(
+            fd,
+            "an fd closed while its driver was busy; epoll may keep a stale entry"
+        ),
+    }
+}
