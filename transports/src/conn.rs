@@ -219,6 +219,15 @@ impl Conn {
         self.state.borrow().dead.is_some()
     }
 
+    /// Why the connection ended: this side's own reason if it killed the
+    /// connection first (its receive then ends too), else `seen`.
+    fn death_reason(&self, seen: &str) -> String {
+        match &self.state.borrow().dead {
+            Some(own) => own.clone(),
+            None => seen.to_string(),
+        }
+    }
+
     fn lost(&self) -> TransferError {
         TransferError::ConnectionLost(self.state.borrow().dead.clone().unwrap_or_default())
     }
@@ -236,11 +245,14 @@ impl Conn {
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 
-    /// Kills the connection with an RST (queued data is dropped at once,
-    /// which also releases zero-copy pages), for deadline fences.
+    /// Kills the connection with an RST, for fences that tear down: with a
+    /// zero linger, the close drops what the socket still queues (and
+    /// releases zero-copy pages). The close happens once the connection's
+    /// last holder — the reader, a request, the peer's table, which forgets
+    /// it now — is gone and its last op reaped (`shutdown` ends them at once).
     pub(crate) fn abort(&self) {
         let _ = self.stream.set_linger(Some(std::time::Duration::ZERO));
-        self.kill("aborted");
+        self.kill("aborted by this initiator");
     }
 
     fn new_id(&self) -> u64 {
@@ -476,13 +488,20 @@ impl Conn {
 /// whatever is still pending.
 async fn read_loop(conn: Rc<Conn>) {
     let why = match read_responses(&conn).await {
-        Ok(()) => "closed by the target".to_string(),
-        Err(e) => e.to_string(),
+        Ok(()) => conn.death_reason("closed by the target"),
+        Err(e) => conn.death_reason(&e.to_string()),
     };
     conn.kill(&why);
     let hooks = std::mem::take(&mut *conn.on_close.borrow_mut());
     hooks.into_iter().for_each(|f| f());
-    let st = std::mem::take(&mut *conn.state.borrow_mut());
+    // Everything pending, taken out; `dead` stays, so later requests name why.
+    let st = {
+        let mut st = conn.state.borrow_mut();
+        let dead = st.dead.take();
+        let taken = std::mem::take(&mut *st);
+        st.dead = dead;
+        taken
+    };
     let err = TransferError::ConnectionLost(why);
     for (_, p) in st.pending {
         match p {
@@ -500,10 +519,6 @@ async fn read_loop(conn: Rc<Conn>) {
     st.qp_accepts
         .into_iter()
         .for_each(|r| fill(&r, Err(err.clone())));
-    conn.state
-        .borrow_mut()
-        .dead
-        .get_or_insert_with(|| "closed".into());
 }
 
 async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
@@ -545,8 +560,14 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                         result,
                     }) if dst.len() as u64 == h.length => {
                         let (res, dst) = s.read_exact(dst).await;
+                        // The receive into the destination has been reaped: only
+                        // now may the read report, whichever way it ended.
                         drop(dst);
-                        res?;
+                        if let Err(e) = res {
+                            let why = conn.death_reason(&e.to_string());
+                            fill(&result, Err(TransferError::ConnectionLost(why.clone())));
+                            return Err(TransferError::ConnectionLost(why));
+                        }
                         fill(&result, Ok(h.length));
                     }
                     Some(Pending::Read { result, .. }) => {

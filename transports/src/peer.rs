@@ -198,8 +198,12 @@ impl Peer {
     /// Tears every connection down with an RST; their requests fail once
     /// their operations are reaped. Later transfers reconnect.
     pub fn abort(&self) {
-        for c in self.inner.conns.borrow().iter().flatten() {
-            c.abort();
+        for slot in self.inner.conns.borrow_mut().iter_mut() {
+            // Forgotten here, so the socket closes (with its RST) as soon as
+            // the reader and the requests on it have let go.
+            if let Some(c) = slot.take() {
+                c.abort();
+            }
         }
     }
 

@@ -1,0 +1,190 @@
+//! A peer that dies, or a connection this initiator tears down, at any point
+//! of a transfer: every request reaches an outcome promptly, the caller's
+//! buffer comes back, and the teardown really drops what was queued.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use quiesce_runtime::{spawn_local, time, Runtime};
+use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Rights, TransferError};
+
+const BIG: usize = 64 << 20;
+
+/// How long an outcome may take after the fault.
+const PROMPT: Duration = Duration::from_secs(1);
+
+async fn open(addr: std::net::SocketAddr, token: quiesce_transports::Token) -> RemoteSegment {
+    let e = Engine::bind(EngineConfig::default()).unwrap();
+    let kv = e
+        .connect(addr)
+        .await
+        .unwrap()
+        .open("kv", token)
+        .await
+        .unwrap();
+    // The engine lives as long as the runtime's tasks need it.
+    std::mem::forget(e);
+    kv
+}
+
+fn lost(res: &Result<u64, TransferError>) -> bool {
+    matches!(res, Err(TransferError::ConnectionLost(_)))
+}
+
+#[test]
+fn a_target_killed_mid_read_gives_an_outcome_within_a_second() {
+    for round in 0..3 {
+        let mut target = TargetProcess::spawn(&["--segment", "kv:67108864:rw"]);
+        let token = target.seg("kv").token;
+        Runtime::new().unwrap().block_on(async {
+            let kv = open(target.addr, token).await;
+            let r = spawn_local(async move { kv.read(0, BIG as u64, vec![0u8; BIG], 1).await });
+            time::sleep(Duration::from_millis(3 + round)).await;
+            target.child.kill().unwrap();
+            let killed = Instant::now();
+            let out = time::timeout(PROMPT, r).await;
+            let (res, buf) = out
+                .unwrap_or_else(|_| panic!("round {round}: no outcome {PROMPT:?} after the kill"))
+                .unwrap();
+            assert!(lost(&res) || res.is_ok(), "round {round}: {res:?}");
+            assert_eq!(buf.len(), BIG, "the destination comes back");
+            assert!(killed.elapsed() < PROMPT);
+        });
+    }
+}
+
+#[test]
+fn a_target_killed_mid_write_gives_an_outcome_within_a_second() {
+    for round in 0..3 {
+        let mut target = TargetProcess::spawn(&["--segment", "kv:67108864:rw"]);
+        let token = target.seg("kv").token;
+        let data = pattern(BIG, round as u8);
+        let expect = data.clone();
+        Runtime::new().unwrap().block_on(async {
+            let kv = open(target.addr, token).await;
+            let w = spawn_local(async move { kv.write(0, data, 1).await });
+            time::sleep(Duration::from_millis(3 + round)).await;
+            target.child.kill().unwrap();
+            let (res, buf) = time::timeout(PROMPT, w)
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: no outcome {PROMPT:?} after the kill"))
+                .unwrap();
+            assert!(lost(&res) || res.is_ok(), "round {round}: {res:?}");
+            assert!(buf == expect, "the source comes back intact");
+        });
+    }
+}
+
+fn shard_target() -> ShardTarget {
+    ShardTarget::start(
+        EngineConfig::default(),
+        &[("kv", BIG, Rights::READ | Rights::WRITE)],
+    )
+}
+
+#[test]
+fn abort_mid_read_without_a_deadline_gives_an_outcome_within_a_second() {
+    let t = shard_target();
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let kv = open(t.addr, token).await;
+        for round in 0..8u64 {
+            let kv2 = kv.clone();
+            let r =
+                spawn_local(async move { kv2.read(0, BIG as u64, vec![0u8; BIG], round).await });
+            time::sleep(Duration::from_millis(1 + round % 4)).await;
+            kv.peer().abort();
+            let (res, buf) = time::timeout(PROMPT, r)
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: no outcome {PROMPT:?} after abort()"))
+                .unwrap();
+            assert_eq!(buf.len(), BIG);
+            if let Err(e) = &res {
+                assert!(
+                    matches!(e, TransferError::ConnectionLost(why) if why.contains("abort")),
+                    "round {round}: the error must name this initiator's abort: {e:?}"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn abort_mid_write_without_a_deadline_gives_an_outcome_within_a_second() {
+    let t = shard_target();
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let kv = open(t.addr, token).await;
+        for round in 0..8u64 {
+            let kv2 = kv.clone();
+            let w = spawn_local(async move { kv2.write(0, vec![7u8; BIG], round).await });
+            time::sleep(Duration::from_millis(1 + round % 4)).await;
+            kv.peer().abort();
+            let (res, buf) = time::timeout(PROMPT, w)
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: no outcome {PROMPT:?} after abort()"))
+                .unwrap();
+            assert_eq!(buf.len(), BIG);
+            if let Err(e) = &res {
+                assert!(
+                    matches!(e, TransferError::ConnectionLost(why) if why.contains("abort")),
+                    "round {round}: the error must name this initiator's abort: {e:?}"
+                );
+            }
+        }
+    });
+}
+
+/// Sockets of this network namespace connected to `port`: (state, send queue).
+fn sockets_to(port: u16) -> Vec<(u8, u64)> {
+    let mut out = Vec::new();
+    for file in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let remote_port = f[2].rsplit(':').next().unwrap();
+            if u16::from_str_radix(remote_port, 16).unwrap() != port {
+                continue;
+            }
+            let state = u8::from_str_radix(f[3], 16).unwrap();
+            let tx = u64::from_str_radix(f[4].split(':').next().unwrap(), 16).unwrap();
+            out.push((state, tx));
+        }
+    }
+    out
+}
+
+#[test]
+fn abort_discards_what_the_sockets_still_hold() {
+    let t = shard_target();
+    let token = t.seg("kv").token;
+    let port = t.addr.port();
+    Runtime::new().unwrap().block_on(async {
+        let kv = open(t.addr, token).await;
+        let kv2 = kv.clone();
+        let w = spawn_local(async move { kv2.write(0, vec![7u8; BIG], 1).await });
+        while t.stats().bytes_landed == 0 {
+            time::sleep(Duration::from_millis(1)).await;
+        }
+        // The target stops reading: the initiator's send queues fill up.
+        t.stall(Duration::from_millis(600));
+        time::sleep(Duration::from_millis(50)).await;
+        kv.peer().abort();
+        let (res, _buf) = time::timeout(PROMPT, w).await.expect("an outcome").unwrap();
+        assert!(lost(&res), "{res:?}");
+        // Give the reactor a turn to reap the last ops and close the fds.
+        time::sleep(Duration::from_millis(20)).await;
+        let held: Vec<_> = sockets_to(port)
+            .into_iter()
+            .filter(|&(_, tx)| tx > 0)
+            .collect();
+        assert!(
+            held.is_empty(),
+            "after abort() the kernel still holds unsent bytes for the target (state, bytes): {held:?}"
+        );
+    });
+}
