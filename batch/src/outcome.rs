@@ -290,6 +290,18 @@ impl<B> Ticket<B> {
         q
     }
 
+    /// Waits up to `limit` for the batch to drain: its result, or the ticket
+    /// back (still holding the buffers) to wait on again later.
+    pub async fn wait_for(mut self, limit: Duration) -> Result<Quiesced<B>, Ticket<B>> {
+        match quiesce_runtime::time::timeout(limit, self.drained()).await {
+            Ok(q) => {
+                self.taken = true;
+                Ok(q)
+            }
+            Err(_) => Err(self),
+        }
+    }
+
     fn drained(&self) -> impl Future<Output = Quiesced<B>> + '_ {
         std::future::poll_fn(|cx| {
             if let Some(q) = self.shared.final_result.borrow_mut().take() {

@@ -474,10 +474,18 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
         Outcome::Quiesced(q) => q,
         Outcome::CompletionUnknown(t) => {
             stats.unknown = true;
-            if t.is_quiesced() && sim.log().in_flight > 0 {
-                return fail("ticket quiesced with transfers in flight");
+            // Bounded waits hand the ticket back (still holding the buffers)
+            // until the batch drains.
+            let mut t = t;
+            loop {
+                if t.is_quiesced() && sim.log().in_flight > 0 {
+                    return fail("ticket quiesced with transfers in flight");
+                }
+                match t.wait_for(std::time::Duration::from_micros(100)).await {
+                    Ok(q) => break q,
+                    Err(back) => t = back,
+                }
             }
-            t.wait().await
         }
     };
     if sim.log().in_flight != 0 {
