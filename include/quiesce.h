@@ -9,6 +9,14 @@
  *   -2  completion unknown: the fence did not finish in time. Do NOT free,
  *       reuse or touch the buffers; wait on (or poll) *ticket_out until it
  *       returns 0 or -1.
+ *   -3  unknown handle: a null engine, a segment handle quiesce_open never
+ *       returned, or a ticket that was never issued or was already
+ *       collected. Nothing was started; for a ticket this says nothing about
+ *       the memory of the batch the caller meant (if it is still outstanding,
+ *       keep its buffers).
+ *
+ * A panic inside the engine while a batch holds caller memory aborts the
+ * process: no call ever returns 0 or -1 without the batch having quiesced.
  *
  * Link with -lquiesce_batch (the cdylib of the quiesce-batch crate).
  */
@@ -25,6 +33,7 @@ extern "C" {
 #define QUIESCE_OK 0
 #define QUIESCE_FAILED (-1)
 #define QUIESCE_UNKNOWN (-2)
+#define QUIESCE_UNKNOWN_HANDLE (-3)
 
 typedef struct QuiesceEngine quiesce_engine;
 

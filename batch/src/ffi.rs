@@ -1,4 +1,5 @@
-//! The C ABI (`include/quiesce.h`): blocking calls that return 0, -1 or -2.
+//! The C ABI (`include/quiesce.h`): blocking calls that return 0, -1, -2, or
+//! -3 for an unknown handle or ticket.
 //!
 //! The caller's memory is described by raw pointers. The contract: from the
 //! call until it returns 0 or -1 — or, after -2, until `quiesce_ticket_wait`
@@ -13,8 +14,8 @@ use std::time::Duration;
 use quiesce_runtime::{IoBuf, IoBufMut};
 use quiesce_transports::{EngineConfig, Token};
 
-use crate::sync::{Direction, SyncEngine, SyncOutcome, SyncTask};
-use crate::{BatchOptions, FailurePolicy, SYNC_FAILED};
+use crate::sync::{Direction, SyncEngine, SyncError, SyncOutcome, SyncTask};
+use crate::{BatchOptions, FailurePolicy, SYNC_FAILED, SYNC_UNKNOWN_HANDLE};
 
 /// A caller-owned memory range lent to a batch.
 pub struct RawBuf {
@@ -82,9 +83,25 @@ thread_local! {
 }
 
 fn set_error(msg: impl std::fmt::Display) -> i32 {
+    fail(SYNC_FAILED, msg)
+}
+
+/// Records `msg` as this thread's last error and returns `code`.
+fn fail(code: i32, msg: impl std::fmt::Display) -> i32 {
     let s = CString::new(msg.to_string().replace('\0', " ")).unwrap_or_default();
     LAST_ERROR.with(|e| *e.borrow_mut() = s);
-    SYNC_FAILED
+    code
+}
+
+/// The code of a call that failed before anything started: its own code for
+/// an unknown handle or ticket, -1 (nothing touches the memory) otherwise.
+fn sync_error(err: SyncError) -> i32 {
+    match err {
+        SyncError::UnknownSegment(_) | SyncError::UnknownTicket(_) => {
+            fail(SYNC_UNKNOWN_HANDLE, err)
+        }
+        err => set_error(err),
+    }
 }
 
 /// The last error message of this thread ("" if none). Valid until the next
@@ -155,7 +172,7 @@ pub unsafe extern "C" fn quiesce_open(
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
     let Some(engine) = (unsafe { e.as_ref() }) else {
-        return set_error("null engine");
+        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
     };
     // SAFETY: the caller passes NUL-terminated strings (or null, refused).
     let texts = unsafe { (text(addr, "addr"), text(name, "name"), text(token, "token")) };
@@ -214,7 +231,7 @@ fn answer(out: Result<SyncOutcome<RawBuf>, crate::sync::SyncError>, ticket_out: 
             }
             o.code
         }
-        Err(err) => set_error(err),
+        Err(err) => sync_error(err),
     }
 }
 
@@ -230,7 +247,7 @@ unsafe fn batch(
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
     let Some(engine) = (unsafe { e.as_ref() }) else {
-        return set_error("null engine");
+        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
     };
     if tasks.is_null() || n == 0 {
         return set_error("no tasks");
@@ -352,7 +369,7 @@ pub unsafe extern "C" fn quiesce_ticket_wait(
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
     let Some(engine) = (unsafe { e.as_ref() }) else {
-        return set_error("null engine");
+        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
     };
     match engine
         .0
@@ -360,7 +377,7 @@ pub unsafe extern "C" fn quiesce_ticket_wait(
     {
         Ok(Some(o)) => o.code,
         Ok(None) => crate::SYNC_UNKNOWN,
-        Err(err) => set_error(err),
+        Err(err) => sync_error(err),
     }
 }
 

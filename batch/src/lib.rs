@@ -41,3 +41,6 @@ pub const SYNC_OK: i32 = 0;
 pub const SYNC_FAILED: i32 = -1;
 /// Sync code: completion unknown; do not free or reuse the buffers.
 pub const SYNC_UNKNOWN: i32 = -2;
+/// C-compatible code: an unknown handle (a null engine, a segment handle never
+/// opened, a ticket never issued or already collected). Nothing was started.
+pub const SYNC_UNKNOWN_HANDLE: i32 = -3;

@@ -7,6 +7,10 @@
 //! | 0 | every task completed | back with the caller |
 //! | -1 | the batch failed | back with the caller; nothing touches them |
 //! | -2 | completion unknown | still held: do not free or reuse; wait or poll the ticket |
+//!
+//! Errors before anything starts are [`SyncError`]s (the C ABI: -3 for an
+//! unknown handle or ticket, -1 otherwise). A panic in the engine while a
+//! batch holds the caller's memory aborts the process rather than answer.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
@@ -200,6 +204,9 @@ impl SyncEngine {
             let sub = batch.submit();
             let st = st.clone();
             spawn_local(async move {
+                // A panic past this point would drop `tx` and the caller would
+                // read -1 while the batch may still hold its memory.
+                let _pinned = AbortOnUnwind("a batch holding the caller's memory");
                 let out = match sub.await {
                     Outcome::Quiesced(q) => finish(q),
                     Outcome::CompletionUnknown(t) => {
@@ -262,6 +269,22 @@ impl SyncEngine {
                 }
             }
         })?
+    }
+}
+
+/// Aborts the process if dropped while unwinding: for code whose caller must
+/// never see an answer (0 or -1) that a panic made up.
+struct AbortOnUnwind(&'static str);
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            eprintln!(
+                "quiesce: panic in {}; aborting rather than return memory that may still be in use",
+                self.0
+            );
+            std::process::abort();
+        }
     }
 }
 

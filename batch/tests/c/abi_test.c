@@ -47,9 +47,11 @@ int main(int argc, char **argv) {
     quiesce_task reads[1] = {{kv, 4096, dst, len}};
     CHECK(quiesce_batch_transfer_sync_read(e, reads, 1, NULL, NULL) == 0, "batch read");
 
-    CHECK(quiesce_ticket_poll(e, 12345) == -1, "unknown ticket");
-    CHECK(quiesce_transfer_sync_write(e, 77, 0, src, 16, NULL, NULL) == -1, "unknown segment handle");
-    CHECK(quiesce_transfer_sync_write(NULL, kv, 0, src, 16, NULL, NULL) == -1, "null engine");
+    /* An unknown ticket must not read as "drained" (-1): it has its own code. */
+    CHECK(quiesce_ticket_poll(e, 12345) == QUIESCE_UNKNOWN_HANDLE, "unknown ticket");
+    CHECK(quiesce_ticket_wait(e, 12345, 1) == QUIESCE_UNKNOWN_HANDLE, "unknown ticket (wait)");
+    CHECK(quiesce_transfer_sync_write(e, 77, 0, src, 16, NULL, NULL) == QUIESCE_UNKNOWN_HANDLE, "unknown segment handle");
+    CHECK(quiesce_transfer_sync_write(NULL, kv, 0, src, 16, NULL, NULL) == QUIESCE_UNKNOWN_HANDLE, "null engine");
 
     quiesce_engine_stop(e);
     free(src);
