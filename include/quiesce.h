@@ -15,6 +15,11 @@
  *       the memory of the batch the caller meant (if it is still outstanding,
  *       keep its buffers).
  *
+ * The codes speak of the caller's memory. quiesce_last_remote_confirmed()
+ * says whether the targets confirmed that nothing more of the last batch
+ * lands there: after a -1 write with 0 from it, bytes already sent may still
+ * land in the target ranges (revoke or fence them before trusting them).
+ *
  * A panic inside the engine while a batch holds caller memory aborts the
  * process: no call ever returns 0 or -1 without the batch having quiesced.
  *
@@ -76,6 +81,9 @@ int quiesce_ticket_poll(quiesce_engine *e, uint64_t ticket);
 
 /* The last error message of the calling thread ("" if none). */
 const char *quiesce_last_error(void);
+/* 1 if every target confirmed the last batch of this thread that returned 0
+ * or -1 (nothing more of it lands there), 0 if not. */
+int quiesce_last_remote_confirmed(void);
 
 #ifdef __cplusplus
 }

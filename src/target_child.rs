@@ -2,16 +2,18 @@
 //! start, and what the end-to-end tests run against.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Lines, Write};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 
 use quiesce_transports::Token;
 
 /// A `quiesce target` child process, killed on drop.
 pub struct TargetChild {
     child: Child,
+    /// Its answers to stdin commands.
+    lines: Lines<BufReader<ChildStdout>>,
     /// Where it listens.
     pub addr: SocketAddr,
     /// Segment name → token.
@@ -53,9 +55,23 @@ impl TargetChild {
         };
         Ok(TargetChild {
             child,
+            lines,
             addr,
             tokens,
         })
+    }
+
+    /// Revokes the whole segment `name` at the target (its owner's call);
+    /// returns once the revoke resolved there.
+    pub fn revoke(&mut self, name: &str) -> Result<(), Box<dyn std::error::Error>> {
+        let stdin = self.child.stdin.as_mut().ok_or("no stdin")?;
+        writeln!(stdin, "revoke {name}")?;
+        stdin.flush()?;
+        let line = self.lines.next().ok_or("the target exited")??;
+        match line.strip_prefix("revoked ") {
+            Some(n) if n == name => Ok(()),
+            _ => Err(format!("revoke {name}: {line}").into()),
+        }
     }
 
     /// Sends `sig` to the process.

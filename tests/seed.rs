@@ -5,7 +5,10 @@
 use std::path::Path;
 use std::time::Duration;
 
-use quiesce::batch::{Batch, BatchOptions, FailurePolicy, Outcome, RemoteRange, TaskStatus, Tcp};
+use quiesce::batch::{
+    Batch, BatchOptions, FailurePolicy, Outcome, Quiesced, RemoteRange, RemoteState, TaskStatus,
+    Tcp,
+};
 use quiesce::runtime::{spawn_local, time, Runtime};
 use quiesce::scenario::{
     count_remote, read_round, seed_options, write_round, Bufs, Kind, Remote, POST_OUTCOME,
@@ -312,5 +315,136 @@ fn tickets_drain_while_the_target_runs_even_with_a_tiny_grace() {
             assert_eq!(q.buffers().len(), 1, "round {round}: the buffer comes back");
         }
         eprintln!("{unknown}/16 rounds were CompletionUnknown; every ticket drained");
+    });
+}
+
+/// A Drain batch of one 64 MiB write, one retry allowed; its connections are
+/// torn down mid-write (no fence), with the target stopped or running.
+async fn torn_down_write(t: &Target, r: &Remote<RemoteSegment>, stop: bool) -> Quiesced<Vec<u8>> {
+    let opts = BatchOptions::default()
+        .retry(1, Duration::from_millis(1))
+        .fence_grace(Duration::from_millis(150));
+    let mut batch = Batch::new(Tcp, opts);
+    batch
+        .write(vec![6u8; BIG], RemoteRange::new(&r.kv, 0, BIG as u64))
+        .ok()
+        .unwrap();
+    let sub = spawn_local(batch.submit());
+    time::sleep(Duration::from_millis(3)).await;
+    if stop {
+        t.signal(libc::SIGSTOP).unwrap();
+    }
+    r.kv.peer().abort();
+    let q = sub.await.unwrap().quiesced().await;
+    if stop {
+        t.signal(libc::SIGCONT).unwrap();
+    }
+    q
+}
+
+#[test]
+fn a_retry_goes_out_only_after_the_target_confirmed_the_torn_down_attempt() {
+    let t = spawn_target();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "ro").await;
+        // Stopped: the fence after the teardown cannot be acknowledged, so
+        // the old attempt's bytes may still land — no retry, and the report says so.
+        let q = torn_down_write(&t, &r, true).await;
+        let task = &q.tasks()[0];
+        assert!(
+            matches!(
+                task.status,
+                TaskStatus::Failed(TransferError::ConnectionLost(_))
+            ),
+            "{task:?}"
+        );
+        assert_eq!(task.remote, RemoteState::Unconfirmed, "{task:?}");
+        assert!(!q.remote_confirmed());
+        assert_eq!(
+            task.attempts, 1,
+            "retried over an unconfirmed attempt: {task:?}"
+        );
+        // Running: the fence is acknowledged, the retry goes out and completes.
+        let q = torn_down_write(&t, &r, false).await;
+        let task = &q.tasks()[0];
+        assert_eq!(task.status, TaskStatus::Completed, "{task:?}");
+        assert!(q.remote_confirmed());
+        if task.attempts > 1 {
+            assert!(q.buffers()[0].iter().all(|&b| b == 6));
+        }
+    });
+}
+
+/// The stale-bytes scenario: batch A writes 64 MiB of `0xA1` to a target
+/// that stops mid-transfer and resolves without the target's confirmation;
+/// the target resumes (and, with `revoke`, its owner revokes the range);
+/// batch B from another engine rewrites the range with `0xB2` and completes.
+/// Returns whether A claimed remote confirmation and how many of A's bytes
+/// are found over B's afterwards.
+async fn stale_bytes_round(t: &mut Target, revoke: bool) -> (bool, usize) {
+    let (_a, ra) = remote(t, "ro").await;
+    let opts = BatchOptions::default()
+        .policy(FailurePolicy::FailFast)
+        .deadline(Duration::from_millis(20))
+        .fence_grace(Duration::from_millis(100));
+    let mut a = Batch::new(Tcp, opts);
+    a.write(vec![0xA1; BIG], RemoteRange::new(&ra.kv, 0, BIG as u64))
+        .ok()
+        .unwrap();
+    let sub = a.submit();
+    time::sleep(Duration::from_millis(3)).await;
+    t.signal(libc::SIGSTOP).unwrap();
+    let qa = sub.await.quiesced().await;
+    assert!(!qa.all_completed(), "a stopped target cannot complete A");
+    let a_confirmed = qa.remote_confirmed();
+    t.signal(libc::SIGCONT).unwrap();
+    if revoke {
+        t.revoke("kv").unwrap();
+    }
+    let (_b, rb) = remote(t, "ro").await;
+    let mut b = Batch::new(Tcp, BatchOptions::default());
+    b.write(vec![0xB2; BIG], RemoteRange::new(&rb.kv, 0, BIG as u64))
+        .ok()
+        .unwrap();
+    let qb = b.submit().await.quiesced().await;
+    assert!(qb.all_completed(), "B completes: {:?}", qb.tasks());
+    time::sleep(Duration::from_millis(200)).await;
+    let (stale, _) = count_remote(&rb.kv, BIG as u64, 0xA1, AlignedBuf::new(8 << 20)).await;
+    (a_confirmed, stale)
+}
+
+#[test]
+fn revoke_leaves_no_stale_byte_of_an_unconfirmed_batch() {
+    let mut t = spawn_target();
+    Runtime::new().unwrap().block_on(async {
+        let mut stale_rounds = 0;
+        for round in 0..20 {
+            let (confirmed, stale) = stale_bytes_round(&mut t, true).await;
+            assert!(
+                !confirmed,
+                "round {round}: a stopped target confirmed nothing"
+            );
+            stale_rounds += (stale > 0) as u32;
+            assert_eq!(
+                stale, 0,
+                "round {round}: {stale} bytes of A landed after revoke"
+            );
+        }
+        assert_eq!(stale_rounds, 0);
+    });
+}
+
+#[test]
+fn without_revoke_the_outcome_says_the_target_did_not_confirm() {
+    let mut t = spawn_target();
+    Runtime::new().unwrap().block_on(async {
+        for round in 0..3 {
+            let (confirmed, stale) = stale_bytes_round(&mut t, false).await;
+            assert!(
+                !confirmed,
+                "round {round}: claims confirmation from a stopped target"
+            );
+            eprintln!("round {round}: {stale} of A's bytes over B's without revoke");
+        }
     });
 }

@@ -140,6 +140,7 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             state: TaskState::Queued,
             bytes: 0,
             attempts: 0,
+            remote: crate::RemoteState::Answered,
         });
         self.tasks.len() - 1
     }

@@ -80,6 +80,9 @@ pub struct QuiesceOptions {
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// Whether the last batch (or ticket) of this thread that reached 0 or -1
+    /// had every target's confirmation.
+    static LAST_REMOTE_CONFIRMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 fn set_error(msg: impl std::fmt::Display) -> i32 {
@@ -102,6 +105,15 @@ fn sync_error(err: SyncError) -> i32 {
         }
         err => set_error(err),
     }
+}
+
+/// 1 if the last transfer call or ticket of this thread that returned 0 or
+/// -1 had every target confirm that nothing more of the batch lands there;
+/// 0 if not (a -1 write may still deliver bytes into its target ranges until
+/// they are revoked or fenced again). The caller's memory is safe either way.
+#[no_mangle]
+pub extern "C" fn quiesce_last_remote_confirmed() -> i32 {
+    LAST_REMOTE_CONFIRMED.with(|c| c.get()) as i32
 }
 
 /// The last error message of this thread ("" if none). Valid until the next
@@ -218,6 +230,9 @@ fn options(o: *const QuiesceOptions) -> BatchOptions {
 fn answer(out: Result<SyncOutcome<RawBuf>, crate::sync::SyncError>, ticket_out: *mut u64) -> i32 {
     match out {
         Ok(o) => {
+            if o.ticket.is_none() {
+                LAST_REMOTE_CONFIRMED.with(|c| c.set(o.remote_confirmed));
+            }
             if let (Some(t), false) = (o.ticket, ticket_out.is_null()) {
                 // SAFETY: the caller passes a writable u64.
                 unsafe { *ticket_out = t };
@@ -375,7 +390,10 @@ pub unsafe extern "C" fn quiesce_ticket_wait(
         .0
         .wait::<RawBuf>(ticket, Duration::from_millis(timeout_ms))
     {
-        Ok(Some(o)) => o.code,
+        Ok(Some(o)) => {
+            LAST_REMOTE_CONFIRMED.with(|c| c.set(o.remote_confirmed));
+            o.code
+        }
         Ok(None) => crate::SYNC_UNKNOWN,
         Err(err) => sync_error(err),
     }

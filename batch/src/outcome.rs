@@ -23,6 +23,28 @@ pub enum TaskStatus {
     Fenced,
 }
 
+/// What the target side has confirmed about a task's last attempt.
+///
+/// The caller's buffer is quiescent in every case (that is what an outcome
+/// is). This says whether the *target's* memory is too: whether any byte of
+/// the task that was sent can still land there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteState {
+    /// The target answered every request of the task (it completed, or the
+    /// target refused it), or nothing was sent: nothing more of it lands.
+    Answered,
+    /// The target acknowledged a fence of the task's wire batch: nothing more
+    /// of it lands.
+    Fenced,
+    /// Only a local teardown happened (the connection was lost or torn down,
+    /// and no fence was acknowledged in time). For a write, bytes already
+    /// sent may still land in the target range — after this outcome, and
+    /// over newer writes — until the target revokes the range or a later
+    /// fence is confirmed. A read's destination is the caller's buffer, which
+    /// is safe either way.
+    Unconfirmed,
+}
+
 /// One task's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskReport {
@@ -32,6 +54,8 @@ pub struct TaskReport {
     pub bytes: u64,
     /// Attempts made (1 unless retried).
     pub attempts: u32,
+    /// Whether the target confirmed that nothing more of the task lands.
+    pub remote: RemoteState,
 }
 
 /// The quiescent result of a batch: reports and the buffers.
@@ -52,6 +76,17 @@ impl<B> Quiesced<B> {
     /// True if every task completed.
     pub fn all_completed(&self) -> bool {
         self.tasks.iter().all(|t| t.status == TaskStatus::Completed)
+    }
+
+    /// True if the target side confirmed, for every task, that nothing more
+    /// of the batch lands ([`RemoteState::Answered`] or
+    /// [`RemoteState::Fenced`]). False means some write's bytes may still
+    /// land at its target: revoke the range there, or fence again, before
+    /// relying on the target's memory.
+    pub fn remote_confirmed(&self) -> bool {
+        self.tasks
+            .iter()
+            .all(|t| t.remote != RemoteState::Unconfirmed)
     }
 
     /// The buffers, in task order. Nothing else can touch them.
@@ -81,7 +116,8 @@ impl<B> Quiesced<B> {
     }
 
     /// The C-compatible code: 0 if every task completed, -1 otherwise (and
-    /// nothing touches the buffers any more).
+    /// nothing touches the buffers any more; whether the targets confirmed
+    /// is [`remote_confirmed`](Self::remote_confirmed)).
     pub fn sync_code(&self) -> i32 {
         if self.all_completed() {
             crate::SYNC_OK

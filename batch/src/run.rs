@@ -10,11 +10,16 @@
 //!                │                                                │
 //!                └──────────── grace over ──▶ CompletionUnknown (ticket) ──┘
 //! ```
+//! Between local quiescence and the outcome (or a retry), tasks that ended
+//! without their target's answer are confirmed by an acknowledged fence of
+//! the wire batch at their peer, waited for until the grace ends; the rest
+//! are reported [`RemoteState::Unconfirmed`], and then nothing is retried.
 //! Invariant: a task's buffer is back in its slot only when its transfer
 //! future resolved, which the transport promises happens only once the
 //! transfer quiesced; the outcome is built only from full slots.
 
-use std::collections::HashSet;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -26,7 +31,7 @@ use quiesce_runtime::{spawn_local, JoinError, JoinHandle};
 use quiesce_transports::TransferError;
 
 use crate::options::{BatchOptions, FailurePolicy};
-use crate::outcome::{Quiesced, Shared, TaskReport, TaskStatus};
+use crate::outcome::{Quiesced, RemoteState, Shared, TaskReport, TaskStatus};
 use crate::transport::Transport;
 
 pub(crate) type TransferFuture<B> = Pin<Box<dyn Future<Output = (Result<u64, TransferError>, B)>>>;
@@ -59,7 +64,22 @@ pub(crate) struct Task<T: Transport, B> {
     pub(crate) state: TaskState<B>,
     pub(crate) bytes: u64,
     pub(crate) attempts: u32,
+    /// What the target confirmed about the last attempt.
+    pub(crate) remote: RemoteState,
 }
+
+/// A remote fence of the current wire batch at one peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FenceState {
+    /// Sent; no answer yet.
+    Pending,
+    /// The peer acknowledged it: nothing more of the wire batch lands there.
+    Acked,
+    /// It failed (the peer is unreachable): nothing is confirmed.
+    Failed,
+}
+
+type Fences<P> = Rc<RefCell<HashMap<P, FenceState>>>;
 
 /// Why the driver woke.
 enum Event {
@@ -80,6 +100,10 @@ pub(crate) struct Driver<T: Transport, B> {
     deadline: Option<Instant>,
     fence_started: Option<Instant>,
     fence_time: Option<Duration>,
+    /// When the current fence's grace ends.
+    hard_at: Option<Instant>,
+    /// Remote fences of the current wire batch, by peer.
+    fences: Fences<T::Peer>,
     soft: Option<Sleep>,
     hard: Option<Sleep>,
     deadline_sleep: Option<Sleep>,
@@ -110,6 +134,8 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             started,
             fence_started: None,
             fence_time: None,
+            hard_at: None,
+            fences: Rc::default(),
             soft: None,
             hard: None,
             deadline_sleep: None,
@@ -133,6 +159,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             let wire = next_wire_batch();
             self.launch(wire);
             self.wait_quiescent(wire).await;
+            self.confirm_remote(wire).await;
             if !self.retry().await {
                 break;
             }
@@ -259,13 +286,89 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         let soft = now + hard.saturating_duration_since(now) / 2;
         self.soft = Some(sleep_until(soft));
         self.hard = Some(sleep_until(hard));
+        self.hard_at = Some(hard);
         for p in self.inflight_peers() {
-            let f = self.transport.fence(&p, wire);
-            spawn_local(async move {
-                if let Err(e) = f.await {
+            self.fence_peer(p, wire);
+        }
+    }
+
+    /// Sends a remote fence of `wire` to `peer` (once per wire batch); its
+    /// answer is recorded in `fences` and wakes the driver.
+    fn fence_peer(&self, peer: T::Peer, wire: u64) {
+        if self.fences.borrow().contains_key(&peer) {
+            return;
+        }
+        self.fences
+            .borrow_mut()
+            .insert(peer.clone(), FenceState::Pending);
+        let f = self.transport.fence(&peer, wire);
+        let (fences, shared) = (self.fences.clone(), self.shared.clone());
+        spawn_local(async move {
+            let state = match f.await {
+                Ok(()) => FenceState::Acked,
+                Err(e) => {
                     tracing::debug!(error = %e, "remote fence failed");
+                    FenceState::Failed
                 }
-            });
+            };
+            fences.borrow_mut().insert(peer, state);
+            shared.wake_driver();
+        });
+    }
+
+    /// After local quiescence: every task that ended without its target's
+    /// answer (a lost or torn-down connection) is confirmed only by an
+    /// acknowledged fence of this wire batch at its peer. Fences those peers
+    /// (if not already) and waits for their answers until the fence's grace
+    /// ends (a fresh grace if the batch never fenced), then records each
+    /// task's [`RemoteState`].
+    async fn confirm_remote(&mut self, wire: u64) {
+        let lost: HashSet<T::Peer> = self
+            .tasks
+            .iter()
+            .filter(|t| t.remote == RemoteState::Unconfirmed)
+            .map(|t| self.transport.peer(&t.target))
+            .collect();
+        if lost.is_empty() {
+            return;
+        }
+        for p in &lost {
+            self.fence_peer(p.clone(), wire);
+        }
+        let limit = self
+            .hard_at
+            .unwrap_or_else(|| Instant::now() + self.opts.fence_grace);
+        let mut limit = sleep_until(limit);
+        std::future::poll_fn(|cx| {
+            let answered = {
+                let f = self.fences.borrow();
+                lost.iter().all(|p| f.get(p) != Some(&FenceState::Pending))
+            };
+            if answered || Pin::new(&mut limit).poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+        let fences = self.fences.borrow();
+        for t in &mut self.tasks {
+            let peer = self.transport.peer(&t.target);
+            if t.remote == RemoteState::Unconfirmed && fences.get(&peer) == Some(&FenceState::Acked)
+            {
+                t.remote = RemoteState::Fenced;
+            }
+        }
+        let unconfirmed = self
+            .tasks
+            .iter()
+            .filter(|t| t.remote == RemoteState::Unconfirmed)
+            .count();
+        if unconfirmed > 0 {
+            tracing::warn!(
+                unconfirmed,
+                "tasks ended without their target's answer and no fence was acknowledged"
+            );
         }
     }
 
@@ -294,10 +397,15 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                     },
                 };
                 t.buf = Some(buf);
+                t.remote = match &res {
+                    Err(e) if !e.settles_remote() => RemoteState::Unconfirmed,
+                    _ => RemoteState::Answered,
+                };
                 let (status, bytes) = match res {
                     Ok(n) => (TaskStatus::Completed, n),
                     Err(TransferError::Fenced) => (TaskStatus::Fenced, 0),
                     Err(TransferError::FencedPartial { landed }) => (TaskStatus::Fenced, landed),
+                    Err(e @ TransferError::Revoked { landed }) => (TaskStatus::Failed(e), landed),
                     Err(e) => (TaskStatus::Failed(e), 0),
                 };
                 t.bytes = bytes;
@@ -340,6 +448,16 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         {
             return false;
         }
+        // A retry rewrites what the old attempt may still deliver: only once
+        // every target confirmed that nothing more of it lands.
+        if self
+            .tasks
+            .iter()
+            .any(|t| t.remote == RemoteState::Unconfirmed)
+        {
+            tracing::warn!("not retrying: a target did not confirm the failed attempt");
+            return false;
+        }
         if self.deadline.is_some_and(|d| Instant::now() >= d) {
             return false;
         }
@@ -364,10 +482,12 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 t.state = TaskState::Queued;
             }
         }
-        // A new attempt gets fresh fence timers.
+        // A new attempt gets fresh fence timers and fences.
         self.fence_started = None;
         self.soft = None;
         self.hard = None;
+        self.hard_at = None;
+        self.fences = Rc::default();
         true
     }
 
@@ -382,6 +502,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 status,
                 bytes: t.bytes,
                 attempts: t.attempts,
+                remote: t.remote,
             });
             buffers.push(t.buf.expect("every terminal task holds its buffer"));
         }

@@ -151,6 +151,14 @@ pub struct SimLog {
     /// A transfer of a new wire batch started while an older one of the
     /// same batch had transfers in flight (a retry before quiescence).
     pub retry_before_quiescence: usize,
+    /// `(peer, wire batch, buffer address)` of transfers that ended without
+    /// the peer's answer (a lost connection): their bytes may still land
+    /// there until a fence of that wire batch is confirmed at that peer.
+    pub residue: HashSet<(usize, u64, usize)>,
+    /// A transfer of a new wire batch started while an older wire batch
+    /// still had unconfirmed residue at some peer (a retry over bytes that
+    /// may still land).
+    pub retry_over_residue: usize,
 }
 
 struct Inner {
@@ -189,6 +197,11 @@ impl Sim {
         self.inner.log.borrow()
     }
 
+    /// True if `peer` acknowledged a fence of wire batch `wire`.
+    pub fn fence_confirmed(&self, peer: usize, wire: u64) -> bool {
+        self.inner.fenced.borrow().contains(&(peer, wire))
+    }
+
     fn roll(&self, n: u64) -> u64 {
         self.inner.rng.borrow_mut().below(n)
     }
@@ -222,6 +235,15 @@ impl Sim {
                     }
                 }
                 inner.last_wire.set(Some(wire));
+                let fenced = inner.fenced.borrow();
+                if log
+                    .residue
+                    .iter()
+                    .any(|&(p, w, _)| w != wire && !fenced.contains(&(p, w)))
+                {
+                    log.retry_over_residue += 1;
+                }
+                drop(fenced);
                 log.in_flight += 1;
                 *log.live.entry(wire).or_default() += 1;
                 log.starts.push((wire, buf.stable_ptr() as usize));
@@ -270,6 +292,10 @@ impl Sim {
                 let mut log = inner.log.borrow_mut();
                 log.in_flight -= 1;
                 *log.live.get_mut(&wire).expect("registered") -= 1;
+                if res.as_ref().is_err_and(|e| !e.settles_remote()) {
+                    log.residue
+                        .insert((t.peer, wire, buf.stable_ptr() as usize));
+                }
             }
             (res, buf)
         }
@@ -392,7 +418,9 @@ pub struct ScheduleStats {
 /// Builds a random batch from `seed`, runs it on the simulator, and checks
 /// the batch layer's promises: no outcome before every transfer ended; every
 /// buffer back exactly once; no access to a buffer after it was handed back;
-/// retries only after quiescence. Call inside a runtime.
+/// retries only after quiescence and only once every earlier attempt's
+/// residue is confirmed fenced; no task claims remote confirmation that no
+/// fence gave. Call inside a runtime.
 pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
     use std::time::Duration;
 
@@ -429,6 +457,7 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
     } as usize;
     let mut batch = Batch::new(sim.clone(), opts);
     let mut flags = Vec::new();
+    let mut peers = Vec::new();
     for id in 0..n {
         let len = 1 + rng.below(64) as usize;
         let buf = SimBuf::new(id, len);
@@ -438,6 +467,7 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
             peer: rng.below(cfg.peers as u64) as usize,
             len: len as u64,
         };
+        peers.push(t.peer);
         let added = if rng.chance(50) {
             batch.write(buf, t)
         } else {
@@ -498,6 +528,31 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
     }
     if q.tasks().len() != n {
         return fail("a report per task");
+    }
+    // Remote confirmation: a task whose last attempt left residue at its peer
+    // must not claim the peer confirmed it, unless a fence of that wire batch
+    // was acknowledged there.
+    {
+        let log = sim.log();
+        for (i, (report, buf)) in q.tasks().iter().zip(q.buffers()).enumerate() {
+            let addr = buf.stable_ptr() as usize;
+            let Some(&(wire, _)) = log.starts.iter().rev().find(|(_, a)| *a == addr) else {
+                continue;
+            };
+            let peer = peers[buf.id];
+            if log.residue.contains(&(peer, wire, addr))
+                && !sim.fence_confirmed(peer, wire)
+                && report.remote != crate::RemoteState::Unconfirmed
+            {
+                return fail(&format!(
+                    "task {i} claims {:?} without an acknowledged fence",
+                    report.remote
+                ));
+            }
+        }
+        if log.retry_over_residue > 0 {
+            return fail("a retry started while an earlier attempt's bytes could still land");
+        }
     }
     stats.completed = q.all_completed();
     stats.fenced = q.fence_time().is_some();

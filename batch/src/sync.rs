@@ -8,6 +8,13 @@
 //! | -1 | the batch failed | back with the caller; nothing touches them |
 //! | -2 | completion unknown | still held: do not free or reuse; wait or poll the ticket |
 //!
+//! The code speaks of the caller's memory. Whether the *targets* confirmed
+//! that nothing more of a failed batch lands is
+//! [`SyncOutcome::remote_confirmed`]: a -1 write whose targets did not
+//! confirm may still deliver bytes into the target ranges (revoke them at
+//! the target, or fence again, before trusting them); a -1 read is safe
+//! either way, its destination being the caller's buffer.
+//!
 //! Errors before anything starts are [`SyncError`]s (the C ABI: -3 for an
 //! unknown handle or ticket, -1 otherwise). A panic in the engine while a
 //! batch holds the caller's memory aborts the process rather than answer.
@@ -60,6 +67,10 @@ pub struct SyncOutcome<B> {
     pub tasks: Vec<TaskReport>,
     /// For -2: wait on or poll this id.
     pub ticket: Option<u64>,
+    /// For 0 and -1: whether every target confirmed that nothing more of the
+    /// batch lands ([`Quiesced::remote_confirmed`]). The code is about the
+    /// caller's memory; this is about the targets'.
+    pub remote_confirmed: bool,
 }
 
 type Job = Box<dyn FnOnce(&State) + Send>;
@@ -218,6 +229,7 @@ impl SyncEngine {
                             buffers: None,
                             tasks: Vec::new(),
                             ticket: Some(id),
+                            remote_confirmed: false,
                         }
                     }
                 };
@@ -291,11 +303,13 @@ impl Drop for AbortOnUnwind {
 fn finish<B>(q: Quiesced<B>) -> SyncOutcome<B> {
     let code = q.sync_code();
     let tasks = q.tasks().to_vec();
+    let remote_confirmed = q.remote_confirmed();
     SyncOutcome {
         code,
         buffers: Some(q.into_buffers()),
         tasks,
         ticket: None,
+        remote_confirmed,
     }
 }
 

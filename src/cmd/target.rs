@@ -13,7 +13,10 @@ pub const SIDE_SEGMENT_LEN: usize = 4096;
 
 /// Serves `kv` (`size` bytes, read-write), `ro` (read-only) and `wo`
 /// (write-only) until stdin closes (or forever with `--no-stdin`). Prints
-/// `segment NAME ID LEN TOKEN` lines, then `listening ADDR`. With `rdma`,
+/// `segment NAME ID LEN TOKEN` lines, then `listening ADDR`. Reads commands
+/// on stdin, one a line: `revoke NAME [START END]` revokes the range (the
+/// whole segment by default) and answers `revoked NAME` once it resolved
+/// (or `error …`). With `rdma`,
 /// the segments are also RDMA memory regions whose access flags follow their
 /// rights (the engine fails with "no RDMA device" where there is none).
 pub fn run(
@@ -67,10 +70,20 @@ pub fn run(
             use std::os::fd::AsFd;
             let stdin =
                 quiesce::runtime::fd::Fd::new(std::io::stdin().as_fd().try_clone_to_owned()?)?;
+            let mut pending = Vec::new();
             loop {
-                let (r, _) = stdin.read(vec![0u8; 64]).await;
-                if !matches!(r, Ok(n) if n > 0) {
-                    break;
+                let (r, buf) = stdin.read(vec![0u8; 256]).await;
+                let n = match r {
+                    Ok(n) if n > 0 => n,
+                    _ => break,
+                };
+                pending.extend_from_slice(&buf[..n]);
+                while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+                    let line: Vec<u8> = pending.drain(..=end).collect();
+                    let reply = command(&segs, &String::from_utf8_lossy(&line)).await;
+                    let mut out = std::io::stdout().lock();
+                    writeln!(out, "{reply}")?;
+                    out.flush()?;
                 }
             }
         } else {
@@ -79,4 +92,24 @@ pub fn run(
         engine.shutdown();
         Ok::<_, Box<dyn std::error::Error>>(())
     })
+}
+
+/// Runs one stdin command; returns the line to answer.
+async fn command(segs: &[quiesce::transports::Segment], line: &str) -> String {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    let (name, range) = match w.as_slice() {
+        ["revoke", name] => (*name, None),
+        ["revoke", name, start, end] => match (start.parse::<u64>(), end.parse::<u64>()) {
+            (Ok(s), Ok(e)) => (*name, Some(s..e)),
+            _ => return format!("error bad range in {line:?}"),
+        },
+        _ => return format!("error unknown command {line:?}"),
+    };
+    let Some(seg) = segs.iter().find(|s| s.name() == name) else {
+        return format!("error no segment {name:?}");
+    };
+    match seg.revoke(range.unwrap_or(0..seg.len())).await {
+        Ok(()) => format!("revoked {name}"),
+        Err(e) => format!("error {e}"),
+    }
 }

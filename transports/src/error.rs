@@ -39,6 +39,14 @@ pub enum TransferError {
         /// Bytes applied before the fence.
         landed: u64,
     },
+    /// The target's owner revoked the range after this initiator proved the
+    /// token: prove it again (`Peer::open`) to write there; `landed` bytes
+    /// of the write's prefix landed before the revoke.
+    #[error("revoked by the target after {landed} bytes landed")]
+    Revoked {
+        /// Bytes applied before the revoke.
+        landed: u64,
+    },
     /// No peer at that address, or the handshake was refused.
     #[error("handshake with {peer} failed: {reason}")]
     Handshake {
@@ -85,7 +93,31 @@ impl TransferError {
             Status::BadFrame => TransferError::BadFrame("rejected by the target".into()),
             Status::Fenced => TransferError::Fenced,
             Status::FencedPartial => TransferError::FencedPartial { landed },
+            Status::Revoked => TransferError::Revoked { landed },
         })
+    }
+
+    /// True if the error itself settles the request at the target: the
+    /// target refused it (or applied it up to a fence), or it was never sent.
+    /// False when the request ended without the target's answer (a lost
+    /// connection, a timeout, a broken stream): bytes already sent may still
+    /// land there until a fence is acknowledged.
+    pub fn settles_remote(&self) -> bool {
+        match self {
+            TransferError::NoSuchSegment(_)
+            | TransferError::Forbidden(_)
+            | TransferError::OutOfBounds { .. }
+            | TransferError::BadLength(_)
+            | TransferError::Fenced
+            | TransferError::FencedPartial { .. }
+            | TransferError::Revoked { .. }
+            | TransferError::RemoteAccess(_)
+            | TransferError::Unregistered { .. } => true,
+            TransferError::BadFrame(_)
+            | TransferError::Handshake { .. }
+            | TransferError::ConnectionLost(_)
+            | TransferError::ConnectTimeout => false,
+        }
     }
 
     /// Whether retrying the same request may succeed.

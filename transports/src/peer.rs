@@ -276,17 +276,26 @@ async fn join_slices(
         match h.await {
             Ok(Ok(n)) => total += n,
             Ok(Err(e)) => {
-                if let TransferError::FencedPartial { landed } = e {
+                if let TransferError::FencedPartial { landed } | TransferError::Revoked { landed } =
+                    e
+                {
                     total += landed;
                 }
-                first_err.get_or_insert(e);
+                keep_worst(&mut first_err, e);
             }
-            Err(e) => {
-                first_err.get_or_insert(TransferError::ConnectionLost(e.to_string()));
-            }
+            Err(e) => keep_worst(&mut first_err, TransferError::ConnectionLost(e.to_string())),
         }
     }
     first_err.map_or(Ok(total), Err)
+}
+
+/// Keeps the first error, unless a later one left the target unsettled
+/// (a lost connection): the transfer's error must say so.
+fn keep_worst(kept: &mut Option<TransferError>, e: TransferError) {
+    match kept {
+        Some(k) if !k.settles_remote() || e.settles_remote() => {}
+        _ => *kept = Some(e),
+    }
 }
 
 /// The descriptor accessors of a remote segment handle (a `desc:

@@ -6,6 +6,7 @@ use bitflags::bitflags;
 
 use crate::auth::Token;
 use crate::memory::{AlignedBuf, ExposedMemory};
+use crate::revoke::{Grants, RevokeError};
 
 bitflags! {
     /// What a peer that proved a segment's token may do to it.
@@ -50,6 +51,7 @@ pub(crate) struct SegmentInner {
     pub(crate) rights: Rights,
     pub(crate) token: Token,
     pub(crate) mem: Rc<ExposedMemory>,
+    pub(crate) grants: Grants,
 }
 
 /// A registered segment (the target's side). Cheap to clone.
@@ -74,6 +76,7 @@ impl Segment {
                 rights,
                 token: Token::random(),
                 mem: Rc::new(mem),
+                grants: Grants::default(),
             }),
         }
     }
@@ -111,6 +114,29 @@ impl Segment {
     /// Checks `offset..offset + len` against the segment, without overflow.
     pub(crate) fn check_range(&self, offset: u64, len: u64) -> bool {
         offset.checked_add(len).is_some_and(|end| end <= self.len())
+    }
+
+    /// Takes `range` back from every peer: resolves once no byte of any
+    /// write accepted, queued in a socket or sent before the call can land
+    /// in it any more, from any peer (a vanished or partitioned one too).
+    /// Writes into the range land again only from connections that prove
+    /// the token after the call (an initiator's `Peer::open`, or any new
+    /// connection); older ones are refused with `Revoked`. See
+    /// `revoke.rs` for how.
+    pub async fn revoke(&self, range: std::ops::Range<u64>) -> Result<(), RevokeError> {
+        let (start, end) = (range.start, range.end);
+        if start >= end || end > self.len() {
+            return Err(RevokeError::OutOfBounds {
+                start,
+                end,
+                len: self.len(),
+            });
+        }
+        if self.inner.grants.rdma.get() {
+            return Err(RevokeError::ServedOverRdma);
+        }
+        self.inner.grants.revoke(start, end).await;
+        Ok(())
     }
 
     /// Copies bytes out. `false` (and nothing copied) if out of range.

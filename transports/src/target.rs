@@ -7,7 +7,7 @@
 //! segment. Writes land straight in the segment (one receive into the
 //! destination range, no copy) and are acknowledged after the last byte.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::io;
 use std::rc::Rc;
 
@@ -47,7 +47,9 @@ struct Conn<'a> {
     session: u64,
     nonce: [u8; 16],
     peer_nonce: [u8; 16],
-    authorised: HashSet<u64>,
+    /// Segments whose token this connection proved, with the grant epoch
+    /// current when it did (see `revoke.rs`).
+    authorised: HashMap<u64, u64>,
     /// The RDMA queue pair this connection set up (control connections).
     served: Option<crate::rdma::served::ServedQp>,
 }
@@ -137,7 +139,7 @@ async fn handshake<'a>(engine: &'a EngineInner, s: &'a TcpStream) -> Result<Conn
         session: hello.session,
         nonce,
         peer_nonce: hello.nonce,
-        authorised: HashSet::new(),
+        authorised: HashMap::new(),
         served: None,
     })
 }
@@ -220,7 +222,7 @@ impl Conn<'_> {
                     }
                 }
             }
-            answer.keys = node.keys(self.authorised.iter().copied());
+            answer.keys = node.keys(self.authorised.keys().copied());
         }
         let payload = match answer.encode() {
             Ok(p) => p,
@@ -262,7 +264,7 @@ impl Conn<'_> {
                             *id,
                         ) =>
                     {
-                        self.authorised.insert(*id);
+                        self.authorised.insert(*id, seg.inner.grants.current());
                         Status::Ok
                     }
                     Some(_) => Status::Forbidden,
@@ -284,10 +286,11 @@ impl Conn<'_> {
         Ok(())
     }
 
-    /// The segment, if the request may touch it: length within `1..=max`,
-    /// batch not fenced, segment known, token proven, right granted, range
-    /// inside the segment without overflow.
-    fn check(&self, h: &Header, need: Rights) -> Result<Segment, Status> {
+    /// The segment and this connection's grant epoch, if the request may
+    /// touch it: length within `1..=max`, batch not fenced, segment known,
+    /// token proven, right granted, range inside the segment without
+    /// overflow, and (writes) not revoked since the token was proven.
+    fn check(&self, h: &Header, need: Rights) -> Result<(Segment, u64), Status> {
         if h.length == 0 || h.length > self.engine.config.max_frame {
             return Err(Status::BadFrame);
         }
@@ -298,13 +301,19 @@ impl Conn<'_> {
             .engine
             .segment(h.segment)
             .ok_or(Status::NoSuchSegment)?;
-        if !self.authorised.contains(&h.segment) || !seg.rights().contains(need) {
+        let Some(&epoch) = self.authorised.get(&h.segment) else {
+            return Err(Status::Forbidden);
+        };
+        if !seg.rights().contains(need) {
             return Err(Status::Forbidden);
         }
         if !seg.check_range(h.offset, h.length) {
             return Err(Status::OutOfBounds);
         }
-        Ok(seg)
+        if need.contains(Rights::WRITE) && seg.inner.grants.is_revoked(h.offset, h.length, epoch) {
+            return Err(Status::Revoked);
+        }
+        Ok((seg, epoch))
     }
 
     /// Answers a refused request; a refused write's payload goes to scratch.
@@ -327,22 +336,26 @@ impl Conn<'_> {
             )
             .await);
         }
-        let seg = match self.check(h, Rights::WRITE) {
-            Ok(seg) => seg,
+        let (seg, epoch) = match self.check(h, Rights::WRITE) {
+            Ok(ok) => ok,
             Err(st) => return self.refuse(h, st, h.length).await,
         };
         let guard = self.engine.fences.begin_write(self.session, h.batch);
+        let landing = seg.inner.grants.begin(h.offset, h.length, epoch);
         let (len, mut landed) = (h.length, 0u64);
-        while landed < len && !guard.fenced() {
+        while landed < len && !guard.fenced() && !landing.revoked() {
             let window = Window::new(
                 seg.inner.mem.clone(),
                 (h.offset + landed) as usize,
                 (len - landed) as usize,
             );
             let mut op = self.s.read(window);
-            guard.set_canceller(Some(op.canceller()));
+            let canceller = op.canceller();
+            guard.set_canceller(Some(canceller.clone()));
+            landing.set_canceller(Some(canceller));
             let (res, _window) = op.await;
             guard.set_canceller(None);
+            landing.set_canceller(None);
             match res {
                 Ok(0) => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => landed += n as u64,
@@ -351,16 +364,20 @@ impl Conn<'_> {
                 Err(e) => return Err(e.into()),
             }
         }
+        let revoked = landed < len && landing.revoked();
+        // The receive is reaped: a revoke waiting for this write may resolve.
+        drop(landing);
         drop(guard);
         let st = if landed == len {
             Status::Ok
         } else {
-            // Fenced mid-way: the rest goes to scratch memory, not the segment.
+            // Fenced or revoked mid-way: the rest goes to scratch memory, not
+            // the segment.
             discard(self.s, len - landed).await?;
-            if landed == 0 {
-                Status::Fenced
-            } else {
-                Status::FencedPartial
+            match (revoked, landed) {
+                (true, _) => Status::Revoked,
+                (false, 0) => Status::Fenced,
+                (false, _) => Status::FencedPartial,
             }
         };
         let c = &self.engine.counters;
@@ -371,7 +388,7 @@ impl Conn<'_> {
 
     async fn read(&mut self, h: &Header) -> Result<(), Closed> {
         let seg = match self.check(h, Rights::READ) {
-            Ok(seg) => seg,
+            Ok((seg, _)) => seg,
             Err(st) => return self.refuse(h, st, 0).await,
         };
         let head = Header {

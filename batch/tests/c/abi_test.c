@@ -42,6 +42,8 @@ int main(int argc, char **argv) {
     uint64_t ticket = 0;
     CHECK(quiesce_batch_transfer_sync_write(e, tasks, 2, &ff, &ticket) == -1, "refused batch fails");
     CHECK(strlen(quiesce_last_error()) > 0, "an error message");
+    /* Refused and fenced by a live target: it confirmed that nothing more lands. */
+    CHECK(quiesce_last_remote_confirmed() == 1, "a live target confirms the failed batch");
     memset(src, 0xEE, len); /* reuse at once: nothing touches it any more */
 
     quiesce_task reads[1] = {{kv, 4096, dst, len}};

@@ -174,6 +174,7 @@ impl RdmaEngine {
         rights: Rights,
     ) -> Result<Segment, RegisterError> {
         let seg = self.inner.tcp.register(name, mem, rights)?;
+        seg.inner.grants.rdma.set(true);
         let access = Access {
             remote_write: rights.contains(Rights::WRITE),
             remote_read: rights.contains(Rights::READ),

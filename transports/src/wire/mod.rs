@@ -85,6 +85,10 @@ pub enum Status {
     Fenced = 5,
     /// A fenced write that had started: some bytes landed before the fence.
     FencedPartial = 6,
+    /// The range was revoked by the segment's owner after this connection
+    /// proved the token: nothing of the request lands after the revoke
+    /// (`length` = bytes of a write's prefix that landed before it).
+    Revoked = 7,
 }
 
 impl Status {
@@ -98,6 +102,7 @@ impl Status {
             4 => Status::BadFrame,
             5 => Status::Fenced,
             6 => Status::FencedPartial,
+            7 => Status::Revoked,
             _ => return None,
         })
     }

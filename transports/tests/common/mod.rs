@@ -110,6 +110,12 @@ pub enum Cmd {
     Stats {
         reply: mpsc::Sender<quiesce_transports::EngineStats>,
     },
+    /// Revoke `range` of segment `name`; answer once it resolved.
+    Revoke {
+        name: String,
+        range: std::ops::Range<u64>,
+        reply: mpsc::Sender<Result<(), quiesce_transports::RevokeError>>,
+    },
 }
 
 /// A target engine on another thread (a shard of this process).
@@ -172,6 +178,9 @@ impl ShardTarget {
                                 Cmd::Stats { reply } => {
                                     let _ = reply.send(engine.stats());
                                 }
+                                Cmd::Revoke { name, range, reply } => {
+                                    let _ = reply.send(handles[&name].revoke(range).await);
+                                }
                                 Cmd::Stall { for_, started } => {
                                     // Freeze the whole shard, like SIGSTOP would a process.
                                     let _ = started.send(());
@@ -232,6 +241,25 @@ impl ShardTarget {
             .send(Cmd::Stall {
                 for_: d,
                 started: tx,
+            })
+            .ok()
+            .unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap()
+    }
+
+    /// Revokes `range` of segment `name` at the target (its owner's call);
+    /// returns once the revoke resolved there.
+    pub fn revoke(
+        &self,
+        name: &str,
+        range: std::ops::Range<u64>,
+    ) -> Result<(), quiesce_transports::RevokeError> {
+        let (tx, rx) = mpsc::channel();
+        self.cmds
+            .send(Cmd::Revoke {
+                name: name.into(),
+                range,
+                reply: tx,
             })
             .ok()
             .unwrap();

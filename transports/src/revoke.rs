@@ -1,0 +1,165 @@
+//! Target-side revoke: the owner of a segment takes a range back.
+//!
+//! Every segment has a *grant epoch*. A connection that proves the segment's
+//! token is stamped with the epoch current at that moment. `revoke(range)`
+//! advances the epoch and records `(range, epoch)`; from then on a write into
+//! that range is refused (`Status::Revoked`) unless its connection proved the
+//! token after the revoke — "issued under the new grant". Writes of older
+//! grants that are landing in the range right now have their receive
+//! cancelled, and `revoke` resolves only once each of them has stopped (its
+//! receive reaped). So once it resolves, no byte of any write accepted,
+//! queued in a socket or sent before the call lands in the range any more,
+//! whoever sent it — including a peer that vanished or is partitioned: its
+//! bytes still in the target's socket buffers are refused when read.
+//!
+//! TCP only: a segment also served over RDMA is written by the NIC, which
+//! this table does not see (`RevokeError::ServedOverRdma`).
+
+use std::cell::{Cell, RefCell};
+use std::task::{Poll, Waker};
+
+use quiesce_runtime::Canceller;
+use slab::Slab;
+
+/// At most this many revoked ranges are kept per segment; past it they are
+/// merged into one covering range (revoking more, never less).
+const MAX_REVOKED: usize = 64;
+
+/// Why a revoke was refused (nothing was revoked).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RevokeError {
+    /// The range is empty, or not inside the segment.
+    #[error("revoke of {start}..{end} outside a segment of {len} bytes")]
+    OutOfBounds {
+        /// Start of the range.
+        start: u64,
+        /// End of the range.
+        end: u64,
+        /// The segment's length.
+        len: u64,
+    },
+    /// The segment is served over RDMA too, whose writes the NIC applies
+    /// without this table; revoke is not offered there yet.
+    #[error("segment is served over RDMA; revoke covers TCP only")]
+    ServedOverRdma,
+}
+
+struct Landing {
+    start: u64,
+    end: u64,
+    /// The grant epoch of the connection the write came on.
+    epoch: u64,
+    canceller: Option<Canceller>,
+}
+
+/// A segment's grants: its epoch, revoked ranges and landing writes.
+#[derive(Default)]
+pub(crate) struct Grants {
+    epoch: Cell<u64>,
+    /// `(start, end, epoch)`: writes into `start..end` of grants older than
+    /// `epoch` are refused.
+    revoked: RefCell<Vec<(u64, u64, u64)>>,
+    landing: RefCell<Slab<Landing>>,
+    waiters: RefCell<Vec<Waker>>,
+    pub(crate) rdma: Cell<bool>,
+}
+
+/// A write landing in a segment (see [`Grants::begin`]).
+pub(crate) struct LandingGuard<'a> {
+    grants: &'a Grants,
+    key: usize,
+}
+
+impl LandingGuard<'_> {
+    /// Records the canceller of the receive now in flight.
+    pub(crate) fn set_canceller(&self, c: Option<Canceller>) {
+        if let Some(l) = self.grants.landing.borrow_mut().get_mut(self.key) {
+            l.canceller = c;
+        }
+    }
+
+    /// True if the write must stop: its range was revoked since its grant.
+    pub(crate) fn revoked(&self) -> bool {
+        let (start, end, epoch) = {
+            let landing = self.grants.landing.borrow();
+            let l = &landing[self.key];
+            (l.start, l.end, l.epoch)
+        };
+        self.grants.is_revoked(start, end - start, epoch)
+    }
+}
+
+impl Drop for LandingGuard<'_> {
+    fn drop(&mut self) {
+        self.grants.landing.borrow_mut().remove(self.key);
+        let waiters = std::mem::take(&mut *self.grants.waiters.borrow_mut());
+        waiters.into_iter().for_each(Waker::wake);
+    }
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+impl Grants {
+    /// The epoch a connection proving the token now is granted.
+    pub(crate) fn current(&self) -> u64 {
+        self.epoch.get()
+    }
+
+    /// True if a write of grant `epoch` into `offset..offset + len` is refused.
+    pub(crate) fn is_revoked(&self, offset: u64, len: u64, epoch: u64) -> bool {
+        let w = (offset, offset.saturating_add(len));
+        self.revoked
+            .borrow()
+            .iter()
+            .any(|&(s, e, ep)| ep > epoch && overlaps(w, (s, e)))
+    }
+
+    /// Registers a write of grant `epoch` that is about to land; dropping
+    /// the guard (once its receive is reaped) tells revoke waiters.
+    pub(crate) fn begin(&self, offset: u64, len: u64, epoch: u64) -> LandingGuard<'_> {
+        let key = self.landing.borrow_mut().insert(Landing {
+            start: offset,
+            end: offset.saturating_add(len),
+            epoch,
+            canceller: None,
+        });
+        LandingGuard { grants: self, key }
+    }
+
+    /// Revokes `start..end` (checked by the caller) and resolves once no
+    /// write of an older grant is landing in it.
+    pub(crate) async fn revoke(&self, start: u64, end: u64) {
+        let epoch = self.epoch.get() + 1;
+        self.epoch.set(epoch);
+        {
+            let mut r = self.revoked.borrow_mut();
+            r.push((start, end, epoch));
+            if r.len() > MAX_REVOKED {
+                let s = r.iter().map(|x| x.0).min().unwrap_or(start);
+                let e = r.iter().map(|x| x.1).max().unwrap_or(end);
+                *r = vec![(s, e, epoch)];
+            }
+        }
+        let older = |l: &Landing| l.epoch < epoch && overlaps((l.start, l.end), (start, end));
+        let cancellers: Vec<Canceller> = self
+            .landing
+            .borrow()
+            .iter()
+            .filter(|(_, l)| older(l))
+            .filter_map(|(_, l)| l.canceller.clone())
+            .collect();
+        // Outside the borrow: cancelling may wake tasks.
+        cancellers.iter().for_each(Canceller::cancel);
+        std::future::poll_fn(|cx| {
+            if self.landing.borrow().iter().any(|(_, l)| older(l)) {
+                self.waiters.borrow_mut().push(cx.waker().clone());
+                Poll::Pending
+            } else {
+                Poll::Ready(())
+            }
+        })
+        .await;
+    }
+}
