@@ -18,11 +18,6 @@ use quiesce::transports::{AlignedBuf, Engine, EngineConfig, RemoteSegment, Trans
 
 const BIG: usize = 64 << 20;
 
-/// True when the tests run on io_uring (`QUIESCE_DRIVER` or the default).
-fn io_uring() -> bool {
-    Runtime::new().unwrap().driver_kind() == quiesce::runtime::DriverKind::IoUring
-}
-
 type Target = TargetChild;
 
 fn spawn_target() -> Target {
@@ -192,14 +187,8 @@ fn fail_fast_fences_the_rest_while_drain_lets_it_finish() {
                 "{st:?}"
             );
             match policy {
-                // On epoll the large write's non-blocking sends can push all
-                // 64 MiB into the socket before the refusal is read, and then
-                // it rightly completes; io_uring reads the refusal first.
-                FailurePolicy::FailFast if !io_uring() => {
-                    assert!(
-                        q.fence_time().is_some() || q.tasks()[1].status == TaskStatus::Completed
-                    );
-                }
+                // Both drivers see the refusal before the 64 MiB is pushed
+                // (epoll bounds the bytes moved per reactor tick).
                 FailurePolicy::FailFast => {
                     assert_eq!(q.tasks()[1].status, TaskStatus::Fenced);
                     assert!(q.fence_time().is_some());
@@ -240,14 +229,10 @@ fn retries_happen_after_quiescence_and_only_for_failed_tasks() {
         let buf = &q.buffers()[0];
         assert!(buf.iter().all(|&b| b == 3));
         assert!(q.tasks().iter().all(|t| t.attempts <= 4));
-        // On epoll the 8 MiB can be fully sent within the 300 us before the
-        // reset, leaving nothing to retry; on io_uring it is still in flight.
-        if io_uring() {
-            assert!(
-                q.tasks().iter().any(|t| t.attempts > 1),
-                "the reset came too late to test a retry"
-            );
-        }
+        assert!(
+            q.tasks().iter().any(|t| t.attempts > 1),
+            "the reset came too late to test a retry"
+        );
     });
 }
 

@@ -37,6 +37,8 @@ pub(crate) struct Context {
     /// Tasks that yielded (or spent their budget): woken after the next
     /// reactor turn, so they run after I/O completions, not before.
     pub(crate) deferred: RefCell<Vec<std::task::Waker>>,
+    /// Bytes moved by epoll ops since the last reactor turn (`TICK_BYTES`).
+    pub(crate) tick_bytes: Cell<usize>,
     /// Set when the `Runtime` is dropped: nothing runs tasks any more.
     pub(crate) closed: Cell<bool>,
 }

@@ -310,6 +310,37 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
     }
 }
 
+/// Bytes the epoll backend's ops may move per reactor tick, over all tasks.
+///
+/// On epoll an op's syscall runs inside the task's poll, so without a bound
+/// one tick could push a 64 MiB write into a fast socket before the reactor
+/// looks at anything — the target's refusal of a sibling task included, which
+/// made FailFast ineffective. Once the tick has moved this much, byte-moving
+/// ops wait for the next turn (the reactor polls, whatever it woke runs
+/// first). io_uring needs no bound: its completions come through the reactor.
+pub(crate) const TICK_BYTES: usize = 256 << 10;
+
+/// `Pending` (the task deferred past the next reactor turn) once this tick's
+/// byte budget is spent; see [`TICK_BYTES`].
+pub(crate) fn byte_budget(tcx: &mut TaskCx<'_>) -> Poll<()> {
+    context::try_with(|cx| match cx {
+        Some(cx) if cx.tick_bytes.get() >= TICK_BYTES => {
+            cx.deferred.borrow_mut().push(tcx.waker().clone());
+            Poll::Pending
+        }
+        _ => Poll::Ready(()),
+    })
+}
+
+/// Charges `n` moved bytes to this tick's byte budget.
+pub(crate) fn charge_bytes(n: usize) {
+    context::try_with(|cx| {
+        if let Some(cx) = cx {
+            cx.tick_bytes.set(cx.tick_bytes.get() + n);
+        }
+    })
+}
+
 /// Spends one unit of the running task's cooperative budget.
 ///
 /// Returns `Pending` (after waking the task) when the budget is spent, so a

@@ -178,6 +178,7 @@ impl Builder {
             counters: Counters::default(),
             budget: Cell::new(OP_BUDGET),
             deferred: RefCell::new(Vec::new()),
+            tick_bytes: Cell::new(0),
             closed: Cell::new(false),
         };
         Ok(Runtime {
@@ -264,6 +265,7 @@ impl Runtime {
 /// deadline, or not at all when work is pending), dispatch what arrived.
 fn turn(cx: &Context) {
     Counters::bump(&cx.counters.ticks);
+    cx.tick_bytes.set(0);
     let reaped = source::poll_all(cx);
     time::fire_due(cx);
     let busy = reaped > 0

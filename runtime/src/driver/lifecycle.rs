@@ -235,7 +235,9 @@ impl<T: Operation> Future for Op<T> {
                 if this.cancel_requested() {
                     return Poll::Ready(spec.complete(Err(canceled()), 0));
                 }
-                if crate::executor::poll_budget(tcx).is_pending() {
+                if crate::executor::poll_budget(tcx).is_pending()
+                    || (T::MOVES_BYTES && crate::executor::byte_budget(tcx).is_pending())
+                {
                     this.state = State::Idle(spec);
                     return Poll::Pending;
                 }
@@ -258,6 +260,9 @@ impl<T: Operation> Future for Op<T> {
                     }
                     res => {
                         crate::stats::Counters::bump(&this.cx.counters.completions);
+                        if let (true, Ok(n)) = (T::MOVES_BYTES, &res) {
+                            crate::executor::charge_bytes(*n as usize);
+                        }
                         Poll::Ready(spec.complete(res, 0))
                     }
                 }

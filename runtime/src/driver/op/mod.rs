@@ -41,6 +41,10 @@ pub trait Operation: sealed::Sealed + Unpin + 'static {
     /// What awaiting the operation yields (usually the result and the buffers).
     type Output;
 
+    /// epoll: the result counts bytes moved, charged to the tick's byte budget.
+    #[doc(hidden)]
+    const MOVES_BYTES: bool = false;
+
     /// io_uring: the submission entry (the driver sets `user_data`).
     #[doc(hidden)]
     fn uring_entry(&mut self) -> io_uring::squeue::Entry;

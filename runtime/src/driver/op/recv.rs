@@ -34,6 +34,7 @@ impl<B> sealed::Sealed for Recv<B> {}
 
 impl<B: IoBufMut> Operation for Recv<B> {
     type Output = BufResult<usize, B>;
+    const MOVES_BYTES: bool = true;
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let (ptr, len) = self.target();

@@ -38,6 +38,7 @@ impl<B> sealed::Sealed for ReadAt<B> {}
 
 impl<B: IoBufMut> Operation for ReadAt<B> {
     type Output = BufResult<usize, B>;
+    const MOVES_BYTES: bool = true;
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_total().min(u32::MAX as usize) as u32;
@@ -94,6 +95,7 @@ impl<B> sealed::Sealed for WriteAt<B> {}
 
 impl<B: IoBuf> Operation for WriteAt<B> {
     type Output = BufResult<usize, B>;
+    const MOVES_BYTES: bool = true;
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_init().min(u32::MAX as usize) as u32;

@@ -26,6 +26,7 @@ impl<B> sealed::Sealed for Send<B> {}
 
 impl<B: IoBuf> Operation for Send<B> {
     type Output = BufResult<usize, B>;
+    const MOVES_BYTES: bool = true;
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_init().min(u32::MAX as usize) as u32;
