@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 pub mod scenario;
+pub mod stale;
 pub mod target_child;
 
 pub use quiesce_batch as batch;

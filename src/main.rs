@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod cmd {
     pub mod bench;
     pub mod demo;
+    pub mod early_return;
     pub mod target;
 }
 
@@ -98,6 +99,9 @@ enum Cmd {
         /// tcp, or rdma: the segments are RDMA memory regions too.
         #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
         transport: String,
+        /// Demonstrations only: acknowledge fences without applying them.
+        #[arg(long)]
+        ignore_fences: bool,
     },
 }
 
@@ -133,7 +137,15 @@ fn main() -> ExitCode {
             size,
             no_stdin,
             transport,
-        } => cmd::target::run(listen, size, !no_stdin, transport == "rdma").map(|()| true),
+            ignore_fences,
+        } => cmd::target::run(cmd::target::Options {
+            listen,
+            size,
+            watch_stdin: !no_stdin,
+            rdma: transport == "rdma",
+            ignore_fences,
+        })
+        .map(|()| true),
         Cmd::Bench {
             compare,
             connect,

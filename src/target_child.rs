@@ -18,6 +18,8 @@ pub struct TargetChild {
     pub addr: SocketAddr,
     /// Segment name → token.
     pub tokens: HashMap<String, Token>,
+    /// Segment name → id.
+    pub ids: HashMap<String, u64>,
 }
 
 impl TargetChild {
@@ -28,6 +30,17 @@ impl TargetChild {
         size: usize,
         rdma: bool,
     ) -> Result<TargetChild, Box<dyn std::error::Error>> {
+        TargetChild::spawn_with(exe, size, rdma, &[])
+    }
+
+    /// [`spawn`](Self::spawn) with more `quiesce target` arguments
+    /// (`--ignore-fences`).
+    pub fn spawn_with(
+        exe: &Path,
+        size: usize,
+        rdma: bool,
+        extra: &[&str],
+    ) -> Result<TargetChild, Box<dyn std::error::Error>> {
         let transport = if rdma { "rdma" } else { "tcp" };
         let mut child = Command::new(exe)
             .args([
@@ -37,17 +50,20 @@ impl TargetChild {
                 "--transport",
                 transport,
             ])
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()?;
         let mut tokens = HashMap::new();
+        let mut ids = HashMap::new();
         let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
         let addr = loop {
             let line = lines.next().ok_or("the target exited before listening")??;
             let w: Vec<&str> = line.split_whitespace().collect();
             match w.as_slice() {
-                ["segment", name, _, _, token] => {
+                ["segment", name, id, _, token] => {
                     tokens.insert(name.to_string(), token.parse()?);
+                    ids.insert(name.to_string(), id.parse()?);
                 }
                 ["listening", addr] => break addr.parse()?,
                 _ => return Err(format!("unexpected target output {line:?}").into()),
@@ -58,6 +74,7 @@ impl TargetChild {
             lines,
             addr,
             tokens,
+            ids,
         })
     }
 

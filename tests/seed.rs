@@ -13,6 +13,7 @@ use quiesce::runtime::{spawn_local, time, Runtime};
 use quiesce::scenario::{
     count_remote, read_round, seed_options, write_round, Bufs, Kind, Remote, POST_OUTCOME,
 };
+use quiesce::stale::stale_bytes_round;
 use quiesce::target_child::TargetChild;
 use quiesce::transports::{AlignedBuf, Engine, EngineConfig, RemoteSegment, TransferError};
 
@@ -360,51 +361,14 @@ fn a_retry_goes_out_only_after_the_target_confirmed_the_torn_down_attempt() {
     });
 }
 
-/// The stale-bytes scenario: batch A writes 64 MiB of `0xA1` to a target
-/// that stops mid-transfer and resolves without the target's confirmation;
-/// the target resumes (and, with `revoke`, its owner revokes the range);
-/// batch B from another engine rewrites the range with `0xB2` and completes.
-/// Returns whether A claimed remote confirmation and how many of A's bytes
-/// are found over B's afterwards.
-async fn stale_bytes_round(t: &mut Target, revoke: bool) -> (bool, usize) {
-    let (_a, ra) = remote(t, "ro").await;
-    let opts = BatchOptions::default()
-        .policy(FailurePolicy::FailFast)
-        .deadline(Duration::from_millis(20))
-        .fence_grace(Duration::from_millis(100));
-    let mut a = Batch::new(Tcp, opts);
-    a.write(vec![0xA1; BIG], RemoteRange::new(&ra.kv, 0, BIG as u64))
-        .ok()
-        .unwrap();
-    let sub = a.submit();
-    time::sleep(Duration::from_millis(3)).await;
-    t.signal(libc::SIGSTOP).unwrap();
-    let qa = sub.await.quiesced().await;
-    assert!(!qa.all_completed(), "a stopped target cannot complete A");
-    let a_confirmed = qa.remote_confirmed();
-    t.signal(libc::SIGCONT).unwrap();
-    if revoke {
-        t.revoke("kv").unwrap();
-    }
-    let (_b, rb) = remote(t, "ro").await;
-    let mut b = Batch::new(Tcp, BatchOptions::default());
-    b.write(vec![0xB2; BIG], RemoteRange::new(&rb.kv, 0, BIG as u64))
-        .ok()
-        .unwrap();
-    let qb = b.submit().await.quiesced().await;
-    assert!(qb.all_completed(), "B completes: {:?}", qb.tasks());
-    time::sleep(Duration::from_millis(200)).await;
-    let (stale, _) = count_remote(&rb.kv, BIG as u64, 0xA1, AlignedBuf::new(8 << 20)).await;
-    (a_confirmed, stale)
-}
-
 #[test]
 fn revoke_leaves_no_stale_byte_of_an_unconfirmed_batch() {
     let mut t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         let mut stale_rounds = 0;
         for round in 0..20 {
-            let (confirmed, stale) = stale_bytes_round(&mut t, true).await;
+            let r = stale_bytes_round(&mut t, BIG, true).await.unwrap();
+            let (confirmed, stale) = (r.a_confirmed, r.stale_bytes);
             assert!(
                 !confirmed,
                 "round {round}: a stopped target confirmed nothing"
@@ -424,7 +388,8 @@ fn without_revoke_the_outcome_says_the_target_did_not_confirm() {
     let mut t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         for round in 0..3 {
-            let (confirmed, stale) = stale_bytes_round(&mut t, false).await;
+            let r = stale_bytes_round(&mut t, BIG, false).await.unwrap();
+            let (confirmed, stale) = (r.a_confirmed, r.stale_bytes);
             assert!(
                 !confirmed,
                 "round {round}: claims confirmation from a stopped target"

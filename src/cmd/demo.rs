@@ -4,9 +4,13 @@ use std::time::Duration;
 
 use quiesce::runtime::Runtime;
 use quiesce::scenario::{seed_options, write_round, Buf, Bufs, Kind, Remote, Round, Seg};
+use quiesce::stale::stale_bytes_round;
 use quiesce::target_child::TargetChild;
 use quiesce::transports::rdma::{RdmaConfig, RdmaEngine};
 use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Region};
+
+use super::bench::SegInfo;
+use super::early_return;
 
 /// Runs `rounds` write rounds over `remote`.
 async fn rounds<S: Seg, B: Buf>(remote: &Remote<S>, mut bufs: Bufs<B>, rounds: u32) -> Vec<Round> {
@@ -26,9 +30,15 @@ async fn rounds<S: Seg, B: Buf>(remote: &Remote<S>, mut bufs: Bufs<B>, rounds: u
     results
 }
 
-/// Runs the scenario; `Ok(true)` if no round was corrupted.
+/// Runs the scenario; `Ok(true)` if quiesce corrupted no round.
+///
+/// Over TCP it also runs the proofs that the count can fail: the same
+/// rounds through an early-return initiator against a target that applies
+/// everything (fences included), quiesce against that same target, and the
+/// stale-bytes scenario with and without the target's revoke.
 pub fn run(rounds_n: u32, size: usize, rdma: bool) -> Result<bool, Box<dyn std::error::Error>> {
-    let target = TargetChild::spawn(&std::env::current_exe()?, size, rdma)?;
+    let exe = std::env::current_exe()?;
+    let target = TargetChild::spawn(&exe, size, rdma)?;
     println!(
         "quiesce demo: target on {} (separate process, {}), {rounds_n} rounds",
         target.addr,
@@ -39,8 +49,78 @@ pub fn run(rounds_n: u32, size: usize, rdma: bool) -> Result<bool, Box<dyn std::
         size >> 20
     );
     println!("then the returned source is overwritten and the destination checked for it.");
+    let (results, driver) = quiesce_rounds(&target, rounds_n, size, rdma)?;
+    let corrupted = summarise(&results, driver);
+    println!("corrupted: {corrupted}/{rounds_n}");
+    if rdma {
+        println!("(the early-return baseline and the stale-bytes scenario run over TCP only)");
+        return Ok(corrupted == 0);
+    }
+    drop(target);
+    let mut ok = corrupted == 0;
+    // A target that applies everything: what the count measures when nothing
+    // at the target discards a fenced batch's bytes.
+    let open = TargetChild::spawn_with(&exe, size, false, &["--ignore-fences"])?;
+    let seg = |name: &str| SegInfo {
+        id: open.ids[name],
+        token: open.tokens[name],
+    };
+    let (kv, ro) = (seg("kv"), seg("ro"));
+    let mut baseline = 0;
+    for round in 0..rounds_n {
+        baseline += (early_return::round(open.addr, &kv, &ro, size, round)? > 0) as u32;
+    }
+    println!(
+        "early-return baseline (returns -1 at the first failure, as Mooncake's sync wrapper does), \
+         target applying everything: corrupted {baseline}/{rounds_n}"
+    );
+    drop(open);
+    // A fresh one of the same kind: the baseline left post-outcome bytes in
+    // the first one's memory.
+    let open = TargetChild::spawn_with(&exe, size, false, &["--ignore-fences"])?;
+    let (results, _) = quiesce_rounds(&open, rounds_n, size, false)?;
+    let own = results.iter().filter(|r| r.corrupted_bytes > 0).count();
+    println!(
+        "quiesce against that same target (it acknowledges fences without applying them): \
+         corrupted {own}/{rounds_n}"
+    );
+    ok &= own == 0;
+    drop(open);
+    let stale_rounds = rounds_n.min(5);
+    let mut target = TargetChild::spawn(&exe, size, false)?;
     let rt = Runtime::new()?;
-    let (results, driver) = rt.block_on(async {
+    let (mut claimed, mut stale_without, mut stale_with) = (0, 0, 0);
+    rt.block_on(async {
+        for _ in 0..stale_rounds {
+            let r = stale_bytes_round(&mut target, size, false).await?;
+            claimed += r.a_confirmed as u32;
+            stale_without += (r.stale_bytes > 0) as u32;
+            let r = stale_bytes_round(&mut target, size, true).await?;
+            claimed += r.a_confirmed as u32;
+            stale_with += (r.stale_bytes > 0) as u32;
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    println!(
+        "stale bytes (target stopped mid-write, a second writer after it resumes), \
+         {stale_rounds} rounds each: outcome claimed the target's confirmation {claimed}/{}; \
+         old bytes over the new without revoke {stale_without}/{stale_rounds}, \
+         with the target's revoke {stale_with}/{stale_rounds}",
+        2 * stale_rounds
+    );
+    ok &= claimed == 0 && stale_with == 0;
+    Ok(ok)
+}
+
+/// quiesce's rounds against `target`; the results and the runtime's counters.
+fn quiesce_rounds(
+    target: &TargetChild,
+    rounds_n: u32,
+    size: usize,
+    rdma: bool,
+) -> Result<(Vec<Round>, quiesce::runtime::Stats), Box<dyn std::error::Error>> {
+    let rt = Runtime::new()?;
+    rt.block_on(async {
         let results = if rdma {
             let engine = RdmaEngine::bind(RdmaConfig::default())?;
             let piece = size.min(8 << 20);
@@ -79,8 +159,11 @@ pub fn run(rounds_n: u32, size: usize, rdma: bool) -> Result<bool, Box<dyn std::
             results
         };
         Ok::<_, Box<dyn std::error::Error>>((results, quiesce::runtime::stats()))
-    })?;
-    let rounds = rounds_n;
+    })
+}
+
+/// Prints the outcome kinds and times of `results`; returns the corrupted count.
+fn summarise(results: &[Round], driver: quiesce::runtime::Stats) -> usize {
     let corrupted = results.iter().filter(|r| r.corrupted_bytes > 0).count();
     let count = |k: Kind| results.iter().filter(|r| r.kind == k).count();
     let mut times: Vec<Duration> = results.iter().map(|r| r.time_to_safe).collect();
@@ -98,6 +181,5 @@ pub fn run(rounds_n: u32, size: usize, rdma: bool) -> Result<bool, Box<dyn std::
         pct(1.0).as_secs_f64() * 1e3,
         driver.ops_submitted
     );
-    println!("corrupted: {corrupted}/{rounds}");
-    Ok(corrupted == 0)
+    corrupted
 }

@@ -11,6 +11,20 @@ use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Rights};
 /// one, so that peers can provoke refusals on purpose (the demo does).
 pub const SIDE_SEGMENT_LEN: usize = 4096;
 
+/// How `quiesce target` runs.
+pub struct Options {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Size of `kv`.
+    pub size: usize,
+    /// Stop when stdin closes, and take commands on it.
+    pub watch_stdin: bool,
+    /// Serve the segments over RDMA too.
+    pub rdma: bool,
+    /// Acknowledge fences without applying them (demonstrations).
+    pub ignore_fences: bool,
+}
+
 /// Serves `kv` (`size` bytes, read-write), `ro` (read-only) and `wo`
 /// (write-only) until stdin closes (or forever with `--no-stdin`). Prints
 /// `segment NAME ID LEN TOKEN` lines, then `listening ADDR`. Reads commands
@@ -19,17 +33,20 @@ pub const SIDE_SEGMENT_LEN: usize = 4096;
 /// (or `error …`). With `rdma`,
 /// the segments are also RDMA memory regions whose access flags follow their
 /// rights (the engine fails with "no RDMA device" where there is none).
-pub fn run(
-    listen: SocketAddr,
-    size: usize,
-    watch_stdin: bool,
-    rdma: bool,
-) -> Result<(), Box<dyn std::error::Error>> {
+pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
+    let Options {
+        listen,
+        size,
+        watch_stdin,
+        rdma,
+        ignore_fences,
+    } = o;
     let rt = Runtime::new()?;
     rt.block_on(async move {
         let config = EngineConfig {
             node: "quiesce-target".into(),
             listen,
+            ignore_fences,
             ..Default::default()
         };
         let rdma = match rdma {

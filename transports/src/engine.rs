@@ -39,6 +39,11 @@ pub struct EngineConfig {
     pub connect_timeout: Duration,
     /// How long a new connection may take to say hello (target).
     pub handshake_timeout: Duration,
+    /// Demonstrations only, never in production: acknowledge fences without
+    /// applying them, so a fenced batch's bytes keep landing (what a target
+    /// without fences does). `quiesce demo` uses it to show that quiesce's
+    /// outcomes rest on the initiator's own quiescence, not only on the fence.
+    pub ignore_fences: bool,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +58,7 @@ impl Default for EngineConfig {
             zc_threshold: None,
             connect_timeout: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(5),
+            ignore_fences: false,
         }
     }
 }

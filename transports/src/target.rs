@@ -167,12 +167,17 @@ async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> 
                 // on this queue pair; the initiator builds a new one.
                 // The ack names the queue pair reset (its QPN in `offset`,
                 // 0 if none), so the initiator resets the link it belongs to.
-                let reset_qpn = c.served.take().map_or(0, |qp| {
-                    qp.fence();
-                    qp.qpn() as u64
-                });
-                engine.fences.fence(c.session, h.batch);
-                engine.fences.quiet(c.session, h.batch).await;
+                let reset_qpn = match engine.config.ignore_fences {
+                    true => 0,
+                    false => c.served.take().map_or(0, |qp| {
+                        qp.fence();
+                        qp.qpn() as u64
+                    }),
+                };
+                if !engine.config.ignore_fences {
+                    engine.fences.fence(c.session, h.batch);
+                    engine.fences.quiet(c.session, h.batch).await;
+                }
                 send_frame(
                     s,
                     &Header {

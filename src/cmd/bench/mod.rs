@@ -4,7 +4,7 @@
 //! one run against one target on loopback.
 
 mod quiesce_client;
-mod raw;
+pub(crate) mod raw;
 mod rdma_client;
 mod tokio_client;
 

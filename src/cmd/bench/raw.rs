@@ -47,8 +47,32 @@ impl Raw {
         })
     }
 
+    /// Sends the header of a write of `len` bytes to `kv` at `offset`; the
+    /// payload follows through [`send_payload`](Self::send_payload).
+    pub(crate) fn send_write_header(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
+        let h = Header {
+            task: self.next,
+            segment: self.kv,
+            offset,
+            length: len,
+            ..Header::new(Op::Write)
+        };
+        self.next += 1;
+        self.s.write_all(&h.encode())
+    }
+
+    /// Sends payload bytes of the write whose header went last.
+    pub(crate) fn send_payload(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.s.write_all(data)
+    }
+
+    /// The `ro` segment's id (the one whose writes are refused).
+    pub(crate) fn ro(&self) -> u64 {
+        self.ro
+    }
+
     /// Sends one write frame (header, then payload; small ones in one send).
-    fn send_write(&mut self, seg: u64, offset: u64, data: &[u8]) -> std::io::Result<()> {
+    pub(crate) fn send_write(&mut self, seg: u64, offset: u64, data: &[u8]) -> std::io::Result<()> {
         let (head, rest) = super::write_frame(self.next, seg, offset, data);
         self.next += 1;
         self.s.write_all(&head)?;
@@ -58,7 +82,7 @@ impl Raw {
         Ok(())
     }
 
-    fn status(&mut self) -> std::io::Result<Status> {
+    pub(crate) fn status(&mut self) -> std::io::Result<Status> {
         let h = read_header(&mut self.s)?;
         h.status().map_err(std::io::Error::other)
     }
@@ -71,7 +95,7 @@ impl Raw {
         }
     }
 
-    fn read(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+    pub(crate) fn read(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
         let h = Header {
             task: self.next,
             segment: self.kv,
