@@ -1,4 +1,4 @@
-//! The runtime's main job until `quiesce demo` exists: a loopback echo over
+//! The runtime alone, without transports or batches: a loopback echo over
 //! io_uring (or epoll), then the quiescence promise shown on one op: a receive
 //! abandoned in flight keeps its buffer until the kernel's completion is reaped.
 //!
