@@ -145,7 +145,7 @@ fn initiator(
             .fence_grace(Duration::from_millis(200));
 
         // A batch of pages written, each from its own buffer (the batch owns them).
-        let mut batch = Batch::new(Tcp, opts.clone());
+        let mut batch = Batch::new(Tcp, opts);
         for i in 0..PAGES {
             let page = vec![i as u8 + 1; PAGE];
             batch
@@ -155,7 +155,7 @@ fn initiator(
         let written = settle(batch.submit().await).await;
 
         // Read them back into fresh buffers and check.
-        let mut batch = Batch::new(Tcp, opts.clone());
+        let mut batch = Batch::new(Tcp, opts);
         for i in 0..PAGES {
             batch
                 .read(

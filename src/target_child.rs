@@ -41,8 +41,20 @@ impl TargetChild {
         rdma: bool,
         extra: &[&str],
     ) -> Result<TargetChild, Box<dyn std::error::Error>> {
+        TargetChild::spawn_command(Command::new(exe), size, rdma, extra)
+    }
+
+    /// [`spawn_with`](Self::spawn_with) through a launcher: `cmd` is the
+    /// program up to the `quiesce` executable (`ip netns exec NS EXE`), which
+    /// must exec it, so signals reach the target itself.
+    pub fn spawn_command(
+        mut cmd: Command,
+        size: usize,
+        rdma: bool,
+        extra: &[&str],
+    ) -> Result<TargetChild, Box<dyn std::error::Error>> {
         let transport = if rdma { "rdma" } else { "tcp" };
-        let mut child = Command::new(exe)
+        let mut child = cmd
             .args([
                 "target",
                 "--size",
