@@ -51,15 +51,23 @@ typedef struct quiesce_task {
 
 typedef struct quiesce_options {
     uint64_t deadline_ms;    /* 0: no deadline */
-    uint64_t fence_grace_ms; /* 0: the default (200 ms) */
+    uint64_t fence_grace_ms; /* 0: the default (200 ms), unless flags has QUIESCE_OPT_GRACE */
     int32_t fail_fast;       /* non-zero: fence the rest at the first failure */
     uint32_t retries;        /* extra attempts for failed tasks, after quiescence */
+    uint32_t flags;          /* QUIESCE_OPT_* bits; 0: every default */
 } quiesce_options;
+
+/* quiesce_options.flags: fence_grace_ms is used as given, 0 included (no
+ * grace: -2 at once if the fence has not finished). */
+#define QUIESCE_OPT_GRACE 1u
 
 /* Starts an engine (its own thread and runtime). NULL on failure. */
 quiesce_engine *quiesce_engine_start(const char *node);
-/* Stops it; batches still in flight drain first. */
-void quiesce_engine_stop(quiesce_engine *e);
+/* Stops it: batches still in flight are cancelled, and it returns once every
+ * operation on memory lent to the engine has been reaped: 0. -2 if that drain
+ * timed out: memory lent to this engine may still be touched and must never be
+ * freed or reused. -3 for a null engine. */
+int quiesce_engine_stop(quiesce_engine *e);
 
 /* Connects to addr ("host:port") and proves token (32 hex digits) for the
  * segment named name; stores a handle in *handle_out. 0 or -1. */

@@ -70,13 +70,20 @@ pub struct QuiesceTask {
 pub struct QuiesceOptions {
     /// 0: no deadline.
     pub deadline_ms: u64,
-    /// Fence grace; 0 means the default (200 ms).
+    /// Fence grace; 0 means the default (200 ms) unless `flags` has
+    /// [`QUIESCE_OPT_GRACE`].
     pub fence_grace_ms: u64,
     /// Non-zero: fail fast.
     pub fail_fast: i32,
     /// Extra attempts for failed tasks, after quiescence.
     pub retries: u32,
+    /// `QUIESCE_OPT_*` bits (0 in a zeroed struct: every default).
+    pub flags: u32,
 }
+
+/// `QuiesceOptions::flags`: `fence_grace_ms` is used as given, 0 included
+/// (no grace: the outcome is -2 at once if the fence has not finished).
+pub const QUIESCE_OPT_GRACE: u32 = 1;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -145,15 +152,23 @@ pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut Quies
     }
 }
 
-/// Stops an engine; batches still in flight drain first.
+/// Stops an engine: batches still in flight are cancelled, and it returns
+/// only once every operation on memory lent to the engine has been reaped:
+/// 0. -2 if the drain timed out: some memory lent to this engine may still
+/// be touched, and none of it may ever be freed or reused. -3 for null.
 ///
 /// # Safety
 /// `e` came from `quiesce_engine_start` and is not used afterwards.
 #[no_mangle]
-pub unsafe extern "C" fn quiesce_engine_stop(e: *mut QuiesceEngine) {
-    if !e.is_null() {
-        // SAFETY: the pointer came from Box::into_raw in quiesce_engine_start.
-        drop(unsafe { Box::from_raw(e) });
+pub unsafe extern "C" fn quiesce_engine_stop(e: *mut QuiesceEngine) -> i32 {
+    if e.is_null() {
+        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
+    }
+    // SAFETY: the pointer came from Box::into_raw in quiesce_engine_start.
+    let engine = unsafe { Box::from_raw(e) };
+    match engine.0.stop() {
+        Ok(()) => crate::SYNC_OK,
+        Err(err) => fail(crate::SYNC_UNKNOWN, err),
     }
 }
 
@@ -216,7 +231,7 @@ fn options(o: *const QuiesceOptions) -> BatchOptions {
         if o.deadline_ms > 0 {
             opts = opts.deadline(Duration::from_millis(o.deadline_ms));
         }
-        if o.fence_grace_ms > 0 {
+        if o.fence_grace_ms > 0 || o.flags & QUIESCE_OPT_GRACE != 0 {
             opts = opts.fence_grace(Duration::from_millis(o.fence_grace_ms));
         }
         if o.fail_fast != 0 {
@@ -407,4 +422,32 @@ pub unsafe extern "C" fn quiesce_ticket_wait(
 pub unsafe extern "C" fn quiesce_ticket_poll(e: *mut QuiesceEngine, ticket: u64) -> i32 {
     // SAFETY: forwarded caller guarantee.
     unsafe { quiesce_ticket_wait(e, ticket, 0) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(fence_grace_ms: u64, flags: u32) -> BatchOptions {
+        options(&QuiesceOptions {
+            deadline_ms: 0,
+            fence_grace_ms,
+            fail_fast: 0,
+            retries: 0,
+            flags,
+        })
+    }
+
+    #[test]
+    fn every_grace_the_rust_api_has_can_be_said_in_c() {
+        let default = BatchOptions::default().fence_grace;
+        assert_eq!(
+            opts(0, 0).fence_grace,
+            default,
+            "a zeroed struct keeps the default"
+        );
+        assert_eq!(opts(0, QUIESCE_OPT_GRACE).fence_grace, Duration::ZERO);
+        assert_eq!(opts(7, 0).fence_grace, Duration::from_millis(7));
+        assert_eq!(options(std::ptr::null()).fence_grace, default);
+    }
 }

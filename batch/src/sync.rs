@@ -88,7 +88,8 @@ struct State {
 /// A transfer engine on its own thread, for blocking callers.
 pub struct SyncEngine {
     jobs: Option<Sender<Job>>,
-    thread: Option<thread::JoinHandle<()>>,
+    /// Answers how the runtime's shutdown went (ops still live after it).
+    thread: Option<thread::JoinHandle<usize>>,
 }
 
 /// Errors of the sync API that happen before any transfer starts.
@@ -112,6 +113,10 @@ pub enum SyncError {
     /// Setting up the engine failed.
     #[error("engine set-up failed: {0}")]
     Setup(String),
+    /// Stopping the engine left operations in flight after the drain
+    /// (`usize::MAX`: unknown): memory lent to it must never be freed.
+    #[error("{0} operations still in flight after the engine stopped")]
+    Undrained(usize),
 }
 
 impl SyncEngine {
@@ -124,7 +129,10 @@ impl SyncEngine {
             .spawn(move || {
                 let rt = match Runtime::new() {
                     Ok(rt) => rt,
-                    Err(e) => return ready_tx.send(Err(e.to_string())).unwrap_or(()),
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.to_string()));
+                        return 0;
+                    }
                 };
                 rt.block_on(async move {
                     let engine = match Engine::bind(cfg) {
@@ -143,8 +151,10 @@ impl SyncEngine {
                         job(&st);
                     }
                     st.engine.shutdown();
-                    // Batches still in flight drain as the runtime drops.
                 });
+                // Batches still in flight are dropped with their tasks: every
+                // op on caller memory is cancelled and reaped here.
+                rt.shutdown().err().map_or(0, |u| u.live)
             })
             .map_err(|e| SyncError::Setup(e.to_string()))?;
         match ready_rx.recv() {
@@ -313,12 +323,31 @@ fn finish<B>(q: Quiesced<B>) -> SyncOutcome<B> {
     }
 }
 
-impl Drop for SyncEngine {
-    fn drop(&mut self) {
+impl SyncEngine {
+    /// Stops the engine and returns once every operation on memory lent to
+    /// it has been reaped (batches still in flight are cancelled). `Err`
+    /// says the drain timed out: some operations may still touch memory
+    /// lent to this engine, which must then never be freed or reused.
+    pub fn stop(mut self) -> Result<(), SyncError> {
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<(), SyncError> {
         // Closing the job channel stops the loop; the runtime then drains.
         drop(self.jobs.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        match self.thread.take().map(thread::JoinHandle::join) {
+            None | Some(Ok(0)) => Ok(()),
+            Some(Ok(live)) => Err(SyncError::Undrained(live)),
+            // The thread died past the runtime's drain: nothing says it reaped.
+            Some(Err(_)) => Err(SyncError::Undrained(usize::MAX)),
+        }
+    }
+}
+
+impl Drop for SyncEngine {
+    fn drop(&mut self) {
+        if let Err(e) = self.join() {
+            tracing::error!(error = %e, "sync engine stopped without draining");
         }
     }
 }

@@ -167,6 +167,24 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
         e.poll::<Vec<u8>>(ticket).is_err(),
         "a collected ticket is gone"
     );
+
+    // Stopping with a -2 batch still out: stop cancels it and returns only
+    // once its operations are reaped, and says so.
+    t.stall.send(Duration::from_millis(300)).ok().unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let out = e
+        .batch(
+            Direction::Write,
+            vec![SyncTask {
+                segment: kv,
+                offset: 0,
+                buf: vec![4u8; 4 << 20],
+            }],
+            opts,
+        )
+        .unwrap();
+    assert_eq!(out.code, SYNC_UNKNOWN);
+    assert_eq!(e.stop(), Ok(()), "stop drains the outstanding batch");
 }
 
 /// Where cargo put the cdylib: next to this test binary (target/<profile>/deps)

@@ -43,5 +43,5 @@ pub use buf::{BufResult, IoBuf, IoBufMut, Slice};
 pub use driver::op::{BufPool, PooledBuf};
 pub use driver::{Canceller, DriverKind, Op};
 pub use executor::{spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle};
-pub use runtime::{BuildError, Builder, Runtime};
+pub use runtime::{BuildError, Builder, Runtime, Undrained};
 pub use stats::{stats, try_stats, Stats};

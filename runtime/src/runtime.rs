@@ -316,16 +316,31 @@ fn turn(cx: &Context) {
     deferred.into_iter().for_each(Waker::wake);
 }
 
-impl Drop for Runtime {
-    fn drop(&mut self) {
+impl Runtime {
+    /// Shuts the runtime down as dropping it does (tasks dropped, every op
+    /// cancelled and reaped), and says how it went: `Err(live)` when `live`
+    /// operations were still in the kernel's hands after `drain_timeout` —
+    /// their buffers are leaked, never freed, and memory lent to them must
+    /// not be freed by anyone either.
+    pub fn shutdown(mut self) -> Result<(), Undrained> {
+        match self.close() {
+            0 => Ok(()),
+            live => Err(Undrained { live }),
+        }
+    }
+
+    /// The work of `Drop`, once; returns the ops still live after the drain.
+    fn close(&mut self) -> usize {
+        if self.cx.closed.replace(true) {
+            return 0;
+        }
         if !context::thread_alive() {
             // A runtime kept in a thread-local, dropped while the thread exits:
             // without its context no op can be drained, so nothing is freed.
             // Keeping the context alive leaks every buffer the kernel may hold.
             std::mem::forget(self.cx.clone());
-            return;
+            return self.cx.driver.try_borrow().map_or(0, |d| d.in_flight());
         }
-        self.cx.closed.set(true);
         let outer = context::current_id();
         let _enter = (outer != self.cx.id).then(|| context::enter(self.cx.clone()));
         let cx = &*self.cx;
@@ -341,18 +356,34 @@ impl Drop for Runtime {
         let sources = std::mem::take(&mut *cx.sources.borrow_mut());
         drop(sources);
         let mut d = cx.driver.borrow_mut();
-        if let Driver::Uring(u) = &mut *d {
-            let live = u.drain(self.drain_timeout, &cx.counters);
-            let released = std::mem::take(&mut u.events.released);
-            if live > 0 {
-                tracing::error!(
-                    live,
-                    "io_uring operations did not complete after cancellation; leaking their buffers and the ring"
-                );
-                u.set_leak();
-            }
-            drop(d);
-            drop(released);
+        let Driver::Uring(u) = &mut *d else {
+            return 0;
+        };
+        let live = u.drain(self.drain_timeout, &cx.counters);
+        let released = std::mem::take(&mut u.events.released);
+        if live > 0 {
+            tracing::error!(
+                live,
+                "io_uring operations did not complete after cancellation; leaking their buffers and the ring"
+            );
+            u.set_leak();
         }
+        drop(d);
+        drop(released);
+        live
+    }
+}
+
+/// A runtime shut down with operations still in the kernel's hands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{live} operations were still in flight after the drain; their memory is leaked")]
+pub struct Undrained {
+    /// Operations still live.
+    pub live: usize,
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.close();
     }
 }

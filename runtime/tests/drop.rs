@@ -190,3 +190,19 @@ fn a_future_outliving_its_runtime_gets_its_buffer_back() {
     assert!(log.borrow().dropped);
     drop((a, b));
 }
+
+#[test]
+fn shutdown_drains_and_says_so() {
+    let rt = rt();
+    let (buf, log) = Tracked::new(2048, 0);
+    let (a, b) = rt.block_on(pair());
+    rt.spawn_local(async move {
+        let _ = b.read(buf).await;
+        unreachable!("nobody writes");
+    });
+    rt.block_on(settle());
+    assert!(!log.borrow().dropped);
+    assert_eq!(rt.shutdown(), Ok(()), "every op reaped");
+    assert!(log.borrow().dropped, "the buffer came back with the drain");
+    drop(a);
+}

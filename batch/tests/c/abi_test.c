@@ -55,7 +55,8 @@ int main(int argc, char **argv) {
     CHECK(quiesce_transfer_sync_write(e, 77, 0, src, 16, NULL, NULL) == QUIESCE_UNKNOWN_HANDLE, "unknown segment handle");
     CHECK(quiesce_transfer_sync_write(NULL, kv, 0, src, 16, NULL, NULL) == QUIESCE_UNKNOWN_HANDLE, "null engine");
 
-    quiesce_engine_stop(e);
+    CHECK(quiesce_engine_stop(e) == 0, "stop drains every op on lent memory");
+    CHECK(quiesce_engine_stop(NULL) == QUIESCE_UNKNOWN_HANDLE, "stop of a null engine");
     free(src);
     free(dst);
     printf("c abi: ok\n");
