@@ -18,7 +18,7 @@ pub enum TaskStatus {
     Completed,
     /// The task failed on its own; the error says why.
     Failed(TransferError),
-    /// The batch fenced the task before it completed (a prefix of a write may
+    /// The batch fenced the task before it completed (part of a write may
     /// have landed: see [`TaskReport::bytes`]).
     Fenced,
 }
@@ -50,7 +50,12 @@ pub enum RemoteState {
 pub struct TaskReport {
     /// How it ended.
     pub status: TaskStatus,
-    /// Bytes moved (for a fenced write, bytes that landed before the fence).
+    /// Bytes moved. For a fenced (or revoked) write: the bytes that landed
+    /// before the fence, summed over the transfer's slices — not necessarily
+    /// a prefix of the range, since slices land in parallel. For a task that
+    /// failed without its target's answer (`remote` is
+    /// [`RemoteState::Unconfirmed`]): 0, and any part of the range may hold
+    /// (or still receive) its bytes.
     pub bytes: u64,
     /// Attempts made (1 unless retried).
     pub attempts: u32,

@@ -33,7 +33,10 @@ pub enum TransferError {
     /// The batch was fenced before this request applied anything.
     #[error("fenced")]
     Fenced,
-    /// The batch was fenced while this write was landing: a prefix landed.
+    /// The batch was fenced while this write was landing: `landed` bytes of
+    /// it landed before the fence. For one frame they are its prefix; for a
+    /// transfer striped over connections they are the sum over its slices,
+    /// which land in parallel, so not necessarily a prefix of the range.
     #[error("fenced after {landed} bytes landed")]
     FencedPartial {
         /// Bytes applied before the fence.

@@ -286,7 +286,16 @@ async fn join_slices(
             Err(e) => keep_worst(&mut first_err, TransferError::ConnectionLost(e.to_string())),
         }
     }
-    first_err.map_or(Ok(total), Err)
+    // A fenced or revoked transfer reports every byte that landed, over all
+    // of its slices (the slices land in parallel: not necessarily a prefix).
+    match first_err {
+        None => Ok(total),
+        Some(TransferError::Fenced | TransferError::FencedPartial { .. }) if total > 0 => {
+            Err(TransferError::FencedPartial { landed: total })
+        }
+        Some(TransferError::Revoked { .. }) => Err(TransferError::Revoked { landed: total }),
+        Some(e) => Err(e),
+    }
 }
 
 /// Keeps the first error, unless a later one left the target unsettled

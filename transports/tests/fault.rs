@@ -60,6 +60,15 @@ fn fence_in_process_no_byte_lands_after_the_ack() {
         landed_at_ack < BIG,
         "the fence came after the whole write: nothing was tested"
     );
+    // The report counts every byte that landed, over all slices.
+    let reported = match res {
+        Err(TransferError::FencedPartial { landed }) => landed,
+        _ => 0,
+    };
+    assert_eq!(
+        reported, landed_at_ack as u64,
+        "the fenced write reports {reported} bytes landed; the target holds {landed_at_ack}"
+    );
     std::thread::sleep(Duration::from_millis(300));
     let later = count(&t.snapshot("kv", 0, BIG), 0xab);
     assert_eq!(
