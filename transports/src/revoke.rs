@@ -12,8 +12,12 @@
 //! whoever sent it — including a peer that vanished or is partitioned: its
 //! bytes still in the target's socket buffers are refused when read.
 //!
-//! TCP only: a segment also served over RDMA is written by the NIC, which
-//! this table does not see (`RevokeError::ServedOverRdma`).
+//! Over RDMA the NIC writes without the target's CPU, so a segment served
+//! there is also *re-keyed*: its memory region is registered anew and the old
+//! one deregistered, after which the NIC refuses the old remote key (a write
+//! in flight with it stops at the next packet). The new key is handed only to
+//! connections that proved the token after the revoke (`QpAccept` keys), so a
+//! revoke of any range re-keys the whole segment for RDMA peers.
 
 use std::cell::{Cell, RefCell};
 use std::task::{Poll, Waker};
@@ -38,10 +42,10 @@ pub enum RevokeError {
         /// The segment's length.
         len: u64,
     },
-    /// The segment is served over RDMA too, whose writes the NIC applies
-    /// without this table; revoke is not offered there yet.
-    #[error("segment is served over RDMA; revoke covers TCP only")]
-    ServedOverRdma,
+    /// Registering the segment's new RDMA memory region failed; nothing was
+    /// revoked (the old key still works).
+    #[error("re-keying the segment's RDMA memory region failed: {0}")]
+    Rekey(String),
 }
 
 struct Landing {
@@ -61,8 +65,13 @@ pub(crate) struct Grants {
     revoked: RefCell<Vec<(u64, u64, u64)>>,
     landing: RefCell<Slab<Landing>>,
     waiters: RefCell<Vec<Waker>>,
-    pub(crate) rdma: Cell<bool>,
+    /// RDMA: registers the segment's memory region anew (a new remote key)
+    /// and drops the old one.
+    rekey: RefCell<Option<Rekey>>,
 }
+
+/// See [`Grants::set_rekey`].
+pub(crate) type Rekey = Box<dyn Fn() -> Result<(), String>>;
 
 /// A write landing in a segment (see [`Grants::begin`]).
 pub(crate) struct LandingGuard<'a> {
@@ -107,6 +116,17 @@ impl Grants {
         self.epoch.get()
     }
 
+    /// Makes revokes re-key the segment's RDMA memory region with `f`.
+    pub(crate) fn set_rekey(&self, f: Rekey) {
+        *self.rekey.borrow_mut() = Some(f);
+    }
+
+    /// True if any range was revoked after grant `epoch` (RDMA keys are
+    /// per segment, so such a grant gets no key).
+    pub(crate) fn revoked_since(&self, epoch: u64) -> bool {
+        epoch < self.epoch.get()
+    }
+
     /// True if a write of grant `epoch` into `offset..offset + len` is refused.
     pub(crate) fn is_revoked(&self, offset: u64, len: u64, epoch: u64) -> bool {
         let w = (offset, offset.saturating_add(len));
@@ -129,8 +149,12 @@ impl Grants {
     }
 
     /// Revokes `start..end` (checked by the caller) and resolves once no
-    /// write of an older grant is landing in it.
-    pub(crate) async fn revoke(&self, start: u64, end: u64) {
+    /// write of an older grant is landing in it (and, over RDMA, the old
+    /// remote key is dead).
+    pub(crate) async fn revoke(&self, start: u64, end: u64) -> Result<(), RevokeError> {
+        if let Some(rekey) = self.rekey.borrow().as_ref() {
+            rekey().map_err(RevokeError::Rekey)?;
+        }
         let epoch = self.epoch.get() + 1;
         self.epoch.set(epoch);
         {
@@ -161,5 +185,6 @@ impl Grants {
             }
         })
         .await;
+        Ok(())
     }
 }

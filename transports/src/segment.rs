@@ -132,11 +132,7 @@ impl Segment {
                 len: self.len(),
             });
         }
-        if self.inner.grants.rdma.get() {
-            return Err(RevokeError::ServedOverRdma);
-        }
-        self.inner.grants.revoke(start, end).await;
-        Ok(())
+        self.inner.grants.revoke(start, end).await
     }
 
     /// Copies bytes out. `false` (and nothing copied) if out of range.

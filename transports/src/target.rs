@@ -227,7 +227,13 @@ impl Conn<'_> {
                     }
                 }
             }
-            answer.keys = node.keys(self.authorised.keys().copied());
+            // Keys only for grants no revoke has overtaken (RDMA keys are per
+            // segment): after a revoke the peer proves the token again.
+            let engine = self.engine;
+            answer.keys = node.keys(self.authorised.iter().filter_map(|(&id, &epoch)| {
+                let seg = engine.segment(id)?;
+                (!seg.inner.grants.revoked_since(epoch)).then_some(id)
+            }));
         }
         let payload = match answer.encode() {
             Ok(p) => p,

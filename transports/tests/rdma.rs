@@ -395,3 +395,33 @@ fn requests_beyond_the_completion_queue_wait_for_room() {
         );
     });
 }
+
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn revoke_rekeys_the_segment_so_the_nic_refuses_the_old_key_until_open_regrants() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, l) = p.remote.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        p.kv.revoke(0..4096).await.expect("revoke resolves");
+        // The old handle carries the old rkey: the target's NIC refuses it.
+        let mut l = l;
+        fill(&mut l, 2);
+        let (r, l) = p.remote.write(0, l, 2).await;
+        assert!(matches!(r, Err(TransferError::RemoteAccess(_))), "{r:?}");
+        let mut snap = vec![0u8; 4096];
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 1), "a write under the old key landed");
+        // Proving the token again fetches the new key; writes land again.
+        let fresh = p.remote.peer().open("kv", p.kv.token()).await.unwrap();
+        let (r, _l) = fresh.write(0, l, 3).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 2));
+        let s = p.initiator.stats();
+        assert_eq!((s.in_flight, s.posted), (0, s.reaped));
+        drop(p.target);
+    });
+}

@@ -174,7 +174,6 @@ impl RdmaEngine {
         rights: Rights,
     ) -> Result<Segment, RegisterError> {
         let seg = self.inner.tcp.register(name, mem, rights)?;
-        seg.inner.grants.rdma.set(true);
         let access = Access {
             remote_write: rights.contains(Rights::WRITE),
             remote_read: rights.contains(Rights::READ),
@@ -187,6 +186,21 @@ impl RdmaEngine {
             self.inner.tcp.deregister(seg.id());
             return Err(RegisterError::Memory(e.to_string()));
         }
+        // A revoke registers the memory anew (a new rkey) and drops the old
+        // region, so the NIC refuses the old key.
+        let (node, mem, id) = (
+            Rc::downgrade(&self.inner.node),
+            seg.inner.mem.clone(),
+            seg.id(),
+        );
+        seg.inner.grants.set_rekey(Box::new(move || {
+            let node = node.upgrade().ok_or("the RDMA engine is gone")?;
+            if !node.segments.borrow().contains_key(&id) {
+                return Ok(()); // deregistered: no key to kill
+            }
+            node.register_segment(id, mem.clone(), access)
+                .map_err(|e| e.to_string())
+        }));
         Ok(seg)
     }
 

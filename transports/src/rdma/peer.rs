@@ -70,8 +70,10 @@ impl RdmaPeer {
             .find(|d| d.id == seg.id())
             .cloned()
             .ok_or(TransferError::NoSuchSegment(seg.id()))?;
-        if !self.inner.keys.borrow().contains_key(&desc.id) {
-            // Keys only: the queue pair (if any) stays as it is.
+        {
+            // Keys only: the queue pair (if any) stays as it is. Fetched on
+            // every open: after the target's revoke the segment has a new key,
+            // handed out only to a grant proven since (the one just proven).
             let conn = self.inner.tcp.control().await?;
             let accept = conn
                 .qp_connect(QpConnect {
