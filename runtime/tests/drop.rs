@@ -3,17 +3,10 @@
 
 mod common;
 
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use common::*;
 use quiesce_runtime::{spawn_local, stats, yield_now, Runtime};
-
-/// Polls `fut` once, with a no-op waker.
-fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
-    let mut cx = Context::from_waker(std::task::Waker::noop());
-    std::pin::Pin::new(fut).poll(&mut cx)
-}
 
 #[test]
 fn dropping_a_pending_recv_parks_its_buffer_until_the_cqe() {

@@ -7,7 +7,6 @@ mod common;
 use std::io::Seek;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use common::*;
@@ -15,11 +14,6 @@ use quiesce_runtime::fd::Fd;
 use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
 use quiesce_runtime::{DriverKind, Runtime};
-
-fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
-    let mut cx = Context::from_waker(std::task::Waker::noop());
-    std::pin::Pin::new(fut).poll(&mut cx)
-}
 
 #[test]
 fn an_op_dropped_outside_block_on_stays_parked_in_its_own_runtime() {

@@ -277,23 +277,27 @@ impl<T: Operation> Drop for Op<T> {
         let State::Uring { token, spec } = std::mem::replace(&mut self.state, State::Done) else {
             return;
         };
-        let cx = &self.cx;
-        let leftover = match cx.driver.try_borrow_mut() {
-            Ok(mut d) => match &mut *d {
-                Driver::Uring(u) => u.park_op(token, Box::new(spec), &cx.counters),
-                Driver::Poll(_) => unreachable!("an io_uring op on an epoll runtime"),
-            },
-            Err(_) => {
-                // Never free what the kernel may touch: without the driver the op
-                // cannot be parked, so its buffers (and fd) leak.
-                tracing::error!("an op dropped while its driver is busy; leaking its buffers");
-                std::mem::forget(spec);
-                None
-            }
-        };
-        // Dropped here, with the driver no longer borrowed.
-        drop(leftover);
+        park(&self.cx, token, Box::new(spec));
     }
+}
+
+/// Parks an io_uring op whose future (or stream) is gone in its own driver
+/// `cx` until its final CQE. If that driver is busy (never expected), the op
+/// is leaked: never free what the kernel may touch.
+pub(crate) fn park(cx: &Context, token: u64, op: Box<dyn Parked>) {
+    let leftover = match cx.driver.try_borrow_mut() {
+        Ok(mut d) => match &mut *d {
+            Driver::Uring(u) => u.park_op(token, op, &cx.counters),
+            Driver::Poll(_) => unreachable!("an io_uring op on an epoll runtime"),
+        },
+        Err(_) => {
+            tracing::error!("an op dropped while its driver is busy; leaking its buffers");
+            std::mem::forget(op);
+            None
+        }
+    };
+    // Dropped here, with the driver no longer borrowed.
+    drop(leftover);
 }
 
 pub(crate) fn canceled() -> io::Error {

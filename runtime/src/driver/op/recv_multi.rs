@@ -459,19 +459,6 @@ impl Drop for RecvMulti {
     fn drop(&mut self) {
         let spec = self.spec.take().expect("spec");
         let Some(token) = self.armed else { return };
-        let cx = &self.cx;
-        let leftover = match cx.driver.try_borrow_mut() {
-            Ok(mut d) => match &mut *d {
-                Driver::Uring(u) => u.park_op(token, Box::new(spec), &cx.counters),
-                Driver::Poll(_) => unreachable!("an armed multishot recv on epoll"),
-            },
-            Err(_) => {
-                tracing::error!("RecvMulti dropped while the driver is busy; leaking its pool");
-                std::mem::forget(spec);
-                None
-            }
-        };
-        // Dropped here, with the driver no longer borrowed.
-        drop(leftover);
+        crate::driver::lifecycle::park(&self.cx, token, Box::new(spec));
     }
 }
