@@ -200,3 +200,63 @@ fn an_rdma_target_starts_or_reports_no_device() {
         assert!(err.contains("no RDMA device"), "stderr: {err}");
     }
 }
+
+/// The stale-bytes scenario over RDMA: batch A writes `0xA1` over `kv` and
+/// the target process is stopped mid-transfer (its NIC goes on; its control
+/// plane cannot acknowledge the fence), so A resolves unconfirmed; the target
+/// resumes and revokes `kv` (a new memory region: the NIC refuses A's key);
+/// batch B from another engine rewrites `kv` with `0xB2`. No byte of A may be
+/// found afterwards.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn revoke_over_rdma_leaves_no_stale_byte_of_an_unconfirmed_batch() {
+    let mut t = spawn_target();
+    Runtime::new().unwrap().block_on(async {
+        for round in 0..3 {
+            let a = initiator(&t, "ro").await;
+            let mut src = a.region.lease(0..BIG).unwrap();
+            src.fill(0xA1);
+            let opts = BatchOptions::default()
+                .policy(FailurePolicy::FailFast)
+                .deadline(Duration::from_millis(20))
+                .fence_grace(Duration::from_millis(200));
+            let mut batch = Batch::new(Rdma, opts);
+            batch
+                .write(src, RdmaRange::new(&a.remote.kv, 0, BIG as u64))
+                .ok()
+                .unwrap();
+            let sub = batch.submit();
+            time::sleep(Duration::from_millis(3)).await;
+            t.signal(libc::SIGSTOP).unwrap();
+            let qa = sub.await.quiesced().await;
+            t.signal(libc::SIGCONT).unwrap();
+            if !qa.all_completed() {
+                assert!(
+                    !qa.remote_confirmed(),
+                    "round {round}: a stopped target confirmed: {:?}",
+                    qa.tasks()
+                );
+            }
+            t.revoke("kv").unwrap();
+            let b = initiator(&t, "ro").await;
+            let mut src = b.region.lease(0..BIG).unwrap();
+            src.fill(0xB2);
+            let mut batch = Batch::new(Rdma, BatchOptions::default());
+            batch
+                .write(src, RdmaRange::new(&b.remote.kv, 0, BIG as u64))
+                .ok()
+                .unwrap();
+            let qb = batch.submit().await.quiesced().await;
+            assert!(qb.all_completed(), "round {round}: B: {:?}", qb.tasks());
+            time::sleep(Duration::from_millis(300)).await;
+            let scratch = b.region.lease(BIG + 4096..BIG + 4096 + PIECE).unwrap();
+            let (stale, _) = count_remote(&b.remote.kv, BIG as u64, 0xA1, scratch).await;
+            assert_eq!(
+                stale, 0,
+                "round {round}: {stale} bytes of A landed after the revoke"
+            );
+            a.engine.shutdown(Duration::from_secs(5));
+            b.engine.shutdown(Duration::from_secs(5));
+        }
+    });
+}
