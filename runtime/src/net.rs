@@ -212,6 +212,14 @@ impl TcpStream {
         crate::driver::socket::set_linger(&self.fd.raw(), linger)
     }
 
+    /// Aborts the connection now, whoever else holds the socket: the kernel
+    /// sends an RST and drops everything still queued in both directions
+    /// (which also releases zero-copy pages); every op on it ends. Unlike a
+    /// zero-linger close, this does not wait for the last op to let go.
+    pub fn reset(&self) -> io::Result<()> {
+        crate::driver::socket::reset(&self.fd.raw())
+    }
+
     /// Shuts down one or both directions.
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         view::<std::net::TcpStream>(&self.fd).shutdown(how)

@@ -234,25 +234,37 @@ impl Conn {
 
     /// Marks the connection dead and shuts the socket, so every op on it ends.
     pub(crate) fn kill(&self, why: &str) {
-        {
-            let mut st = self.state.borrow_mut();
-            if st.dead.is_some() {
-                return;
-            }
-            st.dead = Some(why.to_string());
+        if !self.mark_dead(why) {
+            return;
         }
         tracing::debug!(why, "initiator connection killed");
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 
-    /// Kills the connection with an RST, for fences that tear down: with a
-    /// zero linger, the close drops what the socket still queues (and
-    /// releases zero-copy pages). The close happens once the connection's
-    /// last holder — the reader, a request, the peer's table, which forgets
-    /// it now — is gone and its last op reaped (`shutdown` ends them at once).
+    /// Kills the connection with an RST, for fences that tear down: the
+    /// socket is disconnected at once (an RST, both queues dropped, zero-copy
+    /// pages released), whoever holds it — a zero-copy send waiting for its
+    /// notification from a silent peer included — and every op on it ends.
+    /// The zero linger covers a socket the disconnect could not reset; the
+    /// peer's table forgets the connection, so the fd closes once the reader
+    /// and the requests let go.
     pub(crate) fn abort(&self) {
         let _ = self.stream.set_linger(Some(std::time::Duration::ZERO));
-        self.kill("aborted by this initiator");
+        self.mark_dead("aborted by this initiator");
+        if let Err(e) = self.stream.reset() {
+            tracing::debug!(error = %e, "disconnect failed; shutting down instead");
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Records why the connection died; false if it already had.
+    fn mark_dead(&self, why: &str) -> bool {
+        let mut st = self.state.borrow_mut();
+        if st.dead.is_some() {
+            return false;
+        }
+        st.dead = Some(why.to_string());
+        true
     }
 
     fn new_id(&self) -> u64 {

@@ -112,3 +112,21 @@ pub(crate) fn set_linger(fd: &impl AsRawFd, linger: Option<std::time::Duration>)
     } as isize)?;
     Ok(())
 }
+
+/// Disconnects a TCP socket at once (`connect` to an `AF_UNSPEC` address:
+/// the kernel's `tcp_disconnect`): an RST goes out and both queues are
+/// dropped, whoever else holds the socket; every op on it ends.
+pub(crate) fn reset(fd: &impl AsRawFd) -> io::Result<()> {
+    // SAFETY: sockaddr is plain old data; all-zero with AF_UNSPEC is valid.
+    let mut addr: libc::sockaddr = unsafe { std::mem::zeroed() };
+    addr.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+    // SAFETY: `addr` is a live sockaddr and its size is passed.
+    cvt(unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            &addr,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    } as isize)?;
+    Ok(())
+}
