@@ -103,6 +103,11 @@ impl TargetChild {
         }
     }
 
+    /// The process id.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
     /// Sends `sig` to the process.
     pub fn signal(&self, sig: i32) -> std::io::Result<()> {
         // SAFETY: kill(2) takes no pointers.

@@ -398,3 +398,41 @@ fn without_revoke_the_outcome_says_the_target_did_not_confirm() {
         }
     });
 }
+
+#[test]
+fn a_fence_lost_with_the_teardown_is_sent_again_and_confirms() {
+    // Stopped past half the grace, the target's control connection is torn
+    // down with the rest and the first fence fails; it resumes before the
+    // grace ends, so a fence sent again is acknowledged.
+    let t = spawn_target();
+    Runtime::new().unwrap().block_on(async {
+        let (_e, r) = remote(&t, "ro").await;
+        let opts = BatchOptions::default()
+            .policy(FailurePolicy::FailFast)
+            .deadline(Duration::from_millis(10))
+            .fence_grace(Duration::from_millis(400));
+        let mut batch = Batch::new(Tcp, opts);
+        batch
+            .write(vec![8u8; BIG], RemoteRange::new(&r.kv, 0, BIG as u64))
+            .ok()
+            .unwrap();
+        let sub = batch.submit();
+        time::sleep(Duration::from_millis(3)).await;
+        t.signal(libc::SIGSTOP).unwrap();
+        let pid = t.pid();
+        let resume = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: kill(2) takes no pointers.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        });
+        let q = sub.await;
+        resume.join().unwrap();
+        let q = q.quiesced().await;
+        assert!(!q.all_completed());
+        assert!(
+            q.remote_confirmed(),
+            "the fence sent again after the teardown was not acknowledged: {:?}",
+            q.tasks()
+        );
+    });
+}

@@ -288,15 +288,18 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         self.hard = Some(sleep_until(hard));
         self.hard_at = Some(hard);
         for p in self.inflight_peers() {
-            self.fence_peer(p, wire);
+            self.fence_peer(p, wire, false);
         }
     }
 
-    /// Sends a remote fence of `wire` to `peer` (once per wire batch); its
-    /// answer is recorded in `fences` and wakes the driver.
-    fn fence_peer(&self, peer: T::Peer, wire: u64) {
-        if self.fences.borrow().contains_key(&peer) {
-            return;
+    /// Sends a remote fence of `wire` to `peer` (once per wire batch, or
+    /// again after a failed one with `again`); its answer is recorded in
+    /// `fences` and wakes the driver.
+    fn fence_peer(&self, peer: T::Peer, wire: u64, again: bool) {
+        match self.fences.borrow().get(&peer) {
+            None => {}
+            Some(FenceState::Failed) if again => {}
+            Some(_) => return,
         }
         self.fences
             .borrow_mut()
@@ -332,8 +335,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         if lost.is_empty() {
             return;
         }
+        // A fence that failed (its control connection went down with the
+        // teardown at half grace) goes again on a fresh connection.
         for p in &lost {
-            self.fence_peer(p.clone(), wire);
+            self.fence_peer(p.clone(), wire, true);
         }
         let limit = self
             .hard_at
