@@ -39,7 +39,8 @@ pub(crate) struct Context {
     pub(crate) deferred: RefCell<Vec<std::task::Waker>>,
     /// Bytes moved by epoll ops since the last reactor turn (`TICK_BYTES`).
     pub(crate) tick_bytes: Cell<usize>,
-    /// Set when the `Runtime` is dropped: nothing runs tasks any more.
+    /// Set when the `Runtime` shuts down: nothing runs tasks or reaps ops any
+    /// more, so new ones are refused.
     pub(crate) closed: Cell<bool>,
 }
 

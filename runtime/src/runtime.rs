@@ -184,6 +184,7 @@ impl Builder {
         Ok(Runtime {
             cx: Rc::new(cx),
             drain_timeout: self.drain_timeout,
+            shut: false,
         })
     }
 }
@@ -195,6 +196,8 @@ impl Builder {
 pub struct Runtime {
     cx: Rc<Context>,
     drain_timeout: Duration,
+    /// `close` ran (by `shutdown`, then not again by `Drop`).
+    shut: bool,
 }
 
 impl Runtime {
@@ -331,10 +334,11 @@ impl Runtime {
 
     /// The work of `Drop`, once; returns the ops still live after the drain.
     fn close(&mut self) -> usize {
-        if self.cx.closed.replace(true) {
+        if std::mem::replace(&mut self.shut, true) {
             return 0;
         }
         if !context::thread_alive() {
+            self.cx.closed.set(true);
             // A runtime kept in a thread-local, dropped while the thread exits:
             // without its context no op can be drained, so nothing is freed.
             // Keeping the context alive leaks every buffer the kernel may hold.
@@ -346,6 +350,9 @@ impl Runtime {
         let cx = &*self.cx;
         // Dropping the tasks drops their op futures, which parks the ops and
         // posts their cancels. A task's drop may wake or spawn others: repeat.
+        // Until they are all gone the runtime still takes spawns (a batch
+        // dropped here moves its driver into a task, dropped by the next
+        // round); then it is closed to new tasks and ops.
         loop {
             let tasks: Vec<_> = cx.tasks.borrow_mut().drain().collect();
             if tasks.is_empty() {
@@ -353,6 +360,7 @@ impl Runtime {
             }
             drop(tasks);
         }
+        cx.closed.set(true);
         let sources = std::mem::take(&mut *cx.sources.borrow_mut());
         drop(sources);
         let mut d = cx.driver.borrow_mut();

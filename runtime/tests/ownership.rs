@@ -137,9 +137,9 @@ fn epoll_forgets_an_fd_closed_outside_block_on() {
                 let d = if c.as_raw_fd() == stale || d.as_raw_fd() == stale {
                     d // the kernel reused the number by itself
                 } else {
-                    // SAFETY: `stale` is closed (its stream and the previous round's
-                    // socket are gone, and neither new socket has it): dup2 only
-                    // makes it a second descriptor of `d`'s socket.
+                    // `stale` is closed: its stream and the previous round's socket
+                    // are gone, and neither new socket has it.
+                    // SAFETY: so dup2 only makes it a second descriptor of `d`'s socket.
                     assert_eq!(unsafe { libc::dup2(d.as_raw_fd(), stale) }, stale);
                     drop(d);
                     // SAFETY: dup2 just made `stale` a descriptor that nothing else owns.
@@ -159,4 +159,20 @@ fn epoll_forgets_an_fd_closed_outside_block_on() {
             "round {round}: a socket reusing fd {stale} was never woken"
         );
     }
+}
+
+#[test]
+fn an_op_started_after_its_runtime_shut_down_fails_instead_of_hanging() {
+    let rt = rt();
+    let (a, b) = rt.block_on(pair());
+    drop(rt);
+    let other = Runtime::new().unwrap();
+    let (res, buf) = other.block_on(async {
+        quiesce_runtime::time::timeout(Duration::from_secs(1), b.read(vec![0u8; 8]))
+            .await
+            .expect("an op of a closed runtime must not hang")
+    });
+    assert!(res.is_err(), "{res:?}");
+    assert_eq!(buf.len(), 8);
+    drop(a);
 }

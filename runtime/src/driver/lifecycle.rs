@@ -135,6 +135,9 @@ impl Canceller {
 enum State<T> {
     /// Not yet started (epoll backend; io_uring ops start at creation).
     Idle(T),
+    /// Created after its runtime shut down: never submitted; it completes
+    /// with an error at its first poll.
+    Refused(T),
     /// Submitted to the op's io_uring, slot `token`.
     Uring { token: u64, spec: T },
     /// The future completed.
@@ -174,6 +177,8 @@ impl<T: Operation> Op<T> {
     /// Starts `spec` on runtime `cx` (the runtime of the fd it works on).
     pub(crate) fn on(cx: Rc<Context>, mut spec: T) -> Self {
         let state = match &mut *cx.driver.borrow_mut() {
+            // Nothing would ever reap it.
+            _ if cx.closed.get() => State::Refused(spec),
             Driver::Uring(u) => {
                 let token = u.submit(spec.uring_entry(), Lifecycle::Submitted, &cx.counters);
                 State::Uring { token, spec }
@@ -267,6 +272,9 @@ impl<T: Operation> Future for Op<T> {
                     }
                 }
             }
+            State::Refused(spec) => Poll::Ready(
+                spec.complete(Err(io::Error::other("the op's runtime has shut down")), 0),
+            ),
             State::Done => panic!("Op polled after it completed"),
         }
     }

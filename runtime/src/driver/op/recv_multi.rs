@@ -301,7 +301,7 @@ impl RecvMulti {
             armed: None,
             finished: false,
         };
-        if s.is_ring() {
+        if s.is_ring() && !s.cx.closed.get() {
             s.arm();
         }
         s
@@ -346,6 +346,13 @@ impl RecvMulti {
         }
         let token = match self.armed {
             Some(t) => t,
+            // Nothing would ever reap it.
+            None if self.cx.closed.get() => {
+                self.finished = true;
+                return Poll::Ready(Some(Err(io::Error::other(
+                    "the stream's runtime has shut down",
+                ))));
+            }
             None => self.arm(),
         };
         let got = match &mut *self.cx.driver.borrow_mut() {
