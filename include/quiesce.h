@@ -35,6 +35,11 @@
 extern "C" {
 #endif
 
+/* Bumped whenever a struct or a signature here changes: build against the
+ * header that ships with the library (2: quiesce_options.flags, int
+ * quiesce_engine_stop). */
+#define QUIESCE_ABI_VERSION 2
+
 #define QUIESCE_OK 0
 #define QUIESCE_FAILED (-1)
 #define QUIESCE_UNKNOWN (-2)

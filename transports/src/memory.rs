@@ -314,13 +314,27 @@ pub(crate) struct Window {
     mem: Rc<ExposedMemory>,
     offset: usize,
     len: usize,
+    /// Held as long as the op holds the window — a parked op until its final
+    /// CQE — so registrations of a landing write end only once it is reaped.
+    _keep: Option<Rc<dyn std::any::Any>>,
 }
 
 impl Window {
     /// The caller has validated `offset + len <= mem.len()`.
     pub(crate) fn new(mem: Rc<ExposedMemory>, offset: usize, len: usize) -> Window {
         assert!(offset.checked_add(len).is_some_and(|e| e <= mem.len()));
-        Window { mem, offset, len }
+        Window {
+            mem,
+            offset,
+            len,
+            _keep: None,
+        }
+    }
+
+    /// The window also keeps `keep` alive while an op holds it.
+    pub(crate) fn keeping(mut self, keep: Rc<dyn std::any::Any>) -> Window {
+        self._keep = Some(keep);
+        self
     }
 }
 

@@ -23,6 +23,8 @@ use std::cell::{Cell, RefCell};
 use std::task::{Poll, Waker};
 
 use quiesce_runtime::Canceller;
+
+use crate::segment::Segment;
 use slab::Slab;
 
 /// At most this many revoked ranges are kept per segment; past it they are
@@ -73,35 +75,57 @@ pub(crate) struct Grants {
 /// See [`Grants::set_rekey`].
 pub(crate) type Rekey = Box<dyn Fn() -> Result<(), String>>;
 
-/// A write landing in a segment (see [`Grants::begin`]).
-pub(crate) struct LandingGuard<'a> {
-    grants: &'a Grants,
+/// A write landing in a segment; dropping it (once its receive is reaped:
+/// the op's window holds it) tells revoke waiters.
+pub(crate) struct LandingGuard {
+    seg: Segment,
     key: usize,
 }
 
-impl LandingGuard<'_> {
+impl LandingGuard {
+    /// Registers a write of grant `epoch` into `seg[offset..offset + len]`
+    /// that is about to land.
+    pub(crate) fn begin(seg: &Segment, offset: u64, len: u64, epoch: u64) -> LandingGuard {
+        let key = seg.inner.grants.landing.borrow_mut().insert(Landing {
+            start: offset,
+            end: offset.saturating_add(len),
+            epoch,
+            canceller: None,
+        });
+        LandingGuard {
+            seg: seg.clone(),
+            key,
+        }
+    }
+
+    fn grants(&self) -> &Grants {
+        &self.seg.inner.grants
+    }
+
     /// Records the canceller of the receive now in flight.
     pub(crate) fn set_canceller(&self, c: Option<Canceller>) {
-        if let Some(l) = self.grants.landing.borrow_mut().get_mut(self.key) {
+        if let Some(l) = self.grants().landing.borrow_mut().get_mut(self.key) {
             l.canceller = c;
         }
     }
 
     /// True if the write must stop: its range was revoked since its grant.
     pub(crate) fn revoked(&self) -> bool {
+        let grants = self.grants();
         let (start, end, epoch) = {
-            let landing = self.grants.landing.borrow();
+            let landing = grants.landing.borrow();
             let l = &landing[self.key];
             (l.start, l.end, l.epoch)
         };
-        self.grants.is_revoked(start, end - start, epoch)
+        grants.is_revoked(start, end - start, epoch)
     }
 }
 
-impl Drop for LandingGuard<'_> {
+impl Drop for LandingGuard {
     fn drop(&mut self) {
-        self.grants.landing.borrow_mut().remove(self.key);
-        let waiters = std::mem::take(&mut *self.grants.waiters.borrow_mut());
+        let grants = self.grants();
+        grants.landing.borrow_mut().remove(self.key);
+        let waiters = std::mem::take(&mut *grants.waiters.borrow_mut());
         waiters.into_iter().for_each(Waker::wake);
     }
 }
@@ -134,18 +158,6 @@ impl Grants {
             .borrow()
             .iter()
             .any(|&(s, e, ep)| ep > epoch && overlaps(w, (s, e)))
-    }
-
-    /// Registers a write of grant `epoch` that is about to land; dropping
-    /// the guard (once its receive is reaped) tells revoke waiters.
-    pub(crate) fn begin(&self, offset: u64, len: u64, epoch: u64) -> LandingGuard<'_> {
-        let key = self.landing.borrow_mut().insert(Landing {
-            start: offset,
-            end: offset.saturating_add(len),
-            epoch,
-            canceller: None,
-        });
-        LandingGuard { grants: self, key }
     }
 
     /// Revokes `start..end` (checked by the caller) and resolves once no

@@ -18,6 +18,7 @@ use crate::auth::random_bytes;
 use crate::engine::EngineInner;
 use crate::memory::Window;
 use crate::rdma::served::ServedQp;
+use crate::revoke::LandingGuard;
 use crate::segment::{Rights, Segment};
 use crate::stream::{discard, read_header, read_payload, send_frame};
 use crate::wire::{
@@ -27,6 +28,13 @@ use crate::wire::{
 
 /// Reads up to this size are answered with header and data in one send.
 const INLINE_READ: u64 = 16 * 1024;
+
+/// A write landing in a segment, as the fence table and the segment's grants
+/// know it.
+struct Landing {
+    fence: crate::fence::WriteGuard,
+    grant: LandingGuard,
+}
 
 /// Why a connection was closed by the target.
 #[derive(Debug)]
@@ -351,22 +359,28 @@ impl Conn<'_> {
             Ok(ok) => ok,
             Err(st) => return self.refuse(h, st, h.length).await,
         };
-        let guard = self.engine.fences.begin_write(self.session, h.batch);
-        let landing = seg.inner.grants.begin(h.offset, h.length, epoch);
+        // The fence's and the revoke's registrations of this write end only
+        // when its last receive is reaped: each receive's window holds them,
+        // so a receive parked because this future was dropped keeps them too.
+        let landing = Rc::new(Landing {
+            fence: self.engine.fences.begin_write(self.session, h.batch),
+            grant: LandingGuard::begin(&seg, h.offset, h.length, epoch),
+        });
         let (len, mut landed) = (h.length, 0u64);
-        while landed < len && !guard.fenced() && !landing.revoked() {
+        while landed < len && !landing.fence.fenced() && !landing.grant.revoked() {
             let window = Window::new(
                 seg.inner.mem.clone(),
                 (h.offset + landed) as usize,
                 (len - landed) as usize,
-            );
+            )
+            .keeping(landing.clone());
             let mut op = self.s.read(window);
             let canceller = op.canceller();
-            guard.set_canceller(Some(canceller.clone()));
-            landing.set_canceller(Some(canceller));
+            landing.fence.set_canceller(Some(canceller.clone()));
+            landing.grant.set_canceller(Some(canceller));
             let (res, _window) = op.await;
-            guard.set_canceller(None);
-            landing.set_canceller(None);
+            landing.fence.set_canceller(None);
+            landing.grant.set_canceller(None);
             match res {
                 Ok(0) => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => landed += n as u64,
@@ -375,10 +389,10 @@ impl Conn<'_> {
                 Err(e) => return Err(e.into()),
             }
         }
-        let revoked = landed < len && landing.revoked();
-        // The receive is reaped: a revoke waiting for this write may resolve.
+        let revoked = landed < len && landing.grant.revoked();
+        // The receive is reaped: a fence or revoke waiting for this write may
+        // resolve.
         drop(landing);
-        drop(guard);
         let st = if landed == len {
             Status::Ok
         } else {
