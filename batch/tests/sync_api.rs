@@ -138,22 +138,21 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
     );
 
     // A frozen target and no grace: the outcome is unknown, with a ticket.
-    t.stall.send(Duration::from_millis(300)).ok().unwrap();
-    std::thread::sleep(Duration::from_millis(20));
-    let opts = BatchOptions::default()
-        .deadline(Duration::from_millis(20))
-        .fence_grace(Duration::ZERO);
-    let out = e
-        .batch(
-            Direction::Write,
-            vec![SyncTask {
-                segment: kv,
-                offset: 0,
-                buf: vec![3u8; 4 << 20],
-            }],
-            opts,
-        )
-        .unwrap();
+    // Writes 4 MiB of `fill` to a target frozen for 300 ms, with no grace.
+    let frozen_write = |fill: u8| {
+        t.stall.send(Duration::from_millis(300)).ok().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let opts = BatchOptions::default()
+            .deadline(Duration::from_millis(20))
+            .fence_grace(Duration::ZERO);
+        let task = SyncTask {
+            segment: kv,
+            offset: 0,
+            buf: vec![fill; 4 << 20],
+        };
+        e.batch(Direction::Write, vec![task], opts).unwrap()
+    };
+    let out = frozen_write(3);
     assert_eq!(out.code, SYNC_UNKNOWN);
     assert!(out.buffers.is_none(), "-2 keeps the buffers");
     let ticket = out.ticket.unwrap();
@@ -170,19 +169,7 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
 
     // Stopping with a -2 batch still out: stop cancels it and returns only
     // once its operations are reaped, and says so.
-    t.stall.send(Duration::from_millis(300)).ok().unwrap();
-    std::thread::sleep(Duration::from_millis(20));
-    let out = e
-        .batch(
-            Direction::Write,
-            vec![SyncTask {
-                segment: kv,
-                offset: 0,
-                buf: vec![4u8; 4 << 20],
-            }],
-            opts,
-        )
-        .unwrap();
+    let out = frozen_write(4);
     assert_eq!(out.code, SYNC_UNKNOWN);
     assert_eq!(e.stop(), Ok(()), "stop drains the outstanding batch");
 }
