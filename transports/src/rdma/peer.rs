@@ -179,12 +179,16 @@ impl RdmaPeer {
         Ok(())
     }
 
-    /// Moves the queue pair to the error state; its requests fail once
-    /// their flushes are reaped. The next transfer builds a new one.
+    /// Moves the queue pair to the error state (its requests fail once
+    /// their flushes are reaped) and resets the control connection, so a
+    /// transfer still setting its queue pair up, or a fence waiting for its
+    /// ack, ends at once instead of waiting for a target that may never
+    /// answer. The next transfer reconnects and builds a new queue pair.
     pub fn abort(&self) {
         if let Some(l) = self.inner.link.borrow().as_ref() {
             l.fence(None);
         }
+        self.inner.tcp.abort();
     }
 
     async fn post<B: 'static>(
