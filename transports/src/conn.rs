@@ -183,19 +183,25 @@ impl Conn {
         )
         .await
         .map_err(|e| hs(e.to_string()))?;
-        let reply = timeout(p.connect_timeout, read_header(&stream))
-            .await
-            .map_err(|_| hs("no hello ack in time".into()))?
-            .map_err(|e| hs(e.to_string()))?;
-        let h = match reply {
-            Some(Ok(h)) if h.op == Op::HelloAck && h.length as usize <= MAX_HANDSHAKE_PAYLOAD => h,
-            Some(Ok(h)) => return Err(hs(format!("unexpected {:?} (status {})", h.op, h.flags))),
-            Some(Err(e)) => return Err(hs(e.to_string())),
-            None => return Err(hs("closed during the handshake".into())),
-        };
-        let payload = read_payload(&stream, h.length as usize)
-            .await
-            .map_err(|e| hs(e.to_string()))?;
+        let payload = timeout(p.connect_timeout, async {
+            let h = match read_header(&stream).await.map_err(|e| hs(e.to_string()))? {
+                Some(Ok(h))
+                    if h.op == Op::HelloAck && h.length as usize <= MAX_HANDSHAKE_PAYLOAD =>
+                {
+                    h
+                }
+                Some(Ok(h)) => {
+                    return Err(hs(format!("unexpected {:?} (status {})", h.op, h.flags)))
+                }
+                Some(Err(e)) => return Err(hs(e.to_string())),
+                None => return Err(hs("closed during the handshake".into())),
+            };
+            read_payload(&stream, h.length as usize)
+                .await
+                .map_err(|e| hs(e.to_string()))
+        })
+        .await
+        .map_err(|_| hs("no hello ack in time".into()))??;
         let hello = HelloAck::decode(&payload)?;
         let conn = Rc::new(Conn {
             stream,

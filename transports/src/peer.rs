@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
+use quiesce_runtime::time::timeout;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinHandle};
 
 use crate::auth::Token;
@@ -157,8 +158,23 @@ impl Peer {
             .map(|(k, v)| (*k, *v))
             .collect();
         if !tokens.is_empty() {
-            let ack = c.auth(&tokens).await?;
-            check_auth(&ack.results)?;
+            // Bounded like the rest of the handshake: a target that answers
+            // the hello and then never the auth must not hold the transfer
+            // (and the caller's buffer) for ever.
+            let ack = match timeout(self.inner.params.connect_timeout, c.auth(&tokens)).await {
+                Ok(ack) => ack,
+                Err(_) => {
+                    c.kill("no auth ack within the connect timeout");
+                    return Err(TransferError::ConnectionLost(format!(
+                        "reconnecting to {}: no auth ack within {:?}",
+                        self.inner.addr, self.inner.params.connect_timeout
+                    )));
+                }
+            };
+            if let Err(e) = ack.and_then(|ack| check_auth(&ack.results)) {
+                c.kill("authentication failed on reconnect");
+                return Err(e);
+            }
         }
         self.inner.conns.borrow_mut()[i] = Some(c.clone());
         Ok(c)

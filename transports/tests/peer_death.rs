@@ -178,3 +178,103 @@ fn abort_discards_what_the_sockets_still_hold() {
         );
     });
 }
+
+/// A fake target that completes every handshake until `mute` is set, and
+/// after that answers a new connection's hello but never its auth: a target
+/// that hangs between the two steps of a reconnect.
+fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::net::SocketAddr {
+    use quiesce_transports::wire::{
+        AuthAck, AuthRequest, Descriptor, Header, HelloAck, Op, Status, VERSION,
+    };
+    use std::io::Read;
+    use std::sync::atomic::Ordering;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mute = mute.clone();
+            std::thread::spawn(move || {
+                let silent = mute.load(Ordering::SeqCst);
+                let Some(h) = recv_header(&mut s) else { return };
+                let mut p = vec![0u8; h.length as usize];
+                s.read_exact(&mut p).unwrap();
+                let ack = HelloAck {
+                    version: VERSION,
+                    shards: 1,
+                    nonce: [7; 16],
+                    node: "muting".into(),
+                    segments: vec![Descriptor {
+                        id: 1,
+                        name: "kv".into(),
+                        len: 1 << 20,
+                        rights: Rights::READ | Rights::WRITE,
+                        endpoints: vec![addr],
+                    }],
+                }
+                .encode()
+                .unwrap();
+                let hdr = Header {
+                    length: ack.len() as u64,
+                    ..Header::new(Op::HelloAck)
+                };
+                send(&mut s, &hdr, &ack);
+                // Serve auth requests (or, muted, hold the connection open
+                // without a word); everything else is read and ignored.
+                while let Some(h) = recv_header(&mut s) {
+                    let mut p = vec![0u8; h.length as usize];
+                    if s.read_exact(&mut p).is_err() {
+                        return;
+                    }
+                    if h.op == Op::Auth && !silent {
+                        let req = AuthRequest::decode(&p).unwrap();
+                        let ack = AuthAck {
+                            results: req.proofs.iter().map(|(id, _)| (*id, Status::Ok)).collect(),
+                        }
+                        .encode();
+                        let hdr = Header {
+                            length: ack.len() as u64,
+                            ..Header::new(Op::AuthAck)
+                        };
+                        send(&mut s, &hdr, &ack);
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The teardown's `Peer::abort` makes the next transfer reconnect; a target
+/// that answers the reconnect's hello and then never its auth must not hold
+/// the transfer (and a batch's ticket) for ever: the whole handshake is
+/// bounded by the connect timeout.
+#[test]
+fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
+    let mute = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let addr = muting_target(mute.clone());
+    Runtime::new().unwrap().block_on(async {
+        let cfg = EngineConfig {
+            connect_timeout: Duration::from_millis(300),
+            ..EngineConfig::default()
+        };
+        let e = Engine::bind(cfg).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let kv = peer
+            .open("kv", quiesce_transports::Token::random())
+            .await
+            .unwrap();
+        mute.store(true, std::sync::atomic::Ordering::SeqCst);
+        peer.abort();
+        let t0 = Instant::now();
+        let out = time::timeout(Duration::from_secs(3), kv.write(0, vec![1u8; 4096], 1)).await;
+        let (res, buf) = out.expect("the transfer waited 3 s for an auth ack that never comes");
+        assert!(lost(&res), "{res:?}");
+        assert_eq!(buf.len(), 4096, "the source comes back");
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t0.elapsed()
+        );
+    });
+}
