@@ -36,6 +36,7 @@ fn the_simulator_reaches_every_path() {
         seen.fenced |= s.fenced;
         seen.retried |= s.retried;
         seen.dropped |= s.dropped;
+        seen.revoked |= s.revoked;
     }
     assert_eq!(
         seen,
@@ -44,7 +45,8 @@ fn the_simulator_reaches_every_path() {
             completed: true,
             fenced: true,
             retried: true,
-            dropped: true
+            dropped: true,
+            revoked: true
         },
         "some path was never exercised"
     );
@@ -59,7 +61,7 @@ fn a_million_schedules() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000_000);
     let mut violations = Vec::new();
-    let mut totals = [0u64; 5];
+    let mut totals = [0u64; 6];
     let t0 = std::time::Instant::now();
     // A fresh runtime per 10 000 schedules: schedules that end with work
     // still parked (stuck fences, dropped batches) would otherwise slow every
@@ -74,9 +76,16 @@ fn a_million_schedules() {
             .map_err(|v| v.0)
         {
             Ok(s) => {
-                for (i, b) in [s.unknown, s.completed, s.fenced, s.retried, s.dropped]
-                    .into_iter()
-                    .enumerate()
+                for (i, b) in [
+                    s.unknown,
+                    s.completed,
+                    s.fenced,
+                    s.retried,
+                    s.dropped,
+                    s.revoked,
+                ]
+                .into_iter()
+                .enumerate()
                 {
                     totals[i] += b as u64;
                 }
@@ -85,14 +94,15 @@ fn a_million_schedules() {
         }
     }
     println!(
-        "{n} schedules in {:.1} s: {} violations; unknown {} completed {} fenced {} retried {} dropped {}",
+        "{n} schedules in {:.1} s: {} violations; unknown {} completed {} fenced {} retried {} dropped {} revoked {}",
         t0.elapsed().as_secs_f64(),
         violations.len(),
         totals[0],
         totals[1],
         totals[2],
         totals[3],
-        totals[4]
+        totals[4],
+        totals[5]
     );
     assert!(
         violations.is_empty(),

@@ -3,10 +3,29 @@
 //!
 //! Given a seed, every transfer takes a random number of reactor turns,
 //! touches its buffer on each turn (like DMA), and ends completed, failed
-//! (retryable or not), fenced, or — if its peer is aborted — lost. Fences are
-//! slow or stuck at random. The simulator records what a checker needs:
-//! transfers in flight, accesses to buffers that had been handed back, and
-//! the order of attempts.
+//! (retryable or not), fenced, revoked, or — if its peer is aborted — lost.
+//! Fences are slow or stuck at random.
+//!
+//! The targets are modelled too. A write lands bytes at its peer on each
+//! turn. A write that ends without the target's answer (a lost connection)
+//! leaves **residue**: bytes already in the target's kernel that land some
+//! turns later — after the outcome — unless a fence of that wire batch was
+//! acknowledged there first, or the target revoked the segment since (the
+//! landing is then refused). A target may **revoke** mid-schedule
+//! ([`Sim::revoke`]): from then on its old grant is refused, and once the
+//! revoke resolves no byte written under that grant may land there.
+//!
+//! The simulator records what a checker ([`check_schedule`]) needs:
+//! transfers in flight, accesses to buffers that had been handed back, the
+//! order of attempts, every landing and what each answered transfer said
+//! had landed.
+
+mod check;
+mod target;
+
+pub use check::{check_schedule, ScheduleStats, Violation};
+pub use target::Landing;
+use target::{land, tick, Residue};
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
@@ -70,6 +89,9 @@ pub struct SimConfig {
     /// Percent of transfers that take many more turns to end after an abort
     /// (completions the kernel is slow to hand back).
     pub sticky: u64,
+    /// Longest delay, in turns of the simulated clock, before a lost
+    /// write's residue lands at its target.
+    pub residue_delay: u64,
 }
 
 impl Default for SimConfig {
@@ -82,6 +104,7 @@ impl Default for SimConfig {
             stuck_fence: 10,
             deaf: 10,
             sticky: 10,
+            residue_delay: 40,
         }
     }
 }
@@ -159,6 +182,16 @@ pub struct SimLog {
     /// still had unconfirmed residue at some peer (a retry over bytes that
     /// may still land).
     pub retry_over_residue: usize,
+    /// Every write's bytes landing at its target, in clock order.
+    pub landings: Vec<Landing>,
+    /// Bytes that landed at a peer after its revoke had resolved, written
+    /// under the grant it revoked.
+    pub landed_after_revoke: usize,
+    /// What the target said had landed (or been sent, for a read), for each
+    /// `(wire batch, buffer address)` whose transfer it answered.
+    pub answered: HashMap<(u64, usize), u64>,
+    /// `(peer, clock)` of every revoke that resolved.
+    pub revokes: Vec<(usize, u64)>,
 }
 
 struct Inner {
@@ -169,6 +202,16 @@ struct Inner {
     log: RefCell<SimLog>,
     /// Wire batches of each logical batch seen, to detect early retries.
     last_wire: Cell<Option<u64>>,
+    /// The simulated clock: one tick per transfer or fence turn (and per
+    /// [`Sim::tick`]).
+    clock: Cell<u64>,
+    /// Per peer: whether the target revoked the grant every transfer uses.
+    revoked: RefCell<Vec<bool>>,
+    /// Per peer: whether that revoke resolved.
+    revoke_done: RefCell<Vec<bool>>,
+    /// Per peer: writes in flight under the old grant.
+    writing: RefCell<Vec<usize>>,
+    residue: RefCell<Vec<Residue>>,
 }
 
 /// The simulated transport (one per schedule).
@@ -188,7 +231,63 @@ impl Sim {
                 aborts: RefCell::new(vec![0; cfg.peers.max(1)]),
                 log: RefCell::default(),
                 last_wire: Cell::new(None),
+                clock: Cell::new(0),
+                revoked: RefCell::new(vec![false; cfg.peers.max(1)]),
+                revoke_done: RefCell::new(vec![false; cfg.peers.max(1)]),
+                writing: RefCell::new(vec![0; cfg.peers.max(1)]),
+                residue: RefCell::default(),
             }),
+        }
+    }
+
+    /// The simulated clock.
+    pub fn now(&self) -> u64 {
+        self.inner.clock.get()
+    }
+
+    /// Advances the clock by one tick and lands the residue that is due.
+    pub fn tick(&self) {
+        tick(&self.inner);
+    }
+
+    /// Residue that has not landed (or been refused) yet.
+    pub fn residue_pending(&self) -> usize {
+        self.inner.residue.borrow().len()
+    }
+
+    /// [`revoke`](Self::revoke) after `turns` reactor turns.
+    pub fn revoke_later(&self, peer: usize, turns: u64) -> impl Future<Output = ()> + 'static {
+        let sim = Rc::downgrade(&self.inner);
+        async move {
+            for _ in 0..turns {
+                yield_now().await;
+            }
+            // Only the weak reference is held across the wait.
+            let Some(s) = sim.upgrade() else { return };
+            let revoke = Sim { inner: s }.revoke(peer);
+            revoke.await;
+        }
+    }
+
+    /// The target at `peer` revokes the grant every transfer uses: later
+    /// transfers are refused (`Revoked`), writes in flight end at their next
+    /// turn, residue is refused when it arrives. Resolves once no write
+    /// under the old grant is in flight there.
+    pub fn revoke(&self, peer: usize) -> impl Future<Output = ()> + 'static {
+        self.inner.revoked.borrow_mut()[peer] = true;
+        let sim = Rc::downgrade(&self.inner);
+        async move {
+            loop {
+                let Some(s) = sim.upgrade() else { return };
+                if s.writing.borrow()[peer] == 0 {
+                    s.revoke_done.borrow_mut()[peer] = true;
+                    let at = s.clock.get();
+                    s.log.borrow_mut().revokes.push((peer, at));
+                    return;
+                }
+                drop(s);
+                yield_now().await;
+            }
         }
     }
 
@@ -215,13 +314,18 @@ impl Sim {
         t: &SimTarget,
         buf: B,
         wire: u64,
+        write: bool,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> {
         let sim = self.clone();
         let t = t.clone();
         let turns = 1 + self.roll(self.inner.cfg.max_turns);
         let deaf = self.chance(self.inner.cfg.deaf);
         let sticky = self.chance(self.inner.cfg.sticky);
+        // Real time too: the driver's grace is real time, and a completion
+        // the kernel holds back outlives it however fast the turns are.
+        let sticky_for = std::time::Duration::from_micros(self.roll(3000));
         let outcome = self.roll(100);
+        let delay = 1 + self.roll(self.inner.cfg.residue_delay);
         async move {
             let inner = &sim.inner;
             // A buffer's identity: the simulator only sees IoBuf, so it keys
@@ -248,21 +352,34 @@ impl Sim {
                 *log.live.entry(wire).or_default() += 1;
                 log.starts.push((wire, buf.stable_ptr() as usize));
             }
+            let addr = buf.stable_ptr() as usize;
+            if write {
+                inner.writing.borrow_mut()[t.peer] += 1;
+            }
             let abort_epoch = inner.aborts.borrow()[t.peer];
             let mut res = Ok(t.len);
             let mut turn = 0;
             let mut aborted_at = None;
             loop {
+                if inner.revoked.borrow()[t.peer] {
+                    // The target refuses the old grant: nothing more lands.
+                    res = Err(TransferError::Revoked {
+                        landed: if write && turn > 0 { t.len / 2 } else { 0 },
+                    });
+                    break;
+                }
                 yield_now().await;
+                tick(inner);
                 turn += 1;
                 // The "DMA" touches the buffer on every turn.
                 if returned.as_ref().is_some_and(|r| r.get()) {
                     inner.log.borrow_mut().access_after_return += 1;
                 }
                 if inner.aborts.borrow()[t.peer] != abort_epoch {
-                    let at = *aborted_at.get_or_insert(turn);
+                    let (at, since) =
+                        *aborted_at.get_or_insert_with(|| (turn, std::time::Instant::now()));
                     // A sticky transfer's completion takes a while to come back.
-                    if !sticky || turn >= at + turns * 4 + 8 {
+                    if !sticky || (turn >= at + turns * 4 + 8 && since.elapsed() >= sticky_for) {
                         res = Err(TransferError::ConnectionLost("peer aborted".into()));
                         break;
                     }
@@ -276,9 +393,15 @@ impl Sim {
                     });
                     break;
                 }
+                if write && !inner.revoked.borrow()[t.peer] {
+                    land(inner, t.peer, wire, addr, false);
+                }
                 if turn >= turns && !(deaf && turn < turns * 50) {
                     break;
                 }
+            }
+            if write {
+                inner.writing.borrow_mut()[t.peer] -= 1;
             }
             if res.is_ok() {
                 let c = &inner.cfg;
@@ -292,9 +415,28 @@ impl Sim {
                 let mut log = inner.log.borrow_mut();
                 log.in_flight -= 1;
                 *log.live.get_mut(&wire).expect("registered") -= 1;
-                if res.as_ref().is_err_and(|e| !e.settles_remote()) {
-                    log.residue
-                        .insert((t.peer, wire, buf.stable_ptr() as usize));
+                match &res {
+                    Err(e) if !e.settles_remote() => {
+                        log.residue.insert((t.peer, wire, addr));
+                        if write {
+                            let due = inner.clock.get() + delay;
+                            inner.residue.borrow_mut().push(Residue {
+                                peer: t.peer,
+                                wire,
+                                addr,
+                                due,
+                            });
+                        }
+                    }
+                    answered => {
+                        let landed = match answered {
+                            Ok(n) => *n,
+                            Err(TransferError::FencedPartial { landed })
+                            | Err(TransferError::Revoked { landed }) => *landed,
+                            Err(_) => 0,
+                        };
+                        log.answered.insert((wire, addr), landed);
+                    }
                 }
             }
             (res, buf)
@@ -342,7 +484,7 @@ impl Transport for Sim {
         src: B,
         wire: u64,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
-        self.transfer(t, src, wire)
+        self.transfer(t, src, wire, true)
     }
 
     fn read<B: IoBufMut>(
@@ -351,7 +493,7 @@ impl Transport for Sim {
         dst: B,
         wire: u64,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
-        self.transfer(t, dst, wire)
+        self.transfer(t, dst, wire, false)
     }
 
     fn fence(
@@ -380,6 +522,9 @@ impl Transport for Sim {
             }
             for _ in 0..turns {
                 yield_now().await;
+                if let Some(s) = sim.upgrade() {
+                    tick(&s);
+                }
             }
             match sim.upgrade() {
                 Some(s) => {
@@ -394,189 +539,4 @@ impl Transport for Sim {
     fn abort(&self, peer: &usize) {
         self.inner.aborts.borrow_mut()[*peer] += 1;
     }
-}
-
-/// One checked schedule: what went wrong, if anything.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Violation(pub String);
-
-/// What one schedule did (for counting).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ScheduleStats {
-    /// The outcome was `CompletionUnknown` first.
-    pub unknown: bool,
-    /// Every task completed.
-    pub completed: bool,
-    /// The batch fenced.
-    pub fenced: bool,
-    /// Tasks were retried.
-    pub retried: bool,
-    /// The batch future was dropped in flight.
-    pub dropped: bool,
-}
-
-/// Builds a random batch from `seed`, runs it on the simulator, and checks
-/// the batch layer's promises: no outcome before every transfer ended; every
-/// buffer back exactly once; no access to a buffer after it was handed back;
-/// retries only after quiescence and only once every earlier attempt's
-/// residue is confirmed fenced; no task claims remote confirmation that no
-/// fence gave. Call inside a runtime.
-pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
-    use std::time::Duration;
-
-    use crate::{Batch, BatchOptions, FailurePolicy, Outcome};
-
-    let mut rng = Rng::new(seed ^ 0x5eed);
-    let cfg = SimConfig {
-        peers: 1 + rng.below(3) as usize,
-        max_turns: 1 + rng.below(12),
-        retryable_fail: rng.below(25),
-        refused: rng.below(10),
-        stuck_fence: rng.below(30),
-        deaf: rng.below(20),
-        sticky: rng.below(30),
-    };
-    let sim = Sim::new(seed, cfg);
-    let mut opts = BatchOptions::default()
-        .policy(if rng.chance(50) {
-            FailurePolicy::FailFast
-        } else {
-            FailurePolicy::Drain
-        })
-        .fence_grace(Duration::from_micros(100 + rng.below(1500)))
-        .retry(rng.below(3) as u32, Duration::from_micros(rng.below(50)));
-    if rng.chance(20) {
-        opts = opts.deadline(Duration::from_micros(rng.below(1500)));
-    }
-    // Mostly small batches (transfers polled inline by the driver), some
-    // large ones (a task per transfer).
-    let n = if rng.chance(10) {
-        17 + rng.below(8)
-    } else {
-        1 + rng.below(8)
-    } as usize;
-    let mut batch = Batch::new(sim.clone(), opts);
-    let mut flags = Vec::new();
-    let mut peers = Vec::new();
-    for id in 0..n {
-        let len = 1 + rng.below(64) as usize;
-        let buf = SimBuf::new(id, len);
-        watch(&buf);
-        flags.push(buf.returned.clone());
-        let t = SimTarget {
-            peer: rng.below(cfg.peers as u64) as usize,
-            len: len as u64,
-        };
-        peers.push(t.peer);
-        let added = if rng.chance(50) {
-            batch.write(buf, t)
-        } else {
-            batch.read(buf, t)
-        };
-        if added.is_err() {
-            return Err(Violation(format!("seed {seed}: a valid task was rejected")));
-        }
-    }
-    let sub = batch.submit();
-    let mut stats = ScheduleStats::default();
-    let fail = |what: &str| Err(Violation(format!("seed {seed}: {what}")));
-
-    if rng.chance(5) {
-        // Dropped in flight: it must drain on its own, touching nothing after.
-        for _ in 0..rng.below(4) {
-            yield_now().await;
-        }
-        drop(sub);
-        stats.dropped = true;
-        let t0 = std::time::Instant::now();
-        while sim.log().in_flight > 0 {
-            if t0.elapsed() > Duration::from_secs(10) {
-                return fail("a dropped batch never drained");
-            }
-            yield_now().await;
-        }
-        unwatch_all();
-        return Ok(stats);
-    }
-
-    let outcome = sub.await;
-    let q = match outcome {
-        Outcome::Quiesced(q) => q,
-        Outcome::CompletionUnknown(t) => {
-            stats.unknown = true;
-            // Bounded waits hand the ticket back (still holding the buffers)
-            // until the batch drains.
-            let mut t = t;
-            loop {
-                if t.is_quiesced() && sim.log().in_flight > 0 {
-                    return fail("ticket quiesced with transfers in flight");
-                }
-                match t.wait_for(std::time::Duration::from_micros(100)).await {
-                    Ok(q) => break q,
-                    Err(back) => t = back,
-                }
-            }
-        }
-    };
-    if sim.log().in_flight != 0 {
-        return fail("outcome before every transfer ended");
-    }
-    let mut ids: Vec<usize> = q.buffers().iter().map(|b| b.id).collect();
-    ids.sort_unstable();
-    if ids != (0..n).collect::<Vec<_>>() {
-        return fail(&format!("buffers not returned exactly once: {ids:?}"));
-    }
-    if q.tasks().len() != n {
-        return fail("a report per task");
-    }
-    // Remote confirmation: a task whose last attempt left residue at its peer
-    // must not claim the peer confirmed it, unless a fence of that wire batch
-    // was acknowledged there.
-    {
-        let log = sim.log();
-        for (i, (report, buf)) in q.tasks().iter().zip(q.buffers()).enumerate() {
-            let addr = buf.stable_ptr() as usize;
-            let Some(&(wire, _)) = log.starts.iter().rev().find(|(_, a)| *a == addr) else {
-                continue;
-            };
-            let peer = peers[buf.id];
-            if log.residue.contains(&(peer, wire, addr))
-                && !sim.fence_confirmed(peer, wire)
-                && report.remote != crate::RemoteState::Unconfirmed
-            {
-                return fail(&format!(
-                    "task {i} claims {:?} without an acknowledged fence",
-                    report.remote
-                ));
-            }
-        }
-        if log.retry_over_residue > 0 {
-            return fail("a retry started while an earlier attempt's bytes could still land");
-        }
-    }
-    stats.completed = q.all_completed();
-    stats.fenced = q.fence_time().is_some();
-    stats.retried = q.tasks().iter().any(|t| t.attempts > 1);
-    if q.tasks()
-        .iter()
-        .any(|t| t.attempts > opts.retry.attempts + 1)
-    {
-        return fail("more attempts than allowed");
-    }
-    // Back with the caller: the simulated DMA must never touch them again.
-    flags.iter().for_each(|f| f.set(true));
-    for _ in 0..cfg.max_turns * 2 {
-        yield_now().await;
-    }
-    let log = sim.log();
-    if log.access_after_return > 0 {
-        return fail("a buffer was accessed after it was handed back");
-    }
-    if log.retry_before_quiescence > 0 {
-        return fail("a retry started before the batch quiesced");
-    }
-    drop(log);
-    drop(q);
-    unwatch_all();
-    Ok(stats)
 }
