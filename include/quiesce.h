@@ -20,8 +20,10 @@
  * lands there: after a -1 write with 0 from it, bytes already sent may still
  * land in the target ranges (revoke or fence them before trusting them).
  *
- * A panic inside the engine while a batch holds caller memory aborts the
- * process: no call ever returns 0 or -1 without the batch having quiesced.
+ * A panic inside the engine while a call waits for its batch aborts the
+ * process; one in a batch whose -2 ticket is out leaves that ticket at -2 for
+ * good (its memory stays pinned). No call ever returns 0 or -1 without the
+ * batch having quiesced.
  *
  * Link with -lquiesce_batch (the cdylib of the quiesce-batch crate).
  */

@@ -17,7 +17,10 @@
 //!
 //! Errors before anything starts are [`SyncError`]s (the C ABI: -3 for an
 //! unknown handle or ticket, -1 otherwise). A panic in the engine while a
-//! batch holds the caller's memory aborts the process rather than answer.
+//! call waits for its batch aborts the process rather than answer (tested:
+//! `batch/tests/sync_api.rs`, a destination whose `set_init` panics); one in
+//! a batch whose -2 ticket is out is caught by the runtime and leaves that
+//! ticket at -2 for good, its memory pinned — never a 0 or -1 on a guess.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};

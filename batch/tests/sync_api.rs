@@ -226,3 +226,89 @@ fn the_c_abi_from_a_c_program() {
     );
     assert!(stdout.contains("c abi: ok"));
 }
+
+/// A read destination whose `set_init` panics: called by the transport in
+/// the engine thread once the bytes have landed, so it panics there while
+/// the batch holds the memory.
+struct PanicsWhenFilled(Vec<u8>);
+
+// SAFETY: delegates to a Vec, whose heap storage never moves.
+unsafe impl quiesce_runtime::IoBuf for PanicsWhenFilled {
+    fn stable_ptr(&self) -> *const u8 {
+        self.0.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.0.len()
+    }
+    fn bytes_total(&self) -> usize {
+        self.0.len()
+    }
+}
+
+// SAFETY: as above.
+unsafe impl quiesce_runtime::IoBufMut for PanicsWhenFilled {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr()
+    }
+    unsafe fn set_init(&mut self, _pos: usize) {
+        panic!("injected: a panic in the engine thread mid-batch");
+    }
+}
+
+const PANIC_CHILD: &str = "QUIESCE_TEST_PANIC_CHILD";
+
+/// The child half of [`a_panic_in_the_engine_thread_aborts_never_answers`]:
+/// does nothing unless the parent set [`PANIC_CHILD`].
+#[test]
+fn panic_child() {
+    if std::env::var_os(PANIC_CHILD).is_none() {
+        return;
+    }
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    let task = SyncTask {
+        segment: kv,
+        offset: 0,
+        buf: PanicsWhenFilled(vec![0u8; 1 << 20]),
+    };
+    let r = e.batch(Direction::Read, vec![task], BatchOptions::default());
+    // Any answer at all is the failure: the C ABI would turn an error into
+    // -1 ("nothing touches your memory") on a guess.
+    println!("ANSWERED: {:?}", r.map(|o| o.code));
+}
+
+/// A panic in the engine thread while a batch holds the caller's memory
+/// must not become an answer (the C ABI's -1 says nothing touches the
+/// memory, which a panic cannot know): the process aborts.
+#[test]
+fn a_panic_in_the_engine_thread_aborts_never_answers() {
+    use std::os::unix::process::ExitStatusExt;
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "panic_child", "--nocapture", "--test-threads=1"])
+        .env(PANIC_CHILD, "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        !stdout.contains("ANSWERED"),
+        "the caller got an answer after a panic: {stdout}"
+    );
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGABRT),
+        "the child should abort: {:?}\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(
+        stderr.contains("injected: a panic in the engine thread"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("aborting rather than return memory"),
+        "{stderr}"
+    );
+}
