@@ -9,7 +9,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use quiesce_runtime::net::TcpListener;
-use quiesce_runtime::{spawn_local, JoinHandle};
+use quiesce_runtime::{spawn_local, time, JoinHandle};
 
 use crate::auth::random_u64;
 use crate::error::TransferError;
@@ -146,9 +146,23 @@ impl Engine {
         });
         let weak = Rc::downgrade(&inner);
         let accept = spawn_local(async move {
+            let mut backoff = AcceptBackoff::default();
             loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    break;
+                let stream = match listener.accept().await {
+                    Ok((stream, _)) => {
+                        backoff.reset();
+                        stream
+                    }
+                    Err(e) => match backoff.after(&e) {
+                        Some(pause) => {
+                            time::sleep(pause).await;
+                            continue;
+                        }
+                        None => {
+                            tracing::error!(error = %e, "the listener failed; no more connections are accepted");
+                            break;
+                        }
+                    },
                 };
                 let Some(engine) = weak.upgrade() else { break };
                 if stream.set_nodelay(true).is_err() {
@@ -306,6 +320,41 @@ impl Drop for SessionGuard<'_> {
         if *n == 0 {
             s.remove(&self.session);
             self.engine.fences.end_session(self.session);
+        }
+    }
+}
+
+/// What the accept loop does after a failed `accept`: errors of the moment
+/// (out of file descriptors, buffers or memory; a connection that aborted
+/// before it was accepted; a signal) are waited out — longer each time, up
+/// to a second, so a target at its fd limit neither spins nor gives up —
+/// and only an error of the listener itself ends the loop.
+#[derive(Default)]
+struct AcceptBackoff {
+    pause: Duration,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(5);
+    const MAX: Duration = Duration::from_secs(1);
+
+    fn reset(&mut self) {
+        self.pause = Duration::ZERO;
+    }
+
+    /// The pause before accepting again, or `None` to stop.
+    fn after(&mut self, e: &io::Error) -> Option<Duration> {
+        match e.raw_os_error() {
+            Some(libc::ECONNABORTED | libc::EINTR | libc::EAGAIN | libc::EPROTO | libc::EPERM) => {
+                tracing::debug!(error = %e, "accept failed for one connection");
+                Some(Duration::ZERO)
+            }
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
+                self.pause = (self.pause * 2).clamp(Self::FIRST, Self::MAX);
+                tracing::warn!(error = %e, pause_ms = self.pause.as_millis() as u64, "cannot accept: out of resources; pausing");
+                Some(self.pause)
+            }
+            _ => None,
         }
     }
 }

@@ -32,12 +32,30 @@ pub struct TargetProcess {
 
 impl TargetProcess {
     pub fn spawn(args: &[&str]) -> TargetProcess {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_quiesce-test-target"))
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start quiesce-test-target");
+        Self::spawn_with(args, None)
+    }
+
+    /// As [`spawn`](Self::spawn), with `RLIMIT_NOFILE` set to `nofile`.
+    pub fn spawn_with(args: &[&str], nofile: Option<u64>) -> TargetProcess {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_quiesce-test-target"));
+        cmd.args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
+        if let Some(n) = nofile {
+            // SAFETY: setrlimit is async-signal-safe and touches only `lim`.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd.spawn().expect("start quiesce-test-target");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let mut segments = HashMap::new();
         let addr = loop {
