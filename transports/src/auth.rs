@@ -11,6 +11,7 @@ use std::str::FromStr;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use subtle::ConstantTimeEq;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -31,9 +32,18 @@ pub(crate) fn random_u64() -> u64 {
 }
 
 /// A segment's secret: 128 random bits. Shown as 32 hex digits by `Display`
-/// (to hand to authorised peers); `Debug` does not reveal it.
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// (to hand to authorised peers); `Debug` does not reveal it. Compared in
+/// constant time.
+#[derive(Clone, Copy)]
 pub struct Token(pub(crate) [u8; 16]);
+
+impl PartialEq for Token {
+    fn eq(&self, other: &Token) -> bool {
+        self.0.ct_eq(&other.0).into()
+    }
+}
+
+impl Eq for Token {}
 
 impl Token {
     /// A fresh random token.
@@ -133,6 +143,17 @@ mod tests {
         assert!(!t.verify(&p, &tn, &inn, 7, 43));
         assert!(!t.verify(&p, &inn, &tn, 7, 42));
         assert!(!Token::random().verify(&p, &tn, &inn, 7, 42));
+    }
+
+    #[test]
+    fn tokens_compare_by_every_byte() {
+        let t = Token::random();
+        assert_eq!(t, t.to_string().parse().unwrap());
+        for i in 0..16 {
+            let mut u = t;
+            u.0[i] ^= 1;
+            assert_ne!(t, u, "byte {i}");
+        }
     }
 
     #[test]
