@@ -89,6 +89,14 @@ pub struct EngineStats {
     pub rejected: u64,
     /// Connections accepted.
     pub accepted: u64,
+    /// Served connections open now.
+    pub connections: u64,
+    /// Of those, connections that have not proven any token yet.
+    pub unauthenticated: u64,
+    /// Initiator sessions with a served connection now.
+    pub sessions: u64,
+    /// `(session, batch)` entries in the fence table now.
+    pub fence_entries: u64,
 }
 
 #[derive(Default)]
@@ -96,6 +104,8 @@ pub(crate) struct Counters {
     pub(crate) bytes_landed: Cell<u64>,
     pub(crate) rejected: Cell<u64>,
     pub(crate) accepted: Cell<u64>,
+    pub(crate) connections: Cell<u64>,
+    pub(crate) unauthenticated: Cell<u64>,
 }
 
 pub(crate) struct EngineInner {
@@ -263,6 +273,10 @@ impl Engine {
             bytes_landed: c.bytes_landed.get(),
             rejected: c.rejected.get(),
             accepted: c.accepted.get(),
+            connections: c.connections.get(),
+            unauthenticated: c.unauthenticated.get(),
+            sessions: self.inner.sessions.borrow().len() as u64,
+            fence_entries: self.inner.fences.len() as u64,
         }
     }
 

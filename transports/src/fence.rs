@@ -81,6 +81,11 @@ impl FenceTable {
         .await
     }
 
+    /// Entries now (fenced batches and batches with landing writes).
+    pub(crate) fn len(&self) -> usize {
+        self.inner.borrow().len()
+    }
+
     /// Forgets a session whose connections are all gone.
     pub(crate) fn end_session(&self, session: u64) {
         self.inner

@@ -60,6 +60,44 @@ struct Conn<'a> {
     authorised: HashMap<u64, u64>,
     /// The RDMA queue pair this connection set up (control connections).
     served: Option<crate::rdma::served::ServedQp>,
+    census: Census<'a>,
+}
+
+/// Counts a served connection in the engine's stats while it lives, and
+/// whether it has proven a token yet.
+struct Census<'a> {
+    counters: &'a crate::engine::Counters,
+    authenticated: bool,
+}
+
+impl<'a> Census<'a> {
+    fn new(counters: &'a crate::engine::Counters) -> Census<'a> {
+        counters.connections.set(counters.connections.get() + 1);
+        counters
+            .unauthenticated
+            .set(counters.unauthenticated.get() + 1);
+        Census {
+            counters,
+            authenticated: false,
+        }
+    }
+
+    fn authenticated(&mut self) {
+        if !std::mem::replace(&mut self.authenticated, true) {
+            let u = &self.counters.unauthenticated;
+            u.set(u.get() - 1);
+        }
+    }
+}
+
+impl Drop for Census<'_> {
+    fn drop(&mut self) {
+        let c = self.counters;
+        c.connections.set(c.connections.get() - 1);
+        if !self.authenticated {
+            c.unauthenticated.set(c.unauthenticated.get() - 1);
+        }
+    }
 }
 
 /// Serves `s` until the peer leaves or breaks the protocol.
@@ -90,7 +128,11 @@ fn status_frame(h: &Header, st: Status, applied: u64) -> Header {
     }
 }
 
-async fn handshake<'a>(engine: &'a EngineInner, s: &'a TcpStream) -> Result<Conn<'a>, Closed> {
+async fn handshake<'a>(
+    engine: &'a EngineInner,
+    s: &'a TcpStream,
+    census: Census<'a>,
+) -> Result<Conn<'a>, Closed> {
     let first = timeout(engine.config.handshake_timeout, read_header(s))
         .await
         .map_err(|_| Closed::Protocol("no hello in time".into()))??;
@@ -149,11 +191,12 @@ async fn handshake<'a>(engine: &'a EngineInner, s: &'a TcpStream) -> Result<Conn
         peer_nonce: hello.nonce,
         authorised: HashMap::new(),
         served: None,
+        census,
     })
 }
 
 async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> {
-    let mut c = handshake(engine, s).await?;
+    let mut c = handshake(engine, s, Census::new(&engine.counters)).await?;
     let _session = engine.session_guard(c.session);
     loop {
         let h = match read_header(s).await? {
@@ -166,6 +209,17 @@ async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> 
             }
         };
         match h.op {
+            // Before a token is proven only the handshake is served: no
+            // fence (it would store state for the session), no queue pair.
+            Op::Fence | Op::QpConnect if c.authorised.is_empty() => {
+                return Err(reject(
+                    s,
+                    &h,
+                    Status::Forbidden,
+                    format!("{:?} before any token was proven", h.op),
+                )
+                .await);
+            }
             Op::Auth => c.auth(&h).await?,
             Op::Write => c.write(&h).await?,
             Op::Read => c.read(&h).await?,
@@ -284,6 +338,7 @@ impl Conn<'_> {
                         ) =>
                     {
                         self.authorised.insert(*id, seg.inner.grants.current());
+                        self.census.authenticated();
                         Status::Ok
                     }
                     Some(_) => Status::Forbidden,

@@ -53,3 +53,62 @@ fn after_fd_exhaustion_the_target_serves_again() {
     honest_round_trip(&t, Duration::from_secs(5));
     eprintln!("served again {:?} after the flood closed", t0.elapsed());
 }
+
+/// Before it proved a token a peer can do nothing but the handshake: a
+/// Fence or a QpConnect is refused, the connection closed, nothing stored.
+#[test]
+fn an_unauthenticated_fence_or_qp_connect_is_refused_and_stores_nothing() {
+    use quiesce_transports::wire::{Header, Op, QpConnect, QpWire, Status};
+    use quiesce_transports::Rights;
+    let t = ShardTarget::start(
+        EngineConfig::default(),
+        &[("kv", 4096, Rights::READ | Rights::WRITE)],
+    );
+    let before = t.stats();
+    let mut c = RawClient::connect(t.addr);
+    c.send(
+        &Header {
+            batch: 77,
+            ..Header::new(Op::Fence)
+        },
+        &[],
+    );
+    let h = c.recv().expect("an answer before the close");
+    assert_eq!(
+        h.op,
+        Op::Status,
+        "an unauthenticated fence was served: {h:?}"
+    );
+    assert_eq!(h.status(), Ok(Status::Forbidden));
+    assert!(c.recv().is_none(), "the connection is closed");
+    let st = t.stats();
+    assert_eq!(
+        st.fence_entries, before.fence_entries,
+        "nothing stored: {st:?}"
+    );
+
+    let mut c = RawClient::connect(t.addr);
+    let p = QpConnect {
+        qp: QpWire::default(),
+    }
+    .encode();
+    c.send(
+        &Header {
+            length: p.len() as u64,
+            ..Header::new(Op::QpConnect)
+        },
+        &p,
+    );
+    let h = c.recv().expect("an answer before the close");
+    assert_eq!(
+        h.op,
+        Op::Status,
+        "an unauthenticated QpConnect was served: {h:?}"
+    );
+    assert_eq!(h.status(), Ok(Status::Forbidden));
+    assert!(c.recv().is_none(), "the connection is closed");
+    // Both connections are gone, none of them counted as authenticated.
+    std::thread::sleep(Duration::from_millis(50));
+    let st = t.stats();
+    assert_eq!((st.connections, st.unauthenticated), (0, 0), "{st:?}");
+}
