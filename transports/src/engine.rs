@@ -9,7 +9,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use quiesce_runtime::net::TcpListener;
-use quiesce_runtime::{spawn_local, time, JoinHandle};
+use quiesce_runtime::JoinHandle;
 
 use crate::auth::random_u64;
 use crate::error::TransferError;
@@ -37,8 +37,18 @@ pub struct EngineConfig {
     pub zc_threshold: Option<usize>,
     /// Connect and handshake timeout (initiator).
     pub connect_timeout: Duration,
-    /// How long a new connection may take to say hello (target).
+    /// How long a new connection may take to finish its handshake — say
+    /// hello and prove a first token (target).
     pub handshake_timeout: Duration,
+    /// An authenticated connection that sends nothing for this long is
+    /// closed (target); the initiator reconnects when it next needs it.
+    pub idle_timeout: Option<Duration>,
+    /// Connections that have not authenticated yet; a new one evicts the
+    /// oldest (target).
+    pub max_unauthenticated: usize,
+    /// Connections open in all; at the cap a new one evicts the oldest
+    /// unauthenticated connection, or is refused (target).
+    pub max_connections: usize,
     /// Demonstrations only, never in production: acknowledge fences without
     /// applying them, so a fenced batch's bytes keep landing (what a target
     /// without fences does). `quiesce demo` uses it to show that quiesce's
@@ -58,6 +68,9 @@ impl Default for EngineConfig {
             zc_threshold: None,
             connect_timeout: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(5),
+            idle_timeout: Some(Duration::from_secs(600)),
+            max_unauthenticated: 256,
+            max_connections: 4096,
             ignore_fences: false,
         }
     }
@@ -97,6 +110,8 @@ pub struct EngineStats {
     pub sessions: u64,
     /// `(session, batch)` entries in the fence table now.
     pub fence_entries: u64,
+    /// Connections closed at once because every slot was authenticated.
+    pub refused: u64,
 }
 
 #[derive(Default)]
@@ -106,6 +121,7 @@ pub(crate) struct Counters {
     pub(crate) accepted: Cell<u64>,
     pub(crate) connections: Cell<u64>,
     pub(crate) unauthenticated: Cell<u64>,
+    pub(crate) refused: Cell<u64>,
 }
 
 pub(crate) struct EngineInner {
@@ -120,6 +136,7 @@ pub(crate) struct EngineInner {
     session: u64,
     peers: RefCell<HashMap<SocketAddr, Peer>>,
     tasks: RefCell<Vec<JoinHandle<()>>>,
+    admission: Rc<RefCell<crate::accept::Admission>>,
     pub(crate) counters: Counters,
     /// The shard's RDMA device, when an `RdmaEngine` wraps this engine.
     pub(crate) rdma: RefCell<Option<Rc<crate::rdma::served::Node>>>,
@@ -151,43 +168,12 @@ impl Engine {
             session: random_u64(),
             peers: RefCell::default(),
             tasks: RefCell::default(),
+            admission: Rc::default(),
             counters: Counters::default(),
             rdma: RefCell::default(),
         });
-        let weak = Rc::downgrade(&inner);
-        let accept = spawn_local(async move {
-            let mut backoff = AcceptBackoff::default();
-            loop {
-                let stream = match listener.accept().await {
-                    Ok((stream, _)) => {
-                        backoff.reset();
-                        stream
-                    }
-                    Err(e) => match backoff.after(&e) {
-                        Some(pause) => {
-                            time::sleep(pause).await;
-                            continue;
-                        }
-                        None => {
-                            tracing::error!(error = %e, "the listener failed; no more connections are accepted");
-                            break;
-                        }
-                    },
-                };
-                let Some(engine) = weak.upgrade() else { break };
-                if stream.set_nodelay(true).is_err() {
-                    continue;
-                }
-                engine
-                    .counters
-                    .accepted
-                    .set(engine.counters.accepted.get() + 1);
-                let task = spawn_local(crate::target::serve(engine.clone(), stream));
-                let mut tasks = engine.tasks.borrow_mut();
-                tasks.retain(|t| !t.is_finished());
-                tasks.push(task);
-            }
-        });
+        let accept =
+            crate::accept::accept_loop(listener, Rc::downgrade(&inner), inner.admission.clone());
         inner.tasks.borrow_mut().push(accept);
         Ok(Engine { inner })
     }
@@ -277,6 +263,7 @@ impl Engine {
             unauthenticated: c.unauthenticated.get(),
             sessions: self.inner.sessions.borrow().len() as u64,
             fence_entries: self.inner.fences.len() as u64,
+            refused: c.refused.get(),
         }
     }
 
@@ -286,6 +273,7 @@ impl Engine {
         for t in self.inner.tasks.borrow_mut().drain(..) {
             t.abort();
         }
+        self.inner.admission.borrow_mut().abort_all();
         for p in self.inner.peers.borrow_mut().drain() {
             p.1.close();
         }
@@ -334,41 +322,6 @@ impl Drop for SessionGuard<'_> {
         if *n == 0 {
             s.remove(&self.session);
             self.engine.fences.end_session(self.session);
-        }
-    }
-}
-
-/// What the accept loop does after a failed `accept`: errors of the moment
-/// (out of file descriptors, buffers or memory; a connection that aborted
-/// before it was accepted; a signal) are waited out — longer each time, up
-/// to a second, so a target at its fd limit neither spins nor gives up —
-/// and only an error of the listener itself ends the loop.
-#[derive(Default)]
-struct AcceptBackoff {
-    pause: Duration,
-}
-
-impl AcceptBackoff {
-    const FIRST: Duration = Duration::from_millis(5);
-    const MAX: Duration = Duration::from_secs(1);
-
-    fn reset(&mut self) {
-        self.pause = Duration::ZERO;
-    }
-
-    /// The pause before accepting again, or `None` to stop.
-    fn after(&mut self, e: &io::Error) -> Option<Duration> {
-        match e.raw_os_error() {
-            Some(libc::ECONNABORTED | libc::EINTR | libc::EAGAIN | libc::EPROTO | libc::EPERM) => {
-                tracing::debug!(error = %e, "accept failed for one connection");
-                Some(Duration::ZERO)
-            }
-            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
-                self.pause = (self.pause * 2).clamp(Self::FIRST, Self::MAX);
-                tracing::warn!(error = %e, pause_ms = self.pause.as_millis() as u64, "cannot accept: out of resources; pausing");
-                Some(self.pause)
-            }
-            _ => None,
         }
     }
 }

@@ -25,6 +25,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod accept;
 mod auth;
 mod conn;
 mod engine;

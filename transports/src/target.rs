@@ -7,9 +7,11 @@
 //! segment. Writes land straight in the segment (one receive into the
 //! destination range, no copy) and are acknowledged after the last byte.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::io;
 use std::rc::Rc;
+use std::time::Instant;
 
 use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
@@ -64,14 +66,17 @@ struct Conn<'a> {
 }
 
 /// Counts a served connection in the engine's stats while it lives, and
-/// whether it has proven a token yet.
+/// whether it has proven a token yet. The accept loop shares `flag`: it
+/// evicts the oldest connections that have not authenticated when there are
+/// too many.
 struct Census<'a> {
     counters: &'a crate::engine::Counters,
     authenticated: bool,
+    flag: Rc<Cell<bool>>,
 }
 
 impl<'a> Census<'a> {
-    fn new(counters: &'a crate::engine::Counters) -> Census<'a> {
+    fn new(counters: &'a crate::engine::Counters, flag: Rc<Cell<bool>>) -> Census<'a> {
         counters.connections.set(counters.connections.get() + 1);
         counters
             .unauthenticated
@@ -79,11 +84,13 @@ impl<'a> Census<'a> {
         Census {
             counters,
             authenticated: false,
+            flag,
         }
     }
 
     fn authenticated(&mut self) {
         if !std::mem::replace(&mut self.authenticated, true) {
+            self.flag.set(true);
             let u = &self.counters.unauthenticated;
             u.set(u.get() - 1);
         }
@@ -101,11 +108,12 @@ impl Drop for Census<'_> {
 }
 
 /// Serves `s` until the peer leaves or breaks the protocol.
-pub(crate) async fn serve(engine: Rc<EngineInner>, s: TcpStream) {
+pub(crate) async fn serve(engine: Rc<EngineInner>, s: TcpStream, authenticated: Rc<Cell<bool>>) {
+    let census = Census::new(&engine.counters, authenticated);
     let peer = s.peer_addr().ok();
     let span = tracing::debug_span!("target_conn", ?peer);
     let _e = span.enter();
-    match serve_inner(&engine, &s).await {
+    match serve_inner(&engine, &s, census).await {
         Ok(()) => tracing::debug!("peer closed the connection"),
         Err(Closed::Io(e)) => tracing::debug!(error = %e, "connection ended"),
         Err(Closed::Protocol(why)) => {
@@ -133,10 +141,8 @@ async fn handshake<'a>(
     s: &'a TcpStream,
     census: Census<'a>,
 ) -> Result<Conn<'a>, Closed> {
-    let first = timeout(engine.config.handshake_timeout, read_header(s))
-        .await
-        .map_err(|_| Closed::Protocol("no hello in time".into()))??;
-    let h = match first {
+    // Bounded by the caller's handshake deadline.
+    let h = match read_header(s).await? {
         None => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
         Some(Err(e)) => {
             return Err(reject(s, &Header::new(Op::Status), Status::BadFrame, e.to_string()).await)
@@ -195,11 +201,74 @@ async fn handshake<'a>(
     })
 }
 
-async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> {
-    let mut c = handshake(engine, s, Census::new(&engine.counters)).await?;
+/// The key proofs for unknown segment ids are checked against, so that a
+/// refusal costs the same whether the segment exists or not.
+fn unknown_segment_token() -> crate::auth::Token {
+    thread_local! {
+        static T: crate::auth::Token = crate::auth::Token::random();
+    }
+    T.with(|t| *t)
+}
+
+/// Reads the next frame of an authenticated connection, closing it once it
+/// has been idle for the engine's idle timeout.
+async fn idle<T>(
+    engine: &EngineInner,
+    f: impl std::future::Future<Output = io::Result<T>>,
+) -> Result<T, Closed> {
+    match engine.config.idle_timeout {
+        Some(d) => timeout(d, f)
+            .await
+            .map_err(|_| Closed::Protocol(format!("idle for {d:?}")))?
+            .map_err(Closed::Io),
+        None => f.await.map_err(Closed::Io),
+    }
+}
+
+/// Runs `f` within what is left of the handshake deadline.
+async fn by<T>(
+    deadline: Instant,
+    f: impl std::future::Future<Output = Result<T, Closed>>,
+) -> Result<T, Closed> {
+    timeout(deadline.saturating_duration_since(Instant::now()), f)
+        .await
+        .map_err(|_| Closed::Protocol("handshake not finished in time".into()))?
+}
+
+async fn serve_inner(
+    engine: &EngineInner,
+    s: &TcpStream,
+    census: Census<'_>,
+) -> Result<(), Closed> {
+    // The whole handshake — hello, and proving a first token — has one
+    // deadline; a peer that stalls anywhere in it is closed.
+    let deadline = Instant::now() + engine.config.handshake_timeout;
+    let mut c = by(deadline, handshake(engine, s, census)).await?;
     let _session = engine.session_guard(c.session);
+    while !c.census.authenticated {
+        let h = match by(deadline, async { Ok(read_header(s).await?) }).await? {
+            None => return Ok(()),
+            Some(Ok(h)) => h,
+            Some(Err(e)) => {
+                return Err(
+                    reject(s, &Header::new(Op::Status), Status::BadFrame, e.to_string()).await,
+                )
+            }
+        };
+        if h.op != Op::Auth {
+            // Authentication first: nothing else is served (or stored).
+            return Err(reject(
+                s,
+                &h,
+                Status::Forbidden,
+                format!("{:?} before any token was proven", h.op),
+            )
+            .await);
+        }
+        by(deadline, c.auth(&h)).await?;
+    }
     loop {
-        let h = match read_header(s).await? {
+        let h = match idle(engine, read_header(s)).await? {
             None => return Ok(()),
             Some(Ok(h)) => h,
             Some(Err(e)) => {
@@ -209,17 +278,6 @@ async fn serve_inner(engine: &EngineInner, s: &TcpStream) -> Result<(), Closed> 
             }
         };
         match h.op {
-            // Before a token is proven only the handshake is served: no
-            // fence (it would store state for the session), no queue pair.
-            Op::Fence | Op::QpConnect if c.authorised.is_empty() => {
-                return Err(reject(
-                    s,
-                    &h,
-                    Status::Forbidden,
-                    format!("{:?} before any token was proven", h.op),
-                )
-                .await);
-            }
             Op::Auth => c.auth(&h).await?,
             Op::Write => c.write(&h).await?,
             Op::Read => c.read(&h).await?,
@@ -327,7 +385,18 @@ impl Conn<'_> {
             .iter()
             .map(|(id, proof)| {
                 let st = match self.engine.segment(*id) {
-                    None => Status::NoSuchSegment,
+                    // The same answer, after the same work, as a wrong
+                    // proof: a refusal does not say whether `id` exists.
+                    None => {
+                        let _ = unknown_segment_token().verify(
+                            proof,
+                            &self.nonce,
+                            &self.peer_nonce,
+                            self.session,
+                            *id,
+                        );
+                        Status::Forbidden
+                    }
                     Some(seg)
                         if seg.token().verify(
                             proof,
@@ -371,13 +440,15 @@ impl Conn<'_> {
         if self.engine.fences.is_fenced(self.session, h.batch) {
             return Err(Status::Fenced);
         }
+        // Forbidden before NoSuchSegment: only a peer that proved the
+        // segment's token learns that it is gone.
+        let Some(&epoch) = self.authorised.get(&h.segment) else {
+            return Err(Status::Forbidden);
+        };
         let seg = self
             .engine
             .segment(h.segment)
             .ok_or(Status::NoSuchSegment)?;
-        let Some(&epoch) = self.authorised.get(&h.segment) else {
-            return Err(Status::Forbidden);
-        };
         if !seg.rights().contains(need) {
             return Err(Status::Forbidden);
         }

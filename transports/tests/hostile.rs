@@ -7,13 +7,11 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use quiesce_runtime::{time, Runtime};
-use quiesce_transports::{Engine, EngineConfig};
+use quiesce_transports::{Engine, EngineConfig, Token};
 
 /// An honest client: connects, proves the token, writes 4 KiB and reads it
 /// back, within `limit`.
-fn honest_round_trip(t: &TargetProcess, limit: Duration) {
-    let token = t.seg("kv").token;
-    let addr = t.addr;
+fn honest_round_trip(addr: std::net::SocketAddr, token: Token, limit: Duration) {
     Runtime::new().unwrap().block_on(async move {
         let work = async {
             let e = Engine::bind(EngineConfig {
@@ -50,7 +48,7 @@ fn after_fd_exhaustion_the_target_serves_again() {
     std::thread::sleep(Duration::from_millis(300));
     drop(flood);
     let t0 = Instant::now();
-    honest_round_trip(&t, Duration::from_secs(5));
+    honest_round_trip(t.addr, t.seg("kv").token, Duration::from_secs(5));
     eprintln!("served again {:?} after the flood closed", t0.elapsed());
 }
 
@@ -111,4 +109,95 @@ fn an_unauthenticated_fence_or_qp_connect_is_refused_and_stores_nothing() {
     std::thread::sleep(Duration::from_millis(50));
     let st = t.stats();
     assert_eq!((st.connections, st.unauthenticated), (0, 0), "{st:?}");
+}
+
+/// A flood of peers that never finish their handshake — a hello header
+/// claiming a 256 KiB payload and nothing more, a bare TCP connection, a
+/// hello and no auth — is closed by the handshake deadline, never holds more
+/// than the cap of unauthenticated connections, and an honest client is
+/// served meanwhile.
+#[test]
+fn a_thousand_stalled_handshakes_are_closed_and_an_honest_client_is_served() {
+    use quiesce_transports::wire::{Header, Op};
+    use quiesce_transports::Rights;
+    use std::io::Write;
+    let cfg = EngineConfig {
+        handshake_timeout: Duration::from_millis(1500),
+        max_unauthenticated: 128,
+        ..EngineConfig::default()
+    };
+    let t = ShardTarget::start(cfg, &[("kv", 65536, Rights::READ | Rights::WRITE)]);
+    let mut flood = Vec::new();
+    for i in 0..1000 {
+        let mut s = std::net::TcpStream::connect(t.addr).unwrap();
+        match i % 3 {
+            0 => {
+                let h = Header {
+                    length: 256 << 10,
+                    ..Header::new(Op::Hello)
+                };
+                s.write_all(&h.encode()).unwrap();
+            }
+            1 => {}
+            _ => flood.push(RawClient::connect(t.addr).s),
+        }
+        flood.push(s);
+    }
+    let st = t.stats();
+    assert!(
+        st.unauthenticated <= 128,
+        "the cap of unauthenticated connections does not hold: {st:?}"
+    );
+    let t0 = Instant::now();
+    honest_round_trip(t.addr, t.seg("kv").token, Duration::from_secs(2));
+    eprintln!("honest client served in {:?} under the flood", t0.elapsed());
+    // By the deadline (plus slack) every stalled handshake is closed.
+    std::thread::sleep(Duration::from_millis(2000));
+    let st = t.stats();
+    assert_eq!(
+        st.unauthenticated, 0,
+        "stalled handshakes still open: {st:?}"
+    );
+    drop(flood);
+}
+
+/// An authenticated connection that stays silent past the idle timeout is
+/// closed by the target; an initiator whose connections were closed that
+/// way reconnects on its next transfer.
+#[test]
+fn idle_connections_are_closed_and_the_initiator_reconnects() {
+    use quiesce_transports::Rights;
+    let cfg = EngineConfig {
+        idle_timeout: Some(Duration::from_millis(300)),
+        ..EngineConfig::default()
+    };
+    let t = ShardTarget::start(cfg, &[("kv", 65536, Rights::READ | Rights::WRITE)]);
+    let mut c = RawClient::connect(t.addr);
+    c.auth(t.seg("kv").id, t.seg("kv").token);
+    let t0 = Instant::now();
+    assert!(c.recv().is_none(), "an idle connection is closed");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        t0.elapsed()
+    );
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let kv = e
+            .connect(t.addr)
+            .await
+            .unwrap()
+            .open("kv", token)
+            .await
+            .unwrap();
+        let (r, _) = kv.write(0, vec![5u8; 4096], 1).await;
+        r.unwrap();
+        time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(t.stats().connections, 0, "idle connections closed");
+        let (r, _) = kv.write(0, vec![6u8; 4096], 2).await;
+        r.expect("the initiator reconnects after an idle close");
+        e.shutdown();
+    });
+    assert_eq!(t.snapshot("kv", 0, 4), vec![6u8; 4]);
 }

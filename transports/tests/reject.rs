@@ -49,12 +49,27 @@ fn write(id: u64, offset: u64, length: u64) -> Header {
 #[test]
 fn unauthorised_writes_are_forbidden_and_discarded() {
     let t = target();
-    let mut c = RawClient::connect(t.addr);
     let id = t.seg("kv").id;
+    // Before any token is proven: refused, and the connection is closed.
+    let mut c = RawClient::connect(t.addr);
     c.send(&write(id, 0, 100), &[0xee; 100]);
     let h = c.recv().unwrap();
     assert_eq!((h.op, h.status().unwrap()), (Op::Status, Status::Forbidden));
-    // The payload was consumed: the connection is still in sync.
+    assert!(
+        c.recv().is_none(),
+        "closed: only Auth is served before a proof"
+    );
+    // Authenticated for another segment: refused per request, the payload
+    // consumed, the connection still in sync.
+    let mut c = RawClient::connect(t.addr);
+    let ro = t.seg("ro").id;
+    assert_eq!(
+        c.auth(ro, t.seg("ro").token).results,
+        vec![(ro, Status::Ok)]
+    );
+    c.send(&write(id, 0, 100), &[0xee; 100]);
+    let h = c.recv().unwrap();
+    assert_eq!((h.op, h.status().unwrap()), (Op::Status, Status::Forbidden));
     assert_eq!(
         c.auth(id, t.seg("kv").token).results,
         vec![(id, Status::Ok)]
@@ -171,9 +186,19 @@ fn unknown_segments_are_refused() {
         let (res, _) = kv.write(0, vec![1u8; 16], 1).await;
         assert_eq!(res.unwrap_err(), TransferError::NoSuchSegment(kv.id()));
     });
+    // A segment this connection never proved: the same refusal whether it
+    // exists or not, in Auth and in requests (no existence oracle).
     let mut c = RawClient::connect(t.addr);
-    c.send(&write(999, 0, 3), &[1, 2, 3]);
-    assert_eq!(c.recv().unwrap().status().unwrap(), Status::NoSuchSegment);
+    let ro = t.seg("ro").id;
+    c.auth(ro, t.seg("ro").token);
+    for id in [999, t.seg("wo").id] {
+        assert_eq!(
+            c.auth(id, Token::random()).results,
+            vec![(id, Status::Forbidden)]
+        );
+        c.send(&write(id, 0, 3), &[1, 2, 3]);
+        assert_eq!(c.recv().unwrap().status().unwrap(), Status::Forbidden);
+    }
 }
 
 #[test]
@@ -222,7 +247,9 @@ fn malformed_frames_close_the_connection_but_not_the_target() {
         },
         Header::new(Op::HelloAck).encode(), // an op a target never receives
     ] {
+        // Authenticated first: before that, anything but Auth is refused.
         let mut c = RawClient::connect(t.addr);
+        c.auth(id, t.seg("kv").token);
         use std::io::Write;
         c.s.write_all(&bad).unwrap();
         c.s.write_all(&[0xaa; 4]).unwrap();
