@@ -160,6 +160,16 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             self.launch(wire);
             self.wait_quiescent(wire).await;
             self.confirm_remote(wire).await;
+            // Nothing of this wire batch moves any more: let every peer it
+            // touched forget it.
+            let peers: HashSet<T::Peer> = self
+                .tasks
+                .iter()
+                .map(|t| self.transport.peer(&t.target))
+                .collect();
+            for p in &peers {
+                self.transport.retire(p, wire);
+            }
             if !self.retry().await {
                 break;
             }

@@ -51,6 +51,13 @@ pub trait Transport: Clone + 'static {
     /// Local teardown: make every in-flight operation towards `peer` end
     /// (their futures still resolve only once reaped).
     fn abort(&self, peer: &Self::Peer);
+
+    /// Called once per peer an attempt touched, when every transfer of wire
+    /// batch `batch` towards it has ended and none will start: the
+    /// transport may forget the batch (and tell the peer it can).
+    fn retire(&self, peer: &Self::Peer, batch: u64) {
+        let _ = (peer, batch);
+    }
 }
 
 /// A segment handle of a one-sided transport (TCP's [`RemoteSegment`],
@@ -85,6 +92,8 @@ pub trait FencePeer: Clone + 'static {
     fn fence(&self, batch: u64) -> impl Future<Output = Result<(), TransferError>>;
     /// Local teardown.
     fn abort(&self);
+    /// The batch is finished towards this peer.
+    fn retire(&self, batch: u64);
 }
 
 macro_rules! one_sided {
@@ -122,6 +131,9 @@ macro_rules! one_sided {
             }
             fn abort(&self) {
                 <$peer>::abort(self)
+            }
+            fn retire(&self, batch: u64) {
+                <$peer>::retire(self, batch)
             }
         }
     };
@@ -259,5 +271,9 @@ impl<S: OneSided> Transport for Segments<S> {
 
     fn abort(&self, peer: &Key<S::Peer>) {
         peer.0.abort()
+    }
+
+    fn retire(&self, peer: &Key<S::Peer>, batch: u64) {
+        peer.0.retire(batch)
     }
 }

@@ -379,6 +379,26 @@ impl Conn {
         wait(&result).await
     }
 
+    /// Tells the target that nothing more of `batch` will be sent on this
+    /// connection (no answer). Every earlier frame of it is ahead in the
+    /// stream.
+    pub(crate) async fn forget(&self, batch: u64) {
+        if self.is_dead() {
+            return;
+        }
+        let mut g = self.send_guard().await;
+        let r = send_frame(
+            &self.stream,
+            &Header {
+                batch,
+                ..Header::new(Op::Forget)
+            },
+            &[],
+        )
+        .await;
+        g.complete = r.is_ok();
+    }
+
     /// Writes `part` to `segment[offset..]`; the part comes back with the result.
     pub(crate) async fn write<B: IoBuf>(
         &self,

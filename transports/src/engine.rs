@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
-use quiesce_runtime::net::TcpListener;
+use quiesce_runtime::net::{TcpListener, TcpStream};
 use quiesce_runtime::JoinHandle;
 
 use crate::auth::random_u64;
@@ -49,6 +49,11 @@ pub struct EngineConfig {
     /// Connections open in all; at the cap a new one evicts the oldest
     /// unauthenticated connection, or is refused (target).
     pub max_connections: usize,
+    /// Fenced batches a session may hold in the target's fence table (each
+    /// until every connection that could carry it said `Forget` or closed);
+    /// past it the target closes the session's connections, which releases
+    /// them all (target).
+    pub max_fenced_per_session: usize,
     /// Demonstrations only, never in production: acknowledge fences without
     /// applying them, so a fenced batch's bytes keep landing (what a target
     /// without fences does). `quiesce demo` uses it to show that quiesce's
@@ -71,6 +76,7 @@ impl Default for EngineConfig {
             idle_timeout: Some(Duration::from_secs(600)),
             max_unauthenticated: 256,
             max_connections: 4096,
+            max_fenced_per_session: 4096,
             ignore_fences: false,
         }
     }
@@ -131,7 +137,10 @@ pub(crate) struct EngineInner {
     next_segment: Cell<u64>,
     pub(crate) fences: FenceTable,
     /// Live target-side connections per initiator session.
-    sessions: RefCell<HashMap<u64, usize>>,
+    /// Open served connections by session: id → the socket (to close them
+    /// all when a session holds too much state).
+    sessions: RefCell<HashMap<u64, HashMap<usize, std::rc::Weak<TcpStream>>>>,
+    next_conn: Cell<usize>,
     /// This engine's own initiator session id.
     session: u64,
     peers: RefCell<HashMap<SocketAddr, Peer>>,
@@ -165,6 +174,7 @@ impl Engine {
             next_segment: Cell::new(1),
             fences: FenceTable::default(),
             sessions: RefCell::default(),
+            next_conn: Cell::new(1),
             session: random_u64(),
             peers: RefCell::default(),
             tasks: RefCell::default(),
@@ -299,28 +309,68 @@ impl EngineInner {
             .collect()
     }
 
-    /// Counts a connection of `session` until the guard drops.
-    pub(crate) fn session_guard(&self, session: u64) -> SessionGuard<'_> {
-        *self.sessions.borrow_mut().entry(session).or_default() += 1;
+    /// Registers connection `s` in `session` until the guard drops.
+    pub(crate) fn session_guard(&self, session: u64, s: &Rc<TcpStream>) -> SessionGuard<'_> {
+        let conn = self.next_conn.get();
+        self.next_conn.set(conn + 1);
+        self.sessions
+            .borrow_mut()
+            .entry(session)
+            .or_default()
+            .insert(conn, Rc::downgrade(s));
         SessionGuard {
             engine: self,
             session,
+            conn,
+        }
+    }
+
+    /// The open connections of `session`.
+    pub(crate) fn session_conns(&self, session: u64) -> Vec<usize> {
+        self.sessions
+            .borrow()
+            .get(&session)
+            .map_or_else(Vec::new, |c| c.keys().copied().collect())
+    }
+
+    /// Closes every connection of `session` (it holds too much state): once
+    /// they are gone nothing of it can arrive, and its entries go.
+    pub(crate) fn close_session(&self, session: u64) {
+        let conns: Vec<Rc<TcpStream>> = self
+            .sessions
+            .borrow()
+            .get(&session)
+            .map_or_else(Vec::new, |c| {
+                c.values().filter_map(|w| w.upgrade()).collect()
+            });
+        for s in conns {
+            let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
 }
 
+/// A served connection's place in its session.
 pub(crate) struct SessionGuard<'a> {
     engine: &'a EngineInner,
     session: u64,
+    /// The connection's id (a carrier in the fence table).
+    pub(crate) conn: usize,
 }
 
 impl Drop for SessionGuard<'_> {
     fn drop(&mut self) {
         let mut s = self.engine.sessions.borrow_mut();
-        let n = s.entry(self.session).or_default();
-        *n = n.saturating_sub(1);
-        if *n == 0 {
+        let Some(conns) = s.get_mut(&self.session) else {
+            return;
+        };
+        conns.remove(&self.conn);
+        let last = conns.is_empty();
+        if last {
             s.remove(&self.session);
+        }
+        drop(s);
+        self.engine.fences.closed(self.session, self.conn);
+        if last {
             self.engine.fences.end_session(self.session);
         }
     }

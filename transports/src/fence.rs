@@ -5,9 +5,17 @@
 //! discarded), cancels the receive op of every write of it that is landing,
 //! and completes once each of those writes has stopped — its op reaped, so no
 //! byte of it can land any more. Only then does the target send `FenceAck`.
+//!
+//! A fenced batch's entry must outlive every frame of the batch still on its
+//! way: its *carriers* are the session's connections open when it was
+//! fenced. A carrier stops being one when it sends `Forget` for the batch
+//! (the initiator's batch is finished: TCP's order puts every earlier frame
+//! of it ahead) or closes. The entry goes once it has no carriers and no
+//! landing writes, so the table holds only batches that can still receive
+//! frames.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 
@@ -22,6 +30,15 @@ struct BatchState {
     /// Landing writes, each with the canceller of its current receive.
     writes: Slab<Option<Canceller>>,
     waiters: Vec<Waker>,
+    /// Connections that may still carry frames of the batch (fenced only).
+    carriers: HashSet<usize>,
+}
+
+impl BatchState {
+    /// Whether the entry still says something.
+    fn needed(&self) -> bool {
+        !self.writes.is_empty() || (self.fenced && !self.carriers.is_empty())
+    }
 }
 
 /// Fence state of every (session, batch) this target has seen lately.
@@ -54,12 +71,21 @@ impl FenceTable {
         }
     }
 
-    /// Fences `batch` and cancels its landing writes; then await [`quiet`](Self::quiet).
-    pub(crate) fn fence(&self, session: u64, batch: u64) {
+    /// Fences `batch` and cancels its landing writes; then await
+    /// [`quiet`](Self::quiet). `carriers`: the session's open connections.
+    pub(crate) fn fence(
+        &self,
+        session: u64,
+        batch: u64,
+        carriers: impl IntoIterator<Item = usize>,
+    ) {
         let cancellers: Vec<Canceller> = {
             let mut t = self.inner.borrow_mut();
             let st = t.entry((session, batch)).or_default();
-            st.fenced = true;
+            if !st.fenced {
+                st.fenced = true;
+                st.carriers = carriers.into_iter().collect();
+            }
             st.writes.iter().filter_map(|(_, c)| c.clone()).collect()
         };
         // Cancel outside the borrow: cancelling may wake tasks.
@@ -79,6 +105,36 @@ impl FenceTable {
             }
         })
         .await
+    }
+
+    /// Connection `conn` will carry nothing more of `batch`.
+    pub(crate) fn forget(&self, session: u64, batch: u64, conn: usize) {
+        let mut t = self.inner.borrow_mut();
+        if let Some(st) = t.get_mut(&(session, batch)) {
+            st.carriers.remove(&conn);
+            if !st.needed() {
+                t.remove(&(session, batch));
+            }
+        }
+    }
+
+    /// Connection `conn` of `session` closed: it carries nothing any more.
+    pub(crate) fn closed(&self, session: u64, conn: usize) {
+        self.inner.borrow_mut().retain(|(s, _), st| {
+            if *s == session {
+                st.carriers.remove(&conn);
+            }
+            *s != session || st.needed()
+        });
+    }
+
+    /// Fenced entries of `session` now.
+    pub(crate) fn fenced_in(&self, session: u64) -> usize {
+        self.inner
+            .borrow()
+            .iter()
+            .filter(|((s, _), st)| *s == session && st.fenced)
+            .count()
     }
 
     /// Entries now (fenced batches and batches with landing writes).
@@ -131,7 +187,7 @@ impl Drop for WriteGuard {
             } else {
                 Vec::new()
             };
-            if st.writes.is_empty() && !st.fenced {
+            if !st.needed() {
                 t.remove(&self.key);
             }
             w

@@ -191,6 +191,12 @@ impl Peer {
         self.inner.fenced.borrow().contains(&batch)
     }
 
+    /// Batches fenced towards this peer that are not retired yet: for
+    /// tests and monitoring.
+    pub fn fenced_batches(&self) -> usize {
+        self.inner.fenced.borrow().len()
+    }
+
     /// The control connection if it is alive.
     pub(crate) fn live_control(&self) -> Option<Rc<Conn>> {
         self.live(0)
@@ -209,6 +215,27 @@ impl Peer {
         // Slices of the batch that have not started are not sent at all.
         self.inner.fenced.borrow_mut().insert(batch);
         self.conn(0).await?.fence(batch).await
+    }
+
+    /// `batch` is finished here: every transfer of it towards this peer has
+    /// ended, and none will start. If it was fenced, the target is told on
+    /// every connection (`Forget`), so it can drop the batch's fence entry
+    /// once no connection can still carry a frame of it; the local mark goes.
+    pub fn retire(&self, batch: u64) {
+        if !self.inner.fenced.borrow_mut().remove(&batch) {
+            return;
+        }
+        let conns: Vec<Rc<Conn>> = (0..self.inner.conns.borrow().len())
+            .filter_map(|i| self.live(i))
+            .collect();
+        if conns.is_empty() {
+            return;
+        }
+        spawn_local(async move {
+            for c in conns {
+                c.forget(batch).await;
+            }
+        });
     }
 
     /// Tears every connection down with an RST; their requests fail once

@@ -113,6 +113,7 @@ pub(crate) async fn serve(engine: Rc<EngineInner>, s: TcpStream, authenticated: 
     let peer = s.peer_addr().ok();
     let span = tracing::debug_span!("target_conn", ?peer);
     let _e = span.enter();
+    let s = Rc::new(s);
     match serve_inner(&engine, &s, census).await {
         Ok(()) => tracing::debug!("peer closed the connection"),
         Err(Closed::Io(e)) => tracing::debug!(error = %e, "connection ended"),
@@ -237,14 +238,15 @@ async fn by<T>(
 
 async fn serve_inner(
     engine: &EngineInner,
-    s: &TcpStream,
+    stream: &Rc<TcpStream>,
     census: Census<'_>,
 ) -> Result<(), Closed> {
+    let s: &TcpStream = stream;
     // The whole handshake — hello, and proving a first token — has one
     // deadline; a peer that stalls anywhere in it is closed.
     let deadline = Instant::now() + engine.config.handshake_timeout;
     let mut c = by(deadline, handshake(engine, s, census)).await?;
-    let _session = engine.session_guard(c.session);
+
     while !c.census.authenticated {
         let h = match by(deadline, async { Ok(read_header(s).await?) }).await? {
             None => return Ok(()),
@@ -267,6 +269,7 @@ async fn serve_inner(
         }
         by(deadline, c.auth(&h)).await?;
     }
+    let session = engine.session_guard(c.session, stream);
     loop {
         let h = match idle(engine, read_header(s)).await? {
             None => return Ok(()),
@@ -295,7 +298,8 @@ async fn serve_inner(
                     }),
                 };
                 if !engine.config.ignore_fences {
-                    engine.fences.fence(c.session, h.batch);
+                    let carriers = engine.session_conns(c.session);
+                    engine.fences.fence(c.session, h.batch, carriers);
                     engine.fences.quiet(c.session, h.batch).await;
                 }
                 send_frame(
@@ -309,7 +313,18 @@ async fn serve_inner(
                     &[],
                 )
                 .await?;
+                let held = engine.fences.fenced_in(c.session);
+                if held > engine.config.max_fenced_per_session {
+                    // Safe to release only by closing what could still carry
+                    // those batches: every connection of the session.
+                    tracing::warn!(
+                        held,
+                        "a session holds too many fenced batches; closing its connections"
+                    );
+                    engine.close_session(c.session);
+                }
             }
+            Op::Forget => engine.fences.forget(c.session, h.batch, session.conn),
             op => return Err(reject(s, &h, Status::BadFrame, format!("unexpected {op:?}")).await),
         }
     }

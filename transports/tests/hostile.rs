@@ -201,3 +201,75 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
     });
     assert_eq!(t.snapshot("kv", 0, 4), vec![6u8; 4]);
 }
+
+/// A fenced batch's entry stays while a connection of its session that
+/// could still carry a frame of it is open and has not said `Forget`, and
+/// goes once the last one does (or closes); a session that piles up fenced
+/// batches past the cap has its connections closed, which frees them all.
+#[test]
+fn fence_entries_go_when_no_connection_can_carry_the_batch() {
+    use quiesce_transports::wire::{Header, Op};
+    use quiesce_transports::Rights;
+    let cfg = EngineConfig {
+        max_fenced_per_session: 3,
+        ..EngineConfig::default()
+    };
+    let t = ShardTarget::start(cfg, &[("kv", 4096, Rights::READ | Rights::WRITE)]);
+    let (id, token) = (t.seg("kv").id, t.seg("kv").token);
+    // Two connections of one session (RawClient's).
+    let mut a = RawClient::connect(t.addr);
+    a.auth(id, token);
+    let mut b = RawClient::connect(t.addr);
+    b.auth(id, token);
+    let fence = |c: &mut RawClient, batch| {
+        c.send(
+            &Header {
+                batch,
+                ..Header::new(Op::Fence)
+            },
+            &[],
+        );
+        assert_eq!(c.recv().map(|h| h.op), Some(Op::FenceAck));
+    };
+    let forget = |c: &mut RawClient, batch| {
+        c.send(
+            &Header {
+                batch,
+                ..Header::new(Op::Forget)
+            },
+            &[],
+        )
+    };
+    let settle = || std::thread::sleep(Duration::from_millis(50));
+    fence(&mut a, 5);
+    assert_eq!(t.stats().fence_entries, 1);
+    forget(&mut a, 5);
+    settle();
+    assert_eq!(t.stats().fence_entries, 1, "b could still carry batch 5");
+    forget(&mut b, 5);
+    settle();
+    assert_eq!(
+        t.stats().fence_entries,
+        0,
+        "no connection can carry batch 5"
+    );
+    fence(&mut a, 6);
+    drop(b);
+    settle();
+    assert_eq!(t.stats().fence_entries, 1, "a has not said Forget");
+    forget(&mut a, 6);
+    settle();
+    assert_eq!(t.stats().fence_entries, 0);
+    // Past the cap of 3 fenced batches the session's connections close.
+    for batch in 10..14 {
+        fence(&mut a, batch);
+    }
+    assert!(a.recv().is_none(), "the session's connection was closed");
+    settle();
+    let st = t.stats();
+    assert_eq!(
+        (st.fence_entries, st.sessions, st.connections),
+        (0, 0, 0),
+        "{st:?}"
+    );
+}

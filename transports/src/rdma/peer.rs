@@ -179,6 +179,11 @@ impl RdmaPeer {
         Ok(())
     }
 
+    /// `batch` is finished here (see [`Peer::retire`]).
+    pub fn retire(&self, batch: u64) {
+        self.inner.tcp.retire(batch);
+    }
+
     /// Moves the queue pair to the error state (its requests fail once
     /// their flushes are reaped) and resets the control connection, so a
     /// transfer still setting its queue pair up, or a fence waiting for its

@@ -39,6 +39,11 @@ pub enum Op {
     Read = 17,
     /// Initiator → target: apply no further byte of batch `batch`.
     Fence = 18,
+    /// Initiator → target: nothing more of batch `batch` will be sent on
+    /// this connection (the batch is finished at the initiator); the target
+    /// may forget the batch once every connection that could carry it said
+    /// so or closed.
+    Forget = 19,
     /// Target → initiator: the outcome of a write or read (`flags` = [`Status`]).
     Status = 32,
     /// Target → initiator: `length` bytes of a read follow.
@@ -59,6 +64,7 @@ impl Op {
             16 => Op::Write,
             17 => Op::Read,
             18 => Op::Fence,
+            19 => Op::Forget,
             32 => Op::Status,
             33 => Op::ReadData,
             34 => Op::FenceAck,
