@@ -1,9 +1,11 @@
 //! Segment tokens and the challenge–response that proves holding one.
 //!
 //! A token never crosses the wire. Each side of a connection sends a fresh
-//! 16-byte nonce in its hello; to open segment `id` the initiator sends
-//! `HMAC-SHA256(token, "quiesce-auth-v1" ‖ target nonce ‖ initiator nonce ‖
-//! session ‖ id)`, which the target recomputes and compares in constant time.
+//! 16-byte nonce in its hello; to open a segment (by name) or prove it again
+//! (by id) the initiator sends `HMAC-SHA256(token, "quiesce-auth-v2" ‖ target
+//! nonce ‖ initiator nonce ‖ session ‖ segment reference)`, which the target
+//! recomputes and compares in constant time. Joining a session takes a
+//! proof of its key ([`SessionKey`]).
 
 use std::fmt;
 use std::io::Read;
@@ -13,9 +15,12 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
 
+use crate::wire::SegmentRef;
+
 type HmacSha256 = Hmac<Sha256>;
 
-const DOMAIN: &[u8] = b"quiesce-auth-v1";
+const DOMAIN: &[u8] = b"quiesce-auth-v2";
+const JOIN_DOMAIN: &[u8] = b"quiesce-join-v1";
 
 /// Fills `out` from the kernel's CSPRNG.
 pub(crate) fn random_bytes(out: &mut [u8]) {
@@ -53,26 +58,20 @@ impl Token {
         Token(t)
     }
 
-    /// The proof for segment `id` on a connection with these nonces (see
-    /// `docs/PROTOCOL.md` §4.3), for initiators written against the protocol.
+    /// The proof for segment `seg` on a connection with these nonces, in
+    /// `session` (see `docs/PROTOCOL.md` §4.3), for initiators written
+    /// against the protocol.
     pub fn prove(
         &self,
         target_nonce: &[u8; 16],
         initiator_nonce: &[u8; 16],
         session: u64,
-        id: u64,
+        seg: &SegmentRef,
     ) -> [u8; 32] {
-        let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
-        for part in [
-            DOMAIN,
-            target_nonce,
-            initiator_nonce,
-            &session.to_le_bytes(),
-            &id.to_le_bytes(),
-        ] {
-            mac.update(part);
-        }
-        mac.finalize().into_bytes().into()
+        self.mac(target_nonce, initiator_nonce, session, seg)
+            .finalize()
+            .into_bytes()
+            .into()
     }
 
     /// Checks a proof in constant time.
@@ -82,19 +81,92 @@ impl Token {
         target_nonce: &[u8; 16],
         initiator_nonce: &[u8; 16],
         session: u64,
-        id: u64,
+        seg: &SegmentRef,
     ) -> bool {
+        self.mac(target_nonce, initiator_nonce, session, seg)
+            .verify_slice(proof)
+            .is_ok()
+    }
+
+    fn mac(
+        &self,
+        target_nonce: &[u8; 16],
+        initiator_nonce: &[u8; 16],
+        session: u64,
+        seg: &SegmentRef,
+    ) -> HmacSha256 {
         let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
         for part in [
             DOMAIN,
             target_nonce,
             initiator_nonce,
             &session.to_le_bytes(),
-            &id.to_le_bytes(),
+            &seg.proof_bytes(),
         ] {
             mac.update(part);
         }
-        mac.verify_slice(proof).is_ok()
+        mac
+    }
+}
+
+/// A session's key: the target chooses it with the session and hands it to
+/// the connection that created it; a connection joins the session only by
+/// proving it (`HMAC-SHA256(key, "quiesce-join-v1" ‖ target nonce ‖
+/// initiator nonce ‖ session)`), so no other peer can act in it.
+#[derive(Clone, Copy)]
+pub(crate) struct SessionKey(pub(crate) [u8; 16]);
+
+impl SessionKey {
+    /// A fresh random key.
+    pub(crate) fn random() -> SessionKey {
+        let mut k = [0u8; 16];
+        random_bytes(&mut k);
+        SessionKey(k)
+    }
+
+    /// The join proof for a connection with these nonces.
+    pub(crate) fn prove(
+        &self,
+        target_nonce: &[u8; 16],
+        initiator_nonce: &[u8; 16],
+        session: u64,
+    ) -> [u8; 32] {
+        self.mac(target_nonce, initiator_nonce, session)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// Checks a join proof in constant time.
+    pub(crate) fn verify(
+        &self,
+        proof: &[u8; 32],
+        target_nonce: &[u8; 16],
+        initiator_nonce: &[u8; 16],
+        session: u64,
+    ) -> bool {
+        self.mac(target_nonce, initiator_nonce, session)
+            .verify_slice(proof)
+            .is_ok()
+    }
+
+    fn mac(&self, target_nonce: &[u8; 16], initiator_nonce: &[u8; 16], session: u64) -> HmacSha256 {
+        let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
+        for part in [
+            JOIN_DOMAIN,
+            target_nonce,
+            initiator_nonce,
+            &session.to_le_bytes(),
+        ] {
+            mac.update(part);
+        }
+        mac
+    }
+}
+
+impl fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SessionKey(<redacted>)")
     }
 }
 
@@ -138,11 +210,19 @@ mod tests {
     fn proofs_verify_only_with_the_right_token_and_nonces() {
         let t = Token::random();
         let (tn, inn) = ([1u8; 16], [2u8; 16]);
-        let p = t.prove(&tn, &inn, 7, 42);
-        assert!(t.verify(&p, &tn, &inn, 7, 42));
-        assert!(!t.verify(&p, &tn, &inn, 7, 43));
-        assert!(!t.verify(&p, &inn, &tn, 7, 42));
-        assert!(!Token::random().verify(&p, &tn, &inn, 7, 42));
+        let (id, other) = (SegmentRef::Id(42), SegmentRef::Id(43));
+        let p = t.prove(&tn, &inn, 7, &id);
+        assert!(t.verify(&p, &tn, &inn, 7, &id));
+        assert!(!t.verify(&p, &tn, &inn, 7, &other));
+        assert!(!t.verify(&p, &tn, &inn, 8, &id));
+        assert!(!t.verify(&p, &inn, &tn, 7, &id));
+        assert!(!t.verify(&p, &tn, &inn, 7, &SegmentRef::Name("42".into())));
+        assert!(!Token::random().verify(&p, &tn, &inn, 7, &id));
+        let k = SessionKey::random();
+        let j = k.prove(&tn, &inn, 7);
+        assert!(k.verify(&j, &tn, &inn, 7));
+        assert!(!k.verify(&j, &tn, &inn, 8));
+        assert!(!SessionKey::random().verify(&j, &tn, &inn, 7));
     }
 
     #[test]

@@ -18,14 +18,14 @@ use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
-use crate::auth::{random_bytes, Token};
+use crate::auth::{random_bytes, SessionKey, Token};
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
 use crate::shared::{bytes_of, Erased, Part};
 use crate::stream::{discard, read_header, read_payload, send_frame, HeaderReader};
 use crate::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, QpAccept, QpConnect, Status, HEADER_LEN,
-    MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD, VERSION,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, QpAccept, QpConnect, SegmentRef, Status,
+    HEADER_LEN, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD, VERSION,
 };
 
 /// Payloads up to this size travel in the same send as their header.
@@ -124,7 +124,11 @@ pub(crate) struct Conn {
     next_id: Cell<u64>,
     pub(crate) hello: HelloAck,
     nonce: [u8; 16],
+    /// The session the target put the connection in.
     session: u64,
+    /// The proof of the session's key that a joining connection sends with
+    /// its first `Auth` (zeros for the connection that created it).
+    join: [u8; 32],
     /// Frame buffers of small writes, reused (header and payload in one send).
     frames: RefCell<Vec<Vec<u8>>>,
     /// Run once when the connection ends (RDMA: reset the queue pair set up
@@ -138,11 +142,15 @@ pub(crate) struct Conn {
 /// Batches fenced by this initiator, shared by a peer's connections.
 pub(crate) type LocalFences = Rc<RefCell<std::collections::HashSet<u64>>>;
 
+/// The session a peer's connections share: chosen by the target for the
+/// first connection, joined (by proving its key) by the others.
+pub(crate) type SessionBinding = Rc<Cell<Option<(u64, SessionKey)>>>;
+
 /// Connection settings.
 pub(crate) struct ConnParams<'a> {
     pub(crate) node: &'a str,
     pub(crate) shards: u16,
-    pub(crate) session: u64,
+    pub(crate) session: SessionBinding,
     pub(crate) connect_timeout: std::time::Duration,
     pub(crate) fenced: LocalFences,
 }
@@ -164,10 +172,11 @@ impl Conn {
         stream.set_nodelay(true).map_err(|e| hs(e.to_string()))?;
         let mut nonce = [0u8; 16];
         random_bytes(&mut nonce);
+        let asked = p.session.get();
         let hello = Hello {
             version_min: VERSION,
             version_max: VERSION,
-            session: p.session,
+            session: asked.map_or(0, |(s, _)| s),
             shards: p.shards,
             nonce,
             node: p.node.to_string(),
@@ -203,6 +212,23 @@ impl Conn {
         .await
         .map_err(|_| hs("no hello ack in time".into()))??;
         let hello = HelloAck::decode(&payload)?;
+        // A key means a new session (the one asked for, if any, is gone at
+        // the target): the peer's later connections join this one.
+        let join = if hello.session_key != [0; 16] {
+            p.session
+                .set(Some((hello.session, SessionKey(hello.session_key))));
+            [0; 32]
+        } else {
+            match asked {
+                Some((s, key)) if s == hello.session => key.prove(&hello.nonce, &nonce, s),
+                _ => {
+                    return Err(hs(
+                        "the target put the connection in a session it did not ask for".into(),
+                    ))
+                }
+            }
+        };
+        let session = hello.session;
         let conn = Rc::new(Conn {
             stream,
             send_lock: AsyncLock::default(),
@@ -210,7 +236,8 @@ impl Conn {
             next_id: Cell::new(1),
             hello,
             nonce,
-            session: p.session,
+            session,
+            join,
             fenced: p.fenced.clone(),
             frames: RefCell::default(),
             on_close: RefCell::default(),
@@ -279,18 +306,24 @@ impl Conn {
         id
     }
 
-    /// Proves tokens for segments; returns the target's verdicts.
-    pub(crate) async fn auth(&self, tokens: &[(u64, Token)]) -> Result<AuthAck, TransferError> {
+    /// Proves tokens for segments (by id, or by name to open them); returns
+    /// the target's verdicts.
+    pub(crate) async fn auth(
+        &self,
+        tokens: &[(SegmentRef, Token)],
+    ) -> Result<AuthAck, TransferError> {
         let proofs = tokens
             .iter()
-            .map(|(id, t)| {
-                (
-                    *id,
-                    t.prove(&self.hello.nonce, &self.nonce, self.session, *id),
-                )
+            .map(|(seg, t)| {
+                let proof = t.prove(&self.hello.nonce, &self.nonce, self.session, seg);
+                (seg.clone(), proof)
             })
             .collect();
-        let payload = AuthRequest { proofs }.encode()?;
+        let payload = AuthRequest {
+            join: self.join,
+            proofs,
+        }
+        .encode()?;
         let result = slot();
         {
             let mut st = self.state.borrow_mut();

@@ -6,12 +6,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quiesce_runtime::net::{TcpListener, TcpStream};
 use quiesce_runtime::JoinHandle;
 
-use crate::auth::random_u64;
+use crate::auth::{random_u64, SessionKey};
 use crate::error::TransferError;
 use crate::fence::FenceTable;
 use crate::peer::{Peer, PeerParams};
@@ -137,12 +137,12 @@ pub(crate) struct EngineInner {
     next_segment: Cell<u64>,
     pub(crate) fences: FenceTable,
     /// Live target-side connections per initiator session.
-    /// Open served connections by session: id → the socket (to close them
-    /// all when a session holds too much state).
-    sessions: RefCell<HashMap<u64, HashMap<usize, std::rc::Weak<TcpStream>>>>,
+    /// Live sessions (those with an authenticated connection, or that had
+    /// one within a handshake timeout).
+    sessions: RefCell<HashMap<u64, Session>>,
+    /// Sessions whose last connection closed, with when they expire.
+    lingering: RefCell<std::collections::VecDeque<(Instant, u64)>>,
     next_conn: Cell<usize>,
-    /// This engine's own initiator session id.
-    session: u64,
     peers: RefCell<HashMap<SocketAddr, Peer>>,
     tasks: RefCell<Vec<JoinHandle<()>>>,
     admission: Rc<RefCell<crate::accept::Admission>>,
@@ -175,7 +175,7 @@ impl Engine {
             fences: FenceTable::default(),
             sessions: RefCell::default(),
             next_conn: Cell::new(1),
-            session: random_u64(),
+            lingering: RefCell::default(),
             peers: RefCell::default(),
             tasks: RefCell::default(),
             admission: Rc::default(),
@@ -249,7 +249,6 @@ impl Engine {
         PeerParams {
             node: c.node.clone(),
             shards: c.shards,
-            session: self.inner.session,
             connections,
             slice_size: c.slice_size,
             zc_threshold: c.zc_threshold,
@@ -271,7 +270,13 @@ impl Engine {
             accepted: c.accepted.get(),
             connections: c.connections.get(),
             unauthenticated: c.unauthenticated.get(),
-            sessions: self.inner.sessions.borrow().len() as u64,
+            sessions: self
+                .inner
+                .sessions
+                .borrow()
+                .values()
+                .filter(|s| !s.conns.is_empty())
+                .count() as u64,
             fence_entries: self.inner.fences.len() as u64,
             refused: c.refused.get(),
         }
@@ -295,34 +300,83 @@ impl EngineInner {
         self.segments.borrow().get(&id).cloned()
     }
 
-    pub(crate) fn descriptors(&self) -> Vec<Descriptor> {
+    /// The segment registered as `name`.
+    pub(crate) fn segment_named(&self, name: &str) -> Option<Segment> {
         self.segments
             .borrow()
             .values()
-            .map(|s| Descriptor {
-                id: s.id(),
-                name: s.name().into(),
-                len: s.len(),
-                rights: s.rights(),
-                endpoints: vec![self.local_addr],
-            })
-            .collect()
+            .find(|s| s.name() == name)
+            .cloned()
     }
 
-    /// Registers connection `s` in `session` until the guard drops.
-    pub(crate) fn session_guard(&self, session: u64, s: &Rc<TcpStream>) -> SessionGuard<'_> {
+    /// What a peer that proved `s`'s token learns about it.
+    pub(crate) fn descriptor(&self, s: &Segment) -> Descriptor {
+        Descriptor {
+            id: s.id(),
+            name: s.name().into(),
+            len: s.len(),
+            rights: s.rights(),
+            endpoints: vec![self.local_addr],
+        }
+    }
+
+    /// The key of `session` if it is live here.
+    pub(crate) fn session_key(&self, session: u64) -> Option<SessionKey> {
+        self.expire_sessions();
+        self.sessions.borrow().get(&session).map(|s| s.key)
+    }
+
+    /// Forgets sessions that have had no connection for a handshake timeout.
+    fn expire_sessions(&self) {
+        let now = Instant::now();
+        let mut lingering = self.lingering.borrow_mut();
+        let mut sessions = self.sessions.borrow_mut();
+        while let Some(&(until, id)) = lingering.front() {
+            if until > now {
+                break;
+            }
+            lingering.pop_front();
+            if sessions.get(&id).is_some_and(|s| s.conns.is_empty()) {
+                sessions.remove(&id);
+            }
+        }
+    }
+
+    /// A fresh session id: random, never 0, not live.
+    pub(crate) fn new_session_id(&self) -> u64 {
+        loop {
+            let id = random_u64();
+            if id != 0 && !self.sessions.borrow().contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Registers connection `s` in `session` until the guard drops: creating
+    /// the session with `key`, or joining it (`None`); `None` if the session
+    /// to join ended meanwhile.
+    pub(crate) fn session_guard(
+        &self,
+        session: u64,
+        key: Option<SessionKey>,
+        s: &Rc<TcpStream>,
+    ) -> Option<SessionGuard<'_>> {
         let conn = self.next_conn.get();
         self.next_conn.set(conn + 1);
-        self.sessions
-            .borrow_mut()
-            .entry(session)
-            .or_default()
-            .insert(conn, Rc::downgrade(s));
-        SessionGuard {
+        let mut sessions = self.sessions.borrow_mut();
+        let entry = match key {
+            Some(key) => sessions.entry(session).or_insert_with(|| Session {
+                key,
+                conns: HashMap::new(),
+            }),
+            None => sessions.get_mut(&session)?,
+        };
+        entry.conns.insert(conn, Rc::downgrade(s));
+        Some(SessionGuard {
             engine: self,
             session,
             conn,
-        }
+        })
     }
 
     /// The open connections of `session`.
@@ -330,7 +384,7 @@ impl EngineInner {
         self.sessions
             .borrow()
             .get(&session)
-            .map_or_else(Vec::new, |c| c.keys().copied().collect())
+            .map_or_else(Vec::new, |s| s.conns.keys().copied().collect())
     }
 
     /// Closes every connection of `session` (it holds too much state): once
@@ -341,12 +395,19 @@ impl EngineInner {
             .borrow()
             .get(&session)
             .map_or_else(Vec::new, |c| {
-                c.values().filter_map(|w| w.upgrade()).collect()
+                c.conns.values().filter_map(|w| w.upgrade()).collect()
             });
         for s in conns {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
+}
+
+/// A session the target bound: its key and its open connections (id → the
+/// socket, to close them all when the session holds too much state).
+pub(crate) struct Session {
+    key: SessionKey,
+    conns: HashMap<usize, std::rc::Weak<TcpStream>>,
 }
 
 /// A served connection's place in its session.
@@ -360,18 +421,23 @@ pub(crate) struct SessionGuard<'a> {
 impl Drop for SessionGuard<'_> {
     fn drop(&mut self) {
         let mut s = self.engine.sessions.borrow_mut();
-        let Some(conns) = s.get_mut(&self.session) else {
+        let Some(entry) = s.get_mut(&self.session) else {
             return;
         };
-        conns.remove(&self.conn);
-        let last = conns.is_empty();
-        if last {
-            s.remove(&self.session);
-        }
+        entry.conns.remove(&self.conn);
+        let last = entry.conns.is_empty();
         drop(s);
         self.engine.fences.closed(self.session, self.conn);
         if last {
+            // The session's fence state goes now; its id and key linger for
+            // a handshake timeout, so a peer reconnecting after a teardown
+            // (its last connection closing here just before) still joins.
             self.engine.fences.end_session(self.session);
+            let until = Instant::now() + self.engine.config.handshake_timeout;
+            self.engine
+                .lingering
+                .borrow_mut()
+                .push_back((until, self.session));
         }
     }
 }

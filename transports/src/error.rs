@@ -14,6 +14,10 @@ pub enum TransferError {
     /// The peer has not proven the segment's token, or lacks the right.
     #[error("forbidden: segment {0}")]
     Forbidden(u64),
+    /// The target refused to open the segment named so: a wrong token, or no
+    /// such segment — it does not say which.
+    #[error("the target refused to open segment {0:?} (wrong token, or no such segment)")]
+    OpenRefused(String),
     /// `offset + length` is outside the segment, or overflows.
     #[error("out of bounds: {offset}+{len} exceeds segment of {seg_len} bytes")]
     OutOfBounds {
@@ -109,6 +113,7 @@ impl TransferError {
         match self {
             TransferError::NoSuchSegment(_)
             | TransferError::Forbidden(_)
+            | TransferError::OpenRefused(_)
             | TransferError::OutOfBounds { .. }
             | TransferError::BadLength(_)
             | TransferError::Fenced

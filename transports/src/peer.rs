@@ -11,18 +11,17 @@ use quiesce_runtime::time::timeout;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinHandle};
 
 use crate::auth::Token;
-use crate::conn::{Conn, ConnParams, LocalFences};
+use crate::conn::{Conn, ConnParams, LocalFences, SessionBinding};
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
 use crate::shared::{set_filled, Part, Shared};
-use crate::wire::{Descriptor, Status};
+use crate::wire::{Descriptor, SegmentRef, Status};
 
 /// How an initiator talks to peers.
 #[derive(Debug, Clone)]
 pub(crate) struct PeerParams {
     pub(crate) node: String,
     pub(crate) shards: u16,
-    pub(crate) session: u64,
     pub(crate) connections: usize,
     pub(crate) slice_size: usize,
     pub(crate) zc_threshold: Option<usize>,
@@ -34,8 +33,9 @@ pub(crate) struct PeerInner {
     params: PeerParams,
     conns: RefCell<Vec<Option<Rc<Conn>>>>,
     node: String,
-    segments: Vec<Descriptor>,
-    /// Tokens proven so far, replayed on every new connection.
+    /// The session the target bound this peer's connections to.
+    session: SessionBinding,
+    /// Tokens proven so far, replayed (by id) on every new connection.
     opened: RefCell<BTreeMap<u64, Token>>,
     rr: Cell<usize>,
     /// Serialises reconnects, so concurrent slices open one connection.
@@ -50,33 +50,29 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// Connects the control connection and every data connection, and reads
-    /// the peer's segments. Connections that die are reopened lazily.
+    /// Connects the control connection. The data connections follow once a
+    /// segment is opened (the target serves nothing before a token is
+    /// proven); connections that die are reopened lazily.
     pub(crate) async fn connect(
         addr: SocketAddr,
         params: PeerParams,
     ) -> Result<Peer, TransferError> {
         let fenced = LocalFences::default();
-        let first = Conn::connect(addr, &conn_params(&params, &fenced)).await?;
+        let session = SessionBinding::default();
+        let first = Conn::connect(addr, &conn_params(&params, &fenced, &session)).await?;
         // Slot 0 is the control connection (hello, auth, fences): a fence
         // never queues behind slices' payloads. Slots 1..=n carry data.
         // `connections == 0`: a control connection only (RDMA's control plane).
-        let n = params.connections;
+        let node = first.hello.node.clone();
         let mut conns = vec![Some(first)];
-        for _ in 0..n {
-            conns.push(Some(
-                Conn::connect(addr, &conn_params(&params, &fenced)).await?,
-            ));
-        }
-        let first = conns[0].as_ref().expect("control connection");
-        let (node, segments) = (first.hello.node.clone(), first.hello.segments.clone());
+        conns.resize(params.connections + 1, None);
         Ok(Peer {
             inner: Rc::new(PeerInner {
                 addr,
                 params,
                 conns: RefCell::new(conns),
                 node,
-                segments,
+                session,
                 opened: RefCell::default(),
                 rr: Cell::new(0),
                 reconnect: AsyncLock::default(),
@@ -95,29 +91,37 @@ impl Peer {
         self.inner.addr
     }
 
-    /// The segments the peer exposes.
-    pub fn segments(&self) -> &[Descriptor] {
-        &self.inner.segments
-    }
-
-    /// Proves `token` for the segment named `name` on every connection.
+    /// Opens the segment named `name` by proving `token` (on the control
+    /// connection, then on every data connection, which are connected now
+    /// if they are not). The target refuses a wrong token and an unknown
+    /// name alike ([`TransferError::OpenRefused`]).
     pub async fn open(&self, name: &str, token: Token) -> Result<RemoteSegment, TransferError> {
-        let desc = self
-            .inner
-            .segments
-            .iter()
-            .find(|d| d.name == name)
-            .cloned()
-            .ok_or(TransferError::NoSuchSegment(u64::MAX))?;
+        let control = self.control().await?;
+        let ack = control
+            .auth(&[(SegmentRef::Name(name.to_string()), token)])
+            .await?;
+        let desc = match ack.results.as_slice() {
+            [(Status::Ok, Some(d))] if d.name == name => d.clone(),
+            [(Status::Ok, _)] => {
+                return Err(TransferError::BadFrame(
+                    "an AuthAck without the opened segment's descriptor".into(),
+                ))
+            }
+            _ => return Err(TransferError::OpenRefused(name.to_string())),
+        };
         self.inner.opened.borrow_mut().insert(desc.id, token);
         let n = self.inner.conns.borrow().len();
-        for i in 0..n {
-            let conn = match self.live(i) {
-                Some(c) => c,
-                None => continue, // a later connection replays `opened`
-            };
-            let ack = conn.auth(&[(desc.id, token)]).await?;
-            check_auth(&ack.results)?;
+        for i in 1..n {
+            match self.live(i) {
+                Some(c) => {
+                    let ack = c.auth(&[(SegmentRef::Id(desc.id), token)]).await?;
+                    check_auth(&[desc.id], &ack.results)?;
+                }
+                // A new connection proves every opened token, this one too.
+                None => {
+                    self.conn(i).await?;
+                }
+            }
         }
         Ok(RemoteSegment {
             peer: self.clone(),
@@ -142,7 +146,7 @@ impl Peer {
         }
         let c = Conn::connect(
             self.inner.addr,
-            &conn_params(&self.inner.params, &self.inner.fenced),
+            &conn_params(&self.inner.params, &self.inner.fenced, &self.inner.session),
         )
         .await
         .map_err(|e| match e {
@@ -150,12 +154,12 @@ impl Peer {
             TransferError::Handshake { reason, .. } => TransferError::ConnectionLost(reason),
             e => e,
         })?;
-        let tokens: Vec<(u64, Token)> = self
+        let tokens: Vec<(SegmentRef, Token)> = self
             .inner
             .opened
             .borrow()
             .iter()
-            .map(|(k, v)| (*k, *v))
+            .map(|(k, v)| (SegmentRef::Id(*k), *v))
             .collect();
         if !tokens.is_empty() {
             // Bounded like the rest of the handshake: a target that answers
@@ -171,7 +175,14 @@ impl Peer {
                     )));
                 }
             };
-            if let Err(e) = ack.and_then(|ack| check_auth(&ack.results)) {
+            let ids: Vec<u64> = tokens
+                .iter()
+                .filter_map(|(r, _)| match r {
+                    SegmentRef::Id(id) => Some(*id),
+                    SegmentRef::Name(_) => None,
+                })
+                .collect();
+            if let Err(e) = ack.and_then(|ack| check_auth(&ids, &ack.results)) {
                 c.kill("authentication failed on reconnect");
                 return Err(e);
             }
@@ -258,22 +269,29 @@ impl Peer {
     }
 }
 
-fn conn_params<'a>(p: &'a PeerParams, fenced: &LocalFences) -> ConnParams<'a> {
+fn conn_params<'a>(
+    p: &'a PeerParams,
+    fenced: &LocalFences,
+    session: &SessionBinding,
+) -> ConnParams<'a> {
     ConnParams {
         node: &p.node,
         shards: p.shards,
-        session: p.session,
+        session: session.clone(),
         connect_timeout: p.connect_timeout,
         fenced: fenced.clone(),
     }
 }
 
-fn check_auth(results: &[(u64, Status)]) -> Result<(), TransferError> {
-    for (id, st) in results {
-        match st {
-            Status::Ok => {}
-            Status::NoSuchSegment => return Err(TransferError::NoSuchSegment(*id)),
-            _ => return Err(TransferError::Forbidden(*id)),
+fn check_auth(ids: &[u64], results: &[(Status, Option<Descriptor>)]) -> Result<(), TransferError> {
+    if results.len() != ids.len() {
+        return Err(TransferError::BadFrame(
+            "an AuthAck with the wrong count".into(),
+        ));
+    }
+    for (id, (st, _)) in ids.iter().zip(results) {
+        if *st != Status::Ok {
+            return Err(TransferError::Forbidden(*id));
         }
     }
     Ok(())
@@ -386,6 +404,11 @@ pub(crate) use descriptor_accessors;
 
 impl RemoteSegment {
     descriptor_accessors!();
+
+    /// What the target told about it when it was opened.
+    pub(crate) fn descriptor(&self) -> &Rc<Descriptor> {
+        &self.desc
+    }
 
     /// The peer it lives on.
     pub fn peer(&self) -> &Peer {

@@ -16,7 +16,7 @@ use std::time::Instant;
 use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
 
-use crate::auth::random_bytes;
+use crate::auth::{random_bytes, SessionKey};
 use crate::engine::EngineInner;
 use crate::memory::Window;
 use crate::rdma::served::ServedQp;
@@ -24,8 +24,8 @@ use crate::revoke::LandingGuard;
 use crate::segment::{Rights, Segment};
 use crate::stream::{discard, read_header, read_payload, send_frame};
 use crate::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, QpAccept, QpConnect, QpWire, Status,
-    MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, QpAccept, QpConnect, QpWire, SegmentRef,
+    Status, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
 };
 
 /// Reads up to this size are answered with header and data in one send.
@@ -55,6 +55,8 @@ struct Conn<'a> {
     engine: &'a EngineInner,
     s: &'a TcpStream,
     session: u64,
+    /// How the connection enters its session once it authenticates.
+    entry: SessionEntry,
     nonce: [u8; 16],
     peer_nonce: [u8; 16],
     /// Segments whose token this connection proved, with the grant epoch
@@ -63,6 +65,19 @@ struct Conn<'a> {
     /// The RDMA queue pair this connection set up (control connections).
     served: Option<crate::rdma::served::ServedQp>,
     census: Census<'a>,
+}
+
+/// How a connection enters its session.
+enum SessionEntry {
+    /// It asked for a new session (or one the target no longer has): the
+    /// target chose `session` and this key, and creates the session when
+    /// the connection authenticates.
+    Create(SessionKey),
+    /// It asked to join a live session: its first `Auth` must prove the
+    /// session's key.
+    Join,
+    /// It is in the session.
+    Member,
 }
 
 /// Counts a served connection in the engine's stats while it lives, and
@@ -168,12 +183,23 @@ async fn handshake<'a>(
     };
     let mut nonce = [0u8; 16];
     random_bytes(&mut nonce);
+    // The target binds sessions: a hello may only ask to join one that is
+    // live here (and must then prove its key); otherwise the target chooses
+    // a new id and key. Nothing is stored until the connection authenticates.
+    let (session, entry, session_key) =
+        if hello.session != 0 && engine.session_key(hello.session).is_some() {
+            (hello.session, SessionEntry::Join, [0u8; 16])
+        } else {
+            let key = SessionKey::random();
+            (engine.new_session_id(), SessionEntry::Create(key), key.0)
+        };
     let ack = HelloAck {
         version,
         shards: engine.config.shards,
         nonce,
         node: engine.config.node.clone(),
-        segments: engine.descriptors(),
+        session,
+        session_key,
     };
     let payload = ack.encode().map_err(|e| Closed::Protocol(e.to_string()))?;
     send_frame(
@@ -185,15 +211,12 @@ async fn handshake<'a>(
         &payload,
     )
     .await?;
-    tracing::debug!(
-        node = hello.node,
-        session = hello.session,
-        "peer said hello"
-    );
+    tracing::debug!(node = hello.node, session, "peer said hello");
     Ok(Conn {
         engine,
         s,
-        session: hello.session,
+        session,
+        entry,
         nonce,
         peer_nonce: hello.nonce,
         authorised: HashMap::new(),
@@ -269,7 +292,15 @@ async fn serve_inner(
         }
         by(deadline, c.auth(&h)).await?;
     }
-    let session = engine.session_guard(c.session, stream);
+    let key = match std::mem::replace(&mut c.entry, SessionEntry::Member) {
+        SessionEntry::Create(k) => Some(k),
+        _ => None,
+    };
+    let Some(session) = engine.session_guard(c.session, key, stream) else {
+        return Err(Closed::Protocol(
+            "the session it joined ended during its handshake".into(),
+        ));
+    };
     loop {
         let h = match idle(engine, read_header(s)).await? {
             None => return Ok(()),
@@ -395,42 +426,54 @@ impl Conn<'_> {
             Ok(r) => r,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };
+        // Joining a live session takes its key: checked on the first Auth,
+        // before any proof counts.
+        if matches!(self.entry, SessionEntry::Join) {
+            let ok = self
+                .engine
+                .session_key(self.session)
+                .is_some_and(|k| k.verify(&req.join, &self.nonce, &self.peer_nonce, self.session));
+            if !ok {
+                return Err(reject(
+                    self.s,
+                    h,
+                    Status::Forbidden,
+                    "no proof of the session's key".into(),
+                )
+                .await);
+            }
+        }
         let results = req
             .proofs
             .iter()
-            .map(|(id, proof)| {
-                let st = match self.engine.segment(*id) {
-                    // The same answer, after the same work, as a wrong
-                    // proof: a refusal does not say whether `id` exists.
-                    None => {
-                        let _ = unknown_segment_token().verify(
-                            proof,
-                            &self.nonce,
-                            &self.peer_nonce,
-                            self.session,
-                            *id,
-                        );
-                        Status::Forbidden
-                    }
-                    Some(seg)
-                        if seg.token().verify(
-                            proof,
-                            &self.nonce,
-                            &self.peer_nonce,
-                            self.session,
-                            *id,
-                        ) =>
-                    {
-                        self.authorised.insert(*id, seg.inner.grants.current());
-                        self.census.authenticated();
-                        Status::Ok
-                    }
-                    Some(_) => Status::Forbidden,
+            .map(|(seg_ref, proof)| {
+                let seg = match seg_ref {
+                    SegmentRef::Id(id) => self.engine.segment(*id),
+                    SegmentRef::Name(n) => self.engine.segment_named(n),
                 };
-                (*id, st)
+                let verify = |t: &crate::auth::Token| {
+                    t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)
+                };
+                match seg {
+                    Some(seg) if verify(&seg.token()) => {
+                        self.authorised.insert(seg.id(), seg.inner.grants.current());
+                        self.census.authenticated();
+                        (Status::Ok, Some(self.engine.descriptor(&seg)))
+                    }
+                    Some(_) => (Status::Forbidden, None),
+                    // The same answer, after the same work, as a wrong
+                    // proof: a refusal does not say whether it exists.
+                    None => {
+                        let _ = verify(&unknown_segment_token());
+                        (Status::Forbidden, None)
+                    }
+                }
             })
             .collect();
-        let payload = AuthAck { results }.encode();
+        let payload = match (AuthAck { results }).encode() {
+            Ok(p) => p,
+            Err(e) => return Err(Closed::Protocol(e.to_string())),
+        };
         send_frame(
             self.s,
             &Header {

@@ -225,17 +225,12 @@ fn garbage_from_a_target_fails_requests_without_panicking() {
                 let mut p = vec![0u8; h.length as usize];
                 s.read_exact(&mut p).unwrap();
                 let ack = HelloAck {
-                    version: 1,
+                    version: quiesce_transports::wire::VERSION,
                     shards: 1,
                     nonce: [0; 16],
                     node: "liar".into(),
-                    segments: vec![quiesce_transports::wire::Descriptor {
-                        id: 1,
-                        name: "kv".into(),
-                        len: 1 << 20,
-                        rights: Rights::WRITE,
-                        endpoints: vec![],
-                    }],
+                    session: 1,
+                    session_key: [1; 16],
                 }
                 .encode()
                 .unwrap();

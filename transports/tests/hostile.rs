@@ -216,11 +216,13 @@ fn fence_entries_go_when_no_connection_can_carry_the_batch() {
     };
     let t = ShardTarget::start(cfg, &[("kv", 4096, Rights::READ | Rights::WRITE)]);
     let (id, token) = (t.seg("kv").id, t.seg("kv").token);
-    // Two connections of one session (RawClient's).
+    // Two connections of one session: b joins the one a created.
     let mut a = RawClient::connect(t.addr);
     a.auth(id, token);
-    let mut b = RawClient::connect(t.addr);
+    let mut b = RawClient::connect_in(t.addr, Some(a.session()));
+    assert_eq!(b.ack.session, a.ack.session);
     b.auth(id, token);
+    assert_eq!(t.stats().sessions, 1);
     let fence = |c: &mut RawClient, batch| {
         c.send(
             &Header {
@@ -272,4 +274,72 @@ fn fence_entries_go_when_no_connection_can_carry_the_batch() {
         (0, 0, 0),
         "{st:?}"
     );
+}
+
+/// A peer cannot act in another peer's session: asking to join it without
+/// its key gets the connection closed at its first Auth, and a fence in the
+/// peer's own session leaves the other session's batch alone.
+#[test]
+fn a_peer_cannot_join_or_fence_another_session() {
+    use quiesce_transports::wire::{Header, Op, Status};
+    use quiesce_transports::Rights;
+    let t = ShardTarget::start(
+        EngineConfig::default(),
+        &[("kv", 4096, Rights::READ | Rights::WRITE)],
+    );
+    let (id, token) = (t.seg("kv").id, t.seg("kv").token);
+    let mut a = RawClient::connect(t.addr);
+    assert_eq!(a.auth_status(id, token), Status::Ok);
+    let (session, key) = a.session();
+    // Another peer that learned the id (and holds the token) but not the key.
+    let mut wrong = key;
+    wrong[0] ^= 1;
+    let mut m = RawClient::connect_in(t.addr, Some((session, wrong)));
+    assert_eq!(
+        m.ack.session, session,
+        "the target offers to join a live session"
+    );
+    // Its first Auth carries a join proof made with the wrong key (and no
+    // segment proof: the refusal comes before any).
+    m.send(
+        &Header {
+            length: 34,
+            ..Header::new(Op::Auth)
+        },
+        &{
+            let mut b = vec![0u8; 34];
+            b[..32].copy_from_slice(&join_proof(&wrong, &m.ack.nonce, &[9u8; 16], session));
+            b
+        },
+    );
+    let h = m.recv().expect("a refusal before the close");
+    assert_eq!((h.op, h.status()), (Op::Status, Ok(Status::Forbidden)));
+    assert!(m.recv().is_none(), "closed");
+    // The same peer in its own session fences batch 5: a's batch 5 goes on.
+    let mut b = RawClient::connect(t.addr);
+    assert_ne!(b.ack.session, session);
+    assert_eq!(b.auth_status(id, token), Status::Ok);
+    b.send(
+        &Header {
+            batch: 5,
+            ..Header::new(Op::Fence)
+        },
+        &[],
+    );
+    assert_eq!(b.recv().map(|h| h.op), Some(Op::FenceAck));
+    a.send(
+        &Header {
+            batch: 5,
+            segment: id,
+            length: 4,
+            ..Header::new(Op::Write)
+        },
+        &[1, 2, 3, 4],
+    );
+    assert_eq!(
+        a.recv().unwrap().status(),
+        Ok(Status::Ok),
+        "a's batch was fenced by b"
+    );
+    assert_eq!(t.snapshot("kv", 0, 4), vec![1, 2, 3, 4]);
 }

@@ -184,7 +184,7 @@ fn abort_discards_what_the_sockets_still_hold() {
 /// that hangs between the two steps of a reconnect.
 fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::net::SocketAddr {
     use quiesce_transports::wire::{
-        AuthAck, AuthRequest, Descriptor, Header, HelloAck, Op, Status, VERSION,
+        AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Op, Status, VERSION,
     };
     use std::io::Read;
     use std::sync::atomic::Ordering;
@@ -199,18 +199,16 @@ fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::ne
                 let Some(h) = recv_header(&mut s) else { return };
                 let mut p = vec![0u8; h.length as usize];
                 s.read_exact(&mut p).unwrap();
+                // One session, 5, whose key it never checks: a new one for a
+                // hello that asks for none, joined otherwise.
+                let asked = Hello::decode(&p).unwrap().session;
                 let ack = HelloAck {
                     version: VERSION,
                     shards: 1,
                     nonce: [7; 16],
                     node: "muting".into(),
-                    segments: vec![Descriptor {
-                        id: 1,
-                        name: "kv".into(),
-                        len: 1 << 20,
-                        rights: Rights::READ | Rights::WRITE,
-                        endpoints: vec![addr],
-                    }],
+                    session: 5,
+                    session_key: if asked == 0 { [3; 16] } else { [0; 16] },
                 }
                 .encode()
                 .unwrap();
@@ -228,10 +226,22 @@ fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::ne
                     }
                     if h.op == Op::Auth && !silent {
                         let req = AuthRequest::decode(&p).unwrap();
+                        let kv = Descriptor {
+                            id: 1,
+                            name: "kv".into(),
+                            len: 1 << 20,
+                            rights: Rights::READ | Rights::WRITE,
+                            endpoints: vec![addr],
+                        };
                         let ack = AuthAck {
-                            results: req.proofs.iter().map(|(id, _)| (*id, Status::Ok)).collect(),
+                            results: req
+                                .proofs
+                                .iter()
+                                .map(|_| (Status::Ok, Some(kv.clone())))
+                                .collect(),
                         }
-                        .encode();
+                        .encode()
+                        .unwrap();
                         let hdr = Header {
                             length: ack.len() as u64,
                             ..Header::new(Op::AuthAck)

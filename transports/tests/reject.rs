@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::*;
 use quiesce_runtime::Runtime;
-use quiesce_transports::wire::{Header, Hello, Op, Status, VERSION};
+use quiesce_transports::wire::{Header, Hello, Op, SegmentRef, Status, VERSION};
 use quiesce_transports::{Engine, EngineConfig, Rights, Token, TransferError};
 
 fn target() -> ShardTarget {
@@ -63,17 +63,11 @@ fn unauthorised_writes_are_forbidden_and_discarded() {
     // consumed, the connection still in sync.
     let mut c = RawClient::connect(t.addr);
     let ro = t.seg("ro").id;
-    assert_eq!(
-        c.auth(ro, t.seg("ro").token).results,
-        vec![(ro, Status::Ok)]
-    );
+    assert_eq!(c.auth_status(ro, t.seg("ro").token), Status::Ok);
     c.send(&write(id, 0, 100), &[0xee; 100]);
     let h = c.recv().unwrap();
     assert_eq!((h.op, h.status().unwrap()), (Op::Status, Status::Forbidden));
-    assert_eq!(
-        c.auth(id, t.seg("kv").token).results,
-        vec![(id, Status::Ok)]
-    );
+    assert_eq!(c.auth_status(id, t.seg("kv").token), Status::Ok);
     c.send(&write(id, 0, 4), &[1, 2, 3, 4]);
     assert_eq!(c.recv().unwrap().status().unwrap(), Status::Ok);
     assert_eq!(t.snapshot("kv", 0, 6), vec![1, 2, 3, 4, 0, 0]);
@@ -85,17 +79,26 @@ fn a_wrong_token_is_refused() {
     Runtime::new().unwrap().block_on(async {
         let e = Engine::bind(EngineConfig::default()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
+        // A wrong token and a name the target does not have are refused
+        // alike: a refusal does not say whether a segment exists.
         let err = peer.open("kv", Token::random()).await.err().unwrap();
-        assert_eq!(err, TransferError::Forbidden(t.seg("kv").id));
+        assert_eq!(err, TransferError::OpenRefused("kv".into()));
         let err = peer.open("nope", Token::random()).await.err().unwrap();
-        assert!(matches!(err, TransferError::NoSuchSegment(_)));
+        assert_eq!(err, TransferError::OpenRefused("nope".into()));
+        // The right token opens it, on the same peer.
+        let kv = peer.open("kv", t.seg("kv").token).await.unwrap();
+        assert_eq!(kv.id(), t.seg("kv").id);
     });
     let mut c = RawClient::connect(t.addr);
     let id = t.seg("kv").id;
-    assert_eq!(
-        c.auth(id, Token::random()).results,
-        vec![(id, Status::Forbidden)]
-    );
+    assert_eq!(c.auth_status(id, Token::random()), Status::Forbidden);
+    // Nothing is listed before a proof (a hello ack names no segment); a
+    // proof by name opens it and returns its descriptor.
+    let ack = c.auth_ref(SegmentRef::Name("kv".into()), t.seg("kv").token);
+    match &ack.results[..] {
+        [(Status::Ok, Some(d))] => assert_eq!((d.id, d.name.as_str()), (id, "kv")),
+        r => panic!("opening by name: {r:?}"),
+    }
     assert!(untouched(&t, "kv"));
 }
 
@@ -192,10 +195,7 @@ fn unknown_segments_are_refused() {
     let ro = t.seg("ro").id;
     c.auth(ro, t.seg("ro").token);
     for id in [999, t.seg("wo").id] {
-        assert_eq!(
-            c.auth(id, Token::random()).results,
-            vec![(id, Status::Forbidden)]
-        );
+        assert_eq!(c.auth_status(id, Token::random()), Status::Forbidden);
         c.send(&write(id, 0, 3), &[1, 2, 3]);
         assert_eq!(c.recv().unwrap().status().unwrap(), Status::Forbidden);
     }
@@ -269,7 +269,7 @@ fn malformed_frames_close_the_connection_but_not_the_target() {
     assert!(recv_header(&mut s).is_none());
     // The target still serves.
     let mut c = RawClient::connect(t.addr);
-    assert_eq!(c.auth(id, t.seg("kv").token).results[0].1, Status::Ok);
+    assert_eq!(c.auth_status(id, t.seg("kv").token), Status::Ok);
     assert!(untouched(&t, "kv"));
 }
 

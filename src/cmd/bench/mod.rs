@@ -25,13 +25,14 @@ pub struct SegInfo {
     pub token: Token,
 }
 
-/// The bytes of a `Hello` frame, for the hand-written initiators.
-pub fn hello_frame(nonce: [u8; 16], session: u64, node: &str) -> Vec<u8> {
+/// The bytes of a `Hello` frame asking for a new session, for the
+/// hand-written initiators (one connection each).
+pub fn hello_frame(nonce: [u8; 16], node: &str) -> Vec<u8> {
     use quiesce::transports::wire::{Header, Hello, Op, VERSION};
     let hello = Hello {
         version_min: VERSION,
         version_max: VERSION,
-        session,
+        session: 0,
         shards: 1,
         nonce,
         node: node.into(),
@@ -48,19 +49,28 @@ pub fn hello_frame(nonce: [u8; 16], session: u64, node: &str) -> Vec<u8> {
     out
 }
 
-/// The bytes of an `Auth` frame proving `segs` after `ack`.
+/// The bytes of an `Auth` frame proving `segs` after `ack` (in the session
+/// the target chose for the connection).
 pub fn auth_frame(
     ack: &quiesce::transports::wire::HelloAck,
     nonce: [u8; 16],
-    session: u64,
     segs: &[&SegInfo],
 ) -> Vec<u8> {
-    use quiesce::transports::wire::{AuthRequest, Header, Op};
+    use quiesce::transports::wire::{AuthRequest, Header, Op, SegmentRef};
     let proofs = segs
         .iter()
-        .map(|s| (s.id, s.token.prove(&ack.nonce, &nonce, session, s.id)))
+        .map(|s| {
+            let seg = SegmentRef::Id(s.id);
+            let proof = s.token.prove(&ack.nonce, &nonce, ack.session, &seg);
+            (seg, proof)
+        })
         .collect();
-    let auth = AuthRequest { proofs }.encode().expect("few proofs");
+    let auth = AuthRequest {
+        join: [0; 32],
+        proofs,
+    }
+    .encode()
+    .expect("few proofs");
     let mut out = Header {
         length: auth.len() as u64,
         ..Header::new(Op::Auth)

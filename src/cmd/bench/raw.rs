@@ -29,13 +29,12 @@ impl Raw {
         let mut s = TcpStream::connect(addr)?;
         s.set_nodelay(true)?;
         let nonce = [7u8; 16];
-        let session = 0x5241_5700 ^ std::process::id() as u64;
-        s.write_all(&super::hello_frame(nonce, session, "raw"))?;
+        s.write_all(&super::hello_frame(nonce, "raw"))?;
         let h = read_header(&mut s)?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;
         let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
-        s.write_all(&super::auth_frame(&ack, nonce, session, &[kv, ro]))?;
+        s.write_all(&super::auth_frame(&ack, nonce, &[kv, ro]))?;
         let h = read_header(&mut s)?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;

@@ -28,14 +28,12 @@ impl Conn {
         let mut s = TcpStream::connect(addr).await?;
         s.set_nodelay(true)?;
         let nonce = [3u8; 16];
-        let session = 0x746f_6b00 ^ std::process::id() as u64;
-        s.write_all(&super::hello_frame(nonce, session, "tokio"))
-            .await?;
+        s.write_all(&super::hello_frame(nonce, "tokio")).await?;
         let h = read_header(&mut s).await?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p).await?;
         let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
-        s.write_all(&super::auth_frame(&ack, nonce, session, &[kv, ro]))
+        s.write_all(&super::auth_frame(&ack, nonce, &[kv, ro]))
             .await?;
         let h = read_header(&mut s).await?;
         let mut p = vec![0u8; h.length as usize];

@@ -56,20 +56,10 @@ impl RdmaPeer {
         self.inner.tcp.node()
     }
 
-    /// The segments the peer exposes.
-    pub fn segments(&self) -> &[Descriptor] {
-        self.inner.tcp.segments()
-    }
-
     /// Proves `token` for segment `name` and fetches its remote key.
     pub async fn open(&self, name: &str, token: Token) -> Result<RdmaSegment, TransferError> {
         let seg = self.inner.tcp.open(name, token).await?;
-        let desc = self
-            .segments()
-            .iter()
-            .find(|d| d.id == seg.id())
-            .cloned()
-            .ok_or(TransferError::NoSuchSegment(seg.id()))?;
+        let desc = seg.descriptor().clone();
         {
             // Keys only: the queue pair (if any) stays as it is. Fetched on
             // every open: after the target's revoke the segment has a new key,
@@ -101,7 +91,7 @@ impl RdmaPeer {
             })?;
         Ok(RdmaSegment {
             peer: self.clone(),
-            desc: Rc::new(desc),
+            desc,
             key,
         })
     }

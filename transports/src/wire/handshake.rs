@@ -1,5 +1,6 @@
-//! Handshake payloads: `Hello`, `HelloAck` (with segment descriptors),
-//! `Auth` and `AuthAck`.
+//! Handshake payloads: `Hello`, `HelloAck` (the session), `Auth` (join
+//! proof, token proofs by segment id or name) and `AuthAck` (verdicts, with
+//! the descriptor of each segment proven).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -8,8 +9,6 @@ use crate::segment::Rights;
 
 /// Largest handshake payload either side accepts.
 pub const MAX_HANDSHAKE_PAYLOAD: usize = 256 * 1024;
-/// Most segments one `HelloAck` describes.
-const MAX_DESCRIPTORS: usize = 4096;
 /// Most endpoints per segment.
 const MAX_ENDPOINTS: usize = 16;
 /// Most proofs in one `Auth`.
@@ -22,7 +21,8 @@ pub struct Hello {
     pub version_min: u16,
     /// Highest protocol version the initiator speaks.
     pub version_max: u16,
-    /// Random id shared by all connections of one initiator session.
+    /// The session to join (from an earlier `HelloAck` to this initiator),
+    /// or 0 for a new one.
     pub session: u64,
     /// The initiator's shard count.
     pub shards: u16,
@@ -58,22 +58,39 @@ pub struct HelloAck {
     pub nonce: [u8; 16],
     /// The target's node name.
     pub node: String,
-    /// Segments the target exposes.
-    pub segments: Vec<Descriptor>,
+    /// The connection's session: the one the hello asked to join if it is
+    /// live at the target, else a new one the target chose.
+    pub session: u64,
+    /// For a new session, its key (joining connections prove it); zeros
+    /// when joining.
+    pub session_key: [u8; 16],
+}
+
+/// How a proof names its segment.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum SegmentRef {
+    /// By id (re-proving a segment this initiator opened before).
+    Id(u64),
+    /// By name (opening it).
+    Name(String),
 }
 
 /// Initiator → target: proofs that it holds segment tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuthRequest {
-    /// `(segment id, HMAC proof)` pairs.
-    pub proofs: Vec<(u64, [u8; 32])>,
+    /// For a connection joining a live session, its proof of the session's
+    /// key; zeros otherwise.
+    pub join: [u8; 32],
+    /// `(segment, HMAC proof)` pairs.
+    pub proofs: Vec<(SegmentRef, [u8; 32])>,
 }
 
-/// Target → initiator: `(segment id, status byte)` per proof.
+/// Target → initiator: one verdict per proof, in request order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuthAck {
-    /// The verdicts, in request order.
-    pub results: Vec<(u64, super::Status)>,
+    /// `Ok` with the segment's descriptor, or `Forbidden` (wrong proof and
+    /// unknown segment alike) without one.
+    pub results: Vec<(super::Status, Option<Descriptor>)>,
 }
 
 impl Hello {
@@ -141,73 +158,106 @@ fn get_addr(r: &mut Reader<'_>) -> Result<SocketAddr, FrameError> {
 impl HelloAck {
     /// Encodes the payload.
     pub fn encode(&self) -> Result<Vec<u8>, FrameError> {
-        if self.segments.len() > MAX_DESCRIPTORS {
-            return Err(FrameError::Invalid("too many segments"));
-        }
-        let mut o = Vec::with_capacity(64 + self.segments.len() * 48);
+        let mut o = Vec::with_capacity(64);
         o.extend_from_slice(&self.version.to_le_bytes());
         o.extend_from_slice(&self.shards.to_le_bytes());
         o.extend_from_slice(&self.nonce);
         put_str8(&mut o, &self.node)?;
-        o.extend_from_slice(&(self.segments.len() as u16).to_le_bytes());
-        for d in &self.segments {
-            o.extend_from_slice(&d.id.to_le_bytes());
-            o.extend_from_slice(&d.len.to_le_bytes());
-            o.push(d.rights.bits());
-            put_str8(&mut o, &d.name)?;
-            if d.endpoints.len() > MAX_ENDPOINTS {
-                return Err(FrameError::Invalid("too many endpoints"));
-            }
-            o.push(d.endpoints.len() as u8);
-            for e in &d.endpoints {
-                put_addr(&mut o, e);
-            }
-        }
-        if o.len() > MAX_HANDSHAKE_PAYLOAD {
-            return Err(FrameError::Invalid("handshake payload too large"));
-        }
+        o.extend_from_slice(&self.session.to_le_bytes());
+        o.extend_from_slice(&self.session_key);
         Ok(o)
     }
 
     /// Decodes the payload.
     pub fn decode(b: &[u8]) -> Result<HelloAck, FrameError> {
         let mut r = Reader::new(b);
-        let version = r.u16()?;
-        let shards = r.u16()?;
-        let nonce = r.array()?;
-        let node = r.str8()?;
-        let n = r.u16()? as usize;
-        if n > MAX_DESCRIPTORS {
-            return Err(FrameError::Invalid("too many segments"));
-        }
-        let mut segments = Vec::with_capacity(n.min(64));
-        for _ in 0..n {
-            let id = r.u64()?;
-            let len = r.u64()?;
-            let rights = Rights::from_bits(r.u8()?).ok_or(FrameError::Invalid("rights"))?;
-            let name = r.str8()?;
-            let ne = r.u8()? as usize;
-            if ne > MAX_ENDPOINTS {
-                return Err(FrameError::Invalid("too many endpoints"));
-            }
-            let endpoints = (0..ne)
-                .map(|_| get_addr(&mut r))
-                .collect::<Result<_, _>>()?;
-            segments.push(Descriptor {
-                id,
-                name,
-                len,
-                rights,
-                endpoints,
-            });
-        }
+        let ack = HelloAck {
+            version: r.u16()?,
+            shards: r.u16()?,
+            nonce: r.array()?,
+            node: r.str8()?,
+            session: r.u64()?,
+            session_key: r.array()?,
+        };
         r.finish()?;
-        Ok(HelloAck {
-            version,
-            shards,
-            nonce,
-            node,
-            segments,
+        Ok(ack)
+    }
+}
+
+impl SegmentRef {
+    /// Its bytes as a proof covers them: `0x00` and the id (u64 LE), or
+    /// `0x01` and the name (1-byte length, UTF-8).
+    pub fn proof_bytes(&self) -> Vec<u8> {
+        let mut o = Vec::with_capacity(16);
+        match self {
+            SegmentRef::Id(id) => {
+                o.push(0);
+                o.extend_from_slice(&id.to_le_bytes());
+            }
+            SegmentRef::Name(n) => {
+                o.push(1);
+                o.push(n.len().min(255) as u8);
+                o.extend_from_slice(n.as_bytes());
+            }
+        }
+        o
+    }
+
+    fn put(&self, o: &mut Vec<u8>) -> Result<(), FrameError> {
+        match self {
+            SegmentRef::Id(id) => {
+                o.push(0);
+                o.extend_from_slice(&id.to_le_bytes());
+            }
+            SegmentRef::Name(n) => {
+                o.push(1);
+                put_str8(o, n)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn get(r: &mut Reader<'_>) -> Result<SegmentRef, FrameError> {
+        match r.u8()? {
+            0 => Ok(SegmentRef::Id(r.u64()?)),
+            1 => Ok(SegmentRef::Name(r.str8()?)),
+            _ => Err(FrameError::Invalid("segment reference")),
+        }
+    }
+}
+
+impl Descriptor {
+    fn put(&self, o: &mut Vec<u8>) -> Result<(), FrameError> {
+        o.extend_from_slice(&self.id.to_le_bytes());
+        o.extend_from_slice(&self.len.to_le_bytes());
+        o.push(self.rights.bits());
+        put_str8(o, &self.name)?;
+        if self.endpoints.len() > MAX_ENDPOINTS {
+            return Err(FrameError::Invalid("too many endpoints"));
+        }
+        o.push(self.endpoints.len() as u8);
+        for e in &self.endpoints {
+            put_addr(o, e);
+        }
+        Ok(())
+    }
+
+    fn get(r: &mut Reader<'_>) -> Result<Descriptor, FrameError> {
+        let id = r.u64()?;
+        let len = r.u64()?;
+        let rights = Rights::from_bits(r.u8()?).ok_or(FrameError::Invalid("rights"))?;
+        let name = r.str8()?;
+        let ne = r.u8()? as usize;
+        if ne > MAX_ENDPOINTS {
+            return Err(FrameError::Invalid("too many endpoints"));
+        }
+        let endpoints = (0..ne).map(|_| get_addr(r)).collect::<Result<_, _>>()?;
+        Ok(Descriptor {
+            id,
+            name,
+            len,
+            rights,
+            endpoints,
         })
     }
 }
@@ -218,11 +268,15 @@ impl AuthRequest {
         if self.proofs.len() > MAX_PROOFS {
             return Err(FrameError::Invalid("too many proofs"));
         }
-        let mut o = Vec::with_capacity(2 + self.proofs.len() * 40);
+        let mut o = Vec::with_capacity(34 + self.proofs.len() * 41);
+        o.extend_from_slice(&self.join);
         o.extend_from_slice(&(self.proofs.len() as u16).to_le_bytes());
-        for (id, proof) in &self.proofs {
-            o.extend_from_slice(&id.to_le_bytes());
+        for (seg, proof) in &self.proofs {
+            seg.put(&mut o)?;
             o.extend_from_slice(proof);
+        }
+        if o.len() > MAX_HANDSHAKE_PAYLOAD {
+            return Err(FrameError::Invalid("handshake payload too large"));
         }
         Ok(o)
     }
@@ -230,39 +284,59 @@ impl AuthRequest {
     /// Decodes the payload.
     pub fn decode(b: &[u8]) -> Result<AuthRequest, FrameError> {
         let mut r = Reader::new(b);
+        let join = r.array()?;
         let n = r.u16()? as usize;
         if n > MAX_PROOFS {
             return Err(FrameError::Invalid("too many proofs"));
         }
         let proofs = (0..n)
-            .map(|_| Ok((r.u64()?, r.array()?)))
+            .map(|_| Ok((SegmentRef::get(&mut r)?, r.array()?)))
             .collect::<Result<_, FrameError>>()?;
         r.finish()?;
-        Ok(AuthRequest { proofs })
+        Ok(AuthRequest { join, proofs })
     }
 }
 
 impl AuthAck {
     /// Encodes the payload.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut o = Vec::with_capacity(2 + self.results.len() * 9);
-        o.extend_from_slice(&(self.results.len() as u16).to_le_bytes());
-        for (id, st) in &self.results {
-            o.extend_from_slice(&id.to_le_bytes());
-            o.push(*st as u8);
+    pub fn encode(&self) -> Result<Vec<u8>, FrameError> {
+        if self.results.len() > MAX_PROOFS {
+            return Err(FrameError::Invalid("too many results"));
         }
-        o
+        let mut o = Vec::with_capacity(2 + self.results.len() * 48);
+        o.extend_from_slice(&(self.results.len() as u16).to_le_bytes());
+        for (st, desc) in &self.results {
+            o.push(*st as u8);
+            match desc {
+                Some(d) => {
+                    o.push(1);
+                    d.put(&mut o)?;
+                }
+                None => o.push(0),
+            }
+        }
+        if o.len() > MAX_HANDSHAKE_PAYLOAD {
+            return Err(FrameError::Invalid("handshake payload too large"));
+        }
+        Ok(o)
     }
 
     /// Decodes the payload.
     pub fn decode(b: &[u8]) -> Result<AuthAck, FrameError> {
         let mut r = Reader::new(b);
         let n = r.u16()? as usize;
+        if n > MAX_PROOFS {
+            return Err(FrameError::Invalid("too many results"));
+        }
         let results = (0..n)
             .map(|_| {
-                let id = r.u64()?;
                 let st = super::Status::from_u8(r.u8()?).ok_or(FrameError::Invalid("status"))?;
-                Ok((id, st))
+                let desc = match r.u8()? {
+                    0 => None,
+                    1 => Some(Descriptor::get(&mut r)?),
+                    _ => return Err(FrameError::Invalid("descriptor flag")),
+                };
+                Ok((st, desc))
             })
             .collect::<Result<_, FrameError>>()?;
         r.finish()?;
@@ -286,27 +360,41 @@ mod tests {
         };
         assert_eq!(Hello::decode(&h.encode().unwrap()).unwrap(), h);
         let ack = HelloAck {
-            version: 1,
+            version: 2,
             shards: 4,
             nonce: [1; 16],
             node: "target".into(),
-            segments: vec![Descriptor {
-                id: 5,
-                name: "kv".into(),
-                len: 1 << 30,
-                rights: Rights::READ | Rights::WRITE,
-                endpoints: vec!["127.0.0.1:9".parse().unwrap(), "[::1]:10".parse().unwrap()],
-            }],
+            session: 77,
+            session_key: [9; 16],
         };
         assert_eq!(HelloAck::decode(&ack.encode().unwrap()).unwrap(), ack);
         let a = AuthRequest {
-            proofs: vec![(5, [3; 32])],
+            join: [4; 32],
+            proofs: vec![
+                (SegmentRef::Id(5), [3; 32]),
+                (SegmentRef::Name("kv".into()), [2; 32]),
+            ],
         };
         assert_eq!(AuthRequest::decode(&a.encode().unwrap()).unwrap(), a);
         let aa = AuthAck {
-            results: vec![(5, crate::wire::Status::Forbidden)],
+            results: vec![
+                (crate::wire::Status::Forbidden, None),
+                (
+                    crate::wire::Status::Ok,
+                    Some(Descriptor {
+                        id: 5,
+                        name: "kv".into(),
+                        len: 1 << 30,
+                        rights: Rights::READ | Rights::WRITE,
+                        endpoints: vec![
+                            "127.0.0.1:9".parse().unwrap(),
+                            "[::1]:10".parse().unwrap(),
+                        ],
+                    }),
+                ),
+            ],
         };
-        assert_eq!(AuthAck::decode(&aa.encode()).unwrap(), aa);
+        assert_eq!(AuthAck::decode(&aa.encode().unwrap()).unwrap(), aa);
     }
 
     #[test]

@@ -6,13 +6,15 @@
 mod handshake;
 mod rdma;
 
-pub use handshake::{AuthAck, AuthRequest, Descriptor, Hello, HelloAck, MAX_HANDSHAKE_PAYLOAD};
+pub use handshake::{
+    AuthAck, AuthRequest, Descriptor, Hello, HelloAck, SegmentRef, MAX_HANDSHAKE_PAYLOAD,
+};
 pub use rdma::{QpAccept, QpConnect, QpWire, RemoteKey, MAX_QP_PAYLOAD};
 
 /// `b"QSCE"`, the first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"QSCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Size of the frame header.
 pub const HEADER_LEN: usize = 48;
 
@@ -328,8 +330,8 @@ mod tests {
         ));
         b[6] = 99;
         assert_eq!(Header::decode(&b), Err(FrameError::UnknownOp(99)));
-        b[4] = 2;
-        assert_eq!(Header::decode(&b), Err(FrameError::Version(2)));
+        b[4] = 9;
+        assert_eq!(Header::decode(&b), Err(FrameError::Version(9)));
         b[0] = b'X';
         assert!(matches!(Header::decode(&b), Err(FrameError::BadMagic(_))));
     }

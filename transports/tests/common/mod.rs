@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use quiesce_runtime::shard::{channel, Sender, Shards};
 use quiesce_transports::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, HEADER_LEN, VERSION,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, SegmentRef, HEADER_LEN, VERSION,
 };
 use quiesce_transports::{Engine, EngineConfig, Rights, Token};
 
@@ -335,19 +335,26 @@ pub struct RawClient {
     pub s: std::net::TcpStream,
     pub ack: HelloAck,
     nonce: [u8; 16],
-    session: u64,
+    /// The session's key if this connection created it.
+    pub key: Option<[u8; 16]>,
+    join: [u8; 32],
 }
 
 impl RawClient {
+    /// A connection in a new session.
     pub fn connect(addr: SocketAddr) -> RawClient {
+        Self::connect_in(addr, None)
+    }
+
+    /// A connection joining `session` (its id and key), or a new one.
+    pub fn connect_in(addr: SocketAddr, session: Option<(u64, [u8; 16])>) -> RawClient {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let nonce = [9u8; 16];
-        let session = 0xfeed;
         let hello = Hello {
             version_min: VERSION,
             version_max: VERSION,
-            session,
+            session: session.map_or(0, |(id, _)| id),
             shards: 1,
             nonce,
             node: "raw".into(),
@@ -366,18 +373,46 @@ impl RawClient {
         assert_eq!(h.op, Op::HelloAck);
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p).unwrap();
+        let ack = HelloAck::decode(&p).unwrap();
+        let (key, join) = if ack.session_key != [0; 16] {
+            (Some(ack.session_key), [0; 32])
+        } else {
+            let (_, k) = session.expect("the target joined a session nobody asked for");
+            (None, join_proof(&k, &ack.nonce, &nonce, ack.session))
+        };
         RawClient {
             s,
-            ack: HelloAck::decode(&p).unwrap(),
+            ack,
             nonce,
-            session,
+            key,
+            join,
         }
     }
 
+    /// The session id and key, to join it from another connection.
+    pub fn session(&self) -> (u64, [u8; 16]) {
+        (
+            self.ack.session,
+            self.key.expect("this connection created its session"),
+        )
+    }
+
+    /// Proves `token` for segment `id`.
     pub fn auth(&mut self, id: u64, token: Token) -> AuthAck {
-        let proof = prove(&token, &self.ack.nonce, &self.nonce, self.session, id);
+        self.auth_ref(SegmentRef::Id(id), token)
+    }
+
+    /// The target's verdict on `token` for segment `id`.
+    pub fn auth_status(&mut self, id: u64, token: Token) -> quiesce_transports::wire::Status {
+        self.auth(id, token).results[0].0
+    }
+
+    /// Proves `token` for `seg` (by id or by name).
+    pub fn auth_ref(&mut self, seg: SegmentRef, token: Token) -> AuthAck {
+        let proof = prove(&token, &self.ack.nonce, &self.nonce, self.ack.session, &seg);
         let p = AuthRequest {
-            proofs: vec![(id, proof)],
+            join: self.join,
+            proofs: vec![(seg, proof)],
         }
         .encode()
         .unwrap();
@@ -405,25 +440,59 @@ impl RawClient {
     }
 }
 
-/// The proof a real initiator computes (HMAC-SHA256 over the documented message).
+fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    use hmac::{Hmac, Mac};
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key).unwrap();
+    for p in parts {
+        mac.update(p);
+    }
+    mac.finalize().into_bytes().into()
+}
+
+/// The proof a real initiator computes (HMAC-SHA256 over the documented
+/// message, PROTOCOL.md §4.3), written out independently of the library.
 pub fn prove(
     token: &Token,
     target_nonce: &[u8; 16],
     my_nonce: &[u8; 16],
     session: u64,
-    id: u64,
+    seg: &SegmentRef,
 ) -> [u8; 32] {
-    use hmac::{Hmac, Mac};
     let key: Vec<u8> = (0..16)
         .map(|i| u8::from_str_radix(&token.to_string()[2 * i..2 * i + 2], 16).unwrap())
         .collect();
-    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&key).unwrap();
-    mac.update(b"quiesce-auth-v1");
-    mac.update(target_nonce);
-    mac.update(my_nonce);
-    mac.update(&session.to_le_bytes());
-    mac.update(&id.to_le_bytes());
-    mac.finalize().into_bytes().into()
+    let reference = match seg {
+        SegmentRef::Id(id) => [&[0u8][..], &id.to_le_bytes()].concat(),
+        SegmentRef::Name(n) => [&[1u8, n.len() as u8][..], n.as_bytes()].concat(),
+    };
+    hmac(
+        &key,
+        &[
+            b"quiesce-auth-v2",
+            target_nonce,
+            my_nonce,
+            &session.to_le_bytes(),
+            &reference,
+        ],
+    )
+}
+
+/// The join proof of PROTOCOL.md §4.3.
+pub fn join_proof(
+    key: &[u8; 16],
+    target_nonce: &[u8; 16],
+    my_nonce: &[u8; 16],
+    session: u64,
+) -> [u8; 32] {
+    hmac(
+        key,
+        &[
+            b"quiesce-join-v1",
+            target_nonce,
+            my_nonce,
+            &session.to_le_bytes(),
+        ],
+    )
 }
 
 pub fn send(s: &mut std::net::TcpStream, h: &Header, payload: &[u8]) {
