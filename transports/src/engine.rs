@@ -151,10 +151,25 @@ pub(crate) struct EngineInner {
     pub(crate) rdma: RefCell<Option<Rc<crate::rdma::served::Node>>>,
 }
 
-/// A transfer engine on the current shard. Cheap to clone.
+/// A transfer engine on the current shard. Cheap to clone. When the last
+/// clone is dropped the engine shuts down as [`shutdown`](Self::shutdown)
+/// does (its own tasks hold the engine's state, never a handle, so nothing
+/// keeps it up behind the caller's back).
 #[derive(Clone)]
 pub struct Engine {
     inner: Rc<EngineInner>,
+    _last: Rc<LastHandle>,
+}
+
+/// Shuts the engine down when the last [`Engine`] handle goes.
+struct LastHandle(std::rc::Weak<EngineInner>);
+
+impl Drop for LastHandle {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.shutdown();
+        }
+    }
 }
 
 impl Engine {
@@ -185,7 +200,10 @@ impl Engine {
         let accept =
             crate::accept::accept_loop(listener, Rc::downgrade(&inner), inner.admission.clone());
         inner.tasks.borrow_mut().push(accept);
-        Ok(Engine { inner })
+        Ok(Engine {
+            _last: Rc::new(LastHandle(Rc::downgrade(&inner))),
+            inner,
+        })
     }
 
     /// The address peers connect to.
@@ -285,17 +303,20 @@ impl Engine {
     /// Stops accepting, drops served connections (their in-flight ops park
     /// until reaped) and closes connections to peers.
     pub fn shutdown(&self) {
-        for t in self.inner.tasks.borrow_mut().drain(..) {
-            t.abort();
-        }
-        self.inner.admission.borrow_mut().abort_all();
-        for p in self.inner.peers.borrow_mut().drain() {
-            p.1.close();
-        }
+        self.inner.shutdown();
     }
 }
 
 impl EngineInner {
+    fn shutdown(&self) {
+        // Taken out first: aborting drops futures, which may touch the engine.
+        let tasks: Vec<JoinHandle<()>> = self.tasks.borrow_mut().drain(..).collect();
+        tasks.iter().for_each(JoinHandle::abort);
+        self.admission.borrow_mut().abort_all();
+        let peers: Vec<Peer> = self.peers.borrow_mut().drain().map(|p| p.1).collect();
+        peers.iter().for_each(Peer::close);
+    }
+
     pub(crate) fn segment(&self, id: u64) -> Option<Segment> {
         self.segments.borrow().get(&id).cloned()
     }
