@@ -425,3 +425,45 @@ fn revoke_rekeys_the_segment_so_the_nic_refuses_the_old_key_until_open_regrants(
         drop(p.target);
     });
 }
+
+/// The device's resource counts (`rdma resource show`: pd, cq, qp, mr).
+fn device_resources() -> Vec<(String, u64)> {
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show"])
+        .output()
+        .expect("iproute2's rdma tool in the guest");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<&str> = text.split_whitespace().collect();
+    ["pd", "cq", "qp", "mr"]
+        .iter()
+        .filter_map(|k| {
+            let i = words.iter().position(|w| w == k)?;
+            Some((k.to_string(), words.get(i + 1)?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Engines dropped without `shutdown()` (after a transfer, with their peer,
+/// segment and region handles gone too) give every device resource back:
+/// protection domains, completion queues, queue pairs, memory regions.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn engines_dropped_without_shutdown_release_their_device_resources() {
+    let before = device_resources();
+    assert_eq!(before.len(), 4, "rdma resource show: {before:?}");
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut src = p.region.lease(0..4096).unwrap();
+        fill(&mut src, 3);
+        let (r, _) = p.remote.write(0, src, 1).await;
+        r.unwrap();
+        assert_ne!(device_resources(), before, "the engines hold resources");
+        drop(p);
+        sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            device_resources(),
+            before,
+            "dropped engines still hold device resources"
+        );
+    });
+}

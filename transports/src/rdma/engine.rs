@@ -72,25 +72,33 @@ impl Drop for LocalMr {
 /// A [`Region`] registered for RDMA. Dropping it deregisters the region once
 /// no transfer in flight uses it (each holds the registration until reaped).
 pub struct LocalMemory {
-    engine: Weak<RdmaInner>,
+    local: Weak<LocalSide>,
     start: u64,
 }
 
 impl Drop for LocalMemory {
     fn drop(&mut self) {
-        if let Some(e) = self.engine.upgrade() {
-            e.locals.borrow_mut().remove(&self.start);
+        if let Some(l) = self.local.upgrade() {
+            l.locals.borrow_mut().remove(&self.start);
         }
     }
 }
 
-pub(crate) struct RdmaInner {
-    tcp: Engine,
+/// What this shard's RDMA transfers use: the device, the local memory
+/// registrations, and the completion queue's place in the reactor. Peers
+/// hold it (never the engine, whose peer table holds them: no `Rc` cycle),
+/// so it lives while anything can still post.
+pub(crate) struct LocalSide {
     pub(crate) node: Rc<Node>,
     pub(crate) slice_size: usize,
     locals: RefCell<BTreeMap<u64, Rc<LocalMr>>>,
-    peers: RefCell<HashMap<SocketAddr, RdmaPeer>>,
     _source: SourceHandle,
+}
+
+pub(crate) struct RdmaInner {
+    tcp: Engine,
+    local: Rc<LocalSide>,
+    peers: RefCell<HashMap<SocketAddr, RdmaPeer>>,
 }
 
 /// An RDMA transfer engine on the current shard. Cheap to clone.
@@ -136,11 +144,13 @@ impl RdmaEngine {
         Ok(RdmaEngine {
             inner: Rc::new(RdmaInner {
                 tcp,
-                node,
-                slice_size: config.slice_size.clamp(1, max_msg),
-                locals: RefCell::default(),
+                local: Rc::new(LocalSide {
+                    node,
+                    slice_size: config.slice_size.clamp(1, max_msg),
+                    locals: RefCell::default(),
+                    _source: source,
+                }),
                 peers: RefCell::default(),
-                _source: source,
             }),
         })
     }
@@ -152,12 +162,12 @@ impl RdmaEngine {
 
     /// The device in use.
     pub fn device(&self) -> &str {
-        self.inner.node.ctx.name()
+        self.inner.local.node.ctx.name()
     }
 
     /// The GID index sent from.
     pub fn gid_index(&self) -> u8 {
-        self.inner.node.gid_index
+        self.inner.local.node.gid_index
     }
 
     /// The TCP engine underneath (its segments are served over TCP too).
@@ -178,10 +188,11 @@ impl RdmaEngine {
             remote_write: rights.contains(Rights::WRITE),
             remote_read: rights.contains(Rights::READ),
         };
-        if let Err(e) = self
-            .inner
-            .node
-            .register_segment(seg.id(), seg.inner.mem.clone(), access)
+        if let Err(e) =
+            self.inner
+                .local
+                .node
+                .register_segment(seg.id(), seg.inner.mem.clone(), access)
         {
             self.inner.tcp.deregister(seg.id());
             return Err(RegisterError::Memory(e.to_string()));
@@ -189,7 +200,7 @@ impl RdmaEngine {
         // A revoke registers the memory anew (a new rkey) and drops the old
         // region, so the NIC refuses the old key.
         let (node, mem, id) = (
-            Rc::downgrade(&self.inner.node),
+            Rc::downgrade(&self.inner.local.node),
             seg.inner.mem.clone(),
             seg.id(),
         );
@@ -207,7 +218,7 @@ impl RdmaEngine {
     /// Stops serving segment `id` and deregisters its memory region: from
     /// now on the target's NIC refuses every access with its key.
     pub fn deregister(&self, id: u64) -> bool {
-        self.inner.node.segments.borrow_mut().remove(&id);
+        self.inner.local.node.segments.borrow_mut().remove(&id);
         self.inner.tcp.deregister(id)
     }
 
@@ -216,15 +227,15 @@ impl RdmaEngine {
     pub fn register_region(&self, region: &Region) -> Result<LocalMemory, RdmaError> {
         let (ptr, len) = region.raw();
         let start = ptr as u64;
-        if self.inner.locals.borrow().contains_key(&start) {
+        if self.inner.local.locals.borrow().contains_key(&start) {
             return Err(RdmaError::AlreadyRegistered);
         }
         // SAFETY: the registration keeps a clone of the region (its memory)
         // alive and is dropped before it.
-        let mr = unsafe { Mr::register(&self.inner.node.pd, ptr, len, Access::LOCAL)? };
-        let count = self.inner.node.mrs.clone();
+        let mr = unsafe { Mr::register(&self.inner.local.node.pd, ptr, len, Access::LOCAL)? };
+        let count = self.inner.local.node.mrs.clone();
         count.set(count.get() + 1);
-        self.inner.locals.borrow_mut().insert(
+        self.inner.local.locals.borrow_mut().insert(
             start,
             Rc::new(LocalMr {
                 mr,
@@ -233,7 +244,7 @@ impl RdmaEngine {
             }),
         );
         Ok(LocalMemory {
-            engine: Rc::downgrade(&self.inner),
+            local: Rc::downgrade(&self.inner.local),
             start,
         })
     }
@@ -244,14 +255,14 @@ impl RdmaEngine {
             return Ok(p.clone());
         }
         let tcp = self.inner.tcp.connect_control(addr).await?;
-        let peer = RdmaPeer::new(self.inner.clone(), tcp);
+        let peer = RdmaPeer::new(self.inner.local.clone(), tcp);
         self.inner.peers.borrow_mut().insert(addr, peer.clone());
         Ok(peer)
     }
 
     /// Work request counters.
     pub fn stats(&self) -> RdmaStats {
-        self.inner.node.reaper.borrow().stats()
+        self.inner.local.node.reaper.borrow().stats()
     }
 
     /// Tears down: every queue pair to the error state, the completion
@@ -261,13 +272,13 @@ impl RdmaEngine {
         for p in self.inner.peers.borrow_mut().drain() {
             p.1.abort();
         }
-        let drained = self.inner.node.reaper.borrow_mut().drain_all(limit);
+        let drained = self.inner.local.node.reaper.borrow_mut().drain_all(limit);
         self.inner.tcp.shutdown();
         drained
     }
 }
 
-impl RdmaInner {
+impl LocalSide {
     /// The registration covering `addr..addr + len`, if any.
     pub(crate) fn local(&self, addr: u64, len: u64) -> Option<Rc<LocalMr>> {
         let locals = self.locals.borrow();

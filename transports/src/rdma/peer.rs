@@ -9,7 +9,7 @@ use std::rc::Rc;
 
 use quiesce_runtime::{IoBuf, IoBufMut};
 
-use super::engine::RdmaInner;
+use super::engine::LocalSide;
 use super::reaper::{Link, LinkState, Reaper, Submission};
 use super::verbs::{Access, WorkRequest};
 use crate::auth::Token;
@@ -20,7 +20,7 @@ use crate::shared::set_filled;
 use crate::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 
 struct PeerState {
-    engine: Rc<RdmaInner>,
+    local: Rc<LocalSide>,
     tcp: Peer,
     link: RefCell<Option<Rc<Link>>>,
     keys: RefCell<HashMap<u64, RemoteKey>>,
@@ -34,10 +34,10 @@ pub struct RdmaPeer {
 }
 
 impl RdmaPeer {
-    pub(crate) fn new(engine: Rc<RdmaInner>, tcp: Peer) -> RdmaPeer {
+    pub(crate) fn new(local: Rc<LocalSide>, tcp: Peer) -> RdmaPeer {
         RdmaPeer {
             inner: Rc::new(PeerState {
-                engine,
+                local,
                 tcp,
                 link: RefCell::default(),
                 keys: RefCell::default(),
@@ -108,7 +108,7 @@ impl RdmaPeer {
             return Ok(l);
         }
         let conn = self.inner.tcp.control().await?;
-        let node = &self.inner.engine.node;
+        let node = &self.inner.local.node;
         let qp = node
             .new_qp()
             .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
@@ -196,7 +196,7 @@ impl RdmaPeer {
         buf: B,
     ) -> (Result<u64, TransferError>, B) {
         let (addr, len) = local;
-        let Some(mr) = self.inner.engine.local(addr, len) else {
+        let Some(mr) = self.inner.local.local(addr, len) else {
             return (Err(TransferError::Unregistered { addr, len }), buf);
         };
         if self.inner.tcp.is_fenced(batch) {
@@ -211,7 +211,7 @@ impl RdmaPeer {
             return (Err(TransferError::Fenced), buf);
         }
         let lkey = mr.mr.lkey();
-        let slice = self.inner.engine.slice_size;
+        let slice = self.inner.local.slice_size;
         let count = len.div_ceil(slice as u64) as u32;
         let wrs = slices(len, slice).map(|(off, l)| WorkRequest {
             wr_id: 0,
@@ -223,7 +223,7 @@ impl RdmaPeer {
             rkey: key.rkey,
             inline: !read,
         });
-        let reaper = &self.inner.engine.node.reaper;
+        let reaper = &self.inner.local.node.reaper;
         let sub = Submission {
             wrs,
             count,

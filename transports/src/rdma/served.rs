@@ -54,7 +54,7 @@ impl Node {
 
     /// A new RC queue pair on the shard's completion queue.
     pub(crate) fn new_qp(&self) -> Result<Qp, RdmaError> {
-        let cq = self.reaper.borrow().cq().raw();
+        let cq = self.reaper.borrow().cq().object();
         Qp::new(&self.pd, cq, self.depth)
     }
 

@@ -336,10 +336,31 @@ pub(crate) struct Completion {
     pub(crate) qpn: u32,
 }
 
+/// The verbs completion queue itself, with its channel: destroyed once its
+/// last holder is gone — its [`Cq`] and every [`Qp`] created on it, since
+/// the kernel refuses (`EBUSY`) to destroy a CQ a queue pair still uses.
+pub(crate) struct CqObject {
+    cq: *mut sys::ibv_cq,
+    _channel: Channel,
+}
+
+impl Drop for CqObject {
+    fn drop(&mut self) {
+        // SAFETY: no QP uses the CQ any more (each holds this object) and
+        // every event got was acknowledged by `Cq`'s drop; the channel (a
+        // field) is destroyed after it.
+        let rc = unsafe { sys::ibv_destroy_cq(self.cq) };
+        if rc != 0 {
+            tracing::error!(rc, "ibv_destroy_cq failed; the completion queue leaks");
+        }
+    }
+}
+
 /// A completion queue with its channel.
 pub(crate) struct Cq {
+    obj: Rc<CqObject>,
     cq: *mut sys::ibv_cq,
-    channel: Channel,
+    channel: *mut sys::ibv_comp_channel,
     /// Events got from the channel and not yet acknowledged.
     unacked: u32,
 }
@@ -355,9 +376,14 @@ impl Cq {
                 io::Error::last_os_error(),
             ));
         }
+        let ch = channel.ch;
         Ok(Cq {
+            obj: Rc::new(CqObject {
+                cq,
+                _channel: channel,
+            }),
             cq,
-            channel,
+            channel: ch,
             unacked: 0,
         })
     }
@@ -396,7 +422,7 @@ impl Cq {
     /// The channel's fd.
     pub(crate) fn fd(&self) -> RawFd {
         // SAFETY: the channel is live.
-        unsafe { (*self.channel.ch).fd }
+        unsafe { (*self.channel).fd }
     }
 
     /// Consumes every pending channel event (the fd is non-blocking).
@@ -405,7 +431,7 @@ impl Cq {
             let mut cq = ptr::null_mut();
             let mut cq_ctx = ptr::null_mut();
             // SAFETY: the channel is live; out-pointers are valid.
-            if unsafe { sys::ibv_get_cq_event(self.channel.ch, &mut cq, &mut cq_ctx) } != 0 {
+            if unsafe { sys::ibv_get_cq_event(self.channel, &mut cq, &mut cq_ctx) } != 0 {
                 break;
             }
             self.unacked += 1;
@@ -417,20 +443,18 @@ impl Cq {
         }
     }
 
-    pub(crate) fn raw(&self) -> *mut sys::ibv_cq {
-        self.cq
+    /// The CQ object, for a queue pair to hold while it uses the CQ.
+    pub(crate) fn object(&self) -> Rc<CqObject> {
+        self.obj.clone()
     }
 }
 
 impl Drop for Cq {
     fn drop(&mut self) {
-        // SAFETY: every event got is acknowledged before the CQ is destroyed;
-        // QPs using the CQ hold an Rc to its owner and are gone.
-        unsafe {
-            if self.unacked > 0 {
-                sys::ibv_ack_cq_events(self.cq, self.unacked);
-            }
-            sys::ibv_destroy_cq(self.cq);
+        if self.unacked > 0 {
+            // SAFETY: acknowledges events got from this CQ's channel; the CQ
+            // lives on in `obj` (and in the QPs still using it).
+            unsafe { sys::ibv_ack_cq_events(self.cq, self.unacked) };
         }
     }
 }
@@ -459,6 +483,8 @@ fn blank_send_wr() -> sys::ibv_send_wr {
 pub(crate) struct Qp {
     qp: *mut sys::ibv_qp,
     pd: Rc<Pd>,
+    /// The CQ its completions go to: destroyed only after the QP.
+    _cq: Rc<CqObject>,
     pub(crate) max_inline: u32,
     /// Reused SGE and work request arrays of `post`.
     scratch: RefCell<(Vec<sys::ibv_sge>, Vec<sys::ibv_send_wr>)>,
@@ -466,7 +492,8 @@ pub(crate) struct Qp {
 
 impl Qp {
     /// Creates an RC QP whose send queue holds `depth` requests.
-    pub(crate) fn new(pd: &Rc<Pd>, cq: *mut sys::ibv_cq, depth: u32) -> Result<Qp, RdmaError> {
+    pub(crate) fn new(pd: &Rc<Pd>, cq_obj: Rc<CqObject>, depth: u32) -> Result<Qp, RdmaError> {
+        let cq = cq_obj.cq;
         // SAFETY: an all-zero init attr is valid; fields set below.
         let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = cq;
@@ -489,6 +516,7 @@ impl Qp {
         Ok(Qp {
             qp,
             pd: pd.clone(),
+            _cq: cq_obj,
             max_inline: init.cap.max_inline_data,
             scratch: RefCell::default(),
         })
