@@ -160,17 +160,27 @@ fn a_silent_peer_gets_no_stale_byte_and_no_false_confirmation() {
                 let rounds = [(false, false), (true, false), (false, true), (true, true)];
                 for (round, (revoke, zero_copy)) in rounds.into_iter().enumerate() {
                     let (ea, kv_a) = open_kv(&t, zero_copy).await;
+                    // The deadline leaves room for a loaded machine: the cut
+                    // must come before the fence, or the target is not silent
+                    // when it is asked (and rightly confirms).
+                    let deadline = Duration::from_millis(150);
                     let opts = BatchOptions::default()
                         .policy(FailurePolicy::FailFast)
-                        .deadline(Duration::from_millis(30))
+                        .deadline(deadline)
                         .fence_grace(Duration::from_millis(200));
                     let mut a = Batch::new(Tcp, opts);
                     a.write(vec![0xA1; BIG], RemoteRange::new(&kv_a, 0, BIG as u64))
                         .ok()
                         .unwrap();
+                    let submitted = std::time::Instant::now();
                     let sub = a.submit();
                     time::sleep(Duration::from_millis(5)).await;
                     net.cut();
+                    let cut_at = submitted.elapsed();
+                    assert!(
+                        cut_at < deadline,
+                        "round {round}: the cut came {cut_at:?} after submit, past the deadline: the scenario did not run"
+                    );
                     let qa = time::timeout(Duration::from_secs(5), async {
                         sub.await.quiesced().await
                     })
