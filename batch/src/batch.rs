@@ -6,7 +6,7 @@ use std::task::{Context, Waker};
 use quiesce_runtime::{IoBuf, IoBufMut};
 
 use crate::options::BatchOptions;
-use crate::outcome::{DriverFuture, Shared, Submitted};
+use crate::outcome::{DriverFuture, Handoff, Submitted};
 use crate::run::{Driver, Task, TaskState, TransferFuture};
 use crate::transport::Transport;
 
@@ -149,7 +149,7 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
     /// [`Outcome`](crate::Outcome) once every task has quiesced (or the fence
     /// ran out of grace).
     pub fn submit(self) -> Submitted<B> {
-        let shared = Rc::new(Shared::default());
+        let shared = Rc::new(Handoff::default());
         let driver = Driver::new(
             self.transport,
             self.opts,

@@ -161,7 +161,7 @@ impl<B> Outcome<B> {
 }
 
 /// Where the driver publishes results for the `Submitted` future and a ticket.
-pub(crate) struct Shared<B> {
+pub(crate) struct Handoff<B> {
     pub(crate) final_result: RefCell<Option<Quiesced<B>>>,
     pub(crate) finished: Cell<bool>,
     /// The driver decided `CompletionUnknown`.
@@ -172,9 +172,9 @@ pub(crate) struct Shared<B> {
     pub(crate) driver: RefCell<Option<Waker>>,
 }
 
-impl<B> Default for Shared<B> {
+impl<B> Default for Handoff<B> {
     fn default() -> Self {
-        Shared {
+        Handoff {
             final_result: RefCell::new(None),
             finished: Cell::new(false),
             unknown: Cell::new(false),
@@ -185,7 +185,7 @@ impl<B> Default for Shared<B> {
     }
 }
 
-impl<B> Shared<B> {
+impl<B> Handoff<B> {
     pub(crate) fn wake_waiter(&self) {
         if let Some(w) = self.waiter.borrow_mut().take() {
             w.wake();
@@ -215,7 +215,7 @@ impl<B> Shared<B> {
 /// are released (with a `tracing` event).
 #[must_use = "a submitted batch resolves only when awaited (dropping it fences it)"]
 pub struct Submitted<B> {
-    pub(crate) shared: Rc<Shared<B>>,
+    pub(crate) shared: Rc<Handoff<B>>,
     pub(crate) done: bool,
     /// The batch driver, polled in place by this future (no task of its
     /// own, no cross-task wake per batch). It moves into a task of its own
@@ -294,7 +294,7 @@ impl<B> Drop for Submitted<B> {
 /// can touch them any more. Dropping it leaves the batch parked in the
 /// reactor until it drains; then the buffers are released.
 pub struct Ticket<B> {
-    shared: Rc<Shared<B>>,
+    shared: Rc<Handoff<B>>,
     taken: bool,
 }
 

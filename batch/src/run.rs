@@ -31,7 +31,7 @@ use quiesce_runtime::{spawn_local, JoinError, JoinHandle};
 use quiesce_transports::TransferError;
 
 use crate::options::{BatchOptions, FailurePolicy};
-use crate::outcome::{Quiesced, RemoteState, Shared, TaskReport, TaskStatus};
+use crate::outcome::{Handoff, Quiesced, RemoteState, TaskReport, TaskStatus};
 use crate::transport::Transport;
 
 pub(crate) type TransferFuture<B> = Pin<Box<dyn Future<Output = (Result<u64, TransferError>, B)>>>;
@@ -94,7 +94,7 @@ pub(crate) struct Driver<T: Transport, B> {
     pub(crate) transport: T,
     pub(crate) opts: BatchOptions,
     pub(crate) tasks: Vec<Task<T, B>>,
-    pub(crate) shared: Rc<Shared<B>>,
+    pub(crate) shared: Rc<Handoff<B>>,
     pub(crate) id: u64,
     started: Instant,
     deadline: Option<Instant>,
@@ -120,7 +120,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         transport: T,
         opts: BatchOptions,
         tasks: Vec<Task<T, B>>,
-        shared: Rc<Shared<B>>,
+        shared: Rc<Handoff<B>>,
         id: u64,
     ) -> Self {
         let started = Instant::now();

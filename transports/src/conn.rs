@@ -21,10 +21,10 @@ use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 use crate::auth::{random_bytes, SessionKey, Token};
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
-use crate::shared::{bytes_of, Erased, Part};
+use crate::split::{bytes_of, Erased, Part};
 use crate::stream::{discard, read_header, read_payload, send_frame, HeaderReader};
 use crate::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, QpAccept, QpConnect, SegmentRef, Status,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, SegmentRef, Status,
     HEADER_LEN, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD, VERSION,
 };
 
@@ -64,16 +64,16 @@ struct Slot<T> {
     waker: Option<Waker>,
 }
 
-type Shared<T> = Rc<RefCell<Slot<T>>>;
+type Reply<T> = Rc<RefCell<Slot<T>>>;
 
-fn slot<T>() -> Shared<T> {
+fn slot<T>() -> Reply<T> {
     Rc::new(RefCell::new(Slot {
         value: None,
         waker: None,
     }))
 }
 
-fn fill<T>(s: &Shared<T>, v: T) {
+fn fill<T>(s: &Reply<T>, v: T) {
     let w = {
         let mut s = s.borrow_mut();
         s.value = Some(v);
@@ -84,7 +84,7 @@ fn fill<T>(s: &Shared<T>, v: T) {
     }
 }
 
-async fn wait<T>(s: &Shared<T>) -> T {
+async fn wait<T>(s: &Reply<T>) -> T {
     std::future::poll_fn(|cx| {
         let mut s = s.borrow_mut();
         match s.value.take() {
@@ -99,10 +99,10 @@ async fn wait<T>(s: &Shared<T>) -> T {
 }
 
 enum Pending {
-    Write(Shared<Result<u64, TransferError>>),
+    Write(Reply<Result<u64, TransferError>>),
     Read {
         dst: Option<Erased>,
-        result: Shared<Result<u64, TransferError>>,
+        result: Reply<Result<u64, TransferError>>,
     },
 }
 
@@ -111,9 +111,9 @@ struct State {
     dead: Option<String>,
     pending: HashMap<u64, Pending>,
     /// Fence waiters; filled with the QPN the target reset (0: none).
-    fences: HashMap<u64, Vec<Shared<Result<u64, TransferError>>>>,
-    auths: VecDeque<Shared<Result<AuthAck, TransferError>>>,
-    qp_accepts: VecDeque<Shared<Result<QpAccept, TransferError>>>,
+    fences: HashMap<u64, Vec<Reply<Result<u64, TransferError>>>>,
+    auths: VecDeque<Reply<Result<AuthAck, TransferError>>>,
+    qp_accepts: VecDeque<Reply<Result<QpAccept, TransferError>>>,
 }
 
 /// One initiator connection.
@@ -186,7 +186,7 @@ impl Conn {
             &stream,
             &Header {
                 length: hello.len() as u64,
-                ..Header::new(Op::Hello)
+                ..Header::new(Opcode::Hello)
             },
             &hello,
         )
@@ -195,7 +195,7 @@ impl Conn {
         let payload = timeout(p.connect_timeout, async {
             let h = match read_header(&stream).await.map_err(|e| hs(e.to_string()))? {
                 Some(Ok(h))
-                    if h.op == Op::HelloAck && h.length as usize <= MAX_HANDSHAKE_PAYLOAD =>
+                    if h.op == Opcode::HelloAck && h.length as usize <= MAX_HANDSHAKE_PAYLOAD =>
                 {
                     h
                 }
@@ -338,7 +338,7 @@ impl Conn {
             &self.stream,
             &Header {
                 length: payload.len() as u64,
-                ..Header::new(Op::Auth)
+                ..Header::new(Opcode::Auth)
             },
             &payload,
         )
@@ -375,7 +375,7 @@ impl Conn {
             &self.stream,
             &Header {
                 length: payload.len() as u64,
-                ..Header::new(Op::QpConnect)
+                ..Header::new(Opcode::QpConnect)
             },
             &payload,
         )
@@ -402,7 +402,7 @@ impl Conn {
             &self.stream,
             &Header {
                 batch,
-                ..Header::new(Op::Fence)
+                ..Header::new(Opcode::Fence)
             },
             &[],
         )
@@ -424,7 +424,7 @@ impl Conn {
             &self.stream,
             &Header {
                 batch,
-                ..Header::new(Op::Forget)
+                ..Header::new(Opcode::Forget)
             },
             &[],
         )
@@ -452,7 +452,7 @@ impl Conn {
             segment,
             offset,
             length: part.len() as u64,
-            ..Header::new(Op::Write)
+            ..Header::new(Opcode::Write)
         };
         let mut g = self.send_guard().await;
         if self.fenced_locally(&mut g, id, batch) {
@@ -516,7 +516,7 @@ impl Conn {
             segment,
             offset,
             length: len,
-            ..Header::new(Op::Read)
+            ..Header::new(Opcode::Read)
         };
         let mut g = self.send_guard().await;
         if self.fenced_locally(&mut g, id, batch) {
@@ -601,7 +601,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
             Some(h) => h?,
         };
         match h.op {
-            Op::Status => {
+            Opcode::Status => {
                 let st = h.status()?;
                 let p = conn.state.borrow_mut().pending.remove(&h.task);
                 let res = match TransferError::from_status(st, h.segment, h.length) {
@@ -623,7 +623,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                     None => {}
                 }
             }
-            Op::ReadData => {
+            Opcode::ReadData => {
                 let p = conn.state.borrow_mut().pending.remove(&h.task);
                 match p {
                     Some(Pending::Read {
@@ -662,7 +662,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                     None => discard(s, h.length).await?,
                 }
             }
-            Op::FenceAck => {
+            Opcode::FenceAck => {
                 let waiters = conn
                     .state
                     .borrow_mut()
@@ -671,7 +671,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                     .unwrap_or_default();
                 waiters.iter().for_each(|r| fill(r, Ok(h.offset)));
             }
-            Op::AuthAck => {
+            Opcode::AuthAck => {
                 if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
                     return Err(TransferError::BadFrame("auth ack too large".into()));
                 }
@@ -681,7 +681,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                     None => return Err(TransferError::BadFrame("unrequested auth ack".into())),
                 }
             }
-            Op::QpAccept => {
+            Opcode::QpAccept => {
                 if h.length as usize > MAX_QP_PAYLOAD {
                     return Err(TransferError::BadFrame("qp accept too large".into()));
                 }

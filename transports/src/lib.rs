@@ -37,7 +37,7 @@ mod peer;
 pub mod rdma;
 mod revoke;
 mod segment;
-mod shared;
+mod split;
 mod stream;
 mod target;
 pub mod wire;

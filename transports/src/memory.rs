@@ -2,9 +2,9 @@
 //! leased in blocks (how KV arenas are used), segment memory exposed to
 //! peers, and windows into it that the driver can lend to the kernel.
 //!
-//! This is the transport's only module with `unsafe` code besides
-//! [`crate::shared`]: raw allocations whose bytes may be written by the kernel
-//! (and so by remote peers) while other handles exist.
+//! Its `unsafe` code (beside [`crate::split`]'s and the RDMA verbs' and
+//! memory registrations') is raw allocations whose bytes may be written by
+//! the kernel (and so by remote peers) while other handles exist.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::cell::RefCell;

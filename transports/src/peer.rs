@@ -14,7 +14,7 @@ use crate::auth::Token;
 use crate::conn::{Conn, ConnParams, LocalFences, SessionBinding};
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
-use crate::shared::{set_filled, Part, Shared};
+use crate::split::{set_filled, Part, SplitBuf};
 use crate::wire::{Descriptor, SegmentRef, Status};
 
 /// How an initiator talks to peers.
@@ -421,7 +421,7 @@ impl RemoteSegment {
     /// slice runs in place), and folds the results once every slice has answered.
     async fn stripe<B, F, Fut>(
         &self,
-        shared: &Shared<B>,
+        shared: &SplitBuf<B>,
         len: u64,
         slice: F,
     ) -> Result<u64, TransferError>
@@ -473,7 +473,7 @@ impl RemoteSegment {
         if let Err(e) = self.check(offset, len) {
             return (Err(e), src);
         }
-        let shared = Shared::source(src);
+        let shared = SplitBuf::source(src);
         let p = &self.peer.inner.params;
         let zc_threshold = p.zc_threshold;
         let seg = self.desc.id;
@@ -509,7 +509,7 @@ impl RemoteSegment {
                 dst,
             );
         }
-        let shared = Shared::destination(dst);
+        let shared = SplitBuf::destination(dst);
         let seg = self.desc.id;
         let res = self
             .stripe(&shared, len, move |conn, off, part| async move {

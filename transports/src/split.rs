@@ -15,15 +15,15 @@ struct Inner<B> {
 }
 
 /// The owner's handle: hands out parts, and gives the buffer back.
-pub(crate) struct Shared<B> {
+pub(crate) struct SplitBuf<B> {
     inner: Rc<Inner<B>>,
 }
 
-impl<B: IoBuf> Shared<B> {
+impl<B: IoBuf> SplitBuf<B> {
     /// Shares a source buffer; parts cover its initialised bytes.
-    pub(crate) fn source(buf: B) -> Shared<B> {
+    pub(crate) fn source(buf: B) -> SplitBuf<B> {
         let (ptr, len) = (buf.stable_ptr() as *mut u8, buf.bytes_init());
-        Shared {
+        SplitBuf {
             inner: Rc::new(Inner {
                 buf: UnsafeCell::new(buf),
                 ptr,
@@ -46,19 +46,19 @@ impl<B: IoBuf> Shared<B> {
     }
 
     /// The buffer, once no part is alive; otherwise `self` back.
-    pub(crate) fn try_into_inner(self) -> Result<B, Shared<B>> {
+    pub(crate) fn try_into_inner(self) -> Result<B, SplitBuf<B>> {
         match Rc::try_unwrap(self.inner) {
             Ok(inner) => Ok(inner.buf.into_inner()),
-            Err(inner) => Err(Shared { inner }),
+            Err(inner) => Err(SplitBuf { inner }),
         }
     }
 }
 
-impl<B: IoBufMut> Shared<B> {
+impl<B: IoBufMut> SplitBuf<B> {
     /// Shares a destination buffer; parts cover its whole capacity.
-    pub(crate) fn destination(mut buf: B) -> Shared<B> {
+    pub(crate) fn destination(mut buf: B) -> SplitBuf<B> {
         let (ptr, len) = (buf.stable_mut_ptr(), buf.bytes_total());
-        Shared {
+        SplitBuf {
             inner: Rc::new(Inner {
                 buf: UnsafeCell::new(buf),
                 ptr,

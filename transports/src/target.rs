@@ -24,7 +24,7 @@ use crate::revoke::LandingGuard;
 use crate::segment::{Rights, Segment};
 use crate::stream::{discard, read_header, read_payload, send_frame};
 use crate::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, QpAccept, QpConnect, QpWire, SegmentRef,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, SegmentRef,
     Status, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
 };
 
@@ -51,7 +51,7 @@ impl From<io::Error> for Closed {
     }
 }
 
-struct Conn<'a> {
+struct ServedConn<'a> {
     engine: &'a EngineInner,
     s: &'a TcpStream,
     session: u64,
@@ -145,7 +145,7 @@ async fn reject(s: &TcpStream, h: &Header, st: Status, why: String) -> Closed {
 
 fn status_frame(h: &Header, st: Status, applied: u64) -> Header {
     Header {
-        op: Op::Status,
+        op: Opcode::Status,
         flags: st as u8,
         length: applied,
         ..*h
@@ -156,16 +156,22 @@ async fn handshake<'a>(
     engine: &'a EngineInner,
     s: &'a TcpStream,
     census: Census<'a>,
-) -> Result<Conn<'a>, Closed> {
+) -> Result<ServedConn<'a>, Closed> {
     // Bounded by the caller's handshake deadline.
     let h = match read_header(s).await? {
         None => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
         Some(Err(e)) => {
-            return Err(reject(s, &Header::new(Op::Status), Status::BadFrame, e.to_string()).await)
+            return Err(reject(
+                s,
+                &Header::new(Opcode::Status),
+                Status::BadFrame,
+                e.to_string(),
+            )
+            .await)
         }
         Some(Ok(h)) => h,
     };
-    if h.op != Op::Hello || h.length as usize > MAX_HANDSHAKE_PAYLOAD {
+    if h.op != Opcode::Hello || h.length as usize > MAX_HANDSHAKE_PAYLOAD {
         return Err(reject(
             s,
             &h,
@@ -206,13 +212,13 @@ async fn handshake<'a>(
         s,
         &Header {
             length: payload.len() as u64,
-            ..Header::new(Op::HelloAck)
+            ..Header::new(Opcode::HelloAck)
         },
         &payload,
     )
     .await?;
     tracing::debug!(node = hello.node, session, "peer said hello");
-    Ok(Conn {
+    Ok(ServedConn {
         engine,
         s,
         session,
@@ -275,12 +281,16 @@ async fn serve_inner(
             None => return Ok(()),
             Some(Ok(h)) => h,
             Some(Err(e)) => {
-                return Err(
-                    reject(s, &Header::new(Op::Status), Status::BadFrame, e.to_string()).await,
+                return Err(reject(
+                    s,
+                    &Header::new(Opcode::Status),
+                    Status::BadFrame,
+                    e.to_string(),
                 )
+                .await)
             }
         };
-        if h.op != Op::Auth {
+        if h.op != Opcode::Auth {
             // Authentication first: nothing else is served (or stored).
             return Err(reject(
                 s,
@@ -306,17 +316,21 @@ async fn serve_inner(
             None => return Ok(()),
             Some(Ok(h)) => h,
             Some(Err(e)) => {
-                return Err(
-                    reject(s, &Header::new(Op::Status), Status::BadFrame, e.to_string()).await,
+                return Err(reject(
+                    s,
+                    &Header::new(Opcode::Status),
+                    Status::BadFrame,
+                    e.to_string(),
                 )
+                .await)
             }
         };
         match h.op {
-            Op::Auth => c.auth(&h).await?,
-            Op::Write => c.write(&h).await?,
-            Op::Read => c.read(&h).await?,
-            Op::QpConnect => c.qp_connect(&h).await?,
-            Op::Fence => {
+            Opcode::Auth => c.auth(&h).await?,
+            Opcode::Write => c.write(&h).await?,
+            Opcode::Read => c.read(&h).await?,
+            Opcode::QpConnect => c.qp_connect(&h).await?,
+            Opcode::Fence => {
                 // RDMA: the responder accepts no further packet of any batch
                 // on this queue pair; the initiator builds a new one.
                 // The ack names the queue pair reset (its QPN in `offset`,
@@ -336,7 +350,7 @@ async fn serve_inner(
                 send_frame(
                     s,
                     &Header {
-                        op: Op::FenceAck,
+                        op: Opcode::FenceAck,
                         length: 0,
                         offset: reset_qpn,
                         ..h
@@ -355,13 +369,13 @@ async fn serve_inner(
                     engine.close_session(c.session);
                 }
             }
-            Op::Forget => engine.fences.forget(c.session, h.batch, session.conn),
+            Opcode::Forget => engine.fences.forget(c.session, h.batch, session.conn),
             op => return Err(reject(s, &h, Status::BadFrame, format!("unexpected {op:?}")).await),
         }
     }
 }
 
-impl Conn<'_> {
+impl ServedConn<'_> {
     /// Sets up (or, for `qpn == 0`, only reports keys of) an RDMA queue pair.
     async fn qp_connect(&mut self, h: &Header) -> Result<(), Closed> {
         if h.length as usize > MAX_QP_PAYLOAD {
@@ -408,7 +422,7 @@ impl Conn<'_> {
         send_frame(
             self.s,
             &Header {
-                op: Op::QpAccept,
+                op: Opcode::QpAccept,
                 length: payload.len() as u64,
                 ..*h
             },
@@ -477,7 +491,7 @@ impl Conn<'_> {
         send_frame(
             self.s,
             &Header {
-                op: Op::AuthAck,
+                op: Opcode::AuthAck,
                 length: payload.len() as u64,
                 ..*h
             },
@@ -601,7 +615,7 @@ impl Conn<'_> {
             Err(st) => return self.refuse(h, st, 0).await,
         };
         let head = Header {
-            op: Op::ReadData,
+            op: Opcode::ReadData,
             ..*h
         };
         if h.length <= INLINE_READ {

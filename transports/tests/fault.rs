@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use quiesce_runtime::{spawn_local, time, Runtime};
-use quiesce_transports::wire::{Header, HelloAck, Op};
+use quiesce_transports::wire::{Header, HelloAck, Opcode};
 use quiesce_transports::{Engine, EngineConfig, Rights, TransferError};
 
 const BIG: usize = 64 << 20;
@@ -238,7 +238,7 @@ fn garbage_from_a_target_fails_requests_without_panicking() {
                     &mut s,
                     &Header {
                         length: ack.len() as u64,
-                        ..Header::new(Op::HelloAck)
+                        ..Header::new(Opcode::HelloAck)
                     },
                     &ack,
                 );

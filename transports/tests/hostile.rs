@@ -56,7 +56,7 @@ fn after_fd_exhaustion_the_target_serves_again() {
 /// Fence or a QpConnect is refused, the connection closed, nothing stored.
 #[test]
 fn an_unauthenticated_fence_or_qp_connect_is_refused_and_stores_nothing() {
-    use quiesce_transports::wire::{Header, Op, QpConnect, QpWire, Status};
+    use quiesce_transports::wire::{Header, Opcode, QpConnect, QpWire, Status};
     use quiesce_transports::Rights;
     let t = ShardTarget::start(
         EngineConfig::default(),
@@ -67,14 +67,14 @@ fn an_unauthenticated_fence_or_qp_connect_is_refused_and_stores_nothing() {
     c.send(
         &Header {
             batch: 77,
-            ..Header::new(Op::Fence)
+            ..Header::new(Opcode::Fence)
         },
         &[],
     );
     let h = c.recv().expect("an answer before the close");
     assert_eq!(
         h.op,
-        Op::Status,
+        Opcode::Status,
         "an unauthenticated fence was served: {h:?}"
     );
     assert_eq!(h.status(), Ok(Status::Forbidden));
@@ -93,14 +93,14 @@ fn an_unauthenticated_fence_or_qp_connect_is_refused_and_stores_nothing() {
     c.send(
         &Header {
             length: p.len() as u64,
-            ..Header::new(Op::QpConnect)
+            ..Header::new(Opcode::QpConnect)
         },
         &p,
     );
     let h = c.recv().expect("an answer before the close");
     assert_eq!(
         h.op,
-        Op::Status,
+        Opcode::Status,
         "an unauthenticated QpConnect was served: {h:?}"
     );
     assert_eq!(h.status(), Ok(Status::Forbidden));
@@ -118,7 +118,7 @@ fn an_unauthenticated_fence_or_qp_connect_is_refused_and_stores_nothing() {
 /// served meanwhile.
 #[test]
 fn a_thousand_stalled_handshakes_are_closed_and_an_honest_client_is_served() {
-    use quiesce_transports::wire::{Header, Op};
+    use quiesce_transports::wire::{Header, Opcode};
     use quiesce_transports::Rights;
     use std::io::Write;
     let cfg = EngineConfig {
@@ -134,7 +134,7 @@ fn a_thousand_stalled_handshakes_are_closed_and_an_honest_client_is_served() {
             0 => {
                 let h = Header {
                     length: 256 << 10,
-                    ..Header::new(Op::Hello)
+                    ..Header::new(Opcode::Hello)
                 };
                 s.write_all(&h.encode()).unwrap();
             }
@@ -208,7 +208,7 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
 /// batches past the cap has its connections closed, which frees them all.
 #[test]
 fn fence_entries_go_when_no_connection_can_carry_the_batch() {
-    use quiesce_transports::wire::{Header, Op};
+    use quiesce_transports::wire::{Header, Opcode};
     use quiesce_transports::Rights;
     let cfg = EngineConfig {
         max_fenced_per_session: 3,
@@ -227,17 +227,17 @@ fn fence_entries_go_when_no_connection_can_carry_the_batch() {
         c.send(
             &Header {
                 batch,
-                ..Header::new(Op::Fence)
+                ..Header::new(Opcode::Fence)
             },
             &[],
         );
-        assert_eq!(c.recv().map(|h| h.op), Some(Op::FenceAck));
+        assert_eq!(c.recv().map(|h| h.op), Some(Opcode::FenceAck));
     };
     let forget = |c: &mut RawClient, batch| {
         c.send(
             &Header {
                 batch,
-                ..Header::new(Op::Forget)
+                ..Header::new(Opcode::Forget)
             },
             &[],
         )
@@ -281,7 +281,7 @@ fn fence_entries_go_when_no_connection_can_carry_the_batch() {
 /// peer's own session leaves the other session's batch alone.
 #[test]
 fn a_peer_cannot_join_or_fence_another_session() {
-    use quiesce_transports::wire::{Header, Op, Status};
+    use quiesce_transports::wire::{Header, Opcode, Status};
     use quiesce_transports::Rights;
     let t = ShardTarget::start(
         EngineConfig::default(),
@@ -304,7 +304,7 @@ fn a_peer_cannot_join_or_fence_another_session() {
     m.send(
         &Header {
             length: 34,
-            ..Header::new(Op::Auth)
+            ..Header::new(Opcode::Auth)
         },
         &{
             let mut b = vec![0u8; 34];
@@ -313,7 +313,7 @@ fn a_peer_cannot_join_or_fence_another_session() {
         },
     );
     let h = m.recv().expect("a refusal before the close");
-    assert_eq!((h.op, h.status()), (Op::Status, Ok(Status::Forbidden)));
+    assert_eq!((h.op, h.status()), (Opcode::Status, Ok(Status::Forbidden)));
     assert!(m.recv().is_none(), "closed");
     // The same peer in its own session fences batch 5: a's batch 5 goes on.
     let mut b = RawClient::connect(t.addr);
@@ -322,17 +322,17 @@ fn a_peer_cannot_join_or_fence_another_session() {
     b.send(
         &Header {
             batch: 5,
-            ..Header::new(Op::Fence)
+            ..Header::new(Opcode::Fence)
         },
         &[],
     );
-    assert_eq!(b.recv().map(|h| h.op), Some(Op::FenceAck));
+    assert_eq!(b.recv().map(|h| h.op), Some(Opcode::FenceAck));
     a.send(
         &Header {
             batch: 5,
             segment: id,
             length: 4,
-            ..Header::new(Op::Write)
+            ..Header::new(Opcode::Write)
         },
         &[1, 2, 3, 4],
     );

@@ -184,7 +184,7 @@ fn abort_discards_what_the_sockets_still_hold() {
 /// that hangs between the two steps of a reconnect.
 fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::net::SocketAddr {
     use quiesce_transports::wire::{
-        AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Op, Status, VERSION,
+        AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, Status, VERSION,
     };
     use std::io::Read;
     use std::sync::atomic::Ordering;
@@ -214,7 +214,7 @@ fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::ne
                 .unwrap();
                 let hdr = Header {
                     length: ack.len() as u64,
-                    ..Header::new(Op::HelloAck)
+                    ..Header::new(Opcode::HelloAck)
                 };
                 send(&mut s, &hdr, &ack);
                 // Serve auth requests (or, muted, hold the connection open
@@ -224,7 +224,7 @@ fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::ne
                     if s.read_exact(&mut p).is_err() {
                         return;
                     }
-                    if h.op == Op::Auth && !silent {
+                    if h.op == Opcode::Auth && !silent {
                         let req = AuthRequest::decode(&p).unwrap();
                         let kv = Descriptor {
                             id: 1,
@@ -244,7 +244,7 @@ fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::ne
                         .unwrap();
                         let hdr = Header {
                             length: ack.len() as u64,
-                            ..Header::new(Op::AuthAck)
+                            ..Header::new(Opcode::AuthAck)
                         };
                         send(&mut s, &hdr, &ack);
                     }

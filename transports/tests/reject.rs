@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::*;
 use quiesce_runtime::Runtime;
-use quiesce_transports::wire::{Header, Hello, Op, SegmentRef, Status, VERSION};
+use quiesce_transports::wire::{Header, Hello, Opcode, SegmentRef, Status, VERSION};
 use quiesce_transports::{Engine, EngineConfig, Rights, Token, TransferError};
 
 fn target() -> ShardTarget {
@@ -42,7 +42,7 @@ fn write(id: u64, offset: u64, length: u64) -> Header {
         segment: id,
         offset,
         length,
-        ..Header::new(Op::Write)
+        ..Header::new(Opcode::Write)
     }
 }
 
@@ -54,7 +54,10 @@ fn unauthorised_writes_are_forbidden_and_discarded() {
     let mut c = RawClient::connect(t.addr);
     c.send(&write(id, 0, 100), &[0xee; 100]);
     let h = c.recv().unwrap();
-    assert_eq!((h.op, h.status().unwrap()), (Op::Status, Status::Forbidden));
+    assert_eq!(
+        (h.op, h.status().unwrap()),
+        (Opcode::Status, Status::Forbidden)
+    );
     assert!(
         c.recv().is_none(),
         "closed: only Auth is served before a proof"
@@ -66,7 +69,10 @@ fn unauthorised_writes_are_forbidden_and_discarded() {
     assert_eq!(c.auth_status(ro, t.seg("ro").token), Status::Ok);
     c.send(&write(id, 0, 100), &[0xee; 100]);
     let h = c.recv().unwrap();
-    assert_eq!((h.op, h.status().unwrap()), (Op::Status, Status::Forbidden));
+    assert_eq!(
+        (h.op, h.status().unwrap()),
+        (Opcode::Status, Status::Forbidden)
+    );
     assert_eq!(c.auth_status(id, t.seg("kv").token), Status::Ok);
     c.send(&write(id, 0, 4), &[1, 2, 3, 4]);
     assert_eq!(c.recv().unwrap().status().unwrap(), Status::Ok);
@@ -164,7 +170,7 @@ fn out_of_bounds_is_refused_locally_and_by_the_target() {
             length: 10,
             offset: len - 5,
             segment: id,
-            ..Header::new(Op::Read)
+            ..Header::new(Opcode::Read)
         },
         &[],
     );
@@ -213,7 +219,7 @@ fn zero_and_oversized_lengths() {
         &Header {
             segment: id,
             length: 0,
-            ..Header::new(Op::Read)
+            ..Header::new(Opcode::Read)
         },
         &[],
     );
@@ -245,7 +251,7 @@ fn malformed_frames_close_the_connection_but_not_the_target() {
             b[6] = 200; // op
             b
         },
-        Header::new(Op::HelloAck).encode(), // an op a target never receives
+        Header::new(Opcode::HelloAck).encode(), // an op a target never receives
     ] {
         // Authenticated first: before that, anything but Auth is refused.
         let mut c = RawClient::connect(t.addr);
@@ -292,7 +298,7 @@ fn version_mismatch_and_silent_peers_are_dropped() {
         &mut s,
         &Header {
             length: hello.len() as u64,
-            ..Header::new(Op::Hello)
+            ..Header::new(Opcode::Hello)
         },
         &hello,
     );

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use quiesce_runtime::Runtime;
-use quiesce_transports::wire::{Header, Op, Status};
+use quiesce_transports::wire::{Header, Opcode, Status};
 use quiesce_transports::{Engine, EngineConfig, RevokeError, Rights, TransferError};
 
 const LEN: usize = 1 << 20;
@@ -29,7 +29,7 @@ fn write_header(id: u64, task: u64, len: usize) -> Header {
         segment: id,
         offset: 0,
         length: len as u64,
-        ..Header::new(Op::Write)
+        ..Header::new(Opcode::Write)
     }
 }
 

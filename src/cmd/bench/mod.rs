@@ -28,7 +28,7 @@ pub struct SegInfo {
 /// The bytes of a `Hello` frame asking for a new session, for the
 /// hand-written initiators (one connection each).
 pub fn hello_frame(nonce: [u8; 16], node: &str) -> Vec<u8> {
-    use quiesce::transports::wire::{Header, Hello, Op, VERSION};
+    use quiesce::transports::wire::{Header, Hello, Opcode, VERSION};
     let hello = Hello {
         version_min: VERSION,
         version_max: VERSION,
@@ -41,7 +41,7 @@ pub fn hello_frame(nonce: [u8; 16], node: &str) -> Vec<u8> {
     .expect("a short node name");
     let mut out = Header {
         length: hello.len() as u64,
-        ..Header::new(Op::Hello)
+        ..Header::new(Opcode::Hello)
     }
     .encode()
     .to_vec();
@@ -56,7 +56,7 @@ pub fn auth_frame(
     nonce: [u8; 16],
     segs: &[&SegInfo],
 ) -> Vec<u8> {
-    use quiesce::transports::wire::{AuthRequest, Header, Op, SegmentRef};
+    use quiesce::transports::wire::{AuthRequest, Header, Opcode, SegmentRef};
     let proofs = segs
         .iter()
         .map(|s| {
@@ -73,7 +73,7 @@ pub fn auth_frame(
     .expect("few proofs");
     let mut out = Header {
         length: auth.len() as u64,
-        ..Header::new(Op::Auth)
+        ..Header::new(Opcode::Auth)
     }
     .encode()
     .to_vec();
@@ -85,13 +85,13 @@ pub fn auth_frame(
 /// first send (header, plus the payload when it is small), and the payload
 /// for a second send when it is not.
 pub fn write_frame(task: u64, segment: u64, offset: u64, data: &[u8]) -> (Vec<u8>, &[u8]) {
-    use quiesce::transports::wire::{Header, Op};
+    use quiesce::transports::wire::{Header, Opcode};
     let h = Header {
         task,
         segment,
         offset,
         length: data.len() as u64,
-        ..Header::new(Op::Write)
+        ..Header::new(Opcode::Write)
     };
     let mut head = h.encode().to_vec();
     if data.len() <= 16 * 1024 {

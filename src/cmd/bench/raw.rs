@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Instant;
 
-use quiesce::transports::wire::{Header, HelloAck, Op, Status, HEADER_LEN};
+use quiesce::transports::wire::{Header, HelloAck, Opcode, Status, HEADER_LEN};
 
 use super::{Case, Sample, SegInfo};
 
@@ -54,7 +54,7 @@ impl Raw {
             segment: self.kv,
             offset,
             length: len,
-            ..Header::new(Op::Write)
+            ..Header::new(Opcode::Write)
         };
         self.next += 1;
         self.s.write_all(&h.encode())
@@ -100,12 +100,12 @@ impl Raw {
             segment: self.kv,
             offset,
             length: buf.len() as u64,
-            ..Header::new(Op::Read)
+            ..Header::new(Opcode::Read)
         };
         self.next += 1;
         self.s.write_all(&h.encode())?;
         let r = read_header(&mut self.s)?;
-        if r.op != Op::ReadData {
+        if r.op != Opcode::ReadData {
             return Err(std::io::Error::other(format!(
                 "read refused: {:?}",
                 r.status()

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use quiesce::transports::wire::{Header, HelloAck, Op, Status, HEADER_LEN};
+use quiesce::transports::wire::{Header, HelloAck, Opcode, Status, HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -92,7 +92,7 @@ pub fn run(
                         task: c.next,
                         segment: c.kv,
                         length: size as u64,
-                        ..Header::new(Op::Read)
+                        ..Header::new(Opcode::Read)
                     };
                     c.next += 1;
                     c.s.write_all(&h.encode()).await?;

@@ -16,7 +16,7 @@ use crate::auth::Token;
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
 use crate::peer::{check_range, descriptor_accessors, slices, Peer};
-use crate::shared::set_filled;
+use crate::split::set_filled;
 use crate::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 
 struct PeerState {

@@ -21,7 +21,7 @@ pub const HEADER_LEN: usize = 48;
 /// What a frame asks for or reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum Op {
+pub enum Opcode {
     /// Initiator → target: protocol versions, node, session, nonce.
     Hello = 1,
     /// Target → initiator: version chosen, node, nonce, segment descriptors.
@@ -54,22 +54,22 @@ pub enum Op {
     FenceAck = 34,
 }
 
-impl Op {
-    fn from_u8(v: u8) -> Option<Op> {
+impl Opcode {
+    fn from_u8(v: u8) -> Option<Opcode> {
         Some(match v {
-            1 => Op::Hello,
-            2 => Op::HelloAck,
-            3 => Op::Auth,
-            4 => Op::AuthAck,
-            5 => Op::QpConnect,
-            6 => Op::QpAccept,
-            16 => Op::Write,
-            17 => Op::Read,
-            18 => Op::Fence,
-            19 => Op::Forget,
-            32 => Op::Status,
-            33 => Op::ReadData,
-            34 => Op::FenceAck,
+            1 => Opcode::Hello,
+            2 => Opcode::HelloAck,
+            3 => Opcode::Auth,
+            4 => Opcode::AuthAck,
+            5 => Opcode::QpConnect,
+            6 => Opcode::QpAccept,
+            16 => Opcode::Write,
+            17 => Opcode::Read,
+            18 => Opcode::Fence,
+            19 => Opcode::Forget,
+            32 => Opcode::Status,
+            33 => Opcode::ReadData,
+            34 => Opcode::FenceAck,
             _ => return None,
         })
     }
@@ -145,8 +145,8 @@ pub enum FrameError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
     /// The operation.
-    pub op: Op,
-    /// Op-specific flags; the [`Status`] of `Status` frames.
+    pub op: Opcode,
+    /// Opcode-specific flags; the [`Status`] of `Status` frames.
     pub flags: u8,
     /// The batch this frame belongs to (0 for handshake frames).
     pub batch: u64,
@@ -163,7 +163,7 @@ pub struct Header {
 
 impl Header {
     /// A header for `op` with every other field zero.
-    pub fn new(op: Op) -> Header {
+    pub fn new(op: Opcode) -> Header {
         Header {
             op,
             flags: 0,
@@ -206,7 +206,7 @@ impl Header {
         if version != VERSION {
             return Err(FrameError::Version(version));
         }
-        let op = Op::from_u8(b[6]).ok_or(FrameError::UnknownOp(b[6]))?;
+        let op = Opcode::from_u8(b[6]).ok_or(FrameError::UnknownOp(b[6]))?;
         let u = |i: usize| {
             let mut w = [0u8; 8];
             w.copy_from_slice(&b[i..i + 8]);
@@ -310,7 +310,7 @@ mod tests {
     #[test]
     fn header_round_trips() {
         let h = Header {
-            op: Op::Write,
+            op: Opcode::Write,
             flags: 3,
             batch: 1,
             task: 2,
@@ -323,7 +323,7 @@ mod tests {
 
     #[test]
     fn header_rejects_garbage() {
-        let mut b = Header::new(Op::Read).encode();
+        let mut b = Header::new(Opcode::Read).encode();
         assert!(matches!(
             Header::decode(&b[..47]),
             Err(FrameError::Truncated { .. })

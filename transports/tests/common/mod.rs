@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use quiesce_runtime::shard::{channel, Sender, Shards};
 use quiesce_transports::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Op, SegmentRef, HEADER_LEN, VERSION,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, SegmentRef, HEADER_LEN, VERSION,
 };
 use quiesce_transports::{Engine, EngineConfig, Rights, Token};
 
@@ -365,12 +365,12 @@ impl RawClient {
             &mut s,
             &Header {
                 length: hello.len() as u64,
-                ..Header::new(Op::Hello)
+                ..Header::new(Opcode::Hello)
             },
             &hello,
         );
         let h = recv_header(&mut s).expect("hello ack");
-        assert_eq!(h.op, Op::HelloAck);
+        assert_eq!(h.op, Opcode::HelloAck);
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p).unwrap();
         let ack = HelloAck::decode(&p).unwrap();
@@ -420,12 +420,12 @@ impl RawClient {
             &mut self.s,
             &Header {
                 length: p.len() as u64,
-                ..Header::new(Op::Auth)
+                ..Header::new(Opcode::Auth)
             },
             &p,
         );
         let h = recv_header(&mut self.s).unwrap();
-        assert_eq!(h.op, Op::AuthAck);
+        assert_eq!(h.op, Opcode::AuthAck);
         let mut b = vec![0u8; h.length as usize];
         self.s.read_exact(&mut b).unwrap();
         AuthAck::decode(&b).unwrap()
