@@ -2,7 +2,7 @@
 
 use std::io;
 
-use crate::wire::{FrameError, Status};
+use crate::control::wire::{FrameError, Status};
 
 /// Why a transfer (or one slice of it) failed. Every variant leaves the
 /// caller's buffer intact and returned.

@@ -25,27 +25,23 @@
 //! ```
 #![deny(missing_docs)]
 
-mod accept;
-mod auth;
-mod conn;
+mod config;
+mod control;
 mod engine;
 mod error;
-mod fence;
 mod lock;
 mod memory;
-mod peer;
 pub mod rdma;
-mod revoke;
 mod segment;
-mod split;
-mod stream;
-mod target;
-pub mod wire;
+mod tcp;
 
-pub use auth::{BadToken, Token};
-pub use engine::{Engine, EngineConfig, EngineStats, RegisterError};
+pub use control::wire;
+
+pub use config::EngineConfig;
+pub use control::auth::{BadToken, Token};
+pub use control::revoke::RevokeError;
+pub use engine::{Engine, EngineStats, RegisterError};
 pub use error::TransferError;
 pub use memory::{AlignedBuf, Lease, LeaseError, Region};
-pub use peer::{Peer, RemoteSegment};
-pub use revoke::RevokeError;
 pub use segment::{Rights, Segment, SegmentMemory};
+pub use tcp::peer::{Peer, RemoteSegment};

@@ -2,7 +2,7 @@
 //! leased in blocks (how KV arenas are used), segment memory exposed to
 //! peers, and windows into it that the driver can lend to the kernel.
 //!
-//! Its `unsafe` code (beside [`crate::split`]'s and the RDMA verbs' and
+//! Its `unsafe` code (beside [`crate::tcp::split`]'s and the RDMA verbs' and
 //! memory registrations') is raw allocations whose bytes may be written by
 //! the kernel (and so by remote peers) while other handles exist.
 

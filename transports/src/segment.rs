@@ -4,9 +4,9 @@ use std::rc::Rc;
 
 use bitflags::bitflags;
 
-use crate::auth::Token;
+use crate::control::auth::Token;
+use crate::control::revoke::{Grants, RevokeError};
 use crate::memory::{AlignedBuf, ExposedMemory};
-use crate::revoke::{Grants, RevokeError};
 
 bitflags! {
     /// What a peer that proved a segment's token may do to it.

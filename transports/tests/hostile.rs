@@ -343,3 +343,33 @@ fn a_peer_cannot_join_or_fence_another_session() {
     );
     assert_eq!(t.snapshot("kv", 0, 4), vec![1, 2, 3, 4]);
 }
+
+/// One session may hold at most `max_connections_per_session` connections
+/// (each may hold a served queue pair): the next one to join is refused.
+#[test]
+fn a_session_has_at_most_its_cap_of_connections() {
+    use quiesce_transports::wire::{Opcode, Status};
+    use quiesce_transports::Rights;
+    let cfg = EngineConfig {
+        max_connections_per_session: 3,
+        ..EngineConfig::default()
+    };
+    let t = ShardTarget::start(cfg, &[("kv", 4096, Rights::READ | Rights::WRITE)]);
+    let (id, token) = (t.seg("kv").id, t.seg("kv").token);
+    let mut first = RawClient::connect(t.addr);
+    assert_eq!(first.auth_status(id, token), Status::Ok);
+    let session = first.session();
+    let mut members = vec![first];
+    for _ in 0..2 {
+        let mut c = RawClient::connect_in(t.addr, Some(session));
+        assert_eq!(c.auth_status(id, token), Status::Ok);
+        members.push(c);
+    }
+    let mut extra = RawClient::connect_in(t.addr, Some(session));
+    let ack = extra.auth(id, token);
+    assert_eq!(ack.results[0].0, Status::Ok, "the proof itself is good");
+    let h = extra.recv().expect("a refusal before the close");
+    assert_eq!((h.op, h.status()), (Opcode::Status, Ok(Status::Forbidden)));
+    assert!(extra.recv().is_none(), "the fourth connection is closed");
+    assert_eq!(t.stats().connections, 3);
+}

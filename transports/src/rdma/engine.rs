@@ -2,19 +2,21 @@
 //! queue, registered memory, and its peers.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
-use quiesce_runtime::source::{register, SourceHandle};
+use quiesce_runtime::source::register;
 
+use super::local::{LocalMr, LocalSide};
 use super::peer::RdmaPeer;
 use super::reaper::{Reaper, SharedReaper, Source};
 use super::served::Node;
 use super::verbs::{Access, Context, Cq, Mr, Pd};
 use super::{RdmaError, RdmaStats};
-use crate::engine::{Engine, EngineConfig, RegisterError};
+use crate::config::EngineConfig;
+use crate::engine::{Engine, RegisterError};
 use crate::error::TransferError;
 use crate::memory::Region;
 use crate::segment::{Rights, Segment, SegmentMemory};
@@ -56,19 +58,6 @@ impl Default for RdmaConfig {
     }
 }
 
-/// A local memory region registered with the engine.
-pub(crate) struct LocalMr {
-    pub(crate) mr: Mr,
-    _region: Region,
-    count: Rc<Cell<u64>>,
-}
-
-impl Drop for LocalMr {
-    fn drop(&mut self) {
-        self.count.set(self.count.get() - 1);
-    }
-}
-
 /// A [`Region`] registered for RDMA. Dropping it deregisters the region once
 /// no transfer in flight uses it (each holds the registration until reaped).
 pub struct LocalMemory {
@@ -82,17 +71,6 @@ impl Drop for LocalMemory {
             l.locals.borrow_mut().remove(&self.start);
         }
     }
-}
-
-/// What this shard's RDMA transfers use: the device, the local memory
-/// registrations, and the completion queue's place in the reactor. Peers
-/// hold it (never the engine, whose peer table holds them: no `Rc` cycle),
-/// so it lives while anything can still post.
-pub(crate) struct LocalSide {
-    pub(crate) node: Rc<Node>,
-    pub(crate) slice_size: usize,
-    locals: RefCell<BTreeMap<u64, Rc<LocalMr>>>,
-    _source: SourceHandle,
 }
 
 pub(crate) struct RdmaInner {
@@ -128,7 +106,7 @@ impl RdmaEngine {
             busy_poll: config.busy_poll,
             fd,
         });
-        let node = Rc::new(Node {
+        let node = Rc::new_cyclic(|this| Node {
             ctx,
             pd,
             gid,
@@ -137,9 +115,10 @@ impl RdmaEngine {
             reaper,
             segments: RefCell::default(),
             mrs,
+            this: this.clone(),
         });
         let tcp = Engine::bind(config.control.clone()).map_err(RdmaError::Control)?;
-        tcp.set_rdma(node.clone());
+        tcp.set_qp_plane(node.clone());
         tracing::debug!(device = node.ctx.name(), gid_index, "RDMA engine up");
         Ok(RdmaEngine {
             inner: Rc::new(RdmaInner {
@@ -275,16 +254,6 @@ impl RdmaEngine {
         let drained = self.inner.local.node.reaper.borrow_mut().drain_all(limit);
         self.inner.tcp.shutdown();
         drained
-    }
-}
-
-impl LocalSide {
-    /// The registration covering `addr..addr + len`, if any.
-    pub(crate) fn local(&self, addr: u64, len: u64) -> Option<Rc<LocalMr>> {
-        let locals = self.locals.borrow();
-        let (start, mr) = locals.range(..=addr).next_back()?;
-        let end = addr.checked_add(len)?;
-        (end <= start + mr.mr.len() as u64).then(|| mr.clone())
     }
 }
 

@@ -22,6 +22,7 @@
 //! returns [`RdmaError::NoDevice`]; nothing else in the crate needs either.
 
 mod engine;
+mod local;
 mod peer;
 mod reaper;
 pub(crate) mod served;

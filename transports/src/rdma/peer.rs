@@ -9,15 +9,15 @@ use std::rc::Rc;
 
 use quiesce_runtime::{IoBuf, IoBufMut};
 
-use super::engine::LocalSide;
+use super::local::LocalSide;
 use super::reaper::{Link, LinkState, Reaper, Submission};
 use super::verbs::{Access, WorkRequest};
-use crate::auth::Token;
+use crate::control::auth::Token;
+use crate::control::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
-use crate::peer::{check_range, descriptor_accessors, slices, Peer};
-use crate::split::set_filled;
-use crate::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
+use crate::tcp::peer::{check_range, descriptor_accessors, slices, Peer};
+use crate::tcp::split::set_filled;
 
 struct PeerState {
     local: Rc<LocalSide>,

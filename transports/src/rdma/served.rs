@@ -10,8 +10,8 @@ use std::rc::Rc;
 use super::reaper::SharedReaper;
 use super::verbs::{Access, Context, Mr, Pd, Qp, QpEndpoint};
 use super::RdmaError;
+use crate::control::wire::{QpWire, RemoteKey};
 use crate::memory::ExposedMemory;
-use crate::wire::{QpWire, RemoteKey};
 
 /// A segment's memory region; deregistered (first) before its memory may go.
 pub(crate) struct SegmentMr {
@@ -38,6 +38,8 @@ pub(crate) struct Node {
     pub(crate) segments: RefCell<HashMap<u64, Rc<SegmentMr>>>,
     /// Memory regions registered now.
     pub(crate) mrs: Rc<Cell<u64>>,
+    /// Itself, for the queue pairs it serves to hold.
+    pub(crate) this: std::rc::Weak<Node>,
 }
 
 impl Node {
@@ -45,7 +47,7 @@ impl Node {
     pub(crate) fn endpoint(&self, qp: &Qp) -> QpEndpoint {
         QpEndpoint {
             qpn: qp.qpn(),
-            psn: crate::auth::random_u64() as u32 & 0xff_ffff,
+            psn: crate::control::auth::random_u64() as u32 & 0xff_ffff,
             gid: self.gid,
             lid: self.ctx.lid,
             mtu: self.ctx.active_mtu,
@@ -141,6 +143,33 @@ impl ServedQp {
         if let Err(e) = self.qp.set_error() {
             tracing::warn!(error = %e, "fencing a served queue pair failed");
         }
+    }
+}
+
+/// The RDMA plane of the control server: `QpConnect` sets up a served queue
+/// pair and reports the segments' keys.
+impl crate::control::QpPlane for Node {
+    fn accept(
+        &self,
+        remote: &QpWire,
+    ) -> Result<(Box<dyn crate::control::ServedLink>, QpWire), String> {
+        let node = self.this.upgrade().ok_or("the RDMA device is gone")?;
+        let (qp, wire) = ServedQp::accept(&node, remote).map_err(|e| e.to_string())?;
+        Ok((Box::new(qp), wire))
+    }
+
+    fn keys(&self, segments: &mut dyn Iterator<Item = u64>) -> Vec<RemoteKey> {
+        Node::keys(self, segments)
+    }
+}
+
+impl crate::control::ServedLink for ServedQp {
+    fn number(&self) -> u32 {
+        self.qpn()
+    }
+
+    fn fence(&self) {
+        ServedQp::fence(self)
     }
 }
 

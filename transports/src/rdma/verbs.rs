@@ -24,7 +24,7 @@ pub(crate) const PORT: u8 = 1;
 
 /// How a queue pair is reached: the struct the handshake carries
 /// (`QpConnect`/`QpAccept`), used as it is.
-pub type QpEndpoint = crate::wire::QpWire;
+pub type QpEndpoint = crate::control::wire::QpWire;
 
 /// Names of the RDMA devices on this machine.
 pub fn device_names() -> Result<Vec<String>, RdmaError> {

@@ -1,11 +1,9 @@
-//! The target side: serves one connection from a peer.
-//!
-//! Every request is checked before memory is touched — segment exists, peer
-//! proved its token on this connection, the right is granted, `offset +
-//! length` lies inside the segment without overflow, `0 < length ≤ max` — and
-//! a rejected write's payload is read into scratch memory, never into the
-//! segment. Writes land straight in the segment (one receive into the
-//! destination range, no copy) and are acknowledged after the last byte.
+//! The control server: serves one connection from a peer. It runs the
+//! handshake (hello, then a first proven token, under one deadline; nothing
+//! else is served before), binds the connection to its session, answers
+//! `Auth`, `Fence` and `Forget` itself, and dispatches `Write`/`Read` to the
+//! TCP data path (`crate::tcp::serve`) and `QpConnect` to the registered
+//! [`QpPlane`](crate::control::QpPlane).
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -16,31 +14,17 @@ use std::time::Instant;
 use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
 
-use crate::auth::{random_bytes, SessionKey};
-use crate::engine::EngineInner;
-use crate::memory::Window;
-use crate::rdma::served::ServedQp;
-use crate::revoke::LandingGuard;
-use crate::segment::{Rights, Segment};
-use crate::stream::{discard, read_header, read_payload, send_frame};
-use crate::wire::{
+use crate::control::auth::{random_bytes, SessionKey};
+use crate::control::frame::{read_header, read_payload, send_frame};
+use crate::control::target::Target;
+use crate::control::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, SegmentRef,
     Status, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
 };
 
-/// Reads up to this size are answered with header and data in one send.
-const INLINE_READ: u64 = 16 * 1024;
-
-/// A write landing in a segment, as the fence table and the segment's grants
-/// know it.
-struct Landing {
-    fence: crate::fence::WriteGuard,
-    grant: LandingGuard,
-}
-
 /// Why a connection was closed by the target.
 #[derive(Debug)]
-enum Closed {
+pub(crate) enum Closed {
     Io(io::Error),
     Protocol(String),
 }
@@ -51,19 +35,19 @@ impl From<io::Error> for Closed {
     }
 }
 
-struct ServedConn<'a> {
-    engine: &'a EngineInner,
-    s: &'a TcpStream,
-    session: u64,
+pub(crate) struct ServedConn<'a> {
+    pub(crate) engine: &'a Target,
+    pub(crate) s: &'a TcpStream,
+    pub(crate) session: u64,
     /// How the connection enters its session once it authenticates.
     entry: SessionEntry,
     nonce: [u8; 16],
     peer_nonce: [u8; 16],
     /// Segments whose token this connection proved, with the grant epoch
     /// current when it did (see `revoke.rs`).
-    authorised: HashMap<u64, u64>,
+    pub(crate) authorised: HashMap<u64, u64>,
     /// The RDMA queue pair this connection set up (control connections).
-    served: Option<crate::rdma::served::ServedQp>,
+    served: Option<Box<dyn crate::control::ServedLink>>,
     census: Census<'a>,
 }
 
@@ -85,13 +69,13 @@ enum SessionEntry {
 /// evicts the oldest connections that have not authenticated when there are
 /// too many.
 struct Census<'a> {
-    counters: &'a crate::engine::Counters,
+    counters: &'a crate::control::target::Counters,
     authenticated: bool,
     flag: Rc<Cell<bool>>,
 }
 
 impl<'a> Census<'a> {
-    fn new(counters: &'a crate::engine::Counters, flag: Rc<Cell<bool>>) -> Census<'a> {
+    fn new(counters: &'a crate::control::target::Counters, flag: Rc<Cell<bool>>) -> Census<'a> {
         counters.connections.set(counters.connections.get() + 1);
         counters
             .unauthenticated
@@ -123,7 +107,7 @@ impl Drop for Census<'_> {
 }
 
 /// Serves `s` until the peer leaves or breaks the protocol.
-pub(crate) async fn serve(engine: Rc<EngineInner>, s: TcpStream, authenticated: Rc<Cell<bool>>) {
+pub(crate) async fn serve(engine: Rc<Target>, s: TcpStream, authenticated: Rc<Cell<bool>>) {
     let census = Census::new(&engine.counters, authenticated);
     let peer = s.peer_addr().ok();
     let span = tracing::debug_span!("target_conn", ?peer);
@@ -138,12 +122,12 @@ pub(crate) async fn serve(engine: Rc<EngineInner>, s: TcpStream, authenticated: 
     }
 }
 
-async fn reject(s: &TcpStream, h: &Header, st: Status, why: String) -> Closed {
+pub(crate) async fn reject(s: &TcpStream, h: &Header, st: Status, why: String) -> Closed {
     let _ = send_frame(s, &status_frame(h, st, 0), &[]).await;
     Closed::Protocol(why)
 }
 
-fn status_frame(h: &Header, st: Status, applied: u64) -> Header {
+pub(crate) fn status_frame(h: &Header, st: Status, applied: u64) -> Header {
     Header {
         op: Opcode::Status,
         flags: st as u8,
@@ -153,7 +137,7 @@ fn status_frame(h: &Header, st: Status, applied: u64) -> Header {
 }
 
 async fn handshake<'a>(
-    engine: &'a EngineInner,
+    engine: &'a Target,
     s: &'a TcpStream,
     census: Census<'a>,
 ) -> Result<ServedConn<'a>, Closed> {
@@ -233,9 +217,9 @@ async fn handshake<'a>(
 
 /// The key proofs for unknown segment ids are checked against, so that a
 /// refusal costs the same whether the segment exists or not.
-fn unknown_segment_token() -> crate::auth::Token {
+fn unknown_segment_token() -> crate::control::auth::Token {
     thread_local! {
-        static T: crate::auth::Token = crate::auth::Token::random();
+        static T: crate::control::auth::Token = crate::control::auth::Token::random();
     }
     T.with(|t| *t)
 }
@@ -243,7 +227,7 @@ fn unknown_segment_token() -> crate::auth::Token {
 /// Reads the next frame of an authenticated connection, closing it once it
 /// has been idle for the engine's idle timeout.
 async fn idle<T>(
-    engine: &EngineInner,
+    engine: &Target,
     f: impl std::future::Future<Output = io::Result<T>>,
 ) -> Result<T, Closed> {
     match engine.config.idle_timeout {
@@ -266,7 +250,7 @@ async fn by<T>(
 }
 
 async fn serve_inner(
-    engine: &EngineInner,
+    engine: &Target,
     stream: &Rc<TcpStream>,
     census: Census<'_>,
 ) -> Result<(), Closed> {
@@ -306,10 +290,17 @@ async fn serve_inner(
         SessionEntry::Create(k) => Some(k),
         _ => None,
     };
-    let Some(session) = engine.session_guard(c.session, key, stream) else {
-        return Err(Closed::Protocol(
-            "the session it joined ended during its handshake".into(),
-        ));
+    let session = match engine.session_guard(c.session, key, stream) {
+        Ok(g) => g,
+        Err(why) => {
+            return Err(reject(
+                s,
+                &Header::new(Opcode::Status),
+                Status::Forbidden,
+                why.into(),
+            )
+            .await)
+        }
     };
     loop {
         let h = match idle(engine, read_header(s)).await? {
@@ -337,9 +328,9 @@ async fn serve_inner(
                 // 0 if none), so the initiator resets the link it belongs to.
                 let reset_qpn = match engine.config.ignore_fences {
                     true => 0,
-                    false => c.served.take().map_or(0, |qp| {
-                        qp.fence();
-                        qp.qpn() as u64
+                    false => c.served.take().map_or(0, |link| {
+                        link.fence();
+                        link.number() as u64
                     }),
                 };
                 if !engine.config.ignore_fences {
@@ -385,20 +376,20 @@ impl ServedConn<'_> {
             Ok(r) => r,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };
-        let node = self.engine.rdma.borrow().clone();
+        let plane = self.engine.qp_plane.borrow().clone();
         let mut answer = QpAccept {
             status: 1,
             qp: QpWire::default(),
             keys: Vec::new(),
         };
-        if let Some(node) = node {
+        if let Some(plane) = plane {
             answer.status = 0;
             if req.qp.qpn != 0 {
-                // A new queue pair replaces (and first resets) the old one.
+                // A new link replaces (and first resets) the old one.
                 self.served = None;
-                match ServedQp::accept(&node, &req.qp) {
-                    Ok((qp, wire)) => {
-                        self.served = Some(qp);
+                match plane.accept(&req.qp) {
+                    Ok((link, wire)) => {
+                        self.served = Some(link);
                         answer.qp = wire;
                     }
                     Err(e) => {
@@ -410,7 +401,7 @@ impl ServedConn<'_> {
             // Keys only for grants no revoke has overtaken (RDMA keys are per
             // segment): after a revoke the peer proves the token again.
             let engine = self.engine;
-            answer.keys = node.keys(self.authorised.iter().filter_map(|(&id, &epoch)| {
+            answer.keys = plane.keys(&mut self.authorised.iter().filter_map(|(&id, &epoch)| {
                 let seg = engine.segment(id)?;
                 (!seg.inner.grants.revoked_since(epoch)).then_some(id)
             }));
@@ -465,7 +456,7 @@ impl ServedConn<'_> {
                     SegmentRef::Id(id) => self.engine.segment(*id),
                     SegmentRef::Name(n) => self.engine.segment_named(n),
                 };
-                let verify = |t: &crate::auth::Token| {
+                let verify = |t: &crate::control::auth::Token| {
                     t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)
                 };
                 match seg {
@@ -498,146 +489,6 @@ impl ServedConn<'_> {
             &payload,
         )
         .await?;
-        Ok(())
-    }
-
-    /// The segment and this connection's grant epoch, if the request may
-    /// touch it: length within `1..=max`, batch not fenced, segment known,
-    /// token proven, right granted, range inside the segment without
-    /// overflow, and (writes) not revoked since the token was proven.
-    fn check(&self, h: &Header, need: Rights) -> Result<(Segment, u64), Status> {
-        if h.length == 0 || h.length > self.engine.config.max_frame {
-            return Err(Status::BadFrame);
-        }
-        if self.engine.fences.is_fenced(self.session, h.batch) {
-            return Err(Status::Fenced);
-        }
-        // Forbidden before NoSuchSegment: only a peer that proved the
-        // segment's token learns that it is gone.
-        let Some(&epoch) = self.authorised.get(&h.segment) else {
-            return Err(Status::Forbidden);
-        };
-        let seg = self
-            .engine
-            .segment(h.segment)
-            .ok_or(Status::NoSuchSegment)?;
-        if !seg.rights().contains(need) {
-            return Err(Status::Forbidden);
-        }
-        if !seg.check_range(h.offset, h.length) {
-            return Err(Status::OutOfBounds);
-        }
-        if need.contains(Rights::WRITE) && seg.inner.grants.is_revoked(h.offset, h.length, epoch) {
-            return Err(Status::Revoked);
-        }
-        Ok((seg, epoch))
-    }
-
-    /// Answers a refused request; a refused write's payload goes to scratch.
-    async fn refuse(&self, h: &Header, st: Status, payload: u64) -> Result<(), Closed> {
-        discard(self.s, payload).await?;
-        let c = &self.engine.counters.rejected;
-        c.set(c.get() + 1);
-        send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
-        Ok(())
-    }
-
-    async fn write(&mut self, h: &Header) -> Result<(), Closed> {
-        if h.length > self.engine.config.max_frame {
-            // The payload cannot be trusted to be there: framing is lost.
-            return Err(reject(
-                self.s,
-                h,
-                Status::BadFrame,
-                format!("write of {} bytes", h.length),
-            )
-            .await);
-        }
-        let (seg, epoch) = match self.check(h, Rights::WRITE) {
-            Ok(ok) => ok,
-            Err(st) => return self.refuse(h, st, h.length).await,
-        };
-        // The fence's and the revoke's registrations of this write end only
-        // when its last receive is reaped: each receive's window holds them,
-        // so a receive parked because this future was dropped keeps them too.
-        let landing = Rc::new(Landing {
-            fence: self.engine.fences.begin_write(self.session, h.batch),
-            grant: LandingGuard::begin(&seg, h.offset, h.length, epoch),
-        });
-        let (len, mut landed) = (h.length, 0u64);
-        while landed < len && !landing.fence.fenced() && !landing.grant.revoked() {
-            let window = Window::new(
-                seg.inner.mem.clone(),
-                (h.offset + landed) as usize,
-                (len - landed) as usize,
-            )
-            .keeping(landing.clone());
-            let mut op = self.s.read(window);
-            let canceller = op.canceller();
-            landing.fence.set_canceller(Some(canceller.clone()));
-            landing.grant.set_canceller(Some(canceller));
-            let (res, _window) = op.await;
-            landing.fence.set_canceller(None);
-            landing.grant.set_canceller(None);
-            match res {
-                Ok(0) => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
-                Ok(n) => landed += n as u64,
-                Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let revoked = landed < len && landing.grant.revoked();
-        // The receive is reaped: a fence or revoke waiting for this write may
-        // resolve.
-        drop(landing);
-        let st = if landed == len {
-            Status::Ok
-        } else {
-            // Fenced or revoked mid-way: the rest goes to scratch memory, not
-            // the segment.
-            discard(self.s, len - landed).await?;
-            match (revoked, landed) {
-                (true, _) => Status::Revoked,
-                (false, 0) => Status::Fenced,
-                (false, _) => Status::FencedPartial,
-            }
-        };
-        let c = &self.engine.counters;
-        c.bytes_landed.set(c.bytes_landed.get() + landed);
-        send_frame(self.s, &status_frame(h, st, landed), &[]).await?;
-        Ok(())
-    }
-
-    async fn read(&mut self, h: &Header) -> Result<(), Closed> {
-        let seg = match self.check(h, Rights::READ) {
-            Ok((seg, _)) => seg,
-            Err(st) => return self.refuse(h, st, 0).await,
-        };
-        let head = Header {
-            op: Opcode::ReadData,
-            ..*h
-        };
-        if h.length <= INLINE_READ {
-            // Small: header and data in one send, one reactor turn.
-            let mut data = vec![0u8; h.length as usize];
-            seg.read_at(h.offset, &mut data);
-            send_frame(self.s, &head, &data).await?;
-            return Ok(());
-        }
-        send_frame(self.s, &head, &[]).await?;
-        let window = Window::new(seg.inner.mem.clone(), h.offset as usize, h.length as usize);
-        let zc = self
-            .engine
-            .config
-            .zc_threshold
-            .is_some_and(|t| h.length >= t as u64);
-        let (res, _) = if zc {
-            self.s.write_all_zc(window).await
-        } else {
-            self.s.write_all(window).await
-        };
-        res?;
         Ok(())
     }
 }

@@ -19,7 +19,7 @@ use std::time::Duration;
 use quiesce_runtime::net::TcpListener;
 use quiesce_runtime::{spawn_local, time, JoinHandle};
 
-use crate::engine::EngineInner;
+use crate::control::target::Target;
 
 /// The target's connections, by stage.
 #[derive(Default)]
@@ -88,7 +88,7 @@ impl Admission {
 /// is gone or the listener fails.
 pub(crate) fn accept_loop(
     listener: TcpListener,
-    weak: Weak<EngineInner>,
+    weak: Weak<Target>,
     admission: Rc<RefCell<Admission>>,
 ) -> JoinHandle<()> {
     spawn_local(async move {
@@ -127,7 +127,11 @@ pub(crate) fn accept_loop(
                 continue;
             }
             let authed = Rc::new(Cell::new(false));
-            let task = spawn_local(crate::target::serve(engine.clone(), stream, authed.clone()));
+            let task = spawn_local(crate::control::server::serve(
+                engine.clone(),
+                stream,
+                authed.clone(),
+            ));
             adm.pending.push_back((task, authed));
         }
     })

@@ -18,15 +18,15 @@ use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
-use crate::auth::{random_bytes, SessionKey, Token};
-use crate::error::TransferError;
-use crate::lock::{AsyncLock, LockGuard};
-use crate::split::{bytes_of, Erased, Part};
-use crate::stream::{discard, read_header, read_payload, send_frame, HeaderReader};
-use crate::wire::{
+use crate::control::auth::{random_bytes, SessionKey, Token};
+use crate::control::frame::{discard, read_header, read_payload, send_frame, HeaderReader};
+use crate::control::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, SegmentRef, Status,
     HEADER_LEN, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD, VERSION,
 };
+use crate::error::TransferError;
+use crate::lock::{AsyncLock, LockGuard};
+use crate::tcp::split::{bytes_of, Erased, Part};
 
 /// Payloads up to this size travel in the same send as their header.
 const INLINE_PAYLOAD: usize = 16 * 1024;

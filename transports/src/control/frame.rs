@@ -5,7 +5,7 @@ use std::io;
 use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::IoBuf;
 
-use crate::wire::{FrameError, Header, HEADER_LEN};
+use crate::control::wire::{FrameError, Header, HEADER_LEN};
 
 /// Reads headers into one buffer, reused from frame to frame.
 #[derive(Default)]

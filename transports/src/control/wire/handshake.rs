@@ -378,9 +378,9 @@ mod tests {
         assert_eq!(AuthRequest::decode(&a.encode().unwrap()).unwrap(), a);
         let aa = AuthAck {
             results: vec![
-                (crate::wire::Status::Forbidden, None),
+                (crate::control::wire::Status::Forbidden, None),
                 (
-                    crate::wire::Status::Ok,
+                    crate::control::wire::Status::Ok,
                     Some(Descriptor {
                         id: 5,
                         name: "kv".into(),

@@ -15,7 +15,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
 
-use crate::wire::SegmentRef;
+use crate::control::wire::SegmentRef;
 
 type HmacSha256 = Hmac<Sha256>;
 

@@ -10,12 +10,12 @@ use std::time::Duration;
 use quiesce_runtime::time::timeout;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinHandle};
 
-use crate::auth::Token;
-use crate::conn::{Conn, ConnParams, LocalFences, SessionBinding};
+use crate::control::auth::Token;
+use crate::control::wire::{Descriptor, SegmentRef, Status};
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
-use crate::split::{set_filled, Part, SplitBuf};
-use crate::wire::{Descriptor, SegmentRef, Status};
+use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding};
+use crate::tcp::split::{set_filled, Part, SplitBuf};
 
 /// How an initiator talks to peers.
 #[derive(Debug, Clone)]

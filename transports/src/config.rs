@@ -1,0 +1,72 @@
+//! Engine settings, shared by the control plane and the data paths.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// This node's name, sent in hellos.
+    pub node: String,
+    /// Address to listen on (`127.0.0.1:0` picks a free port).
+    pub listen: SocketAddr,
+    /// Shard count advertised to peers.
+    pub shards: u16,
+    /// Connections opened to each peer; slices are striped over them.
+    pub connections_per_peer: usize,
+    /// Transfers are split into slices of at most this many bytes.
+    pub slice_size: usize,
+    /// Largest payload the target accepts in one frame.
+    pub max_frame: u64,
+    /// Payloads of at least this many bytes are sent with `SEND_ZC`.
+    pub zc_threshold: Option<usize>,
+    /// Connect and handshake timeout (initiator).
+    pub connect_timeout: Duration,
+    /// How long a new connection may take to finish its handshake — say
+    /// hello and prove a first token (target).
+    pub handshake_timeout: Duration,
+    /// An authenticated connection that sends nothing for this long is
+    /// closed (target); the initiator reconnects when it next needs it.
+    pub idle_timeout: Option<Duration>,
+    /// Connections that have not authenticated yet; a new one evicts the
+    /// oldest (target).
+    pub max_unauthenticated: usize,
+    /// Connections open in all; at the cap a new one evicts the oldest
+    /// unauthenticated connection, or is refused (target).
+    pub max_connections: usize,
+    /// Fenced batches a session may hold in the target's fence table (each
+    /// until every connection that could carry it said `Forget` or closed);
+    /// past it the target closes the session's connections, which releases
+    /// them all (target).
+    pub max_fenced_per_session: usize,
+    /// Connections one session may have open (target); each may hold a
+    /// served RDMA queue pair, so this caps those per peer too.
+    pub max_connections_per_session: usize,
+    /// Demonstrations only, never in production: acknowledge fences without
+    /// applying them, so a fenced batch's bytes keep landing (what a target
+    /// without fences does). `quiesce demo` uses it to show that quiesce's
+    /// outcomes rest on the initiator's own quiescence, not only on the fence.
+    pub ignore_fences: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            node: "quiesce".into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            shards: 1,
+            connections_per_peer: 2,
+            slice_size: 1 << 20,
+            max_frame: 16 << 20,
+            zc_threshold: None,
+            connect_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            idle_timeout: Some(Duration::from_secs(600)),
+            max_unauthenticated: 256,
+            max_connections: 4096,
+            max_fenced_per_session: 4096,
+            max_connections_per_session: 64,
+            ignore_fences: false,
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! The target side of an engine: its registered segments, its sessions
+//! (bound by the target: ids and keys it chose, the connections in each),
+//! the fence table, admission, and counters.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::Instant;
+
+use quiesce_runtime::net::TcpStream;
+use quiesce_runtime::JoinHandle;
+
+use crate::config::EngineConfig;
+use crate::control::auth::{random_u64, SessionKey};
+use crate::control::fence::FenceTable;
+use crate::control::wire::Descriptor;
+use crate::segment::Segment;
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) bytes_landed: Cell<u64>,
+    pub(crate) rejected: Cell<u64>,
+    pub(crate) accepted: Cell<u64>,
+    pub(crate) connections: Cell<u64>,
+    pub(crate) unauthenticated: Cell<u64>,
+    pub(crate) refused: Cell<u64>,
+}
+
+/// The target side of an engine: what the control server and the TCP data
+/// path serve from. Its tasks hold it; the [`Engine`](crate::Engine)
+/// handles hold it and shut it down when the last one goes.
+pub(crate) struct Target {
+    pub(crate) config: EngineConfig,
+    pub(crate) local_addr: SocketAddr,
+    pub(crate) segments: RefCell<BTreeMap<u64, Segment>>,
+    pub(crate) next_segment: Cell<u64>,
+    pub(crate) fences: FenceTable,
+    /// Live target-side connections per initiator session.
+    /// Live sessions (those with an authenticated connection, or that had
+    /// one within a handshake timeout).
+    pub(crate) sessions: RefCell<HashMap<u64, Session>>,
+    /// Sessions whose last connection closed, with when they expire.
+    pub(crate) lingering: RefCell<std::collections::VecDeque<(Instant, u64)>>,
+    pub(crate) next_conn: Cell<usize>,
+    pub(crate) tasks: RefCell<Vec<JoinHandle<()>>>,
+    pub(crate) admission: Rc<RefCell<crate::control::accept::Admission>>,
+    pub(crate) counters: Counters,
+    /// The queue-pair plane an `RdmaEngine` wrapping this engine registers.
+    pub(crate) qp_plane: RefCell<Option<Rc<dyn crate::control::QpPlane>>>,
+}
+
+impl Target {
+    /// Stops accepting and drops every served connection (their in-flight
+    /// ops park until reaped).
+    pub(crate) fn shutdown(&self) {
+        // Taken out first: aborting drops futures, which may touch the target.
+        let tasks: Vec<JoinHandle<()>> = self.tasks.borrow_mut().drain(..).collect();
+        tasks.iter().for_each(JoinHandle::abort);
+        self.admission.borrow_mut().abort_all();
+    }
+
+    pub(crate) fn segment(&self, id: u64) -> Option<Segment> {
+        self.segments.borrow().get(&id).cloned()
+    }
+
+    /// The segment registered as `name`.
+    pub(crate) fn segment_named(&self, name: &str) -> Option<Segment> {
+        self.segments
+            .borrow()
+            .values()
+            .find(|s| s.name() == name)
+            .cloned()
+    }
+
+    /// What a peer that proved `s`'s token learns about it.
+    pub(crate) fn descriptor(&self, s: &Segment) -> Descriptor {
+        Descriptor {
+            id: s.id(),
+            name: s.name().into(),
+            len: s.len(),
+            rights: s.rights(),
+            endpoints: vec![self.local_addr],
+        }
+    }
+
+    /// Sessions with a connection now.
+    pub(crate) fn live_sessions(&self) -> usize {
+        self.sessions
+            .borrow()
+            .values()
+            .filter(|s| !s.conns.is_empty())
+            .count()
+    }
+
+    /// The key of `session` if it is live here.
+    pub(crate) fn session_key(&self, session: u64) -> Option<SessionKey> {
+        self.expire_sessions();
+        self.sessions.borrow().get(&session).map(|s| s.key)
+    }
+
+    /// Forgets sessions that have had no connection for a handshake timeout.
+    fn expire_sessions(&self) {
+        let now = Instant::now();
+        let mut lingering = self.lingering.borrow_mut();
+        let mut sessions = self.sessions.borrow_mut();
+        while let Some(&(until, id)) = lingering.front() {
+            if until > now {
+                break;
+            }
+            lingering.pop_front();
+            if sessions.get(&id).is_some_and(|s| s.conns.is_empty()) {
+                sessions.remove(&id);
+            }
+        }
+    }
+
+    /// A fresh session id: random, never 0, not live.
+    pub(crate) fn new_session_id(&self) -> u64 {
+        loop {
+            let id = random_u64();
+            if id != 0 && !self.sessions.borrow().contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Registers connection `s` in `session` until the guard drops: creating
+    /// the session with `key`, or joining it (`None`). Refused (`Err`, with
+    /// why) if the session to join ended meanwhile, or already has
+    /// `max_connections_per_session` connections (each may also hold a
+    /// served queue pair: this caps those too).
+    pub(crate) fn session_guard(
+        &self,
+        session: u64,
+        key: Option<SessionKey>,
+        s: &Rc<TcpStream>,
+    ) -> Result<SessionGuard<'_>, &'static str> {
+        let conn = self.next_conn.get();
+        self.next_conn.set(conn + 1);
+        let mut sessions = self.sessions.borrow_mut();
+        let entry = match key {
+            Some(key) => sessions.entry(session).or_insert_with(|| Session {
+                key,
+                conns: HashMap::new(),
+            }),
+            None => sessions
+                .get_mut(&session)
+                .ok_or("the session it joined ended during its handshake")?,
+        };
+        if entry.conns.len() >= self.config.max_connections_per_session.max(1) {
+            return Err("its session has as many connections as a session may");
+        }
+        entry.conns.insert(conn, Rc::downgrade(s));
+        Ok(SessionGuard {
+            engine: self,
+            session,
+            conn,
+        })
+    }
+
+    /// The open connections of `session`.
+    pub(crate) fn session_conns(&self, session: u64) -> Vec<usize> {
+        self.sessions
+            .borrow()
+            .get(&session)
+            .map_or_else(Vec::new, |s| s.conns.keys().copied().collect())
+    }
+
+    /// Closes every connection of `session` (it holds too much state): once
+    /// they are gone nothing of it can arrive, and its entries go.
+    pub(crate) fn close_session(&self, session: u64) {
+        let conns: Vec<Rc<TcpStream>> = self
+            .sessions
+            .borrow()
+            .get(&session)
+            .map_or_else(Vec::new, |c| {
+                c.conns.values().filter_map(|w| w.upgrade()).collect()
+            });
+        for s in conns {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// A session the target bound: its key and its open connections (id → the
+/// socket, to close them all when the session holds too much state).
+pub(crate) struct Session {
+    key: SessionKey,
+    conns: HashMap<usize, std::rc::Weak<TcpStream>>,
+}
+
+/// A served connection's place in its session.
+pub(crate) struct SessionGuard<'a> {
+    engine: &'a Target,
+    session: u64,
+    /// The connection's id (a carrier in the fence table).
+    pub(crate) conn: usize,
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        let mut s = self.engine.sessions.borrow_mut();
+        let Some(entry) = s.get_mut(&self.session) else {
+            return;
+        };
+        entry.conns.remove(&self.conn);
+        let last = entry.conns.is_empty();
+        drop(s);
+        self.engine.fences.closed(self.session, self.conn);
+        if last {
+            // The session's fence state goes now; its id and key linger for
+            // a handshake timeout, so a peer reconnecting after a teardown
+            // (its last connection closing here just before) still joins.
+            self.engine.fences.end_session(self.session);
+            let until = Instant::now() + self.engine.config.handshake_timeout;
+            self.engine
+                .lingering
+                .borrow_mut()
+                .push_back((until, self.session));
+        }
+    }
+}

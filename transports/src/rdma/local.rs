@@ -1,0 +1,47 @@
+//! This side of an RDMA transfer: the device node, the local memory
+//! registrations transfers post from, and the completion queue's place in
+//! the reactor. The engine and its peers share it.
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use quiesce_runtime::source::SourceHandle;
+
+use super::served::Node;
+use super::verbs::Mr;
+use crate::memory::Region;
+
+/// A local memory region registered with the engine.
+pub(crate) struct LocalMr {
+    pub(crate) mr: Mr,
+    pub(crate) _region: Region,
+    pub(crate) count: Rc<Cell<u64>>,
+}
+
+impl Drop for LocalMr {
+    fn drop(&mut self) {
+        self.count.set(self.count.get() - 1);
+    }
+}
+
+/// What this shard's RDMA transfers use: the device, the local memory
+/// registrations, and the completion queue's place in the reactor. Peers
+/// hold it (never the engine, whose peer table holds them: no `Rc` cycle),
+/// so it lives while anything can still post.
+pub(crate) struct LocalSide {
+    pub(crate) node: Rc<Node>,
+    pub(crate) slice_size: usize,
+    pub(crate) locals: RefCell<BTreeMap<u64, Rc<LocalMr>>>,
+    pub(crate) _source: SourceHandle,
+}
+
+impl LocalSide {
+    /// The registration covering `addr..addr + len`, if any.
+    pub(crate) fn local(&self, addr: u64, len: u64) -> Option<Rc<LocalMr>> {
+        let locals = self.locals.borrow();
+        let (start, mr) = locals.range(..=addr).next_back()?;
+        let end = addr.checked_add(len)?;
+        (end <= start + mr.mr.len() as u64).then(|| mr.clone())
+    }
+}

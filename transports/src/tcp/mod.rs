@@ -1,0 +1,8 @@
+//! The TCP data path: the initiator's connections and peers (transfers cut
+//! into slices and striped over connections), and the target's handling of
+//! `Write` and `Read` frames on the connections the control server accepted.
+
+pub(crate) mod conn;
+pub(crate) mod peer;
+mod serve;
+pub(crate) mod split;

@@ -1,0 +1,171 @@
+//! The target's TCP data path: `Write` and `Read` frames on a connection
+//! the control server accepted and authenticated.
+//!
+//! Every request is checked before memory is touched — length, fence,
+//! proven token, segment, right, `offset + length` inside the segment
+//! without overflow — and a rejected write's payload is read into scratch
+//! memory, never into the segment. Writes land straight in the segment (one
+//! receive into the destination range, no copy) and are acknowledged after
+//! the last byte.
+
+use std::io;
+use std::rc::Rc;
+
+use crate::control::frame::{discard, send_frame};
+use crate::control::revoke::LandingGuard;
+use crate::control::server::{reject, status_frame, Closed, ServedConn};
+use crate::control::wire::{Header, Opcode, Status};
+use crate::memory::Window;
+use crate::segment::{Rights, Segment};
+
+/// Reads up to this size are answered with header and data in one send.
+const INLINE_READ: u64 = 16 * 1024;
+
+/// A write landing in a segment, as the fence table and the segment's grants
+/// know it.
+struct Landing {
+    fence: crate::control::fence::WriteGuard,
+    grant: LandingGuard,
+}
+
+impl ServedConn<'_> {
+    /// The segment and this connection's grant epoch, if the request may
+    /// touch it: length within `1..=max`, batch not fenced, segment known,
+    /// token proven, right granted, range inside the segment without
+    /// overflow, and (writes) not revoked since the token was proven.
+    fn check(&self, h: &Header, need: Rights) -> Result<(Segment, u64), Status> {
+        if h.length == 0 || h.length > self.engine.config.max_frame {
+            return Err(Status::BadFrame);
+        }
+        if self.engine.fences.is_fenced(self.session, h.batch) {
+            return Err(Status::Fenced);
+        }
+        // Forbidden before NoSuchSegment: only a peer that proved the
+        // segment's token learns that it is gone.
+        let Some(&epoch) = self.authorised.get(&h.segment) else {
+            return Err(Status::Forbidden);
+        };
+        let seg = self
+            .engine
+            .segment(h.segment)
+            .ok_or(Status::NoSuchSegment)?;
+        if !seg.rights().contains(need) {
+            return Err(Status::Forbidden);
+        }
+        if !seg.check_range(h.offset, h.length) {
+            return Err(Status::OutOfBounds);
+        }
+        if need.contains(Rights::WRITE) && seg.inner.grants.is_revoked(h.offset, h.length, epoch) {
+            return Err(Status::Revoked);
+        }
+        Ok((seg, epoch))
+    }
+
+    /// Answers a refused request; a refused write's payload goes to scratch.
+    async fn refuse(&self, h: &Header, st: Status, payload: u64) -> Result<(), Closed> {
+        discard(self.s, payload).await?;
+        let c = &self.engine.counters.rejected;
+        c.set(c.get() + 1);
+        send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
+        Ok(())
+    }
+
+    pub(crate) async fn write(&mut self, h: &Header) -> Result<(), Closed> {
+        if h.length > self.engine.config.max_frame {
+            // The payload cannot be trusted to be there: framing is lost.
+            return Err(reject(
+                self.s,
+                h,
+                Status::BadFrame,
+                format!("write of {} bytes", h.length),
+            )
+            .await);
+        }
+        let (seg, epoch) = match self.check(h, Rights::WRITE) {
+            Ok(ok) => ok,
+            Err(st) => return self.refuse(h, st, h.length).await,
+        };
+        // The fence's and the revoke's registrations of this write end only
+        // when its last receive is reaped: each receive's window holds them,
+        // so a receive parked because this future was dropped keeps them too.
+        let landing = Rc::new(Landing {
+            fence: self.engine.fences.begin_write(self.session, h.batch),
+            grant: LandingGuard::begin(&seg, h.offset, h.length, epoch),
+        });
+        let (len, mut landed) = (h.length, 0u64);
+        while landed < len && !landing.fence.fenced() && !landing.grant.revoked() {
+            let window = Window::new(
+                seg.inner.mem.clone(),
+                (h.offset + landed) as usize,
+                (len - landed) as usize,
+            )
+            .keeping(landing.clone());
+            let mut op = self.s.read(window);
+            let canceller = op.canceller();
+            landing.fence.set_canceller(Some(canceller.clone()));
+            landing.grant.set_canceller(Some(canceller));
+            let (res, _window) = op.await;
+            landing.fence.set_canceller(None);
+            landing.grant.set_canceller(None);
+            match res {
+                Ok(0) => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => landed += n as u64,
+                Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let revoked = landed < len && landing.grant.revoked();
+        // The receive is reaped: a fence or revoke waiting for this write may
+        // resolve.
+        drop(landing);
+        let st = if landed == len {
+            Status::Ok
+        } else {
+            // Fenced or revoked mid-way: the rest goes to scratch memory, not
+            // the segment.
+            discard(self.s, len - landed).await?;
+            match (revoked, landed) {
+                (true, _) => Status::Revoked,
+                (false, 0) => Status::Fenced,
+                (false, _) => Status::FencedPartial,
+            }
+        };
+        let c = &self.engine.counters;
+        c.bytes_landed.set(c.bytes_landed.get() + landed);
+        send_frame(self.s, &status_frame(h, st, landed), &[]).await?;
+        Ok(())
+    }
+
+    pub(crate) async fn read(&mut self, h: &Header) -> Result<(), Closed> {
+        let seg = match self.check(h, Rights::READ) {
+            Ok((seg, _)) => seg,
+            Err(st) => return self.refuse(h, st, 0).await,
+        };
+        let head = Header {
+            op: Opcode::ReadData,
+            ..*h
+        };
+        if h.length <= INLINE_READ {
+            // Small: header and data in one send, one reactor turn.
+            let mut data = vec![0u8; h.length as usize];
+            seg.read_at(h.offset, &mut data);
+            send_frame(self.s, &head, &data).await?;
+            return Ok(());
+        }
+        send_frame(self.s, &head, &[]).await?;
+        let window = Window::new(seg.inner.mem.clone(), h.offset as usize, h.length as usize);
+        let zc = self
+            .engine
+            .config
+            .zc_threshold
+            .is_some_and(|t| h.length >= t as u64);
+        let (res, _) = if zc {
+            self.s.write_all_zc(window).await
+        } else {
+            self.s.write_all(window).await
+        };
+        res?;
+        Ok(())
+    }
+}
