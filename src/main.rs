@@ -9,6 +9,7 @@ mod cmd {
     pub mod bench;
     pub mod demo;
     pub mod early_return;
+    pub mod soak;
     pub mod target;
 }
 
@@ -38,6 +39,19 @@ enum Cmd {
         /// tcp, or rdma (needs an RDMA device; `scripts/softroce-vm.sh` has one).
         #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
         transport: String,
+    },
+    /// State that must not grow (failed batches, connection churn) and an
+    /// honest client under a flood, against a target process.
+    Soak {
+        /// Failed (fenced) batches on one session.
+        #[arg(long, default_value_t = 1_000_000)]
+        batches: u64,
+        /// Connections opened, authenticated and closed.
+        #[arg(long, default_value_t = 10_000)]
+        connections: u64,
+        /// Connections that never finish their handshake, held open.
+        #[arg(long, default_value_t = 1000)]
+        flood: usize,
     },
     /// Latency and bandwidth against a target, or `--compare` against raw TCP and tokio.
     Bench {
@@ -132,6 +146,15 @@ fn main() -> ExitCode {
             size,
             transport,
         } => cmd::demo::run(rounds, size, transport == "rdma"),
+        Cmd::Soak {
+            batches,
+            connections,
+            flood,
+        } => cmd::soak::run(cmd::soak::Options {
+            batches,
+            connections,
+            flood,
+        }),
         Cmd::Target {
             listen,
             size,

@@ -1,0 +1,232 @@
+//! `quiesce soak`: state that must not grow, and an honest client under a
+//! flood — against a `quiesce target` in its own process, so each side's
+//! memory is its own (`VmRSS` from `/proc`).
+//!
+//! 1. Failed batches on one session (fail-fast, a task the target refuses
+//!    beside a valid one), then as many fence + forget cycles on that
+//!    session (what a fenced batch leaves at both ends: a fence-table entry,
+//!    the initiator's mark). Memory growth of both processes between the
+//!    first 1 % and the end.
+//! 2. Connection churn: connect, hello, prove the token, close — repeated;
+//!    the target's memory growth.
+//! 3. An honest client's 4 KiB write latency, alone and while 1,000
+//!    connections that never finish their handshake are held open, in
+//!    alternating blocks (this VM's wake-up latency is bimodal); p50/p99 of
+//!    each and their ratio.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use quiesce::batch::{Batch, BatchOptions, FailurePolicy, RemoteRange, Tcp};
+use quiesce::runtime::Runtime;
+use quiesce::target_child::TargetChild;
+use quiesce::transports::wire::{Header, HelloAck, Opcode, HEADER_LEN};
+use quiesce::transports::{Engine, EngineConfig};
+
+use super::bench::{auth_frame, hello_frame, SegInfo};
+
+/// What to run.
+pub struct Options {
+    /// Failed batches in phase 1.
+    pub batches: u64,
+    /// Connections churned in phase 2.
+    pub connections: u64,
+    /// Stalled connections held open in phase 3.
+    pub flood: usize,
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Runs the three phases and prints their figures; `Ok(true)` if every
+/// goal held (memory growth ≤ 1 MiB, flooded p99 ≤ 2× unloaded).
+pub fn run(o: Options) -> Result<bool, Box<dyn std::error::Error>> {
+    let exe = std::env::current_exe()?;
+    let target = TargetChild::spawn(&exe, 1 << 20, false)?;
+    let tpid = target.pid() as u32;
+    let me = std::process::id();
+    let kv = SegInfo {
+        id: target.ids["kv"],
+        token: target.tokens["kv"],
+    };
+    println!(
+        "quiesce soak: target {} (pid {tpid}, its own process)",
+        target.addr
+    );
+    let rt = Runtime::new()?;
+    let mut ok = true;
+
+    // 1. Failed batches on one session, and fence cycles on one session.
+    let ro = target.tokens["ro"];
+    let (batch_growth, fence_growth) = rt.block_on(async {
+        let e = Engine::bind(EngineConfig::default()).expect("engine");
+        let peer = e.connect(target.addr).await.expect("connect");
+        let seg = peer.open("kv", kv.token).await.expect("open kv");
+        let ro = peer.open("ro", ro).await.expect("open ro");
+        let warm = (o.batches / 100).max(1);
+        // 1a: [a 4 KiB write the target refuses, a 4 KiB write], fail-fast.
+        let mut bufs = Some(vec![vec![7u8; 4096], vec![8u8; 4096]]);
+        let (mut t0, mut i0) = (0, 0);
+        let start = Instant::now();
+        for n in 0..o.batches {
+            if n == warm {
+                (t0, i0) = (rss_kib(tpid), rss_kib(me));
+            }
+            let mut b = Batch::new(Tcp, BatchOptions::default().policy(FailurePolicy::FailFast));
+            let mut v = bufs.take().expect("back");
+            let (good, bad) = (v.pop().expect("two"), v.pop().expect("two"));
+            b.write(bad, RemoteRange::new(&ro, 0, 4096))
+                .ok()
+                .expect("a valid task");
+            b.write(good, RemoteRange::new(&seg, 0, 4096))
+                .ok()
+                .expect("a valid task");
+            let q = b.submit().await.quiesced().await;
+            assert!(!q.all_completed(), "the refused task fails");
+            bufs = Some(q.into_buffers());
+        }
+        let batches = (
+            rss_kib(tpid) as i64 - t0 as i64,
+            rss_kib(me) as i64 - i0 as i64,
+            start.elapsed(),
+        );
+        // 1b: what a fenced batch leaves at both ends — a fence-table entry
+        // and the initiator's mark — and its retirement (`Forget`).
+        let start = Instant::now();
+        for n in 0..o.batches {
+            if n == warm {
+                (t0, i0) = (rss_kib(tpid), rss_kib(me));
+            }
+            let wire = u64::MAX / 2 + n;
+            peer.fence(wire).await.expect("the fence is acknowledged");
+            peer.retire(wire);
+        }
+        let fences = (
+            rss_kib(tpid) as i64 - t0 as i64,
+            rss_kib(me) as i64 - i0 as i64,
+            start.elapsed(),
+        );
+        e.shutdown();
+        (batches, fences)
+    });
+    for (what, (t, i, took)) in [
+        ("failed batches (fail-fast, a refused task)", batch_growth),
+        ("fence + forget cycles", fence_growth),
+    ] {
+        println!(
+            "{what}: {} in {:.1} s ({:.1} µs each); RSS growth after the first 1%: target {t} KiB, initiator {i} KiB (goal ≤ 1024 KiB)",
+            o.batches,
+            took.as_secs_f64(),
+            took.as_secs_f64() * 1e6 / o.batches as f64
+        );
+        ok &= t <= 1024 && i <= 1024;
+    }
+
+    // 2. Connection churn.
+    let churn = |n: u64| -> std::io::Result<()> {
+        for i in 0..n {
+            let mut s = TcpStream::connect(target.addr)?;
+            let nonce = [(i % 251) as u8; 16];
+            s.write_all(&hello_frame(nonce, "churn"))?;
+            let mut h = [0u8; HEADER_LEN];
+            s.read_exact(&mut h)?;
+            let h = Header::decode(&h).map_err(std::io::Error::other)?;
+            let mut p = vec![0u8; h.length as usize];
+            s.read_exact(&mut p)?;
+            let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
+            s.write_all(&auth_frame(&ack, nonce, &[&kv]))?;
+            let mut h = [0u8; HEADER_LEN];
+            s.read_exact(&mut h)?;
+            let h = Header::decode(&h).map_err(std::io::Error::other)?;
+            let mut p = vec![0u8; h.length as usize];
+            s.read_exact(&mut p)?;
+        }
+        Ok(())
+    };
+    churn((o.connections / 100).max(1))?;
+    std::thread::sleep(Duration::from_millis(100));
+    let before = rss_kib(tpid);
+    let start = Instant::now();
+    churn(o.connections)?;
+    let took = start.elapsed();
+    std::thread::sleep(Duration::from_millis(100));
+    let growth = rss_kib(tpid) as i64 - before as i64;
+    println!(
+        "connections churned: {} in {:.1} s; target RSS growth {growth} KiB (goal ≤ 1024 KiB)",
+        o.connections,
+        took.as_secs_f64()
+    );
+    ok &= growth <= 1024;
+
+    // 3. Honest latency, alone and under a flood, in alternating blocks.
+    let (alone, flooded) = rt.block_on(async {
+        let e = Engine::bind(EngineConfig::default()).expect("engine");
+        let seg = e
+            .connect(target.addr)
+            .await
+            .expect("connect")
+            .open("kv", kv.token)
+            .await
+            .expect("open");
+        let (mut alone, mut flooded) = (Vec::new(), Vec::new());
+        let mut buf = Some(vec![1u8; 4096]);
+        for block in 0..20 {
+            // A hello header claiming 256 KiB, and nothing more.
+            let flood: Vec<TcpStream> = if block % 2 == 1 {
+                let h = Header {
+                    length: 256 << 10,
+                    ..Header::new(Opcode::Hello)
+                }
+                .encode();
+                (0..o.flood)
+                    .filter_map(|_| {
+                        let mut s = TcpStream::connect(target.addr).ok()?;
+                        s.write_all(&h).ok()?;
+                        Some(s)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let out = if flood.is_empty() {
+                &mut alone
+            } else {
+                &mut flooded
+            };
+            for i in 0..500u64 {
+                let t = Instant::now();
+                let (r, b) = seg.write(0, buf.take().expect("back"), i).await;
+                r.expect("the honest write");
+                out.push(t.elapsed());
+                buf = Some(b);
+            }
+            drop(flood);
+        }
+        e.shutdown();
+        (alone, flooded)
+    });
+    let stats = |mut v: Vec<Duration>| {
+        v.sort_unstable();
+        (v[0], percentile(&v, 0.5), percentile(&v, 0.99))
+    };
+    let (a_min, a50, a99) = stats(alone);
+    let (f_min, f50, f99) = stats(flooded);
+    let ratio = f99.as_secs_f64() / a99.as_secs_f64();
+    println!(
+        "honest 4 KiB write: alone t_min {a_min:?} p50 {a50:?} p99 {a99:?}; under {} stalled connections t_min {f_min:?} p50 {f50:?} p99 {f99:?}; p99 ratio {ratio:.2} (goal ≤ 2)",
+        o.flood
+    );
+    ok &= ratio <= 2.0;
+    Ok(ok)
+}
