@@ -87,10 +87,10 @@ pub fn run(o: Options) -> Result<bool, Box<dyn std::error::Error>> {
             let mut v = bufs.take().expect("back");
             let (good, bad) = (v.pop().expect("two"), v.pop().expect("two"));
             b.write(bad, RemoteRange::new(&ro, 0, 4096))
-                .ok()
+                .map_err(|r| r.reason)
                 .expect("a valid task");
             b.write(good, RemoteRange::new(&seg, 0, 4096))
-                .ok()
+                .map_err(|r| r.reason)
                 .expect("a valid task");
             let q = b.submit().await.quiesced().await;
             assert!(!q.all_completed(), "the refused task fails");
