@@ -418,7 +418,9 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 };
                 let (status, bytes) = match res {
                     Ok(n) => (TaskStatus::Completed, n),
-                    Err(TransferError::Fenced) => (TaskStatus::Fenced, 0),
+                    // Flushed (RDMA, posted): fenced, and unconfirmed (it does
+                    // not settle the remote) until a fence is acknowledged.
+                    Err(TransferError::Fenced | TransferError::Flushed) => (TaskStatus::Fenced, 0),
                     Err(TransferError::FencedPartial { landed }) => (TaskStatus::Fenced, landed),
                     Err(e @ TransferError::Revoked { landed }) => (TaskStatus::Failed(e), landed),
                     Err(e) => (TaskStatus::Failed(e), 0),

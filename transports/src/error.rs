@@ -37,6 +37,14 @@ pub enum TransferError {
     /// The batch was fenced before this request applied anything.
     #[error("fenced")]
     Fenced,
+    /// RDMA: the request was posted and then flushed when this initiator
+    /// reset its queue pair for a fence or an abort. Packets it had sent may
+    /// still be written at the target until the target confirms the fence
+    /// (its queue pair reset), so it does not settle the remote side; the
+    /// batch layer reports it fenced, and confirmed only once a fence is
+    /// acknowledged.
+    #[error("flushed by this initiator's queue pair reset; the target has not confirmed")]
+    Flushed,
     /// The batch was fenced while this write was landing: `landed` bytes of
     /// it landed before the fence. For one frame they are its prefix; for a
     /// transfer striped over connections they are the sum over its slices,
@@ -122,6 +130,7 @@ impl TransferError {
             | TransferError::RemoteAccess(_)
             | TransferError::Unregistered { .. } => true,
             TransferError::BadFrame(_)
+            | TransferError::Flushed
             | TransferError::Handshake { .. }
             | TransferError::ConnectionLost(_)
             | TransferError::ConnectTimeout => false,

@@ -193,7 +193,9 @@ fn fence_stops_a_write_mid_flight() {
             "fence after 30 ms: {r:?}, transfer resolved {:?} after the fence",
             t0.elapsed()
         );
-        assert!(matches!(r, Err(TransferError::Fenced) | Ok(_)), "{r:?}");
+        // Posted and flushed by the local reset (the fence above confirmed
+        // the target's side), or done before it.
+        assert!(matches!(r, Err(TransferError::Flushed) | Ok(_)), "{r:?}");
         assert!(
             quiet(&p.kv, size, Duration::from_millis(300)).await,
             "bytes landed after the fence"

@@ -118,9 +118,17 @@ impl Link {
         }
     }
 
-    fn flushed_error(&self, batch: u64) -> TransferError {
+    /// The error of a request of `batch` flushed by the QP's reset, or
+    /// failed at the next doorbell without being posted (`posted: false`).
+    fn flushed_error(&self, batch: u64, posted: bool) -> TransferError {
         if self.fenced.borrow().contains(&batch) {
-            TransferError::Fenced
+            // Posted: packets it sent may still land until the target
+            // confirms; never posted: nothing left.
+            if posted {
+                TransferError::Flushed
+            } else {
+                TransferError::Fenced
+            }
         } else if self.state.get() == LinkState::Fenced {
             TransferError::ConnectionLost("queue pair reset by a fence or abort".into())
         } else {
@@ -274,7 +282,7 @@ impl Reaper {
                 let never_posted: Vec<WorkRequest> = queued.drain(..).collect();
                 drop(queued);
                 for w in never_posted {
-                    let e = link.flushed_error(self.slot_batch(w.wr_id));
+                    let e = link.flushed_error(self.slot_batch(w.wr_id), false);
                     self.retire(w.wr_id, Some(e));
                 }
             } else {
@@ -340,8 +348,14 @@ impl Reaper {
             tracing::error!(wr_id, "completion for an unknown work request");
             return;
         };
-        if slot.error.is_none() {
-            slot.error = error;
+        // The first error, unless a later one leaves the target unsettled
+        // (a posted request flushed or lost): the transfer must say so.
+        match (&slot.error, error) {
+            (None, e) => slot.error = e,
+            (Some(kept), Some(e)) if kept.settles_remote() && !e.settles_remote() => {
+                slot.error = Some(e)
+            }
+            _ => {}
         }
         slot.outstanding -= 1;
         if slot.outstanding == 0 {
@@ -384,7 +398,7 @@ impl Reaper {
             .set(link.outstanding.get().saturating_sub(1));
         let error = match wc.status {
             WC_SUCCESS => None,
-            WC_WR_FLUSH_ERR => Some(link.flushed_error(slot.batch)),
+            WC_WR_FLUSH_ERR => Some(link.flushed_error(slot.batch, true)),
             st => {
                 if link.state() == LinkState::Ready {
                     link.state.set(LinkState::Failed);
