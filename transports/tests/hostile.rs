@@ -183,14 +183,7 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
     );
     let token = t.seg("kv").token;
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
-        let kv = e
-            .connect(t.addr)
-            .await
-            .unwrap()
-            .open("kv", token)
-            .await
-            .unwrap();
+        let (e, kv) = open_segment(t.addr, "kv", token).await;
         let (r, _) = kv.write(0, vec![5u8; 4096], 1).await;
         r.unwrap();
         time::sleep(Duration::from_millis(600)).await;

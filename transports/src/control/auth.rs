@@ -36,6 +36,15 @@ pub(crate) fn random_u64() -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// HMAC-SHA256 keyed with `key`, fed `parts` in order.
+fn keyed(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+    let mut mac = HmacSha256::new_from_slice(key).expect("HMAC takes any key length");
+    for p in parts {
+        mac.update(p);
+    }
+    mac
+}
+
 /// A segment's secret: 128 random bits. Shown as 32 hex digits by `Display`
 /// (to hand to authorised peers); `Debug` does not reveal it. Compared in
 /// constant time.
@@ -95,17 +104,16 @@ impl Token {
         session: u64,
         seg: &SegmentRef,
     ) -> HmacSha256 {
-        let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
-        for part in [
-            DOMAIN,
-            target_nonce,
-            initiator_nonce,
-            &session.to_le_bytes(),
-            &seg.proof_bytes(),
-        ] {
-            mac.update(part);
-        }
-        mac
+        keyed(
+            &self.0,
+            &[
+                DOMAIN,
+                target_nonce,
+                initiator_nonce,
+                &session.to_le_bytes(),
+                &seg.proof_bytes(),
+            ],
+        )
     }
 }
 
@@ -151,16 +159,15 @@ impl SessionKey {
     }
 
     fn mac(&self, target_nonce: &[u8; 16], initiator_nonce: &[u8; 16], session: u64) -> HmacSha256 {
-        let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
-        for part in [
-            JOIN_DOMAIN,
-            target_nonce,
-            initiator_nonce,
-            &session.to_le_bytes(),
-        ] {
-            mac.update(part);
-        }
-        mac
+        keyed(
+            &self.0,
+            &[
+                JOIN_DOMAIN,
+                target_nonce,
+                initiator_nonce,
+                &session.to_le_bytes(),
+            ],
+        )
     }
 }
 

@@ -239,6 +239,25 @@ async fn idle<T>(
     }
 }
 
+/// The header read (`None`: the peer closed), or the connection closed with
+/// `BadFrame` for a malformed one.
+async fn next_header<E: std::fmt::Display>(
+    s: &TcpStream,
+    read: Option<Result<Header, E>>,
+) -> Result<Option<Header>, Closed> {
+    match read {
+        None => Ok(None),
+        Some(Ok(h)) => Ok(Some(h)),
+        Some(Err(e)) => Err(reject(
+            s,
+            &Header::new(Opcode::Status),
+            Status::BadFrame,
+            e.to_string(),
+        )
+        .await),
+    }
+}
+
 /// Runs `f` within what is left of the handshake deadline.
 async fn by<T>(
     deadline: Instant,
@@ -261,18 +280,10 @@ async fn serve_inner(
     let mut c = by(deadline, handshake(engine, s, census)).await?;
 
     while !c.census.authenticated {
-        let h = match by(deadline, async { Ok(read_header(s).await?) }).await? {
-            None => return Ok(()),
-            Some(Ok(h)) => h,
-            Some(Err(e)) => {
-                return Err(reject(
-                    s,
-                    &Header::new(Opcode::Status),
-                    Status::BadFrame,
-                    e.to_string(),
-                )
-                .await)
-            }
+        let Some(h) =
+            next_header(s, by(deadline, async { Ok(read_header(s).await?) }).await?).await?
+        else {
+            return Ok(());
         };
         if h.op != Opcode::Auth {
             // Authentication first: nothing else is served (or stored).
@@ -303,18 +314,8 @@ async fn serve_inner(
         }
     };
     loop {
-        let h = match idle(engine, read_header(s)).await? {
-            None => return Ok(()),
-            Some(Ok(h)) => h,
-            Some(Err(e)) => {
-                return Err(reject(
-                    s,
-                    &Header::new(Opcode::Status),
-                    Status::BadFrame,
-                    e.to_string(),
-                )
-                .await)
-            }
+        let Some(h) = next_header(s, idle(engine, read_header(s)).await?).await? else {
+            return Ok(());
         };
         match h.op {
             Opcode::Auth => c.auth(&h).await?,

@@ -329,6 +329,23 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// A fresh engine connected to `addr`, with segment `name` opened.
+pub async fn open_segment(
+    addr: SocketAddr,
+    name: &str,
+    token: Token,
+) -> (Engine, quiesce_transports::RemoteSegment) {
+    let e = Engine::bind(EngineConfig::default()).unwrap();
+    let seg = e
+        .connect(addr)
+        .await
+        .unwrap()
+        .open(name, token)
+        .await
+        .unwrap();
+    (e, seg)
+}
+
 /// A blocking client that speaks the wire protocol by hand, to send what a
 /// well-behaved initiator never would.
 pub struct RawClient {

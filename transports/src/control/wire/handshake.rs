@@ -185,20 +185,13 @@ impl HelloAck {
 }
 
 impl SegmentRef {
-    /// Its bytes as a proof covers them: `0x00` and the id (u64 LE), or
-    /// `0x01` and the name (1-byte length, UTF-8).
+    /// Its bytes as a proof covers them — as they are sent: `0x00` and the
+    /// id (u64 LE), or `0x01` and the name (1-byte length, UTF-8; a name
+    /// too long to send yields no bytes past the tag).
     pub fn proof_bytes(&self) -> Vec<u8> {
         let mut o = Vec::with_capacity(16);
-        match self {
-            SegmentRef::Id(id) => {
-                o.push(0);
-                o.extend_from_slice(&id.to_le_bytes());
-            }
-            SegmentRef::Name(n) => {
-                o.push(1);
-                o.push(n.len().min(255) as u8);
-                o.extend_from_slice(n.as_bytes());
-            }
+        if self.put(&mut o).is_err() {
+            o.truncate(1);
         }
         o
     }
