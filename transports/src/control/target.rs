@@ -113,10 +113,19 @@ impl Target {
                 sessions.remove(&id);
             }
         }
+        // A burst of short sessions (connection churn) must not keep its
+        // tables' memory once it has passed.
+        if sessions.capacity() > 4 * sessions.len() + 64 {
+            sessions.shrink_to_fit();
+        }
+        if lingering.capacity() > 4 * lingering.len() + 64 {
+            lingering.shrink_to_fit();
+        }
     }
 
     /// A fresh session id: random, never 0, not live.
     pub(crate) fn new_session_id(&self) -> u64 {
+        self.expire_sessions();
         loop {
             let id = random_u64();
             if id != 0 && !self.sessions.borrow().contains_key(&id) {
