@@ -346,9 +346,8 @@ pub(crate) struct CqObject {
 
 impl Drop for CqObject {
     fn drop(&mut self) {
-        // SAFETY: no QP uses the CQ any more (each holds this object) and
-        // every event got was acknowledged by `Cq`'s drop; the channel (a
-        // field) is destroyed after it.
+        // The channel (a field) is destroyed after the CQ.
+        // SAFETY: no QP uses the CQ (each holds this object); `Cq`'s drop acked every event.
         let rc = unsafe { sys::ibv_destroy_cq(self.cq) };
         if rc != 0 {
             tracing::error!(rc, "ibv_destroy_cq failed; the completion queue leaks");
