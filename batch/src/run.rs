@@ -160,14 +160,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             self.launch(wire);
             self.wait_quiescent(wire).await;
             self.confirm_remote(wire).await;
-            // Nothing of this wire batch moves any more: let every peer it
-            // touched forget it.
-            let peers: HashSet<T::Peer> = self
-                .tasks
-                .iter()
-                .map(|t| self.transport.peer(&t.target))
-                .collect();
-            for p in &peers {
+            // Nothing of this wire batch moves any more: the peers it fenced
+            // (the only ones that keep state for it) may forget it. No
+            // allocation on the common path, a batch that never fenced.
+            for p in self.fences.borrow().keys() {
                 self.transport.retire(p, wire);
             }
             if !self.retry().await {

@@ -52,9 +52,9 @@ pub trait Transport: Clone + 'static {
     /// (their futures still resolve only once reaped).
     fn abort(&self, peer: &Self::Peer);
 
-    /// Called once per peer an attempt touched, when every transfer of wire
-    /// batch `batch` towards it has ended and none will start: the
-    /// transport may forget the batch (and tell the peer it can).
+    /// Called once per peer an attempt fenced, when every transfer of wire
+    /// batch `batch` has ended and none will start: the transport may
+    /// forget the batch (and tell the peer it can).
     fn retire(&self, peer: &Self::Peer, batch: u64) {
         let _ = (peer, batch);
     }
