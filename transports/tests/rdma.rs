@@ -469,3 +469,65 @@ fn engines_dropped_without_shutdown_release_their_device_resources() {
         );
     });
 }
+
+/// An rkey is a right only on the queue pair of a peer that proved the
+/// segment's token: peer B, which proved only "other", posts with the key of
+/// "kv" that peer A was given. The target's NIC refuses it (B's queue pair
+/// is in a protection domain without that region) and nothing lands; A's
+/// own writes with it still do.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn an_rkey_works_only_on_the_queue_pair_of_a_peer_that_proved_its_token() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let other = p
+            .target
+            .register(
+                "other",
+                AlignedBuf::new(1 << 20),
+                Rights::READ | Rights::WRITE,
+            )
+            .unwrap();
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, l) = p.remote.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        drop(l);
+        let learned = p.remote.remote_key().expect("A holds kv's key");
+
+        let b = RdmaEngine::bind(RdmaConfig::default()).expect("engine B");
+        let region_b = Region::new(1 << 20);
+        let _local_b = b.register_region(&region_b).unwrap();
+        let peer_b = b.connect(p.target.local_addr()).await.unwrap();
+        let other_b = peer_b.open("other", other.token()).await.unwrap();
+        let mut lb = region_b.lease(0..4096).unwrap();
+        fill(&mut lb, 7);
+        let (r, lb) = other_b.write(0, lb, 1).await;
+        assert_eq!(r.unwrap(), 4096, "B's own segment works");
+        let hostile = other_b.with_remote_key(learned);
+        let (r, lb) = hostile.write(0, lb, 2).await;
+        assert!(
+            matches!(r, Err(TransferError::RemoteAccess(_))),
+            "B wrote with A's rkey: {r:?}"
+        );
+        let (r, _lb) = hostile.read(0, 4096, lb, 3).await;
+        assert!(
+            matches!(r, Err(TransferError::RemoteAccess(_))),
+            "B read with A's rkey: {r:?}"
+        );
+        let mut snap = vec![0u8; 4096];
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 1), "B's write landed in kv");
+
+        // A's key still works on A's queue pair.
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 2);
+        let (r, _l) = p.remote.write(0, l, 4).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 2));
+        for s in [p.initiator.stats(), b.stats()] {
+            assert_eq!((s.in_flight, s.posted), (0, s.reaped));
+        }
+    });
+}

@@ -19,18 +19,24 @@ use crate::control::wire::{QpWire, RemoteKey};
 /// What a data plane that sets up its own connections (RDMA) registers with
 /// the control server, which answers `QpConnect` through it.
 pub(crate) trait QpPlane {
-    /// A queue pair (or the like) connected to the initiator's `remote`, and
-    /// the endpoint to answer; `Err` says why not.
-    fn accept(&self, remote: &QpWire) -> Result<(Box<dyn ServedLink>, QpWire), String>;
-    /// The remote keys of `segments` (those the plane serves).
-    fn keys(&self, segments: &mut dyn Iterator<Item = u64>) -> Vec<RemoteKey>;
+    /// A new link for one control connection, with no queue pair and no
+    /// key yet; `Err` says why not.
+    fn open_link(&self) -> Result<Box<dyn ServedLink>, String>;
 }
 
-/// The target's end of a link a [`QpPlane`] set up for one control
-/// connection: reset by that connection's fences, gone with it.
+/// The target's end of what a [`QpPlane`] serves one control connection: a
+/// queue pair (replaced on each `QpConnect`, reset by the connection's
+/// fences) and the keys of the segments the connection proved, which work
+/// on that connection's queue pairs only. Gone with the connection.
 pub(crate) trait ServedLink {
-    /// Its number, named in the `FenceAck` that reset it.
-    fn number(&self) -> u32;
-    /// Fence: once this returns the link lands nothing more.
-    fn fence(&self);
+    /// Replaces the queue pair (the old one reset first) with one connected
+    /// to the initiator's `remote`; returns the endpoint to answer.
+    fn connect(&mut self, remote: &QpWire) -> Result<QpWire, String>;
+    /// The remote keys of `segments` (those the plane serves), usable only
+    /// on this link's queue pairs.
+    fn keys(&mut self, segments: &mut dyn Iterator<Item = u64>) -> Vec<RemoteKey>;
+    /// Fence: resets and drops the queue pair, so nothing more lands through
+    /// it once this returns; returns its number (0 if there was none), named
+    /// in the `FenceAck`.
+    fn reset(&mut self) -> u32;
 }

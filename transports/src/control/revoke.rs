@@ -13,11 +13,12 @@
 //! bytes still in the target's socket buffers are refused when read.
 //!
 //! Over RDMA the NIC writes without the target's CPU, so a segment served
-//! there is also *re-keyed*: its memory region is registered anew and the old
-//! one deregistered, after which the NIC refuses the old remote key (a write
-//! in flight with it stops at the next packet). The new key is handed only to
-//! connections that proved the token after the revoke (`QpAccept` keys), so a
-//! revoke of any range re-keys the whole segment for RDMA peers.
+//! there is also *re-keyed*: its memory region in every connection's
+//! protection domain is deregistered, after which the NIC refuses every old
+//! remote key (a write in flight with one stops at the next packet). A
+//! connection that proves the token after the revoke gets a new region, and
+//! its key, at its next `QpConnect`; older grants get none. So a revoke of any
+//! range re-keys the whole segment for RDMA peers.
 
 use std::cell::{Cell, RefCell};
 use std::task::{Poll, Waker};
@@ -44,10 +45,6 @@ pub enum RevokeError {
         /// The segment's length.
         len: u64,
     },
-    /// Registering the segment's new RDMA memory region failed; nothing was
-    /// revoked (the old key still works).
-    #[error("re-keying the segment's RDMA memory region failed: {0}")]
-    Rekey(String),
 }
 
 struct Landing {
@@ -67,13 +64,13 @@ pub(crate) struct Grants {
     revoked: RefCell<Vec<(u64, u64, u64)>>,
     landing: RefCell<Slab<Landing>>,
     waiters: RefCell<Vec<Waker>>,
-    /// RDMA: registers the segment's memory region anew (a new remote key)
-    /// and drops the old one.
+    /// RDMA: deregisters the segment's memory regions (every remote key of
+    /// it dies).
     rekey: RefCell<Option<Rekey>>,
 }
 
 /// See [`Grants::set_rekey`].
-pub(crate) type Rekey = Box<dyn Fn() -> Result<(), String>>;
+pub(crate) type Rekey = Box<dyn Fn()>;
 
 /// A write landing in a segment; dropping it (once its receive is reaped:
 /// the op's window holds it) tells revoke waiters.
@@ -140,7 +137,7 @@ impl Grants {
         self.epoch.get()
     }
 
-    /// Makes revokes re-key the segment's RDMA memory region with `f`.
+    /// Makes revokes kill the segment's RDMA keys with `f`.
     pub(crate) fn set_rekey(&self, f: Rekey) {
         *self.rekey.borrow_mut() = Some(f);
     }
@@ -165,7 +162,7 @@ impl Grants {
     /// remote key is dead).
     pub(crate) async fn revoke(&self, start: u64, end: u64) -> Result<(), RevokeError> {
         if let Some(rekey) = self.rekey.borrow().as_ref() {
-            rekey().map_err(RevokeError::Rekey)?;
+            rekey();
         }
         let epoch = self.epoch.get() + 1;
         self.epoch.set(epoch);

@@ -46,7 +46,8 @@ pub(crate) struct ServedConn<'a> {
     /// Segments whose token this connection proved, with the grant epoch
     /// current when it did (see `revoke.rs`).
     pub(crate) authorised: HashMap<u64, u64>,
-    /// The RDMA queue pair this connection set up (control connections).
+    /// What the RDMA plane serves this connection (its protection domain,
+    /// queue pair and keys), from its first `QpConnect`.
     served: Option<Box<dyn crate::control::ServedLink>>,
     census: Census<'a>,
 }
@@ -329,10 +330,7 @@ async fn serve_inner(
                 // 0 if none), so the initiator resets the link it belongs to.
                 let reset_qpn = match engine.config.ignore_fences {
                     true => 0,
-                    false => c.served.take().map_or(0, |link| {
-                        link.fence();
-                        link.number() as u64
-                    }),
+                    false => c.served.as_mut().map_or(0, |link| link.reset() as u64),
                 };
                 if !engine.config.ignore_fences {
                     let carriers = engine.session_conns(c.session);
@@ -385,24 +383,30 @@ impl ServedConn<'_> {
         };
         if let Some(plane) = plane {
             answer.status = 0;
-            if req.qp.qpn != 0 {
-                // A new link replaces (and first resets) the old one.
-                self.served = None;
-                match plane.accept(&req.qp) {
-                    Ok((link, wire)) => {
-                        self.served = Some(link);
-                        answer.qp = wire;
+            if self.served.is_none() {
+                match plane.open_link() {
+                    Ok(link) => self.served = Some(link),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot serve RDMA to a connection");
+                        answer.status = 2;
                     }
+                }
+            }
+        }
+        if let Some(link) = self.served.as_mut().filter(|_| answer.status == 0) {
+            if req.qp.qpn != 0 {
+                match link.connect(&req.qp) {
+                    Ok(wire) => answer.qp = wire,
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot serve a queue pair");
                         answer.status = 2;
                     }
                 }
             }
-            // Keys only for grants no revoke has overtaken (RDMA keys are per
-            // segment): after a revoke the peer proves the token again.
+            // Keys only for grants no revoke has overtaken (a revoke kills
+            // the segment's keys): after one the peer proves the token again.
             let engine = self.engine;
-            answer.keys = plane.keys(&mut self.authorised.iter().filter_map(|(&id, &epoch)| {
+            answer.keys = link.keys(&mut self.authorised.iter().filter_map(|(&id, &epoch)| {
                 let seg = engine.segment(id)?;
                 (!seg.inner.grants.revoked_since(epoch)).then_some(id)
             }));

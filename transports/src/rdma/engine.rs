@@ -106,17 +106,15 @@ impl RdmaEngine {
             busy_poll: config.busy_poll,
             fd,
         });
-        let node = Rc::new_cyclic(|this| Node {
+        let node = Node::new(
             ctx,
             pd,
             gid,
             gid_index,
-            depth: config.queue_depth.max(1),
+            config.queue_depth.max(1),
             reaper,
-            segments: RefCell::default(),
             mrs,
-            this: this.clone(),
-        });
+        );
         let tcp = Engine::bind(config.control.clone()).map_err(RdmaError::Control)?;
         tcp.set_qp_plane(node.clone());
         tracing::debug!(device = node.ctx.name(), gid_index, "RDMA engine up");
@@ -154,8 +152,10 @@ impl RdmaEngine {
         &self.inner.tcp
     }
 
-    /// Registers memory for remote access, with a memory region whose access
-    /// flags follow `rights`.
+    /// Registers memory for remote access. Each control connection that
+    /// proves its token gets a memory region of its own for it, in that
+    /// connection's protection domain, with access flags that follow
+    /// `rights`: the target's NIC enforces both who and what.
     pub fn register(
         &self,
         name: &str,
@@ -167,37 +167,24 @@ impl RdmaEngine {
             remote_write: rights.contains(Rights::WRITE),
             remote_read: rights.contains(Rights::READ),
         };
-        if let Err(e) =
-            self.inner
-                .local
-                .node
-                .register_segment(seg.id(), seg.inner.mem.clone(), access)
-        {
-            self.inner.tcp.deregister(seg.id());
-            return Err(RegisterError::Memory(e.to_string()));
-        }
-        // A revoke registers the memory anew (a new rkey) and drops the old
-        // region, so the NIC refuses the old key.
-        let (node, mem, id) = (
-            Rc::downgrade(&self.inner.local.node),
-            seg.inner.mem.clone(),
-            seg.id(),
-        );
+        let node = &self.inner.local.node;
+        node.serve_segment(seg.id(), seg.inner.mem.clone(), access);
+        // A revoke deregisters the segment's regions in every domain, so the
+        // NIC refuses every key handed out before it; a connection proving
+        // the token again gets a new region (a new key).
+        let (node, id) = (Rc::downgrade(node), seg.id());
         seg.inner.grants.set_rekey(Box::new(move || {
-            let node = node.upgrade().ok_or("the RDMA engine is gone")?;
-            if !node.segments.borrow().contains_key(&id) {
-                return Ok(()); // deregistered: no key to kill
+            if let Some(node) = node.upgrade() {
+                node.kill_keys(id);
             }
-            node.register_segment(id, mem.clone(), access)
-                .map_err(|e| e.to_string())
         }));
         Ok(seg)
     }
 
-    /// Stops serving segment `id` and deregisters its memory region: from
-    /// now on the target's NIC refuses every access with its key.
+    /// Stops serving segment `id` and deregisters its memory regions: from
+    /// now on the target's NIC refuses every access with its keys.
     pub fn deregister(&self, id: u64) -> bool {
-        self.inner.local.node.segments.borrow_mut().remove(&id);
+        self.inner.local.node.withdraw(id);
         self.inner.tcp.deregister(id)
     }
 

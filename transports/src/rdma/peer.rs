@@ -76,24 +76,25 @@ impl RdmaPeer {
                 .borrow_mut()
                 .extend(accept.keys.iter().map(|k| (k.segment, *k)));
         }
-        let key = self
-            .inner
-            .keys
-            .borrow()
-            .get(&desc.id)
-            .copied()
-            .ok_or_else(|| TransferError::Handshake {
-                peer: self.addr().to_string(),
-                reason: format!(
-                    "segment {:?} has no RDMA memory region at the target",
-                    desc.name
-                ),
-            })?;
+        self.key(desc.id).ok_or_else(|| TransferError::Handshake {
+            peer: self.addr().to_string(),
+            reason: format!(
+                "segment {:?} has no RDMA memory region at the target",
+                desc.name
+            ),
+        })?;
         Ok(RdmaSegment {
             peer: self.clone(),
             desc,
-            key,
+            forged: None,
         })
+    }
+
+    /// The key this peer's current control connection was given for
+    /// segment `id` (keys belong to the connection's protection domain at
+    /// the target: a new connection gets new ones).
+    fn key(&self, id: u64) -> Option<RemoteKey> {
+        self.inner.keys.borrow().get(&id).copied()
     }
 
     /// The live link, or a new one (new queue pair, exchanged on the
@@ -110,7 +111,7 @@ impl RdmaPeer {
         let conn = self.inner.tcp.control().await?;
         let node = &self.inner.local.node;
         let qp = node
-            .new_qp()
+            .new_qp(&node.pd)
             .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
         let local = node.endpoint(&qp);
         let accept = conn.qp_connect(QpConnect { qp: local }).await?;
@@ -188,7 +189,7 @@ impl RdmaPeer {
 
     async fn post<B: 'static>(
         &self,
-        key: &RemoteKey,
+        segment: &RdmaSegment,
         offset: u64,
         local: (u64, u64),
         read: bool,
@@ -210,6 +211,17 @@ impl RdmaPeer {
         if self.inner.tcp.is_fenced(batch) {
             return (Err(TransferError::Fenced), buf);
         }
+        // Looked up after the link: a link set up on a new control
+        // connection brought that connection's keys.
+        let Some(key) = segment.forged.or_else(|| self.key(segment.desc.id)) else {
+            return (
+                Err(TransferError::RemoteAccess(format!(
+                    "no remote key for segment {:?} on this connection: open it again",
+                    segment.desc.name
+                ))),
+                buf,
+            );
+        };
         let lkey = mr.mr.lkey();
         let slice = self.inner.local.slice_size;
         let count = len.div_ceil(slice as u64) as u32;
@@ -254,7 +266,9 @@ pub struct RdmaSegment {
     peer: RdmaPeer,
     /// Shared: a segment handle is cloned per transfer.
     desc: Rc<Descriptor>,
-    key: RemoteKey,
+    /// A key to post with instead of the connection's (tests of the
+    /// target's enforcement only; see [`RdmaSegment::with_remote_key`]).
+    forged: Option<RemoteKey>,
 }
 
 impl RdmaSegment {
@@ -263,6 +277,24 @@ impl RdmaSegment {
     /// The peer.
     pub fn peer(&self) -> &RdmaPeer {
         &self.peer
+    }
+
+    /// The remote key transfers on this segment use now: the one the
+    /// target gave this peer's control connection (None before the first
+    /// one after a reconnect).
+    pub fn remote_key(&self) -> Option<RemoteKey> {
+        self.forged.or_else(|| self.peer.key(self.desc.id))
+    }
+
+    /// This segment with `key` posted verbatim instead of the one the target
+    /// gave: how a hostile peer would use an rkey it learned elsewhere. For
+    /// tests that the target's NIC refuses it; nothing else needs it.
+    #[doc(hidden)]
+    pub fn with_remote_key(&self, key: RemoteKey) -> RdmaSegment {
+        RdmaSegment {
+            forged: Some(key),
+            ..self.clone()
+        }
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), TransferError> {
@@ -284,7 +316,7 @@ impl RdmaSegment {
         }
         let addr = src.stable_ptr() as u64;
         self.peer
-            .post(&self.key, offset, (addr, len), false, batch, src)
+            .post(self, offset, (addr, len), false, batch, src)
             .await
     }
 
@@ -310,7 +342,7 @@ impl RdmaSegment {
         let addr = dst.stable_mut_ptr() as u64;
         let (res, mut dst) = self
             .peer
-            .post(&self.key, offset, (addr, len), true, batch, dst)
+            .post(self, offset, (addr, len), true, batch, dst)
             .await;
         if res.is_ok() {
             set_filled(&mut dst, len as usize);

@@ -1,11 +1,19 @@
 //! The device-level state a shard shares between its roles ([`Node`]), and
-//! the target's side of a queue pair ([`ServedQp`]): created when a peer's
-//! `QpConnect` arrives on a control connection, moved to the error state by
-//! that connection's fences, destroyed with the connection.
+//! the target's side of one control connection's RDMA ([`ServedDomain`]).
+//!
+//! Rights at the NIC: every control connection that asks for RDMA gets a
+//! protection domain of its own. Its queue pairs live there, and so do the
+//! memory regions of the segments that connection proved — registered on
+//! the first `QpConnect` after the proof. A NIC checks that an rkey's region
+//! and the queue pair it arrives on share a protection domain, so a key is
+//! worth nothing on another peer's queue pair, and nothing with remote
+//! access lives in the node's own domain (where this shard's initiator
+//! queue pairs and local regions are). A revoke deregisters the segment's
+//! region in every domain: the NIC refuses every key handed out before it.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 use super::reaper::SharedReaper;
 use super::verbs::{Access, Context, Mr, Pd, Qp, QpEndpoint};
@@ -13,7 +21,8 @@ use super::RdmaError;
 use crate::control::wire::{QpWire, RemoteKey};
 use crate::memory::ExposedMemory;
 
-/// A segment's memory region; deregistered (first) before its memory may go.
+/// A segment's memory region in one domain; deregistered (first) before its
+/// memory may go.
 pub(crate) struct SegmentMr {
     pub(crate) mr: Mr,
     pub(crate) _mem: Rc<ExposedMemory>,
@@ -26,23 +35,63 @@ impl Drop for SegmentMr {
     }
 }
 
-/// One device, its protection domain and the shard's completion queue.
+/// A segment the node serves over RDMA: its memory and the remote access
+/// its rights allow.
+pub(crate) struct ServedSegment {
+    mem: Rc<ExposedMemory>,
+    access: Access,
+}
+
+/// The memory regions of one domain, by segment id.
+type DomainMrs = RefCell<HashMap<u64, SegmentMr>>;
+
+/// One device, the shard's own protection domain and completion queue.
 pub(crate) struct Node {
     pub(crate) ctx: Rc<Context>,
+    /// This shard's initiator queue pairs and local regions (no remote
+    /// access is ever registered here).
     pub(crate) pd: Rc<Pd>,
     pub(crate) gid: [u8; 16],
     pub(crate) gid_index: u8,
     pub(crate) depth: u32,
     pub(crate) reaper: SharedReaper,
-    /// Segment id → its memory region (target side).
-    pub(crate) segments: RefCell<HashMap<u64, Rc<SegmentMr>>>,
+    /// Segment id → what is served (target side).
+    pub(crate) segments: RefCell<HashMap<u64, ServedSegment>>,
+    /// The served connections' domains, by serial: a revoke reaches them.
+    domains: RefCell<HashMap<u64, Weak<DomainMrs>>>,
+    next_domain: Cell<u64>,
     /// Memory regions registered now.
     pub(crate) mrs: Rc<Cell<u64>>,
-    /// Itself, for the queue pairs it serves to hold.
-    pub(crate) this: std::rc::Weak<Node>,
+    /// Itself, for the domains it serves to hold.
+    pub(crate) this: Weak<Node>,
 }
 
 impl Node {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        ctx: Rc<Context>,
+        pd: Rc<Pd>,
+        gid: [u8; 16],
+        gid_index: u8,
+        depth: u32,
+        reaper: SharedReaper,
+        mrs: Rc<Cell<u64>>,
+    ) -> Rc<Node> {
+        Rc::new_cyclic(|this| Node {
+            ctx,
+            pd,
+            gid,
+            gid_index,
+            depth,
+            reaper,
+            segments: RefCell::default(),
+            domains: RefCell::default(),
+            next_domain: Cell::new(0),
+            mrs,
+            this: this.clone(),
+        })
+    }
+
     /// This node's endpoint for a new queue pair.
     pub(crate) fn endpoint(&self, qp: &Qp) -> QpEndpoint {
         QpEndpoint {
@@ -54,127 +103,156 @@ impl Node {
         }
     }
 
-    /// A new RC queue pair on the shard's completion queue.
-    pub(crate) fn new_qp(&self) -> Result<Qp, RdmaError> {
+    /// A new RC queue pair in `pd` on the shard's completion queue.
+    pub(crate) fn new_qp(&self, pd: &Rc<Pd>) -> Result<Qp, RdmaError> {
         let cq = self.reaper.borrow().cq().object();
-        Qp::new(&self.pd, cq, self.depth)
+        Qp::new(pd, cq, self.depth)
     }
 
-    /// The keys of `segments` (those with a memory region).
-    pub(crate) fn keys(&self, segments: impl Iterator<Item = u64>) -> Vec<RemoteKey> {
-        let mrs = self.segments.borrow();
+    /// Serves segment `id`'s memory with `access` (regions are registered
+    /// per domain, when a connection that proved it asks for keys).
+    pub(crate) fn serve_segment(&self, id: u64, mem: Rc<ExposedMemory>, access: Access) {
+        if mem.raw().1 != 0 {
+            self.segments
+                .borrow_mut()
+                .insert(id, ServedSegment { mem, access });
+        }
+    }
+
+    /// Deregisters segment `id`'s region in every domain: the NIC refuses
+    /// every key of it handed out so far.
+    pub(crate) fn kill_keys(&self, id: u64) {
+        let doomed: Vec<SegmentMr> = self
+            .domains
+            .borrow()
+            .values()
+            .filter_map(Weak::upgrade)
+            .filter_map(|mrs| mrs.borrow_mut().remove(&id))
+            .collect();
+        // Deregistered here, outside the borrows.
+        drop(doomed);
+    }
+
+    /// Stops serving segment `id` over RDMA: its regions are deregistered.
+    pub(crate) fn withdraw(&self, id: u64) {
+        self.segments.borrow_mut().remove(&id);
+        self.kill_keys(id);
+    }
+}
+
+/// The target's RDMA for one control connection: its protection domain, the
+/// regions of the segments it proved, and its current queue pair.
+pub(crate) struct ServedDomain {
+    /// Dropped first (fields drop in order): the queue pair, then the
+    /// regions, then the domain they are in.
+    qp: Option<Qp>,
+    mrs: Rc<DomainMrs>,
+    pd: Rc<Pd>,
+    serial: u64,
+    node: Rc<Node>,
+}
+
+impl ServedDomain {
+    fn open(node: &Rc<Node>) -> Result<ServedDomain, RdmaError> {
+        let pd = Pd::new(&node.ctx)?;
+        let serial = node.next_domain.get();
+        node.next_domain.set(serial + 1);
+        let mrs = Rc::new(DomainMrs::default());
+        node.domains
+            .borrow_mut()
+            .insert(serial, Rc::downgrade(&mrs));
+        Ok(ServedDomain {
+            qp: None,
+            mrs,
+            pd,
+            serial,
+            node: node.clone(),
+        })
+    }
+
+    /// The key of segment `id` in this domain, registering its region first
+    /// if this is the first ask.
+    fn key(&self, id: u64) -> Result<Option<RemoteKey>, RdmaError> {
+        let key = |s: &SegmentMr| RemoteKey {
+            segment: id,
+            addr: s.mr.addr(),
+            rkey: s.mr.rkey(),
+        };
+        let mut mrs = self.mrs.borrow_mut();
+        if let Some(s) = mrs.get(&id) {
+            return Ok(Some(key(s)));
+        }
+        let segments = self.node.segments.borrow();
+        let Some(seg) = segments.get(&id) else {
+            return Ok(None);
+        };
+        let (ptr, len) = seg.mem.raw();
+        // SAFETY: the region keeps the memory alive (`_mem`) and is dropped
+        // before it: with its domain, or when a revoke or a deregistration
+        // removes it.
+        let mr = unsafe { Mr::register(&self.pd, ptr, len, seg.access)? };
+        self.node.mrs.set(self.node.mrs.get() + 1);
+        let region = SegmentMr {
+            mr,
+            _mem: seg.mem.clone(),
+            count: self.node.mrs.clone(),
+        };
+        let k = key(&region);
+        mrs.insert(id, region);
+        Ok(Some(k))
+    }
+}
+
+impl crate::control::ServedLink for ServedDomain {
+    fn connect(&mut self, remote: &QpWire) -> Result<QpWire, String> {
+        self.reset();
+        let qp = self.node.new_qp(&self.pd).map_err(|e| e.to_string())?;
+        let local = self.node.endpoint(&qp);
+        let access = Access {
+            remote_write: true,
+            remote_read: true,
+        };
+        qp.connect(&local, remote, self.node.gid_index, access)
+            .map_err(|e| e.to_string())?;
+        self.qp = Some(qp);
+        Ok(local)
+    }
+
+    fn keys(&mut self, segments: &mut dyn Iterator<Item = u64>) -> Vec<RemoteKey> {
         segments
             .filter_map(|id| {
-                mrs.get(&id).map(|s| RemoteKey {
-                    segment: id,
-                    addr: s.mr.addr(),
-                    rkey: s.mr.rkey(),
-                })
+                self.key(id)
+                    .map_err(|e| tracing::warn!(segment = id, error = %e, "cannot register"))
+                    .ok()
+                    .flatten()
             })
             .collect()
     }
 
-    /// Registers a segment's memory with access from its rights.
-    pub(crate) fn register_segment(
-        &self,
-        id: u64,
-        mem: Rc<ExposedMemory>,
-        access: Access,
-    ) -> Result<(), RdmaError> {
-        let (ptr, len) = mem.raw();
-        if len == 0 {
-            return Ok(());
-        }
-        // SAFETY: the region keeps `mem` alive (`_mem`) and is dropped before it.
-        let mr = unsafe { Mr::register(&self.pd, ptr, len, access)? };
-        self.mrs.set(self.mrs.get() + 1);
-        self.segments.borrow_mut().insert(
-            id,
-            Rc::new(SegmentMr {
-                mr,
-                _mem: mem,
-                count: self.mrs.clone(),
-            }),
-        );
-        Ok(())
-    }
-}
-
-/// The target's queue pair for one control connection.
-pub(crate) struct ServedQp {
-    qp: Qp,
-    _node: Rc<Node>,
-}
-
-impl ServedQp {
-    /// Creates a queue pair connected to the initiator's `remote`; returns it
-    /// with the endpoint to answer.
-    pub(crate) fn accept(
-        node: &Rc<Node>,
-        remote: &QpWire,
-    ) -> Result<(ServedQp, QpWire), RdmaError> {
-        let qp = node.new_qp()?;
-        let local = node.endpoint(&qp);
-        qp.connect(
-            &local,
-            remote,
-            node.gid_index,
-            Access {
-                remote_write: true,
-                remote_read: true,
-            },
-        )?;
-        Ok((
-            ServedQp {
-                qp,
-                _node: node.clone(),
-            },
-            local,
-        ))
-    }
-
-    /// The queue pair's number.
-    pub(crate) fn qpn(&self) -> u32 {
-        self.qp.qpn()
-    }
-
-    /// Fence: the responder accepts no further packet once this returns.
-    pub(crate) fn fence(&self) {
-        if let Err(e) = self.qp.set_error() {
+    fn reset(&mut self) -> u32 {
+        let Some(qp) = self.qp.take() else {
+            return 0;
+        };
+        if let Err(e) = qp.set_error() {
             tracing::warn!(error = %e, "fencing a served queue pair failed");
         }
+        qp.qpn()
     }
 }
 
-/// The RDMA plane of the control server: `QpConnect` sets up a served queue
-/// pair and reports the segments' keys.
-impl crate::control::QpPlane for Node {
-    fn accept(
-        &self,
-        remote: &QpWire,
-    ) -> Result<(Box<dyn crate::control::ServedLink>, QpWire), String> {
-        let node = self.this.upgrade().ok_or("the RDMA device is gone")?;
-        let (qp, wire) = ServedQp::accept(&node, remote).map_err(|e| e.to_string())?;
-        Ok((Box::new(qp), wire))
-    }
-
-    fn keys(&self, segments: &mut dyn Iterator<Item = u64>) -> Vec<RemoteKey> {
-        Node::keys(self, segments)
-    }
-}
-
-impl crate::control::ServedLink for ServedQp {
-    fn number(&self) -> u32 {
-        self.qpn()
-    }
-
-    fn fence(&self) {
-        ServedQp::fence(self)
-    }
-}
-
-impl Drop for ServedQp {
+impl Drop for ServedDomain {
     fn drop(&mut self) {
-        self.fence();
+        crate::control::ServedLink::reset(self);
+        self.node.domains.borrow_mut().remove(&self.serial);
+    }
+}
+
+/// The RDMA plane of the control server: each control connection that asks
+/// gets its own domain.
+impl crate::control::QpPlane for Node {
+    fn open_link(&self) -> Result<Box<dyn crate::control::ServedLink>, String> {
+        let node = self.this.upgrade().ok_or("the RDMA device is gone")?;
+        let domain = ServedDomain::open(&node).map_err(|e| e.to_string())?;
+        Ok(Box::new(domain))
     }
 }
