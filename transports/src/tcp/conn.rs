@@ -9,23 +9,22 @@
 //! receive (possibly into a read's destination) has been reaped.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
 use std::net::{Shutdown, SocketAddr};
 use std::rc::Rc;
-use std::task::{Poll, Waker};
 
 use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
 use crate::control::auth::{random_bytes, SessionKey, Token};
-use crate::control::frame::{discard, read_header, read_payload, send_frame, HeaderReader};
+use crate::control::frame::{read_header, read_payload, send_frame};
 use crate::control::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, SegmentRef, Status,
-    HEADER_LEN, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD, VERSION,
+    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, SegmentRef,
+    HEADER_LEN, MAX_HANDSHAKE_PAYLOAD, VERSION,
 };
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
+use crate::tcp::responses::{read_loop, slot, wait, Pending, State};
 use crate::tcp::split::{bytes_of, Erased, Part};
 
 /// Payloads up to this size travel in the same send as their header.
@@ -58,69 +57,11 @@ impl Conn {
     }
 }
 
-/// A one-shot result slot with a waker.
-struct Slot<T> {
-    value: Option<T>,
-    waker: Option<Waker>,
-}
-
-type Reply<T> = Rc<RefCell<Slot<T>>>;
-
-fn slot<T>() -> Reply<T> {
-    Rc::new(RefCell::new(Slot {
-        value: None,
-        waker: None,
-    }))
-}
-
-fn fill<T>(s: &Reply<T>, v: T) {
-    let w = {
-        let mut s = s.borrow_mut();
-        s.value = Some(v);
-        s.waker.take()
-    };
-    if let Some(w) = w {
-        w.wake();
-    }
-}
-
-async fn wait<T>(s: &Reply<T>) -> T {
-    std::future::poll_fn(|cx| {
-        let mut s = s.borrow_mut();
-        match s.value.take() {
-            Some(v) => Poll::Ready(v),
-            None => {
-                s.waker = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        }
-    })
-    .await
-}
-
-enum Pending {
-    Write(Reply<Result<u64, TransferError>>),
-    Read {
-        dst: Option<Erased>,
-        result: Reply<Result<u64, TransferError>>,
-    },
-}
-
-#[derive(Default)]
-struct State {
-    dead: Option<String>,
-    pending: HashMap<u64, Pending>,
-    /// Fence waiters; filled with the QPN the target reset (0: none).
-    fences: HashMap<u64, Vec<Reply<Result<u64, TransferError>>>>,
-    auths: VecDeque<Reply<Result<AuthAck, TransferError>>>,
-    qp_accepts: VecDeque<Reply<Result<QpAccept, TransferError>>>,
-}
-
 /// One initiator connection.
 pub(crate) struct Conn {
-    stream: TcpStream,
+    pub(super) stream: TcpStream,
     send_lock: AsyncLock,
-    state: RefCell<State>,
+    pub(super) state: RefCell<State>,
     next_id: Cell<u64>,
     pub(crate) hello: HelloAck,
     nonce: [u8; 16],
@@ -133,7 +74,7 @@ pub(crate) struct Conn {
     frames: RefCell<Vec<Vec<u8>>>,
     /// Run once when the connection ends (RDMA: reset the queue pair set up
     /// on it, whose peer may be gone with it).
-    on_close: RefCell<Vec<Box<dyn FnOnce()>>>,
+    pub(super) on_close: RefCell<Vec<Box<dyn FnOnce()>>>,
     /// Batches this initiator has fenced at the peer: their slices that
     /// have not started are answered `Fenced` locally, without being sent.
     fenced: LocalFences,
@@ -254,7 +195,7 @@ impl Conn {
 
     /// Why the connection ended: this side's own reason if it killed the
     /// connection first (its receive then ends too), else `seen`.
-    fn death_reason(&self, seen: &str) -> String {
+    pub(super) fn death_reason(&self, seen: &str) -> String {
         match &self.state.borrow().dead {
             Some(own) => own.clone(),
             None => seen.to_string(),
@@ -552,150 +493,5 @@ impl Conn {
         }
         st.pending.insert(id, p);
         Ok(())
-    }
-}
-
-/// Matches responses to requests until the connection ends; then fails
-/// whatever is still pending.
-async fn read_loop(conn: Rc<Conn>) {
-    let why = match read_responses(&conn).await {
-        Ok(()) => conn.death_reason("closed by the target"),
-        Err(e) => conn.death_reason(&e.to_string()),
-    };
-    conn.kill(&why);
-    let hooks = std::mem::take(&mut *conn.on_close.borrow_mut());
-    hooks.into_iter().for_each(|f| f());
-    // Everything pending, taken out; `dead` stays, so later requests name why.
-    let st = {
-        let mut st = conn.state.borrow_mut();
-        let dead = st.dead.take();
-        let taken = std::mem::take(&mut *st);
-        st.dead = dead;
-        taken
-    };
-    let err = TransferError::ConnectionLost(why);
-    for (_, p) in st.pending {
-        match p {
-            Pending::Write(r) => fill(&r, Err(err.clone())),
-            Pending::Read { result, .. } => fill(&result, Err(err.clone())),
-        }
-    }
-    st.fences
-        .into_values()
-        .flatten()
-        .for_each(|r| fill(&r, Err(err.clone())));
-    st.auths
-        .into_iter()
-        .for_each(|r| fill(&r, Err(err.clone())));
-    st.qp_accepts
-        .into_iter()
-        .for_each(|r| fill(&r, Err(err.clone())));
-}
-
-async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
-    let s = &conn.stream;
-    let mut headers = HeaderReader::default();
-    loop {
-        let h = match headers.read(s).await? {
-            None => return Ok(()),
-            Some(h) => h?,
-        };
-        match h.op {
-            Opcode::Status => {
-                let st = h.status()?;
-                let p = conn.state.borrow_mut().pending.remove(&h.task);
-                let res = match TransferError::from_status(st, h.segment, h.length) {
-                    None => Ok(h.length),
-                    Some(e) => Err(e),
-                };
-                match p {
-                    Some(Pending::Write(r)) => fill(&r, res),
-                    // A read succeeds with ReadData; a status is always a refusal.
-                    Some(Pending::Read { result, .. }) => fill(
-                        &result,
-                        res.and(Err(TransferError::BadFrame("status Ok for a read".into()))),
-                    ),
-                    None if st == Status::BadFrame => {
-                        return Err(TransferError::BadFrame(
-                            "target closed the connection".into(),
-                        ))
-                    }
-                    None => {}
-                }
-            }
-            Opcode::ReadData => {
-                let p = conn.state.borrow_mut().pending.remove(&h.task);
-                match p {
-                    Some(Pending::Read {
-                        dst: Some(dst),
-                        result,
-                    }) if dst.len() as u64 == h.length => {
-                        let (res, dst) = s.read_exact(dst).await;
-                        // The receive into the destination has been reaped: only
-                        // now may the read report, whichever way it ended.
-                        drop(dst);
-                        if let Err(e) = res {
-                            let why = conn.death_reason(&e.to_string());
-                            fill(&result, Err(TransferError::ConnectionLost(why.clone())));
-                            return Err(TransferError::ConnectionLost(why));
-                        }
-                        fill(&result, Ok(h.length));
-                    }
-                    Some(Pending::Read { result, .. }) => {
-                        fill(
-                            &result,
-                            Err(TransferError::BadFrame(
-                                "read data of the wrong length".into(),
-                            )),
-                        );
-                        return Err(TransferError::BadFrame(
-                            "read data of the wrong length".into(),
-                        ));
-                    }
-                    Some(Pending::Write(r)) => {
-                        fill(
-                            &r,
-                            Err(TransferError::BadFrame("read data for a write".into())),
-                        );
-                        return Err(TransferError::BadFrame("read data for a write".into()));
-                    }
-                    None => discard(s, h.length).await?,
-                }
-            }
-            Opcode::FenceAck => {
-                let waiters = conn
-                    .state
-                    .borrow_mut()
-                    .fences
-                    .remove(&h.batch)
-                    .unwrap_or_default();
-                waiters.iter().for_each(|r| fill(r, Ok(h.offset)));
-            }
-            Opcode::AuthAck => {
-                if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
-                    return Err(TransferError::BadFrame("auth ack too large".into()));
-                }
-                let ack = AuthAck::decode(&read_payload(s, h.length as usize).await?)?;
-                match conn.state.borrow_mut().auths.pop_front() {
-                    Some(r) => fill(&r, Ok(ack)),
-                    None => return Err(TransferError::BadFrame("unrequested auth ack".into())),
-                }
-            }
-            Opcode::QpAccept => {
-                if h.length as usize > MAX_QP_PAYLOAD {
-                    return Err(TransferError::BadFrame("qp accept too large".into()));
-                }
-                let acc = QpAccept::decode(&read_payload(s, h.length as usize).await?)?;
-                match conn.state.borrow_mut().qp_accepts.pop_front() {
-                    Some(r) => fill(&r, Ok(acc)),
-                    None => return Err(TransferError::BadFrame("unrequested qp accept".into())),
-                }
-            }
-            op => {
-                return Err(TransferError::BadFrame(format!(
-                    "unexpected {op:?} from the target"
-                )))
-            }
-        }
     }
 }

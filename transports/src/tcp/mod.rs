@@ -4,5 +4,6 @@
 
 pub(crate) mod conn;
 pub(crate) mod peer;
+mod responses;
 mod serve;
 pub(crate) mod split;
