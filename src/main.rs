@@ -5,6 +5,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// Heap counters for `bench`, `soak` and the target's `heap` command (relaxed
+/// atomics around the system allocator).
+#[global_allocator]
+static HEAP: quiesce::runtime::heap::CountingAlloc = quiesce::runtime::heap::CountingAlloc;
+
 mod cmd {
     pub mod bench;
     pub mod demo;

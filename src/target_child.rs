@@ -103,6 +103,20 @@ impl TargetChild {
         }
     }
 
+    /// The target's heap now: (bytes live, allocations live, allocations
+    /// made), from its counting allocator.
+    pub fn heap(&mut self) -> Result<(i64, i64, u64), Box<dyn std::error::Error>> {
+        let stdin = self.child.stdin.as_mut().ok_or("no stdin")?;
+        writeln!(stdin, "heap")?;
+        stdin.flush()?;
+        let line = self.lines.next().ok_or("the target exited")??;
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.as_slice() {
+            ["heap", b, l, a] => Ok((b.parse()?, l.parse()?, a.parse()?)),
+            _ => Err(format!("heap: {line}").into()),
+        }
+    }
+
     /// The process id.
     pub fn pid(&self) -> i32 {
         self.child.id() as i32

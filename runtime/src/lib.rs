@@ -32,6 +32,7 @@ mod context;
 pub mod driver;
 mod executor;
 pub mod fd;
+pub mod heap;
 pub mod net;
 mod runtime;
 pub mod shard;

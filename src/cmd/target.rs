@@ -30,7 +30,8 @@ pub struct Options {
 /// `segment NAME ID LEN TOKEN` lines, then `listening ADDR`. Reads commands
 /// on stdin, one a line: `revoke NAME [START END]` revokes the range (the
 /// whole segment by default) and answers `revoked NAME` once it resolved
-/// (or `error …`). With `rdma`,
+/// (or `error …`); `heap` answers `heap BYTES ALLOCATIONS MADE` (bytes and
+/// allocations live now, allocations made so far). With `rdma`,
 /// the segments are also RDMA memory regions whose access flags follow their
 /// rights (the engine fails with "no RDMA device" where there is none).
 pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
@@ -115,6 +116,10 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
 async fn command(segs: &[quiesce::transports::Segment], line: &str) -> String {
     let w: Vec<&str> = line.split_whitespace().collect();
     let (name, range) = match w.as_slice() {
+        ["heap"] => {
+            let h = quiesce::runtime::heap::Heap::now();
+            return format!("heap {} {} {}", h.live_bytes, h.live(), h.allocations);
+        }
         ["revoke", name] => (*name, None),
         ["revoke", name, start, end] => match (start.parse::<u64>(), end.parse::<u64>()) {
             (Ok(s), Ok(e)) => (*name, Some(s..e)),
