@@ -13,7 +13,9 @@ fuzz_target!(|data: &[u8]| {
         let _ = h.status();
     }
     // The first byte picks the payload decoder; the rest is the payload.
-    let Some((&which, payload)) = data.split_first() else { return };
+    let Some((&which, payload)) = data.split_first() else {
+        return;
+    };
     match which % 6 {
         0 => {
             if let Ok(m) = Hello::decode(payload) {

@@ -11,8 +11,10 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use quiesce_runtime::Runtime;
-use quiesce_transports::{Engine, EngineConfig, Rights};
+use quiesce_transports::Rights;
+
+#[path = "live_engine.rs"]
+mod live_engine;
 
 struct Target {
     addr: SocketAddr,
@@ -22,36 +24,27 @@ struct Target {
 fn target() -> &'static Target {
     static T: OnceLock<Target> = OnceLock::new();
     T.get_or_init(|| {
-        std::panic::set_hook(Box::new(|info| {
-            eprintln!("{info}");
-            std::process::abort();
-        }));
         let (tx, rx) = mpsc::channel();
         let (check_tx, check_rx) = mpsc::sync_channel::<mpsc::SyncSender<bool>>(1);
-        std::thread::spawn(move || {
-            let rt = Runtime::new().unwrap();
-            rt.block_on(async move {
-                let cfg = EngineConfig {
-                    max_frame: 1 << 16,
-                    slice_size: 1 << 16,
-                    handshake_timeout: Duration::from_millis(200),
-                    ..Default::default()
-                };
-                let engine = Engine::bind(cfg).unwrap();
-                let seg = engine.register("kv", vec![0u8; 4096], Rights::READ | Rights::WRITE).unwrap();
-                tx.send(engine.local_addr()).unwrap();
-                loop {
-                    // Answer "is the segment still all zero?" between inputs.
-                    if let Ok(reply) = check_rx.try_recv() {
-                        let mut b = vec![0u8; 4096];
-                        seg.read_at(0, &mut b);
-                        let _ = reply.send(b.iter().all(|&x| x == 0));
-                    }
-                    quiesce_runtime::time::sleep(Duration::from_micros(200)).await;
+        live_engine::spawn(move |engine| async move {
+            let seg = engine
+                .register("kv", vec![0u8; 4096], Rights::READ | Rights::WRITE)
+                .unwrap();
+            tx.send(engine.local_addr()).unwrap();
+            loop {
+                // Answer "is the segment still all zero?" between inputs.
+                if let Ok(reply) = check_rx.try_recv() {
+                    let mut b = vec![0u8; 4096];
+                    seg.read_at(0, &mut b);
+                    let _ = reply.send(b.iter().all(|&x| x == 0));
                 }
-            });
+                quiesce_runtime::time::sleep(Duration::from_micros(200)).await;
+            }
         });
-        Target { addr: rx.recv().unwrap(), check: check_tx }
+        Target {
+            addr: rx.recv().unwrap(),
+            check: check_tx,
+        }
     })
 }
 
@@ -66,5 +59,8 @@ fuzz_target!(|data: &[u8]| {
     drop(s);
     let (tx, rx) = mpsc::sync_channel(1);
     t.check.send(tx).unwrap();
-    assert!(rx.recv().unwrap(), "the segment was written without a token");
+    assert!(
+        rx.recv().unwrap(),
+        "the segment was written without a token"
+    );
 });

@@ -22,11 +22,13 @@ use std::time::{Duration, Instant};
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
-use quiesce_runtime::Runtime;
 use quiesce_transports::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, SegmentRef, Status, HEADER_LEN, VERSION,
 };
-use quiesce_transports::{Engine, EngineConfig, Rights, Token};
+use quiesce_transports::{Rights, Token};
+
+#[path = "live_engine.rs"]
+mod live_engine;
 
 const CONNS: usize = 4;
 /// Every opcode (invalid ones come through `Step::Raw`).
@@ -69,55 +71,40 @@ struct Target {
 fn target() -> &'static Target {
     static T: OnceLock<Target> = OnceLock::new();
     T.get_or_init(|| {
-        std::panic::set_hook(Box::new(|info| {
-            eprintln!("{info}");
-            std::process::abort();
-        }));
         let (tx, rx) = mpsc::channel();
         let (ask_tx, ask_rx) = mpsc::sync_channel::<mpsc::SyncSender<Snapshot>>(1);
-        std::thread::spawn(move || {
-            let rt = Runtime::new().unwrap();
-            rt.block_on(async move {
-                let cfg = EngineConfig {
-                    max_frame: 1 << 16,
-                    slice_size: 1 << 16,
-                    handshake_timeout: Duration::from_millis(200),
-                    ..Default::default()
-                };
-                let engine = Engine::bind(cfg).unwrap();
-                let rw = Rights::READ | Rights::WRITE;
-                let kv = engine.register("kv", vec![0u8; SEG_LEN], rw).unwrap();
-                let public = engine.register("pub", vec![0u8; SEG_LEN], rw).unwrap();
-                tx.send((engine.local_addr(), (kv.id(), public.id()), public.token()))
-                    .unwrap();
-                let (mut peak_fences, mut peak_sessions) = (0, 0);
-                let mut buf = vec![0u8; SEG_LEN];
-                loop {
-                    let s = engine.stats();
-                    peak_fences = peak_fences.max(s.fence_entries);
-                    peak_sessions = peak_sessions.max(s.sessions);
-                    if let Ok(reply) = ask_rx.try_recv() {
-                        kv.read_at(0, &mut buf);
-                        let kv_zero = buf.iter().all(|&b| b == 0);
-                        public.read_at(0, &mut buf);
-                        let pub_sum = buf
-                            .iter()
-                            .enumerate()
-                            .fold(0u64, |a, (i, &b)| a.wrapping_mul(31).wrapping_add(b as u64 ^ i as u64));
-                        let _ = reply.send(Snapshot {
-                            kv_zero,
-                            pub_sum,
-                            connections: s.connections,
-                            fences: s.fence_entries,
-                            sessions: s.sessions,
-                            peak_fences,
-                            peak_sessions,
-                        });
-                        (peak_fences, peak_sessions) = (s.fence_entries, s.sessions);
-                    }
-                    quiesce_runtime::time::sleep(Duration::from_micros(100)).await;
+        live_engine::spawn(move |engine| async move {
+            let rw = Rights::READ | Rights::WRITE;
+            let kv = engine.register("kv", vec![0u8; SEG_LEN], rw).unwrap();
+            let public = engine.register("pub", vec![0u8; SEG_LEN], rw).unwrap();
+            tx.send((engine.local_addr(), (kv.id(), public.id()), public.token()))
+                .unwrap();
+            let (mut peak_fences, mut peak_sessions) = (0, 0);
+            let mut buf = vec![0u8; SEG_LEN];
+            loop {
+                let s = engine.stats();
+                peak_fences = peak_fences.max(s.fence_entries);
+                peak_sessions = peak_sessions.max(s.sessions);
+                if let Ok(reply) = ask_rx.try_recv() {
+                    kv.read_at(0, &mut buf);
+                    let kv_zero = buf.iter().all(|&b| b == 0);
+                    public.read_at(0, &mut buf);
+                    let pub_sum = buf.iter().enumerate().fold(0u64, |a, (i, &b)| {
+                        a.wrapping_mul(31).wrapping_add(b as u64 ^ i as u64)
+                    });
+                    let _ = reply.send(Snapshot {
+                        kv_zero,
+                        pub_sum,
+                        connections: s.connections,
+                        fences: s.fence_entries,
+                        sessions: s.sessions,
+                        peak_fences,
+                        peak_sessions,
+                    });
+                    (peak_fences, peak_sessions) = (s.fence_entries, s.sessions);
                 }
-            });
+                quiesce_runtime::time::sleep(Duration::from_micros(100)).await;
+            }
         });
         let (addr, ids, pub_token) = rx.recv().unwrap();
         Target {
@@ -154,7 +141,11 @@ enum Step {
     },
     /// A valid proof of "pub"'s token (by id or by name), with a join proof
     /// from the input (the harness never knows a session's key).
-    AuthPub { conn: u8, by_name: bool, join: [u8; 32] },
+    AuthPub {
+        conn: u8,
+        by_name: bool,
+        join: [u8; 32],
+    },
     /// A proof from the input, for any segment.
     AuthForged {
         conn: u8,
@@ -215,7 +206,10 @@ fn recv(c: &mut Conn) -> Option<(Header, Vec<u8>)> {
     c.s.read_exact(&mut b).ok()?;
     let h = Header::decode(&b).ok()?;
     let mut p = vec![0u8; (h.length as usize).min(1 << 20)];
-    if matches!(h.op, Opcode::HelloAck | Opcode::AuthAck | Opcode::QpAccept | Opcode::ReadData) {
+    if matches!(
+        h.op,
+        Opcode::HelloAck | Opcode::AuthAck | Opcode::QpAccept | Opcode::ReadData
+    ) {
         c.s.read_exact(&mut p).ok()?;
     }
     Some((h, p))
@@ -269,7 +263,8 @@ fn run(t: &Target, steps: Vec<Step>) {
                 let Ok(s) = TcpStream::connect(t.addr) else {
                     continue;
                 };
-                s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+                s.set_read_timeout(Some(Duration::from_millis(300)))
+                    .unwrap();
                 let session = join
                     .and_then(|j| conns[j as usize % CONNS].as_ref())
                     .and_then(|c| c.ack.as_ref())
@@ -308,7 +303,11 @@ fn run(t: &Target, steps: Vec<Step>) {
                 }
                 conns[conn as usize % CONNS] = Some(c);
             }
-            Step::AuthPub { conn, by_name, join } => {
+            Step::AuthPub {
+                conn,
+                by_name,
+                join,
+            } => {
                 let Some(c) = conns[conn as usize % CONNS].as_mut() else {
                     continue;
                 };
@@ -421,7 +420,10 @@ fn check(t: &Target, tally: &Tally) {
     BEFORE.with(|b| {
         let before = b.get();
         if tally.authed_writes == 0 {
-            assert_eq!(after.pub_sum, before.pub_sum, "pub was written unauthenticated");
+            assert_eq!(
+                after.pub_sum, before.pub_sum,
+                "pub was written unauthenticated"
+            );
         }
         assert!(
             after.peak_fences <= before.fences + tally.authed_fences + tally.authed_writes,
@@ -469,7 +471,11 @@ fn self_test(t: &Target) {
     ];
     BEFORE.with(|b| b.set(before));
     run(t, steps);
-    assert_ne!(snapshot(t).pub_sum, before.pub_sum, "the harness's write did not land");
+    assert_ne!(
+        snapshot(t).pub_sum,
+        before.pub_sum,
+        "the harness's write did not land"
+    );
 }
 
 fuzz_target!(|steps: Vec<Step>| {
