@@ -211,7 +211,11 @@ fn the_c_abi_from_a_c_program() {
         .expect("a C compiler (cc)");
     assert!(status.success(), "the C test program failed to build");
     let t = Target::start();
+    // The library it was linked against (its RUNPATH), not whichever one
+    // cargo's LD_LIBRARY_PATH for tests finds first (an older copy in
+    // target/debug once made this run a stale build).
     let run = Command::new(&out)
+        .env_remove("LD_LIBRARY_PATH")
         .arg(t.addr.to_string())
         .arg(t.kv.to_string())
         .arg(t.ro.to_string())

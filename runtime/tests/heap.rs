@@ -13,7 +13,10 @@ fn counts_allocations_frees_and_live_bytes() {
     let v: Vec<u8> = Vec::with_capacity(1 << 20);
     let mid = Heap::now();
     assert_eq!(mid.allocations - before.allocations, 1);
-    assert!(mid.live_bytes - before.live_bytes >= 1 << 20, "{before:?} → {mid:?}");
+    assert!(
+        mid.live_bytes - before.live_bytes >= 1 << 20,
+        "{before:?} → {mid:?}"
+    );
     drop(std::hint::black_box(v));
     let after = Heap::now();
     assert_eq!(after.frees - before.frees, 1);
