@@ -10,6 +10,7 @@ use std::rc::Rc;
 use quiesce_runtime::net::TcpListener;
 
 use crate::config::EngineConfig;
+use crate::control::auth::Token;
 use crate::control::fence::FenceTable;
 use crate::control::target::{Counters, Target};
 use crate::error::TransferError;
@@ -143,6 +144,20 @@ impl Engine {
         mem: impl Into<SegmentMemory>,
         rights: Rights,
     ) -> Result<Segment, RegisterError> {
+        self.register_with_token(name, mem, rights, Token::random())
+    }
+
+    /// [`register`](Self::register) with a token of the caller's: one
+    /// derived from a secret the cluster shares ([`Token::derive`]), so
+    /// peers that hold the secret can prove it without being handed the
+    /// token.
+    pub fn register_with_token(
+        &self,
+        name: &str,
+        mem: impl Into<SegmentMemory>,
+        rights: Rights,
+        token: Token,
+    ) -> Result<Segment, RegisterError> {
         if name.is_empty() || name.len() > 255 {
             return Err(RegisterError::BadName);
         }
@@ -155,7 +170,7 @@ impl Engine {
         }
         let id = self.inner.next_segment.get();
         self.inner.next_segment.set(id + 1);
-        let seg = Segment::new(id, name.into(), mem.into(), rights);
+        let seg = Segment::new(id, name.into(), mem.into(), rights, token);
         segs.insert(id, seg.clone());
         Ok(seg)
     }

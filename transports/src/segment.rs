@@ -64,7 +64,13 @@ pub struct Segment {
 }
 
 impl Segment {
-    pub(crate) fn new(id: u64, name: String, mem: SegmentMemory, rights: Rights) -> Segment {
+    pub(crate) fn new(
+        id: u64,
+        name: String,
+        mem: SegmentMemory,
+        rights: Rights,
+        token: Token,
+    ) -> Segment {
         let mem = match mem {
             SegmentMemory::Vec(v) => ExposedMemory::from_vec(v),
             SegmentMemory::Aligned(b) => ExposedMemory::from_aligned(b),
@@ -74,7 +80,7 @@ impl Segment {
                 id,
                 name,
                 rights,
-                token: Token::random(),
+                token,
                 mem: Rc::new(mem),
                 grants: Grants::default(),
             }),
@@ -94,6 +100,12 @@ impl Segment {
     /// Its length.
     pub fn len(&self) -> u64 {
         self.inner.mem.len() as u64
+    }
+
+    /// The virtual address of its first byte in this process: what peers
+    /// that address remote memory by address (Mooncake's API) name it by.
+    pub fn base(&self) -> u64 {
+        self.inner.mem.raw().0 as u64
     }
 
     /// True for an empty segment.

@@ -230,6 +230,7 @@ fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::ne
                             id: 1,
                             name: "kv".into(),
                             len: 1 << 20,
+                            base: 0x1000,
                             rights: Rights::READ | Rights::WRITE,
                             endpoints: vec![addr],
                         };

@@ -67,6 +67,18 @@ impl Token {
         Token(t)
     }
 
+    /// The token a cluster that shares `secret` uses for `label` (a segment
+    /// name, or a label all of a node's segments share): the first 128 bits
+    /// of HMAC-SHA256(secret, "quiesce-token-v1" ‖ label). Every holder of
+    /// the secret derives the same token; nobody without it can. Use a
+    /// secret of at least 16 random bytes.
+    pub fn derive(secret: &[u8], label: &str) -> Token {
+        let mac = keyed(secret, &[b"quiesce-token-v1", label.as_bytes()]);
+        let mut t = [0u8; 16];
+        t.copy_from_slice(&mac.finalize().into_bytes()[..16]);
+        Token(t)
+    }
+
     /// The proof for segment `seg` on a connection with these nonces, in
     /// `session` (see `docs/PROTOCOL.md` §4.3), for initiators written
     /// against the protocol.

@@ -73,12 +73,22 @@ impl Target {
             .cloned()
     }
 
+    /// The segment whose memory holds the virtual address `addr`.
+    pub(crate) fn segment_at(&self, addr: u64) -> Option<Segment> {
+        self.segments
+            .borrow()
+            .values()
+            .find(|s| addr.checked_sub(s.base()).is_some_and(|o| o < s.len()))
+            .cloned()
+    }
+
     /// What a peer that proved `s`'s token learns about it.
     pub(crate) fn descriptor(&self, s: &Segment) -> Descriptor {
         Descriptor {
             id: s.id(),
             name: s.name().into(),
             len: s.len(),
+            base: s.base(),
             rights: s.rights(),
             endpoints: vec![self.local_addr],
         }

@@ -96,18 +96,41 @@ impl Peer {
     /// if they are not). The target refuses a wrong token and an unknown
     /// name alike ([`TransferError::OpenRefused`]).
     pub async fn open(&self, name: &str, token: Token) -> Result<RemoteSegment, TransferError> {
+        let seg = SegmentRef::Name(name.to_string());
+        self.open_ref(seg, token, |d| d.name == name, || name.to_string())
+            .await
+    }
+
+    /// Opens the segment that holds the target's virtual address `addr`
+    /// (Mooncake-style addressing: callers name remote memory by the peer's
+    /// addresses), proving `token` for it. Its descriptor's `base` maps
+    /// addresses to offsets. Refused like [`open`](Self::open) when no
+    /// segment holds the address or the token is wrong.
+    pub async fn open_at(&self, addr: u64, token: Token) -> Result<RemoteSegment, TransferError> {
+        let holds = |d: &Descriptor| addr.checked_sub(d.base).is_some_and(|o| o < d.len);
+        self.open_ref(SegmentRef::Address(addr), token, holds, || {
+            format!("the segment at {addr:#x}")
+        })
+        .await
+    }
+
+    async fn open_ref(
+        &self,
+        seg: SegmentRef,
+        token: Token,
+        is_it: impl Fn(&Descriptor) -> bool,
+        what: impl Fn() -> String,
+    ) -> Result<RemoteSegment, TransferError> {
         let control = self.control().await?;
-        let ack = control
-            .auth(&[(SegmentRef::Name(name.to_string()), token)])
-            .await?;
+        let ack = control.auth(&[(seg, token)]).await?;
         let desc = match ack.results.as_slice() {
-            [(Status::Ok, Some(d))] if d.name == name => d.clone(),
+            [(Status::Ok, Some(d))] if is_it(d) => d.clone(),
             [(Status::Ok, _)] => {
                 return Err(TransferError::BadFrame(
                     "an AuthAck without the opened segment's descriptor".into(),
                 ))
             }
-            _ => return Err(TransferError::OpenRefused(name.to_string())),
+            _ => return Err(TransferError::OpenRefused(what())),
         };
         self.inner.opened.borrow_mut().insert(desc.id, token);
         let n = self.inner.conns.borrow().len();
@@ -179,7 +202,7 @@ impl Peer {
                 .iter()
                 .filter_map(|(r, _)| match r {
                     SegmentRef::Id(id) => Some(*id),
-                    SegmentRef::Name(_) => None,
+                    SegmentRef::Name(_) | SegmentRef::Address(_) => None,
                 })
                 .collect();
             if let Err(e) = ack.and_then(|ack| check_auth(&ids, &ack.results)) {
@@ -390,6 +413,12 @@ macro_rules! descriptor_accessors {
         /// Its name.
         pub fn name(&self) -> &str {
             &self.desc.name
+        }
+
+        /// The target's virtual address of its first byte: the offset of a
+        /// peer address `a` in it is `a - base()`.
+        pub fn base(&self) -> u64 {
+            self.desc.base
         }
 
         /// What the peer advertised. The target enforces it: in its request

@@ -21,6 +21,8 @@ pub struct SegInfo {
     pub id: u64,
     pub len: u64,
     pub token: Token,
+    /// Its virtual address at the target (0 where not known).
+    pub base: u64,
 }
 
 /// `quiesce-test-target` running as a child process.
@@ -69,6 +71,7 @@ impl TargetProcess {
                             id: id.parse().unwrap(),
                             len: len.parse().unwrap(),
                             token: token.parse().unwrap(),
+                            base: 0,
                         },
                     );
                 }
@@ -172,6 +175,7 @@ impl ShardTarget {
                                 id: seg.id(),
                                 len: seg.len(),
                                 token: seg.token(),
+                                base: seg.base(),
                             },
                         );
                         handles.insert(name, seg);
@@ -457,7 +461,7 @@ impl RawClient {
     }
 }
 
-fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+pub fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     use hmac::{Hmac, Mac};
     let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key).unwrap();
     for p in parts {
@@ -481,6 +485,7 @@ pub fn prove(
     let reference = match seg {
         SegmentRef::Id(id) => [&[0u8][..], &id.to_le_bytes()].concat(),
         SegmentRef::Name(n) => [&[1u8, n.len() as u8][..], n.as_bytes()].concat(),
+        SegmentRef::Address(a) => [&[2u8][..], &a.to_le_bytes()].concat(),
     };
     hmac(
         &key,

@@ -41,6 +41,10 @@ pub struct Descriptor {
     pub name: String,
     /// Its length in bytes.
     pub len: u64,
+    /// The target's virtual address of its first byte: how callers that
+    /// address remote memory by the peer's addresses (Mooncake's API) map
+    /// an address to an offset. Given only to peers that proved the token.
+    pub base: u64,
     /// What a peer holding its token may do.
     pub rights: Rights,
     /// Addresses of the engine(s) serving it.
@@ -73,6 +77,10 @@ pub enum SegmentRef {
     Id(u64),
     /// By name (opening it).
     Name(String),
+    /// By the target's virtual address of a byte inside it (opening the
+    /// segment that holds that address, as Mooncake-style callers address
+    /// remote memory).
+    Address(u64),
 }
 
 /// Initiator → target: proofs that it holds segment tokens.
@@ -186,8 +194,9 @@ impl HelloAck {
 
 impl SegmentRef {
     /// Its bytes as a proof covers them — as they are sent: `0x00` and the
-    /// id (u64 LE), or `0x01` and the name (1-byte length, UTF-8; a name
-    /// too long to send yields no bytes past the tag).
+    /// id (u64 LE), `0x01` and the name (1-byte length, UTF-8; a name too
+    /// long to send yields no bytes past the tag), or `0x02` and the address
+    /// (u64 LE).
     pub fn proof_bytes(&self) -> Vec<u8> {
         let mut o = Vec::with_capacity(16);
         if self.put(&mut o).is_err() {
@@ -206,6 +215,10 @@ impl SegmentRef {
                 o.push(1);
                 put_str8(o, n)?;
             }
+            SegmentRef::Address(a) => {
+                o.push(2);
+                o.extend_from_slice(&a.to_le_bytes());
+            }
         }
         Ok(())
     }
@@ -214,6 +227,7 @@ impl SegmentRef {
         match r.u8()? {
             0 => Ok(SegmentRef::Id(r.u64()?)),
             1 => Ok(SegmentRef::Name(r.str8()?)),
+            2 => Ok(SegmentRef::Address(r.u64()?)),
             _ => Err(FrameError::Invalid("segment reference")),
         }
     }
@@ -223,6 +237,7 @@ impl Descriptor {
     fn put(&self, o: &mut Vec<u8>) -> Result<(), FrameError> {
         o.extend_from_slice(&self.id.to_le_bytes());
         o.extend_from_slice(&self.len.to_le_bytes());
+        o.extend_from_slice(&self.base.to_le_bytes());
         o.push(self.rights.bits());
         put_str8(o, &self.name)?;
         if self.endpoints.len() > MAX_ENDPOINTS {
@@ -238,6 +253,7 @@ impl Descriptor {
     fn get(r: &mut Reader<'_>) -> Result<Descriptor, FrameError> {
         let id = r.u64()?;
         let len = r.u64()?;
+        let base = r.u64()?;
         let rights = Rights::from_bits(r.u8()?).ok_or(FrameError::Invalid("rights"))?;
         let name = r.str8()?;
         let ne = r.u8()? as usize;
@@ -249,6 +265,7 @@ impl Descriptor {
             id,
             name,
             len,
+            base,
             rights,
             endpoints,
         })
@@ -353,7 +370,7 @@ mod tests {
         };
         assert_eq!(Hello::decode(&h.encode().unwrap()).unwrap(), h);
         let ack = HelloAck {
-            version: 2,
+            version: 3,
             shards: 4,
             nonce: [1; 16],
             node: "target".into(),
@@ -366,6 +383,7 @@ mod tests {
             proofs: vec![
                 (SegmentRef::Id(5), [3; 32]),
                 (SegmentRef::Name("kv".into()), [2; 32]),
+                (SegmentRef::Address(0x7f00_0000_1234), [1; 32]),
             ],
         };
         assert_eq!(AuthRequest::decode(&a.encode().unwrap()).unwrap(), a);
@@ -378,6 +396,7 @@ mod tests {
                         id: 5,
                         name: "kv".into(),
                         len: 1 << 30,
+                        base: 0x7f00_0000_1000,
                         rights: Rights::READ | Rights::WRITE,
                         endpoints: vec![
                             "127.0.0.1:9".parse().unwrap(),

@@ -1,0 +1,132 @@
+//! Opening a segment by the target's virtual address of a byte inside it
+//! (`SegmentRef::Address`, how Mooncake-style callers name remote memory).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use quiesce_runtime::Runtime;
+use quiesce_transports::wire::{SegmentRef, Status};
+use quiesce_transports::{Engine, EngineConfig, Rights, Token, TransferError};
+
+fn target() -> ShardTarget {
+    ShardTarget::start(
+        EngineConfig {
+            handshake_timeout: Duration::from_secs(5),
+            ..Default::default()
+        },
+        &[
+            ("a", 1 << 20, Rights::READ | Rights::WRITE),
+            ("b", 64 << 10, Rights::READ | Rights::WRITE),
+        ],
+    )
+}
+
+/// Any address inside a segment opens that segment, and its descriptor's
+/// base maps addresses to offsets: a write to `base + 4096` lands at offset
+/// 4096 of the right segment.
+#[test]
+fn an_address_inside_a_segment_opens_it_and_maps_to_its_offset() {
+    let t = target();
+    let (a, b) = (t.seg("a").clone(), t.seg("b").clone());
+    assert_ne!(a.base, 0);
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        for (seg, name) in [(&a, "a"), (&b, "b")] {
+            for addr in [seg.base, seg.base + 4096, seg.base + seg.len - 1] {
+                let r = peer.open_at(addr, seg.token).await.unwrap();
+                assert_eq!(
+                    (r.name(), r.id(), r.base(), r.len()),
+                    (name, seg.id, seg.base, seg.len)
+                );
+            }
+        }
+        let r = peer.open_at(b.base + 4096, b.token).await.unwrap();
+        let off = b.base + 4096 - r.base();
+        let (res, _) = r.write(off, pattern(512, 3), 1).await;
+        assert_eq!(res.unwrap(), 512);
+        assert_eq!(t.snapshot("b", 4096, 512), pattern(512, 3));
+        assert!(t.snapshot("a", 0, 1 << 20).iter().all(|&x| x == 0));
+    });
+}
+
+/// An address in no segment, one past a segment's end, and a right address
+/// with another segment's token are refused alike (`OpenRefused`), so the
+/// answer does not say where memory is.
+#[test]
+fn addresses_outside_every_segment_and_wrong_tokens_are_refused_alike() {
+    let t = target();
+    let (a, b) = (t.seg("a").clone(), t.seg("b").clone());
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let outside = [a.base + a.len, 1, u64::MAX]
+            .into_iter()
+            .filter(|&x| !(b.base..b.base + b.len).contains(&x));
+        for addr in outside {
+            let r = peer.open_at(addr, a.token).await.err();
+            assert!(
+                matches!(r, Some(TransferError::OpenRefused(_))),
+                "{addr:#x}: {r:?}"
+            );
+        }
+        let r = peer.open_at(a.base, b.token).await.err();
+        assert!(matches!(r, Some(TransferError::OpenRefused(_))), "{r:?}");
+        let r = peer.open_at(a.base, Token::random()).await.err();
+        assert!(matches!(r, Some(TransferError::OpenRefused(_))), "{r:?}");
+    });
+    // On the wire: the same status, and no descriptor.
+    let mut c = RawClient::connect(t.addr);
+    for (seg, token) in [
+        (SegmentRef::Address(a.base + a.len + (1 << 30)), a.token),
+        (SegmentRef::Address(a.base), b.token),
+    ] {
+        let ack = c.auth_ref(seg, token);
+        assert_eq!(ack.results, vec![(Status::Forbidden, None)]);
+    }
+    let ack = c.auth_ref(SegmentRef::Address(a.base + 1), a.token);
+    assert_eq!(ack.results[0].0, Status::Ok);
+    assert_eq!(ack.results[0].1.as_ref().map(|d| d.base), Some(a.base));
+}
+
+/// A cluster that shares a secret derives the same token everywhere
+/// (HMAC-SHA256(secret, "quiesce-token-v1" ‖ label), first 16 bytes, as
+/// computed independently here): a target registers with it and a peer that
+/// holds the secret opens by address; one with another secret is refused.
+#[test]
+fn tokens_derived_from_a_shared_secret_open_and_others_do_not() {
+    let secret = b"sixteen+ random bytes, shared";
+    let derived = Token::derive(secret, "node");
+    let expect = hmac(secret, &[b"quiesce-token-v1", b"node"]);
+    let hex: String = expect[..16].iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(derived.to_string(), hex);
+    assert_ne!(Token::derive(secret, "other"), derived);
+    assert_ne!(Token::derive(b"another secret", "node"), derived);
+    Runtime::new().unwrap().block_on(async {
+        let target = Engine::bind(EngineConfig::default()).unwrap();
+        let seg = target
+            .register_with_token(
+                "0x1000",
+                vec![0u8; 8192],
+                Rights::READ | Rights::WRITE,
+                derived,
+            )
+            .unwrap();
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(target.local_addr()).await.unwrap();
+        let wrong = Token::derive(b"another secret", "node");
+        let r = peer.open_at(seg.base() + 100, wrong).await.err();
+        assert!(matches!(r, Some(TransferError::OpenRefused(_))), "{r:?}");
+        let r = peer
+            .open_at(seg.base() + 100, Token::derive(secret, "node"))
+            .await
+            .unwrap();
+        let (res, _) = r.write(100, vec![5u8; 10], 1).await;
+        assert_eq!(res.unwrap(), 10);
+        let mut b = [0u8; 10];
+        assert!(seg.read_at(100, &mut b));
+        assert_eq!(b, [5u8; 10]);
+    });
+}
