@@ -64,6 +64,8 @@ struct Snapshot {
 struct Target {
     addr: SocketAddr,
     ids: (u64, u64),
+    /// The segments' addresses at the target.
+    bases: (u64, u64),
     pub_token: Token,
     ask: mpsc::SyncSender<mpsc::SyncSender<Snapshot>>,
 }
@@ -77,8 +79,8 @@ fn target() -> &'static Target {
             let rw = Rights::READ | Rights::WRITE;
             let kv = engine.register("kv", vec![0u8; SEG_LEN], rw).unwrap();
             let public = engine.register("pub", vec![0u8; SEG_LEN], rw).unwrap();
-            tx.send((engine.local_addr(), (kv.id(), public.id()), public.token()))
-                .unwrap();
+            let ids = ((kv.id(), public.id()), (kv.base(), public.base()));
+            tx.send((engine.local_addr(), ids, public.token())).unwrap();
             let (mut peak_fences, mut peak_sessions) = (0, 0);
             let mut buf = vec![0u8; SEG_LEN];
             loop {
@@ -106,10 +108,11 @@ fn target() -> &'static Target {
                 quiesce_runtime::time::sleep(Duration::from_micros(100)).await;
             }
         });
-        let (addr, ids, pub_token) = rx.recv().unwrap();
+        let (addr, (ids, bases), pub_token) = rx.recv().unwrap();
         Target {
             addr,
             ids,
+            bases,
             pub_token,
             ask: ask_tx,
         }
@@ -130,6 +133,14 @@ enum Seg {
     Other(u64),
 }
 
+/// How a proof names "pub".
+#[derive(Arbitrary, Debug, Clone, Copy)]
+enum By {
+    Id,
+    Name,
+    Address { at: u64 },
+}
+
 #[derive(Arbitrary, Debug)]
 enum Step {
     /// Opens connection `conn` (closing what was there) and says hello: in
@@ -139,13 +150,10 @@ enum Step {
         join: Option<u8>,
         nonce: [u8; 16],
     },
-    /// A valid proof of "pub"'s token (by id or by name), with a join proof
-    /// from the input (the harness never knows a session's key).
-    AuthPub {
-        conn: u8,
-        by_name: bool,
-        join: [u8; 32],
-    },
+    /// A valid proof of "pub"'s token (by id, by name, or by an address
+    /// `base + at % 2·len`: inside it or not), with a join proof from the
+    /// input (the harness never knows a session's key).
+    AuthPub { conn: u8, by: By, join: [u8; 32] },
     /// A proof from the input, for any segment.
     AuthForged {
         conn: u8,
@@ -303,18 +311,17 @@ fn run(t: &Target, steps: Vec<Step>) {
                 }
                 conns[conn as usize % CONNS] = Some(c);
             }
-            Step::AuthPub {
-                conn,
-                by_name,
-                join,
-            } => {
+            Step::AuthPub { conn, by, join } => {
                 let Some(c) = conns[conn as usize % CONNS].as_mut() else {
                     continue;
                 };
                 let Some(ack) = c.ack.as_ref() else { continue };
-                let seg = match by_name {
-                    true => SegmentRef::Name("pub".into()),
-                    false => SegmentRef::Id(t.ids.1),
+                let seg = match by {
+                    By::Name => SegmentRef::Name("pub".into()),
+                    By::Id => SegmentRef::Id(t.ids.1),
+                    By::Address { at } => {
+                        SegmentRef::Address(t.bases.1.wrapping_add(at % (2 * SEG_LEN as u64)))
+                    }
                 };
                 let proof = t.pub_token.prove(&ack.nonce, &c.nonce, ack.session, &seg);
                 auth(c, &mut tally, seg, proof, join);
@@ -328,8 +335,10 @@ fn run(t: &Target, steps: Vec<Step>) {
                 let Some(c) = conns[conn as usize % CONNS].as_mut() else {
                     continue;
                 };
+                // "kv" by name or by its address; others by id.
                 let r = match seg {
-                    Seg::Kv => SegmentRef::Name("kv".into()),
+                    Seg::Kv if proof[0] & 1 == 0 => SegmentRef::Name("kv".into()),
+                    Seg::Kv => SegmentRef::Address(t.bases.0 + proof[1] as u64),
                     s => SegmentRef::Id(seg_id(t, s)),
                 };
                 auth(c, &mut tally, r, proof, join);
@@ -463,7 +472,7 @@ fn self_test(t: &Target) {
         },
         Step::AuthPub {
             conn: 0,
-            by_name: false,
+            by: By::Address { at: 10 },
             join: [0; 32],
         },
         frame(Seg::Pub),
