@@ -42,6 +42,6 @@ pub use control::auth::{BadToken, Token};
 pub use control::revoke::RevokeError;
 pub use engine::{Engine, EngineStats, RegisterError};
 pub use error::TransferError;
-pub use memory::{AlignedBuf, Lease, LeaseError, Region};
+pub use memory::{AlignedBuf, ForeignMemory, Lease, LeaseError, Region};
 pub use segment::{Rights, Segment, SegmentMemory};
 pub use tcp::peer::{Peer, RemoteSegment};

@@ -257,6 +257,51 @@ unsafe impl IoBufMut for Lease {
     unsafe fn set_init(&mut self, _pos: usize) {}
 }
 
+/// Memory the caller owns and lends to an engine as a segment: a Python
+/// buffer, a tensor's storage, memory of another allocator. The engine
+/// reaches it through raw pointers, as any segment's memory. When nothing
+/// can touch it any more — the segment deregistered and its handles
+/// dropped, every write landing in it and every read sending from it
+/// reaped, every RDMA memory region of it deregistered — `on_release` runs,
+/// on the engine's thread: from then on the memory is the caller's again.
+/// To stop writes that are landing first, revoke the whole segment
+/// ([`Segment::revoke`](crate::Segment::revoke)) before deregistering it.
+pub struct ForeignMemory {
+    ptr: *mut u8,
+    len: usize,
+    on_release: Option<Box<dyn FnOnce()>>,
+}
+
+impl ForeignMemory {
+    /// Lends `ptr..ptr + len`.
+    ///
+    /// # Safety
+    ///
+    /// The range must be valid for reads and writes (and non-null if
+    /// `len > 0`) until `on_release` has run, and nothing but the engine may
+    /// write it meanwhile. The caller may read it, racing remote writes
+    /// (some mix of old and new bytes).
+    pub unsafe fn new(
+        ptr: *mut u8,
+        len: usize,
+        on_release: impl FnOnce() + 'static,
+    ) -> ForeignMemory {
+        ForeignMemory {
+            ptr,
+            len,
+            on_release: Some(Box::new(on_release)),
+        }
+    }
+}
+
+impl Drop for ForeignMemory {
+    fn drop(&mut self) {
+        if let Some(f) = self.on_release.take() {
+            f();
+        }
+    }
+}
+
 /// Memory exposed to peers: remote writes land in it while local handles
 /// exist, so it is only ever reached through raw pointers and copies.
 pub(crate) struct ExposedMemory {
@@ -272,6 +317,15 @@ impl ExposedMemory {
             ptr,
             len,
             _owner: Box::new(v),
+        }
+    }
+
+    pub(crate) fn from_foreign(f: ForeignMemory) -> ExposedMemory {
+        let (ptr, len) = (f.ptr, f.len);
+        ExposedMemory {
+            ptr,
+            len,
+            _owner: Box::new(f),
         }
     }
 

@@ -6,7 +6,7 @@ use bitflags::bitflags;
 
 use crate::control::auth::Token;
 use crate::control::revoke::{Grants, RevokeError};
-use crate::memory::{AlignedBuf, ExposedMemory};
+use crate::memory::{AlignedBuf, ExposedMemory, ForeignMemory};
 
 bitflags! {
     /// What a peer that proved a segment's token may do to it.
@@ -25,6 +25,14 @@ pub enum SegmentMemory {
     Vec(Vec<u8>),
     /// A page-aligned buffer.
     Aligned(AlignedBuf),
+    /// Memory the caller owns (see [`ForeignMemory`]).
+    Foreign(ForeignMemory),
+}
+
+impl From<ForeignMemory> for SegmentMemory {
+    fn from(f: ForeignMemory) -> Self {
+        SegmentMemory::Foreign(f)
+    }
 }
 
 impl From<Vec<u8>> for SegmentMemory {
@@ -74,6 +82,7 @@ impl Segment {
         let mem = match mem {
             SegmentMemory::Vec(v) => ExposedMemory::from_vec(v),
             SegmentMemory::Aligned(b) => ExposedMemory::from_aligned(b),
+            SegmentMemory::Foreign(f) => ExposedMemory::from_foreign(f),
         };
         Segment {
             inner: Rc::new(SegmentInner {

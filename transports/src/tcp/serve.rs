@@ -117,8 +117,11 @@ impl ServedConn<'_> {
         }
         let revoked = landed < len && landing.grant.revoked();
         // The receive is reaped: a fence or revoke waiting for this write may
-        // resolve.
+        // resolve. The segment goes too: the rest of a cut write lands in
+        // scratch, and a stalled sender must not keep the memory (caller-owned
+        // memory comes back only when no handle to it is left).
         drop(landing);
+        drop(seg);
         let st = if landed == len {
             Status::Ok
         } else {
