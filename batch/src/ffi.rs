@@ -23,6 +23,19 @@ pub struct RawBuf {
     len: usize,
 }
 
+impl RawBuf {
+    /// Describes `ptr..ptr + len`.
+    ///
+    /// # Safety
+    ///
+    /// The range must stay valid for reads and writes, and untouched by
+    /// anyone else, for as long as a batch holds the buffer: until its
+    /// outcome is 0 or -1 (after -2, until the ticket drains).
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> RawBuf {
+        RawBuf { ptr, len }
+    }
+}
+
 // SAFETY: the C caller promised the memory stays valid and untouched while
 // the batch holds it; moving the description between threads is harmless.
 unsafe impl Send for RawBuf {}

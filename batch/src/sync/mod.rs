@@ -39,6 +39,10 @@ use crate::{
     Batch, BatchOptions, Outcome, Quiesced, RemoteRange, TaskReport, Tcp, Ticket, SYNC_UNKNOWN,
 };
 
+mod memory;
+
+pub use memory::OpenedAt;
+
 /// Which direction a sync batch moves data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Direction {
@@ -83,6 +87,8 @@ type Job = Box<dyn FnOnce(&State) + Send>;
 struct State {
     engine: Engine,
     segments: Rc<RefCell<Vec<RemoteSegment>>>,
+    /// Caller memory lent as segments ([`SyncEngine::lend`]), by address.
+    lent: Rc<RefCell<HashMap<u64, quiesce_transports::Segment>>>,
     /// Tickets of batches whose completion is unknown, by id.
     tickets: Rc<RefCell<HashMap<u64, Box<dyn Any>>>>,
     next_ticket: Rc<Cell<u64>>,
@@ -91,6 +97,10 @@ struct State {
 /// A transfer engine on its own thread, for blocking callers.
 pub struct SyncEngine {
     jobs: Option<Sender<Job>>,
+    /// Where the engine listens.
+    addr: SocketAddr,
+    /// For each lent range (by address), what says it was handed back.
+    released: std::sync::Mutex<HashMap<u64, mpsc::Receiver<()>>>,
     /// Answers how the runtime's shutdown went (ops still live after it).
     thread: Option<thread::JoinHandle<usize>>,
 }
@@ -120,6 +130,15 @@ pub enum SyncError {
     /// (`usize::MAX`: unknown): memory lent to it must never be freed.
     #[error("{0} operations still in flight after the engine stopped")]
     Undrained(usize),
+    /// No memory was lent at this address.
+    #[error("no memory lent at {0:#x}")]
+    NotLent(u64),
+    /// The engine refused to register the memory.
+    #[error(transparent)]
+    Register(#[from] quiesce_transports::RegisterError),
+    /// The target refused to revoke the range (out of bounds).
+    #[error(transparent)]
+    Revoke(#[from] quiesce_transports::RevokeError),
 }
 
 impl SyncEngine {
@@ -142,10 +161,11 @@ impl SyncEngine {
                         Ok(e) => e,
                         Err(e) => return ready_tx.send(Err(e.to_string())).unwrap_or(()),
                     };
-                    let _ = ready_tx.send(Ok(()));
+                    let _ = ready_tx.send(Ok(engine.local_addr()));
                     let st = State {
                         engine,
                         segments: Rc::default(),
+                        lent: Rc::default(),
                         tickets: Rc::default(),
                         next_ticket: Rc::new(Cell::new(1)),
                     };
@@ -161,8 +181,10 @@ impl SyncEngine {
             })
             .map_err(|e| SyncError::Setup(e.to_string()))?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(SyncEngine {
+            Ok(Ok(addr)) => Ok(SyncEngine {
                 jobs: Some(jobs),
+                addr,
+                released: Default::default(),
                 thread: Some(thread),
             }),
             Ok(Err(e)) => Err(SyncError::Setup(e)),

@@ -1,0 +1,144 @@
+//! Caller memory addressed by pointer, for bindings that speak Mooncake's
+//! API (Python's `register_memory(addr, capacity)`, remote addresses as the
+//! peer's virtual addresses): lending a range as a segment, taking it back
+//! only once nothing can touch it, and opening a peer's segment by an
+//! address inside it.
+
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use quiesce_runtime::spawn_local;
+use quiesce_transports::{ForeignMemory, Rights, Token};
+
+use super::{SyncEngine, SyncError};
+
+/// A peer's segment opened by an address inside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenedAt {
+    /// The handle batches name it by.
+    pub segment: u32,
+    /// The peer's virtual address of its first byte (offset = address − base).
+    pub base: u64,
+    /// Its length.
+    pub len: u64,
+}
+
+impl SyncEngine {
+    /// Where the engine listens (peers connect here).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Lends `addr..addr + len` to peers as segment `name` (read and
+    /// write), proven with `token`; returns its id.
+    ///
+    /// # Safety
+    ///
+    /// The range must stay valid for reads and writes, and nothing but the
+    /// engine may write it, until [`reclaim`](Self::reclaim) returns
+    /// `Ok(true)` for it (or the engine has stopped).
+    pub unsafe fn lend(
+        &self,
+        name: &str,
+        addr: u64,
+        len: u64,
+        token: Token,
+    ) -> Result<u64, SyncError> {
+        let name = name.to_string();
+        let (released_tx, released_rx) = mpsc::channel();
+        let id = self.call(move |st, tx| {
+            // SAFETY: the caller's contract above; `on_release` tells
+            // `reclaim` when the engine no longer holds the range.
+            let mem = unsafe {
+                ForeignMemory::new(addr as *mut u8, len as usize, move || {
+                    let _ = released_tx.send(());
+                })
+            };
+            let r = st
+                .engine
+                .register_with_token(&name, mem, Rights::READ | Rights::WRITE, token)
+                .map(|seg| {
+                    let id = seg.id();
+                    st.lent.borrow_mut().insert(addr, seg);
+                    id
+                })
+                .map_err(SyncError::from);
+            let _ = tx.send(r);
+        })??;
+        self.released_map().insert(addr, released_rx);
+        Ok(id)
+    }
+
+    /// Takes back the range lent at `addr`: revokes all of it (writes
+    /// landing there are cut, and none issued before lands later), stops
+    /// serving it, and waits up to `timeout` until nothing holds it — no
+    /// write landing, no read sending from it. `Ok(true)`: the memory is the
+    /// caller's again. `Ok(false)`: something still holds it; it must not be
+    /// freed or reused yet — call again to keep waiting.
+    pub fn reclaim(&self, addr: u64, timeout: Duration) -> Result<bool, SyncError> {
+        if !self.released_map().contains_key(&addr) {
+            return Err(SyncError::NotLent(addr));
+        }
+        self.call(move |st, tx| {
+            let Some(seg) = st.lent.borrow_mut().remove(&addr) else {
+                // Withdrawn by an earlier call that timed out.
+                let _ = tx.send(Ok(()));
+                return;
+            };
+            let engine = st.engine.clone();
+            spawn_local(async move {
+                let r = seg.revoke(0..seg.len()).await.map_err(SyncError::from);
+                engine.deregister(seg.id());
+                drop(seg);
+                let _ = tx.send(r);
+            });
+        })??;
+        let rx = self.released_map().remove(&addr);
+        let Some(rx) = rx else {
+            return Err(SyncError::NotLent(addr));
+        };
+        match rx.recv_timeout(timeout) {
+            Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => Ok(true),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                self.released_map().insert(addr, rx);
+                Ok(false)
+            }
+        }
+    }
+
+    /// Connects to `peer` and opens the segment that holds the peer's
+    /// address `addr`, proving `token`.
+    pub fn open_at(
+        &self,
+        peer: SocketAddr,
+        addr: u64,
+        token: Token,
+    ) -> Result<OpenedAt, SyncError> {
+        self.call(move |st, tx| {
+            let st = st.clone();
+            spawn_local(async move {
+                let r = async {
+                    let p = st.engine.connect(peer).await?;
+                    let seg = p.open_at(addr, token).await?;
+                    let (base, len) = (seg.base(), seg.len());
+                    let mut segs = st.segments.borrow_mut();
+                    segs.push(seg);
+                    Ok(OpenedAt {
+                        segment: segs.len() as u32 - 1,
+                        base,
+                        len,
+                    })
+                };
+                let _ = tx.send(r.await);
+            });
+        })?
+    }
+
+    fn released_map(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, mpsc::Receiver<()>>> {
+        // A poisoned map is still the right map: nothing in it panics.
+        self.released.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

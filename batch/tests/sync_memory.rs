@@ -1,0 +1,136 @@
+//! The sync API's pointer-addressed memory (what the Python binding's
+//! Mooncake-compatible `register_memory`/`unregister_memory` and
+//! peer-address transfers use): one engine lends caller memory, another
+//! opens it by an address inside it and writes; taking the memory back
+//! waits until nothing can touch it.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use quiesce_batch::ffi::RawBuf;
+use quiesce_batch::sync::{Direction, SyncEngine, SyncError, SyncTask};
+use quiesce_batch::{BatchOptions, SYNC_OK};
+use quiesce_transports::wire::{AuthRequest, Header, Hello, HelloAck, Opcode, SegmentRef, VERSION};
+use quiesce_transports::{EngineConfig, Token};
+
+const LEN: usize = 1 << 20;
+
+fn engine() -> SyncEngine {
+    SyncEngine::start(EngineConfig::default()).unwrap()
+}
+
+/// Writes land in the lent memory at the offset the peer address names, and
+/// reclaiming it answers `true` once nothing holds it.
+#[test]
+fn lent_memory_is_written_by_peer_address_and_reclaimed() {
+    let target = engine();
+    let init = engine();
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let mut mem = vec![0u8; LEN].into_boxed_slice();
+    let base = mem.as_mut_ptr() as u64;
+    // SAFETY: `mem` lives until after `reclaim` answered true below.
+    unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    let at = init
+        .open_at(target.local_addr(), base + 8192, token)
+        .unwrap();
+    assert_eq!((at.base, at.len), (base, LEN as u64));
+    let mut src = vec![0x5au8; 4096];
+    // SAFETY: `src` outlives the batch (its outcome is 0 or -1 below).
+    let buf = unsafe { RawBuf::new(src.as_mut_ptr(), src.len()) };
+    let out = init
+        .batch(
+            Direction::Write,
+            vec![SyncTask {
+                segment: at.segment,
+                offset: base + 8192 - at.base,
+                buf,
+            }],
+            BatchOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(out.code, SYNC_OK);
+    assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
+    assert!(mem[8192..8192 + 4096].iter().all(|&b| b == 0x5a));
+    assert!(mem[..8192].iter().all(|&b| b == 0));
+    assert_eq!(
+        target.reclaim(base, Duration::from_secs(1)),
+        Err(SyncError::NotLent(base))
+    );
+    // A wrong secret opens nothing.
+    let wrong = Token::derive(b"another secret", "node");
+    assert!(init.open_at(target.local_addr(), base, wrong).is_err());
+}
+
+/// A peer that starts a write into lent memory and stalls does not keep it:
+/// reclaim revokes the range, the landing write is cut, and the memory comes
+/// back while the peer is still connected.
+#[test]
+fn reclaim_cuts_a_stalled_write_and_returns_the_memory() {
+    let target = engine();
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let mut mem = vec![0u8; LEN].into_boxed_slice();
+    let base = mem.as_mut_ptr() as u64;
+    // SAFETY: `mem` lives until after `reclaim` answered true below.
+    let id = unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    let mut s = stalled_writer(target.local_addr(), id, token, base);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
+    // Bytes the peer sends now go to scratch, never into `mem`.
+    let _ = s.write_all(&[0xff; 4096]);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(mem[..1000].iter().all(|&b| b == 0x11), "the landed part");
+    assert!(
+        mem[1000..].iter().all(|&b| b == 0),
+        "bytes after the reclaim landed"
+    );
+    drop(s);
+}
+
+/// Connects raw, proves `token` by address, and sends a 64 KiB write's
+/// header with only its first 1000 bytes.
+fn stalled_writer(addr: std::net::SocketAddr, id: u64, token: Token, base: u64) -> TcpStream {
+    use std::io::Read;
+    let mut s = TcpStream::connect(addr).unwrap();
+    let nonce = [3u8; 16];
+    let hello = Hello {
+        version_min: VERSION,
+        version_max: VERSION,
+        session: 0,
+        shards: 1,
+        nonce,
+        node: "raw".into(),
+    }
+    .encode()
+    .unwrap();
+    let frame = |h: Header, p: &[u8]| [&h.encode()[..], p].concat();
+    let mut head = Header::new(Opcode::Hello);
+    head.length = hello.len() as u64;
+    s.write_all(&frame(head, &hello)).unwrap();
+    let mut h = [0u8; 48];
+    s.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h).unwrap();
+    let mut p = vec![0u8; h.length as usize];
+    s.read_exact(&mut p).unwrap();
+    let ack = HelloAck::decode(&p).unwrap();
+    let seg = SegmentRef::Address(base);
+    let proof = token.prove(&ack.nonce, &nonce, ack.session, &seg);
+    let auth = AuthRequest {
+        join: [0; 32],
+        proofs: vec![(seg, proof)],
+    }
+    .encode()
+    .unwrap();
+    let mut head = Header::new(Opcode::Auth);
+    head.length = auth.len() as u64;
+    s.write_all(&frame(head, &auth)).unwrap();
+    let mut h = [0u8; 48];
+    s.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h).unwrap();
+    let mut p = vec![0u8; h.length as usize];
+    s.read_exact(&mut p).unwrap();
+    let mut w = Header::new(Opcode::Write);
+    (w.batch, w.task, w.segment, w.length) = (1, 1, id, 64 << 10);
+    s.write_all(&frame(w, &[0x11; 1000])).unwrap();
+    s
+}
