@@ -1,0 +1,24 @@
+"""quiesce: transfer batches that resolve only once every transfer in them has
+quiesced.
+
+``quiesce.mooncake.TransferEngine`` is a drop-in for Mooncake's
+``mooncake.engine.TransferEngine`` (the calls vLLM's and SGLang's connectors
+make), whose return codes keep quiesce's contract:
+
+* ``0``  -- completed;
+* ``-1`` -- failed, and nothing touches the caller's memory any more;
+* ``-2`` -- completion unknown: the memory stays pinned until
+  ``wait_for_quiescence()`` returns 0.
+
+Peers prove access with a secret they share: set ``QUIESCE_SECRET`` (16 or
+more bytes, the same on every peer), or ``QUIESCE_OPEN_CLUSTER=1`` on a
+trusted network.
+"""
+
+from quiesce._native import OPEN_CLUSTER_ENV, SECRET_ENV
+
+OK = 0
+FAILED = -1
+COMPLETION_UNKNOWN = -2
+
+__all__ = ["OK", "FAILED", "COMPLETION_UNKNOWN", "SECRET_ENV", "OPEN_CLUSTER_ENV", "mooncake"]

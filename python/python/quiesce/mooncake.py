@@ -1,0 +1,18 @@
+"""A drop-in for Mooncake's Python ``TransferEngine``.
+
+Switching a caller is an import change::
+
+    # from mooncake.engine import TransferEngine
+    from quiesce.mooncake import TransferEngine
+
+Same method names, argument order and return conventions as Mooncake's
+binding, for the calls vLLM's and SGLang's connectors make. What differs is
+what the codes promise: ``-1`` means nothing touches your memory any more
+(Mooncake returns -1 while other transfers of the batch still read your
+sources and write the target), and ``-2`` means completion is unknown and the
+memory stays pinned until ``wait_for_quiescence()`` returns 0.
+"""
+
+from quiesce._native import TransferEngine
+
+__all__ = ["TransferEngine"]

@@ -1,0 +1,23 @@
+//! `quiesce._native`: the Rust half of the `quiesce` Python package.
+//!
+//! [`mooncake::TransferEngine`] is the surface vLLM's and SGLang's Mooncake
+//! connectors call (`quiesce.mooncake.TransferEngine` re-exports it), on
+//! quiesce's sync engine: every call blocks with the GIL released, and its
+//! code keeps quiesce's contract — 0 completed, -1 failed and nothing
+//! touches the caller's memory any more, -2 completion unknown (the memory
+//! stays pinned until [`mooncake::TransferEngine::wait_for_quiescence`]
+//! says the batch drained).
+#![deny(missing_docs)]
+
+use pyo3::prelude::*;
+
+mod mooncake;
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<mooncake::TransferEngine>()?;
+    m.add("SECRET_ENV", mooncake::SECRET_ENV)?;
+    m.add("OPEN_CLUSTER_ENV", mooncake::OPEN_CLUSTER_ENV)?;
+    Ok(())
+}

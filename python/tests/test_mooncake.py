@@ -1,0 +1,204 @@
+"""quiesce.mooncake.TransferEngine used as vLLM and SGLang use Mooncake's,
+against targets in other processes (tests/peer.py)."""
+
+import signal
+import threading
+import time
+
+import pytest
+
+from quiesce.mooncake import TransferEngine
+
+MiB = 1 << 20
+
+
+def engine():
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    return e
+
+
+def test_vllm_call_sequence(peer_factory, local):
+    """vLLM's MooncakeConnector: initialize, get_rpc_port,
+    batch_register_memory, batch_transfer_sync_write to "host:port"."""
+    target = peer_factory(4 * MiB, 4 * MiB)
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    port = e.get_rpc_port()
+    assert 0 < port < 65536
+    srcs = [local.buffer(256 << 10, 0x10 + i) for i in range(4)]
+    assert e.batch_register_memory(srcs, [256 << 10] * 4) == 0
+    (a, _), (b, _) = target.regions
+    dsts = [a, a + (1 << 20), b + 4096, b + (3 << 20)]
+    ret = e.batch_transfer_sync_write(target.session, srcs, dsts, [256 << 10] * 4)
+    assert ret == 0
+    for i, d in enumerate(dsts):
+        assert target.count(d, 256 << 10, 0x10 + i) == 256 << 10
+    assert target.count(a + (256 << 10), 4096, 0) == 4096, "bytes outside the ranges"
+    assert e.batch_unregister_memory(srcs) == 0
+
+
+def test_read_mirror(peer_factory, local):
+    target = peer_factory(MiB)
+    (a, n) = target.regions[0]
+    target.fill(a, n, 0x7E)
+    e = engine()
+    dst = local.buffer(64 << 10)
+    assert e.transfer_sync_read(target.session, dst, a + 4096, 64 << 10) == 0
+    import ctypes
+
+    assert ctypes.string_at(dst, 64 << 10) == b"\x7e" * (64 << 10)
+
+
+def test_seed_scenario_minus_one_means_nothing_touches_the_source(peer_factory, local):
+    """[a 4 KiB write the target refuses, a valid 64 MiB write]: -1, and the
+    source rewritten at once never shows up at the target (Mooncake 0.3.13:
+    50 of 50 rounds still reading the source after -1)."""
+    import ctypes
+
+    target = peer_factory(4096, 64 * MiB)
+    (small, _), (big, _) = target.regions
+    e = engine()
+    probe = local.buffer(4096, 1)
+    src = local.buffer(64 * MiB)
+    corrupted = 0
+    rounds = 5
+    for r in range(rounds):
+        # The small range is opened (cached), then withdrawn by the target:
+        # its next write is refused there.
+        assert e.transfer_sync_write(target.session, probe, small, 4096) == 0
+        assert target.ask(f"unregister {small}") == "0"
+        target.fill(big, 64 * MiB, 0)
+        ctypes.memset(src, 0xAA, 64 * MiB)
+        ret = e.batch_transfer_sync_write(
+            target.session, [probe, src], [small, big], [4096, 64 * MiB]
+        )
+        assert ret == -1, f"round {r}: {ret}"
+        # -1: nothing reads the source any more. Rewrite it at once.
+        ctypes.memset(src, 0xBB, 64 * MiB)
+        time.sleep(0.05)
+        if target.count(big, 64 * MiB, 0xBB) != 0:
+            corrupted += 1
+        assert target.ask(f"register {small} 4096") == "0"
+    assert corrupted == 0, f"{corrupted}/{rounds} rounds had bytes written after -1"
+
+
+def test_sixteen_threads_at_once(peer_factory, local):
+    """SGLang fans batch_transfer_sync_write out on a thread pool."""
+    target = peer_factory(16 * MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    chunk = 64 << 10
+    srcs = [[local.buffer(chunk, 1 + t) for _ in range(4)] for t in range(16)]
+    codes = []
+
+    def work(t):
+        for it in range(10):
+            base = a + t * MiB
+            dsts = [base + k * chunk for k in range(4)]
+            codes.append(e.batch_transfer_sync_write(target.session, srcs[t], dsts, [chunk] * 4))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert codes == [0] * 160
+    for t in range(16):
+        assert target.count(a + t * MiB, 4 * chunk, 1 + t) == 4 * chunk
+
+
+def test_bad_input_is_a_clear_code_and_loses_nothing(peer_factory, local, monkeypatch):
+    target = peer_factory(MiB)
+    (a, n) = target.regions[0]
+    e = TransferEngine()
+    buf = local.buffer(4096, 9)
+    assert e.transfer_sync_write(target.session, buf, a, 4096) == -1, "before initialize"
+    assert e.get_rpc_port() == -1
+    monkeypatch.delenv("QUIESCE_SECRET")
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1, "no secret"
+    monkeypatch.setenv("QUIESCE_SECRET", "short")
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1, "short secret"
+    monkeypatch.setenv("QUIESCE_SECRET", "pytest: a secret every peer of this suite shares")
+    assert e.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1, "twice"
+    s = target.session
+    assert e.transfer_sync_write(s, buf, a + n + 4096, 4096) == -1, "unregistered address"
+    assert e.transfer_sync_write(s, buf, a + n - 100, 4096) == -1, "crosses the end"
+    assert e.transfer_sync_write(s, buf, a, 0) == -1, "zero length"
+    assert e.transfer_sync_write(s, 0, a, 4096) == -1, "null buffer"
+    assert e.transfer_sync_write("127.0.0.1:1", buf, a, 4096) == -1, "unknown session"
+    assert e.transfer_sync_write("no-such-host.invalid:1", buf, a, 4096) == -1
+    assert e.batch_transfer_sync_write(s, [buf], [a, a], [4096]) == -1, "counts differ"
+    assert e.register_memory(0, 4096) == -1
+    assert e.unregister_memory(buf) == -1, "never registered"
+    assert target.count(a, n, 0) == n, "a refused write landed"
+    # The engine still works.
+    assert e.transfer_sync_write(s, buf, a, 4096) == 0
+    assert target.count(a, 4096, 9) == 4096
+
+
+def test_another_secret_opens_nothing(peer_factory, local, monkeypatch):
+    target = peer_factory(MiB)
+    (a, _) = target.regions[0]
+    monkeypatch.setenv("QUIESCE_SECRET", "a different secret, also 16+ bytes")
+    e = engine()
+    buf = local.buffer(4096, 3)
+    assert e.transfer_sync_write(target.session, buf, a, 4096) == -1
+    assert target.count(a, 4096, 0) == 4096
+
+
+def test_a_killed_target_gives_an_outcome_never_a_hang(peer_factory, local):
+    target = peer_factory(64 * MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(64 * MiB, 5)
+    for _ in range(3):
+        out = []
+        th = threading.Thread(
+            target=lambda: out.append(e.transfer_sync_write(target.session, src, a, 64 * MiB))
+        )
+        th.start()
+        time.sleep(0.002)
+        target.signal(signal.SIGKILL)
+        th.join(40)
+        assert not th.is_alive(), "the transfer hung on a killed target"
+        assert out[0] in (0, -1, -2)
+        if out[0] == -2:
+            assert e.wait_for_quiescence(10) == 0
+        target.close()
+        target = peer_factory(64 * MiB)
+        (a, _) = target.regions[0]
+
+
+def test_a_stopped_target_with_a_deadline(peer_factory, local, monkeypatch):
+    """MC_TRANSFER_TIMEOUT=5: a SIGSTOPped target gives -1 or -2 soon after the
+    deadline, never 0 and never a hang; after -2 the memory stays pinned until
+    the target resumes and the batch drains."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    target = peer_factory(64 * MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(64 * MiB, 6)
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    target.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    ret = e.transfer_sync_write(target.session, src, a, 64 * MiB)
+    took = time.monotonic() - t0
+    assert ret in (-1, -2), ret
+    assert took < 5 + 10, f"{took:.1f} s"
+    import ctypes
+
+    if ret == -1:
+        # Nothing reads the source any more: rewrite it before the target
+        # resumes; none of the new bytes may ever reach it.
+        ctypes.memset(src, 0x77, 64 * MiB)
+    else:
+        assert e.wait_for_quiescence(0.2) == 1, "drained while the target is stopped?"
+    target.signal(signal.SIGCONT)
+    assert e.wait_for_quiescence(20) == 0
+    time.sleep(0.2)
+    assert target.count(a, 64 * MiB, 0x77) == 0, "bytes written after -1 reached the target"
+    print(f"stopped target: {ret} after {took:.2f} s")
