@@ -1,11 +1,11 @@
 //! `quiesce._native`: the Rust half of the `quiesce` Python package.
 //!
-//! [`mooncake::TransferEngine`] is the surface vLLM's and SGLang's Mooncake
+//! `mooncake::TransferEngine` is the surface vLLM's and SGLang's Mooncake
 //! connectors call (`quiesce.mooncake.TransferEngine` re-exports it), on
 //! quiesce's sync engine: every call blocks with the GIL released, and its
 //! code keeps quiesce's contract — 0 completed, -1 failed and nothing
 //! touches the caller's memory any more, -2 completion unknown (the memory
-//! stays pinned until [`mooncake::TransferEngine::wait_for_quiescence`]
+//! stays pinned until `TransferEngine.wait_for_quiescence()`
 //! says the batch drained).
 #![deny(missing_docs)]
 
