@@ -29,9 +29,9 @@ fn foreign_memory_comes_back_only_when_no_write_can_land() {
     Runtime::new().unwrap().block_on(async {
         let engine = Engine::bind(EngineConfig::default()).unwrap();
         let r = released.clone();
-        // SAFETY: `owned` outlives the runtime (it is dropped after
-        // `block_on` returns, and the assertions below check `on_release`
-        // ran before); nothing else writes it meanwhile.
+        // `owned` is dropped after `block_on` returns, and the assertions
+        // below check that `on_release` ran before.
+        // SAFETY: `owned` outlives the lending; nothing else writes it.
         let mem = unsafe { ForeignMemory::new(ptr, LEN, move || r.set(true)) };
         let seg = engine
             .register("kv", mem, Rights::READ | Rights::WRITE)

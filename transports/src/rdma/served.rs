@@ -187,9 +187,9 @@ impl ServedDomain {
             return Ok(None);
         };
         let (ptr, len) = seg.mem.raw();
-        // SAFETY: the region keeps the memory alive (`_mem`) and is dropped
-        // before it: with its domain, or when a revoke or a deregistration
-        // removes it.
+        // The region keeps the memory alive (`_mem`); it goes with its domain,
+        // or when a revoke or a deregistration removes it.
+        // SAFETY: the region is dropped before the memory it holds alive.
         let mr = unsafe { Mr::register(&self.pd, ptr, len, seg.access)? };
         self.node.mrs.set(self.node.mrs.get() + 1);
         let region = SegmentMr {
