@@ -249,7 +249,10 @@ impl Node {
                 s
             }
         };
-        if addr - seg.base + len > seg.len {
+        if (addr - seg.base)
+            .checked_add(len)
+            .is_none_or(|end| end > seg.len)
+        {
             return Err(format!(
                 "{peer}: {len} bytes at {addr:#x} cross the end of the registered range at {:#x} ({} bytes)",
                 seg.base, seg.len
@@ -535,11 +538,16 @@ impl TransferEngine {
         let Some(node) = self.node() else { return 0 };
         py.detach(|| {
             let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
-            let mut pending = node.pending.lock().unwrap_or_else(|e| e.into_inner());
-            pending.retain(|&t| {
+            // Taken out while waiting, so transfers returning -2 meanwhile
+            // are not held up; those stay for the next call.
+            let mut mine =
+                std::mem::take(&mut *node.pending.lock().unwrap_or_else(|e| e.into_inner()));
+            mine.retain(|&t| {
                 let left = deadline.saturating_duration_since(Instant::now());
                 !matches!(node.engine.wait::<RawBuf>(t, left), Ok(Some(_)) | Err(_))
             });
+            let mut pending = node.pending.lock().unwrap_or_else(|e| e.into_inner());
+            pending.extend(mine);
             pending.len()
         })
     }
