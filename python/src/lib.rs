@@ -11,13 +11,16 @@
 
 use pyo3::prelude::*;
 
+mod managed;
 mod mooncake;
+mod node;
 
 /// The extension module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mooncake::TransferEngine>()?;
-    m.add("SECRET_ENV", mooncake::SECRET_ENV)?;
-    m.add("OPEN_CLUSTER_ENV", mooncake::OPEN_CLUSTER_ENV)?;
+    m.add_class::<mooncake::TransferOpcode>()?;
+    m.add("SECRET_ENV", node::SECRET_ENV)?;
+    m.add("OPEN_CLUSTER_ENV", node::OPEN_CLUSTER_ENV)?;
     Ok(())
 }

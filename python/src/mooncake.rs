@@ -1,52 +1,59 @@
-//! The Mooncake-compatible `TransferEngine`: the names, argument order and
-//! return conventions of Mooncake's Python binding
+//! The Mooncake-compatible `TransferEngine`: the names, argument order,
+//! keywords and return conventions of Mooncake's Python binding
 //! (`mooncake-integration/transfer_engine/transfer_engine_py.cpp`), for the
-//! subset vLLM's and SGLang's connectors call, on quiesce's contract.
+//! calls vLLM's and SGLang's connectors make, on quiesce's contract.
 //!
 //! Addressing is Mooncake's: a target registers ranges of its memory
-//! (`register_memory(addr, capacity)`), each a segment; an initiator names
-//! remote memory by the target's virtual addresses and its session name
-//! `"host:rpc_port"`. Access is proven with a token every peer derives from
-//! a secret the cluster shares (environment variable [`SECRET_ENV`]); an
-//! explicit opt-in ([`OPEN_CLUSTER_ENV`]) runs an open cluster on a trusted
-//! network instead.
+//! (`register_memory(buffer_addr, capacity)`), each a segment; an initiator
+//! names remote memory by the target's virtual addresses and its session
+//! name `"host:rpc_port"`. Access is proven with a token every peer derives
+//! from a secret the cluster shares (`QUIESCE_SECRET`); `QUIESCE_OPEN_CLUSTER=1`
+//! runs an open cluster on a trusted network instead.
 
-use std::collections::HashMap;
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use pyo3::prelude::*;
-use quiesce_batch::ffi::RawBuf;
-use quiesce_batch::sync::{Direction, OpenedAt, SyncEngine, SyncTask};
-use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
-use quiesce_transports::{EngineConfig, Token};
+use pyo3::types::PyBytes;
+use quiesce_batch::sync::Direction;
+use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 
-/// The environment variable holding the cluster's shared secret (at least
-/// 16 bytes; the same on every peer).
-pub const SECRET_ENV: &str = "QUIESCE_SECRET";
-/// Set to `1` to run without a secret: any peer that can connect may read
-/// and write every registered range. Only on a trusted network.
-pub const OPEN_CLUSTER_ENV: &str = "QUIESCE_OPEN_CLUSTER";
-/// What an open cluster derives its token from (public by design).
-const OPEN_CLUSTER_SECRET: &[u8] = b"quiesce open cluster: whoever connects may read and write";
-/// The label every range's token is derived under: Mooncake's callers never
-/// see segment names, so all of a node's ranges share one token.
-const TOKEN_LABEL: &str = "mooncake-node";
+use crate::node::{complain, Node, Progress};
+
 /// How long `unregister_memory` waits for nothing to hold the range.
 const RECLAIM_WAIT: Duration = Duration::from_secs(30);
+/// How long `get_batch_transfer_status` waits at most (past every batch's
+/// own deadline, which ends it first).
+const STATUS_WAIT: Duration = Duration::from_secs(3600);
 
-/// An initialised engine.
-struct Node {
-    engine: SyncEngine,
-    token: Token,
-    options: BatchOptions,
-    /// Peer segments opened so far, by peer.
-    opened: Mutex<HashMap<SocketAddr, Vec<OpenedAt>>>,
-    /// Session names resolved so far.
-    peers: Mutex<HashMap<String, SocketAddr>>,
-    /// Tickets of batches that returned -2: their memory stays pinned.
-    pending: Mutex<Vec<u64>>,
+/// Mooncake's opcode enum (`TransferEngine.TransferOpcode.Read` / `.Write`).
+#[pyclass(module = "quiesce._native", eq, eq_int, from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum TransferOpcode {
+    /// Remote → local.
+    Read = 0,
+    /// Local → remote.
+    Write = 1,
+}
+
+fn direction(opcode: &Bound<'_, PyAny>) -> PyResult<Direction> {
+    let op = match opcode.extract::<TransferOpcode>() {
+        Ok(op) => op,
+        Err(_) => match opcode.extract::<i64>()? {
+            0 => TransferOpcode::Read,
+            1 => TransferOpcode::Write,
+            v => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "opcode {v}: TransferOpcode.Read (0) or TransferOpcode.Write (1)"
+                )))
+            }
+        },
+    };
+    Ok(match op {
+        TransferOpcode::Read => Direction::Read,
+        TransferOpcode::Write => Direction::Write,
+    })
 }
 
 /// Mooncake's `TransferEngine`, whose codes keep quiesce's contract.
@@ -62,82 +69,18 @@ pub struct TransferEngine {
     node: RwLock<Option<Arc<Node>>>,
 }
 
-fn complain(what: &str) -> i32 {
-    eprintln!("quiesce: {what}");
-    SYNC_FAILED
-}
-
-fn secret() -> Result<Vec<u8>, String> {
-    if let Some(s) = std::env::var_os(SECRET_ENV) {
-        let s = s.into_encoded_bytes();
-        if s.len() < 16 {
-            return Err(format!("{SECRET_ENV} must hold at least 16 bytes"));
-        }
-        return Ok(s);
-    }
-    if std::env::var(OPEN_CLUSTER_ENV).is_ok_and(|v| v == "1") {
-        eprintln!("quiesce: {OPEN_CLUSTER_ENV}=1: any peer that can connect may read and write registered memory");
-        return Ok(OPEN_CLUSTER_SECRET.to_vec());
-    }
-    Err(format!(
-        "remote access needs a shared secret: set {SECRET_ENV} (16+ bytes, the same on every \
-         peer), or {OPEN_CLUSTER_ENV}=1 to let any peer that can connect read and write (trusted \
-         networks only)"
-    ))
-}
-
-/// Fail-fast, as Mooncake returns at a batch's first failure — but after
-/// fencing the rest, so the -1 is safe. Mooncake's `MC_TRANSFER_TIMEOUT`
-/// (seconds, at least 5; 30 by default) is each batch's deadline.
-fn options() -> BatchOptions {
-    let secs = std::env::var("MC_TRANSFER_TIMEOUT")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(30, |s| s.max(5));
-    BatchOptions::default()
-        .policy(FailurePolicy::FailFast)
-        .deadline(Duration::from_secs(secs))
-}
-
-fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
-    let (host, port) = match local_hostname.rsplit_once(':') {
-        Some((h, p)) if !h.contains(':') || h.starts_with('[') => (
-            h.trim_start_matches('[').trim_end_matches(']'),
-            p.parse::<u16>()
-                .map_err(|_| format!("bad port in {local_hostname:?}"))?,
-        ),
-        _ => (local_hostname, 0),
-    };
-    let addrs: Vec<SocketAddr> = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host:?}: {e}"))?
-        .collect();
-    addrs
-        .iter()
-        .find(|a| a.is_ipv4())
-        .or(addrs.first())
-        .copied()
-        .ok_or_else(|| format!("{host:?} resolves to no address"))
-}
-
 impl TransferEngine {
     fn node(&self) -> Option<Arc<Node>> {
         self.node.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn start(
-        &self,
-        py: Python<'_>,
-        local_hostname: &str,
-        metadata_server: &str,
-        protocol: &str,
-    ) -> i32 {
+    fn start(&self, py: Python<'_>, local_hostname: &str, metadata: &str, protocol: &str) -> i32 {
         if self.node().is_some() {
             return complain("initialize: already initialised");
         }
-        if metadata_server != "P2PHANDSHAKE" {
+        if metadata != "P2PHANDSHAKE" {
             return complain(&format!(
-                "initialize: metadata server {metadata_server:?}: only \"P2PHANDSHAKE\" is supported"
+                "initialize: metadata server {metadata:?}: only \"P2PHANDSHAKE\" is supported"
             ));
         }
         if protocol != "tcp" {
@@ -145,36 +88,16 @@ impl TransferEngine {
                 "initialize: protocol {protocol:?}: only \"tcp\" is supported from Python"
             ));
         }
-        let token = match secret() {
-            Ok(s) => Token::derive(&s, TOKEN_LABEL),
-            Err(e) => return complain(&format!("initialize: {e}")),
-        };
-        let listen = match listen_addr(local_hostname) {
-            Ok(a) => a,
-            Err(e) => return complain(&format!("initialize: {e}")),
-        };
-        let config = EngineConfig {
-            node: local_hostname.to_string(),
-            listen,
-            ..Default::default()
-        };
-        let engine = match py.detach(|| SyncEngine::start(config)) {
-            Ok(e) => e,
-            Err(e) => return complain(&format!("initialize: {e}")),
-        };
-        *self.node.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(Node {
-            engine,
-            token,
-            options: options(),
-            opened: Mutex::default(),
-            peers: Mutex::default(),
-            pending: Mutex::default(),
-        }));
-        SYNC_OK
+        match py.detach(|| Node::start(local_hostname)) {
+            Ok(n) => {
+                *self.node.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(n));
+                SYNC_OK
+            }
+            Err(e) => complain(&format!("initialize: {e}")),
+        }
     }
 
-    /// A batch of `dir` tasks to `target`: code as documented on the class.
-    fn transfer(
+    fn sync(
         &self,
         py: Python<'_>,
         target: &str,
@@ -186,147 +109,30 @@ impl TransferEngine {
         let Some(node) = self.node() else {
             return complain("transfer: the engine is not initialised");
         };
-        if buffers.len() != peer_addresses.len() || buffers.len() != lengths.len() {
-            return complain("transfer: buffers, peer addresses and lengths differ in count");
-        }
-        if buffers.is_empty() {
-            return complain("transfer: no buffers");
-        }
-        if let Some(i) = (0..buffers.len()).find(|&i| buffers[i] == 0 || lengths[i] == 0) {
-            return complain(&format!(
-                "transfer: task {i} has a null buffer or zero length"
-            ));
-        }
-        let target = target.to_string();
-        py.detach(move || node.run(&target, dir, buffers, peer_addresses, lengths))
-    }
-}
-
-impl Node {
-    fn peer(&self, target: &str) -> Result<SocketAddr, String> {
-        if let Some(a) = self
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(target)
-        {
-            return Ok(*a);
-        }
-        let addr = target
-            .to_socket_addrs()
-            .map_err(|e| format!("session {target:?}: {e}"))?
-            .next()
-            .ok_or_else(|| format!("session {target:?} resolves to no address"))?;
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(target.to_string(), addr);
-        Ok(addr)
+        py.detach(|| node.run(target, dir, &buffers, &peer_addresses, &lengths))
     }
 
-    /// The opened segment holding `addr..addr + len` at `peer` (opening it
-    /// by address if this engine has not yet).
-    fn segment(&self, peer: SocketAddr, addr: u64, len: u64) -> Result<OpenedAt, String> {
-        let holds = |s: &OpenedAt| addr >= s.base && addr - s.base < s.len;
-        let cached = self
-            .opened
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&peer)
-            .and_then(|v| v.iter().find(|s| holds(s)).copied());
-        let seg = match cached {
-            Some(s) => s,
-            None => {
-                let s = self.engine.open_at(peer, addr, self.token).map_err(|e| {
-                    format!("{peer}: no registered memory at {addr:#x} open to this secret ({e})")
-                })?;
-                self.opened
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .entry(peer)
-                    .or_default()
-                    .push(s);
-                s
-            }
-        };
-        if (addr - seg.base)
-            .checked_add(len)
-            .is_none_or(|end| end > seg.len)
-        {
-            return Err(format!(
-                "{peer}: {len} bytes at {addr:#x} cross the end of the registered range at {:#x} ({} bytes)",
-                seg.base, seg.len
-            ));
+    fn not_ready(&self) -> Option<Arc<Node>> {
+        let n = self.node();
+        if n.is_none() {
+            complain("the engine is not initialised");
         }
-        Ok(seg)
+        n
     }
 
-    fn run(
+    fn submit(
         &self,
+        py: Python<'_>,
         target: &str,
         dir: Direction,
         buffers: Vec<usize>,
         peer_addresses: Vec<usize>,
         lengths: Vec<usize>,
-    ) -> i32 {
-        let peer = match self.peer(target) {
-            Ok(p) => p,
-            Err(e) => return complain(&format!("transfer: {e}")),
+    ) -> u64 {
+        let Some(node) = self.not_ready() else {
+            return 0;
         };
-        let mut tasks = Vec::with_capacity(buffers.len());
-        let mut used = Vec::with_capacity(buffers.len());
-        for ((&buf, &at), &len) in buffers.iter().zip(&peer_addresses).zip(&lengths) {
-            let seg = match self.segment(peer, at as u64, len as u64) {
-                Ok(s) => s,
-                Err(e) => return complain(&format!("transfer: {e}")),
-            };
-            used.push(seg.segment);
-            tasks.push(SyncTask {
-                segment: seg.segment,
-                offset: at as u64 - seg.base,
-                // SAFETY: Mooncake's contract, which this API keeps: the
-                // caller's buffer stays valid and untouched until the call
-                // returns 0 or -1, or, after -2, until wait_for_quiescence()
-                // says the batch drained.
-                buf: unsafe { RawBuf::new(buf as *mut u8, len) },
-            });
-        }
-        match self.engine.batch(dir, tasks, self.options) {
-            Ok(out) if out.code == SYNC_UNKNOWN => {
-                if let Some(t) = out.ticket {
-                    self.pending
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(t);
-                }
-                SYNC_UNKNOWN
-            }
-            Ok(out) => {
-                if out.code != SYNC_OK {
-                    // The peer may have re-registered its memory: open anew next time.
-                    if let Some(v) = self
-                        .opened
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get_mut(&peer)
-                    {
-                        v.retain(|s| !used.contains(&s.segment));
-                    }
-                    let why: Vec<String> = out
-                        .tasks
-                        .iter()
-                        .filter_map(|t| match &t.status {
-                            TaskStatus::Failed(e) => Some(e.to_string()),
-                            TaskStatus::Fenced => Some("fenced".into()),
-                            TaskStatus::Completed => None,
-                        })
-                        .collect();
-                    eprintln!("quiesce: transfer to {target} failed: {}", why.join("; "));
-                }
-                out.code
-            }
-            Err(e) => complain(&format!("transfer: {e}")),
-        }
+        py.detach(|| node.submit(target, dir, &buffers, &peer_addresses, &lengths))
     }
 }
 
@@ -340,13 +146,18 @@ impl TransferEngine {
         }
     }
 
+    /// `TransferEngine.TransferOpcode`, as in Mooncake.
+    #[classattr]
+    #[pyo3(name = "TransferOpcode")]
+    fn transfer_opcode(py: Python<'_>) -> Py<pyo3::types::PyType> {
+        py.get_type::<TransferOpcode>().unbind()
+    }
+
     /// Starts the engine: listens on `local_hostname` (`"host"` picks a free
     /// port, `"host:port"` that one) for peers. `metadata_server` must be
     /// `"P2PHANDSHAKE"` and `protocol` `"tcp"`; `device_name` is ignored.
     /// Needs the cluster's secret in `QUIESCE_SECRET` (or
-    /// `QUIESCE_OPEN_CLUSTER=1`). 0 on success, -1 otherwise (the reason on
-    /// stderr).
-    #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name))]
+    /// `QUIESCE_OPEN_CLUSTER=1`). 0 on success, -1 otherwise (why: stderr).
     fn initialize(
         &self,
         py: Python<'_>,
@@ -361,7 +172,6 @@ impl TransferEngine {
 
     /// `initialize` with Mooncake's explicit `metadata_type`, which must be
     /// `"P2PHANDSHAKE"` here as `metadata_server` must.
-    #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name, metadata_type))]
     fn initialize_ext(
         &self,
         py: Python<'_>,
@@ -384,67 +194,72 @@ impl TransferEngine {
     /// `"host:port"`); -1 before `initialize`.
     fn get_rpc_port(&self) -> i32 {
         self.node()
-            .map_or(SYNC_FAILED, |n| n.engine.local_addr().port() as i32)
+            .map_or(SYNC_FAILED, |n| n.engine().local_addr().port() as i32)
     }
 
-    /// Lets authenticated peers read and write `addr..addr + capacity`,
-    /// which must stay valid until `unregister_memory(addr)` returns 0.
-    fn register_memory(&self, addr: usize, capacity: usize) -> i32 {
-        let Some(node) = self.node() else {
-            return complain("register_memory: the engine is not initialised");
+    /// Lets authenticated peers read and write `buffer_addr..+capacity`,
+    /// which must stay valid until `unregister_memory` returns 0.
+    /// `location` (Mooncake's NUMA/device hint) is ignored.
+    #[pyo3(signature = (buffer_addr, capacity, location = "*"))]
+    fn register_memory(&self, buffer_addr: usize, capacity: usize, location: &str) -> i32 {
+        let _ = location;
+        let Some(node) = self.not_ready() else {
+            return SYNC_FAILED;
         };
-        if addr == 0 || capacity == 0 {
+        if buffer_addr == 0 || capacity == 0 {
             return complain("register_memory: null address or zero capacity");
         }
-        // SAFETY: the caller lends the range until unregister_memory
-        // returns 0 (Mooncake's contract for registered memory).
-        let r = unsafe {
-            node.engine.lend(
-                &format!("{addr:#x}"),
-                addr as u64,
-                capacity as u64,
-                node.token,
-            )
-        };
-        match r {
+        let (addr, len) = (buffer_addr as u64, capacity as u64);
+        // SAFETY: the caller lends the range until unregister_memory returns
+        // 0 (Mooncake's contract for registered memory).
+        match unsafe {
+            node.engine()
+                .lend(&format!("{addr:#x}"), addr, len, node.token)
+        } {
             Ok(_) => SYNC_OK,
             Err(e) => complain(&format!("register_memory {addr:#x}: {e}")),
         }
     }
 
-    /// Takes `addr`'s range back: writes landing in it are cut and none
-    /// issued before lands later. 0: nothing touches it any more; -1: not
-    /// registered; -2: something still held it after 30 s (do not free it;
-    /// call again).
-    fn unregister_memory(&self, py: Python<'_>, addr: usize) -> i32 {
-        let Some(node) = self.node() else {
-            return complain("unregister_memory: the engine is not initialised");
+    /// Takes the range at `buffer_addr` back: writes landing in it are cut
+    /// and none issued before lands later. 0: nothing touches it any more;
+    /// -1: not registered; -2: something still held it after 30 s (do not
+    /// free it; call again).
+    fn unregister_memory(&self, py: Python<'_>, buffer_addr: usize) -> i32 {
+        let Some(node) = self.not_ready() else {
+            return SYNC_FAILED;
         };
-        match py.detach(|| node.engine.reclaim(addr as u64, RECLAIM_WAIT)) {
+        match py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT)) {
             Ok(true) => SYNC_OK,
             Ok(false) => SYNC_UNKNOWN,
-            Err(e) => complain(&format!("unregister_memory {addr:#x}: {e}")),
+            Err(e) => complain(&format!("unregister_memory {buffer_addr:#x}: {e}")),
         }
     }
 
-    /// `register_memory` for each pair; 0 if every one succeeded, else the
-    /// first failure's code (the others stay registered).
-    fn batch_register_memory(&self, addrs: Vec<usize>, capacities: Vec<usize>) -> i32 {
-        if addrs.len() != capacities.len() {
+    /// `register_memory` for each pair; 0 if every one succeeded, else -1
+    /// (the others stay registered).
+    #[pyo3(signature = (buffer_addresses, capacities, location = "*"))]
+    fn batch_register_memory(
+        &self,
+        buffer_addresses: Vec<usize>,
+        capacities: Vec<usize>,
+        location: &str,
+    ) -> i32 {
+        if buffer_addresses.len() != capacities.len() {
             return complain("batch_register_memory: addresses and capacities differ in count");
         }
-        let codes: Vec<i32> = addrs
+        let codes: Vec<i32> = buffer_addresses
             .iter()
             .zip(&capacities)
-            .map(|(&a, &c)| self.register_memory(a, c))
+            .map(|(&a, &c)| self.register_memory(a, c, location))
             .collect();
-        codes.into_iter().find(|&c| c != SYNC_OK).unwrap_or(SYNC_OK)
+        codes.into_iter().min().unwrap_or(SYNC_OK)
     }
 
     /// `unregister_memory` for each address; 0 if every one succeeded, else
     /// the worst code (-2 before -1).
-    fn batch_unregister_memory(&self, py: Python<'_>, addrs: Vec<usize>) -> i32 {
-        let codes: Vec<i32> = addrs
+    fn batch_unregister_memory(&self, py: Python<'_>, buffer_addresses: Vec<usize>) -> i32 {
+        let codes: Vec<i32> = buffer_addresses
             .iter()
             .map(|&a| self.unregister_memory(py, a))
             .collect();
@@ -453,6 +268,8 @@ impl TransferEngine {
 
     /// Writes `length` bytes at `buffer` to `peer_buffer_address` at the
     /// peer whose session name is `target_hostname` (`"host:port"`).
+    /// `transport_hint` is ignored (TCP).
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
     fn transfer_sync_write(
         &self,
         py: Python<'_>,
@@ -460,19 +277,16 @@ impl TransferEngine {
         buffer: usize,
         peer_buffer_address: usize,
         length: usize,
+        transport_hint: &str,
     ) -> i32 {
-        self.transfer(
-            py,
-            target_hostname,
-            Direction::Write,
-            vec![buffer],
-            vec![peer_buffer_address],
-            vec![length],
-        )
+        let _ = transport_hint;
+        let (b, a, l) = (vec![buffer], vec![peer_buffer_address], vec![length]);
+        self.sync(py, target_hostname, Direction::Write, b, a, l)
     }
 
     /// Reads `length` bytes at the peer's `peer_buffer_address` into
     /// `buffer`.
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
     fn transfer_sync_read(
         &self,
         py: Python<'_>,
@@ -480,19 +294,38 @@ impl TransferEngine {
         buffer: usize,
         peer_buffer_address: usize,
         length: usize,
+        transport_hint: &str,
     ) -> i32 {
-        self.transfer(
-            py,
-            target_hostname,
-            Direction::Read,
-            vec![buffer],
-            vec![peer_buffer_address],
-            vec![length],
-        )
+        let _ = transport_hint;
+        let (b, a, l) = (vec![buffer], vec![peer_buffer_address], vec![length]);
+        self.sync(py, target_hostname, Direction::Read, b, a, l)
+    }
+
+    /// One transfer in direction `opcode` (`TransferOpcode` or 0/1).
+    /// `notify` is not supported (it must be `None`).
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, opcode, notify = None, transport_hint = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn transfer_sync(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: usize,
+        peer_buffer_address: usize,
+        length: usize,
+        opcode: &Bound<'_, PyAny>,
+        notify: Option<&Bound<'_, PyAny>>,
+        transport_hint: &str,
+    ) -> PyResult<i32> {
+        let _ = transport_hint;
+        refuse_notify(notify)?;
+        let dir = direction(opcode)?;
+        let (b, a, l) = (vec![buffer], vec![peer_buffer_address], vec![length]);
+        Ok(self.sync(py, target_hostname, dir, b, a, l))
     }
 
     /// One batch of writes: it resolves only once every write in it has
     /// quiesced, whatever its code.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
     fn batch_transfer_sync_write(
         &self,
         py: Python<'_>,
@@ -500,18 +333,15 @@ impl TransferEngine {
         buffers: Vec<usize>,
         peer_buffer_addresses: Vec<usize>,
         lengths: Vec<usize>,
+        transport_hint: &str,
     ) -> i32 {
-        self.transfer(
-            py,
-            target_hostname,
-            Direction::Write,
-            buffers,
-            peer_buffer_addresses,
-            lengths,
-        )
+        let _ = transport_hint;
+        let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
+        self.sync(py, target_hostname, Direction::Write, b, a, l)
     }
 
     /// One batch of reads.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
     fn batch_transfer_sync_read(
         &self,
         py: Python<'_>,
@@ -519,15 +349,223 @@ impl TransferEngine {
         buffers: Vec<usize>,
         peer_buffer_addresses: Vec<usize>,
         lengths: Vec<usize>,
+        transport_hint: &str,
     ) -> i32 {
-        self.transfer(
-            py,
-            target_hostname,
-            Direction::Read,
-            buffers,
-            peer_buffer_addresses,
-            lengths,
-        )
+        let _ = transport_hint;
+        let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
+        self.sync(py, target_hostname, Direction::Read, b, a, l)
+    }
+
+    /// One batch in direction `opcode`.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify = None, transport_hint = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_transfer_sync(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<usize>,
+        peer_buffer_addresses: Vec<usize>,
+        lengths: Vec<usize>,
+        opcode: &Bound<'_, PyAny>,
+        notify: Option<&Bound<'_, PyAny>>,
+        transport_hint: &str,
+    ) -> PyResult<i32> {
+        let _ = transport_hint;
+        refuse_notify(notify)?;
+        let dir = direction(opcode)?;
+        let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
+        Ok(self.sync(py, target_hostname, dir, b, a, l))
+    }
+
+    /// Starts a batch in direction `opcode` and returns its id at once (0:
+    /// it could not start). Its buffers stay the batch's until
+    /// `get_batch_transfer_status` reports it.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_transfer_async(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<usize>,
+        peer_buffer_addresses: Vec<usize>,
+        lengths: Vec<usize>,
+        opcode: &Bound<'_, PyAny>,
+        transport_hint: &str,
+    ) -> PyResult<u64> {
+        let _ = transport_hint;
+        let dir = direction(opcode)?;
+        let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
+        Ok(self.submit(py, target_hostname, dir, b, a, l))
+    }
+
+    /// `batch_transfer_async` of writes.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
+    fn batch_transfer_async_write(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<usize>,
+        peer_buffer_addresses: Vec<usize>,
+        lengths: Vec<usize>,
+        transport_hint: &str,
+    ) -> u64 {
+        let _ = transport_hint;
+        let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
+        self.submit(py, target_hostname, Direction::Write, b, a, l)
+    }
+
+    /// `batch_transfer_async` of reads.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
+    fn batch_transfer_async_read(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<usize>,
+        peer_buffer_addresses: Vec<usize>,
+        lengths: Vec<usize>,
+        transport_hint: &str,
+    ) -> u64 {
+        let _ = transport_hint;
+        let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
+        self.submit(py, target_hostname, Direction::Read, b, a, l)
+    }
+
+    /// Waits for every batch in `batch_ids`: 0 if all completed, -1 if any
+    /// failed (and none is unknown), -2 if any ended with completion
+    /// unknown (its memory pinned until `wait_for_quiescence()` returns 0).
+    /// Reported batches are forgotten, as Mooncake frees their ids.
+    fn get_batch_transfer_status(&self, py: Python<'_>, batch_ids: Vec<u64>) -> i32 {
+        let Some(node) = self.not_ready() else {
+            return SYNC_FAILED;
+        };
+        py.detach(|| node.wait_all(&batch_ids, STATUS_WAIT))
+    }
+
+    /// Starts one write and returns its id (-1: it could not start); poll
+    /// it with `transfer_check_status`.
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
+    fn transfer_submit_write(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: usize,
+        peer_buffer_address: usize,
+        length: usize,
+        transport_hint: &str,
+    ) -> i64 {
+        let _ = transport_hint;
+        let (b, a, l) = (vec![buffer], vec![peer_buffer_address], vec![length]);
+        match self.submit(py, target_hostname, Direction::Write, b, a, l) {
+            0 => -1,
+            id => id as i64,
+        }
+    }
+
+    /// Mooncake's codes: 1 completed, 0 still running, -1 failed (nothing
+    /// touches the buffer any more). -2 is quiesce's completion unknown
+    /// where Mooncake's is its TIMEOUT: either way not done — here the
+    /// buffer stays pinned until `wait_for_quiescence()` returns 0. A
+    /// reported batch (1, -1 or -2) is forgotten.
+    fn transfer_check_status(&self, batch_id: u64) -> i32 {
+        let Some(node) = self.not_ready() else {
+            return SYNC_FAILED;
+        };
+        match node.progress(batch_id, Duration::ZERO) {
+            Progress::Running => 0,
+            Progress::Done(SYNC_OK) => 1,
+            Progress::Done(c) => c,
+            Progress::Unknown => complain(&format!("transfer_check_status: no batch {batch_id}")),
+        }
+    }
+
+    /// A zeroed, page-aligned buffer of `length` bytes, registered for
+    /// peers; its address (0 on failure).
+    fn allocate_managed_buffer(&self, length: usize) -> usize {
+        let Some(node) = self.not_ready() else {
+            return 0;
+        };
+        let Some(addr) = node.managed.allocate(length) else {
+            complain(&format!(
+                "allocate_managed_buffer: cannot allocate {length} bytes"
+            ));
+            return 0;
+        };
+        if self.register_memory(addr, length, "*") != SYNC_OK {
+            node.managed.free(addr, length);
+            return 0;
+        }
+        addr
+    }
+
+    /// Unregisters and frees a managed buffer: 0 once freed, -1 if there is
+    /// no such buffer, -2 if something still held it (it stays allocated;
+    /// call again).
+    fn free_managed_buffer(&self, py: Python<'_>, buffer_addr: usize, length: usize) -> i32 {
+        let Some(node) = self.not_ready() else {
+            return SYNC_FAILED;
+        };
+        if !node.managed.holds(buffer_addr, length) {
+            return complain(&format!(
+                "free_managed_buffer: no managed buffer at {buffer_addr:#x}"
+            ));
+        }
+        match self.unregister_memory(py, buffer_addr) {
+            SYNC_UNKNOWN => SYNC_UNKNOWN,
+            // Unregistered now, or by an earlier call that timed out.
+            _ if node.managed.free(buffer_addr, length) => SYNC_OK,
+            _ => complain(&format!(
+                "free_managed_buffer: {length} bytes is not its length"
+            )),
+        }
+    }
+
+    /// Copies `length` bytes of `data` into the managed buffer at
+    /// `dest_address`: 0, or -1 outside every managed buffer.
+    fn write_bytes_to_buffer(&self, dest_address: usize, src_ptr: &[u8], length: usize) -> i32 {
+        let Some(node) = self.not_ready() else {
+            return SYNC_FAILED;
+        };
+        let Some(data) = src_ptr.get(..length) else {
+            return complain("write_bytes_to_buffer: length exceeds the data");
+        };
+        match node.managed.write(dest_address, data) {
+            true => SYNC_OK,
+            false => complain("write_bytes_to_buffer: the range is not inside a managed buffer"),
+        }
+    }
+
+    /// The `length` bytes of the managed buffer at `source_address` (a
+    /// `ValueError` outside every managed buffer).
+    fn read_bytes_from_buffer<'py>(
+        &self,
+        py: Python<'py>,
+        source_address: usize,
+        length: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let data = self
+            .node()
+            .and_then(|n| n.managed.read(source_address, length))
+            .ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err(
+                    "read_bytes_from_buffer: the range is not inside a managed buffer",
+                )
+            })?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    /// Whether the peer `peer_server_name` (`"host:port"`) accepts a
+    /// connection within 2 s: 0 if so, -1 otherwise.
+    fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i32 {
+        py.detach(|| {
+            let addr = match peer_server_name.to_socket_addrs().map(|mut a| a.next()) {
+                Ok(Some(a)) => a,
+                _ => return complain(&format!("send_probe: cannot resolve {peer_server_name:?}")),
+            };
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+                Ok(_) => SYNC_OK,
+                Err(e) => complain(&format!("send_probe {peer_server_name}: {e}")),
+            }
+        })
     }
 
     /// Waits up to `timeout` seconds for the batches that returned -2 to
@@ -536,19 +574,16 @@ impl TransferEngine {
     #[pyo3(signature = (timeout = 30.0))]
     fn wait_for_quiescence(&self, py: Python<'_>, timeout: f64) -> usize {
         let Some(node) = self.node() else { return 0 };
-        py.detach(|| {
-            let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
-            // Taken out while waiting, so transfers returning -2 meanwhile
-            // are not held up; those stay for the next call.
-            let mut mine =
-                std::mem::take(&mut *node.pending.lock().unwrap_or_else(|e| e.into_inner()));
-            mine.retain(|&t| {
-                let left = deadline.saturating_duration_since(Instant::now());
-                !matches!(node.engine.wait::<RawBuf>(t, left), Ok(Some(_)) | Err(_))
-            });
-            let mut pending = node.pending.lock().unwrap_or_else(|e| e.into_inner());
-            pending.extend(mine);
-            pending.len()
-        })
+        let t = Duration::from_secs_f64(timeout.max(0.0));
+        py.detach(|| node.quiesce_pending(t))
+    }
+}
+
+fn refuse_notify(notify: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    match notify {
+        Some(n) if !n.is_none() => Err(pyo3::exceptions::PyNotImplementedError::new_err(
+            "notify is not supported by quiesce.mooncake",
+        )),
+        _ => Ok(()),
     }
 }

@@ -231,45 +231,31 @@ impl SyncEngine {
         opts: BatchOptions,
     ) -> Result<SyncOutcome<B>, SyncError> {
         self.call(move |st, tx| {
-            let mut batch = Batch::new(Tcp, opts);
-            for t in tasks {
-                let Some(seg) = st.segments.borrow().get(t.segment as usize).cloned() else {
-                    let _ = tx.send(Err(SyncError::UnknownSegment(t.segment)));
-                    return;
-                };
-                let range = RemoteRange::new(&seg, t.offset, t.buf.bytes_total() as u64);
-                let added = match dir {
-                    Direction::Write => batch.write(t.buf, range),
-                    Direction::Read => batch.read(t.buf, range),
-                };
-                if let Err(r) = added {
-                    let _ = tx.send(Err(SyncError::Batch(r.reason)));
-                    return;
-                }
+            let reply = tx.clone();
+            if let Err(e) = launch(st, dir, tasks, opts, move |out| {
+                let _ = reply.send(Ok(out));
+            }) {
+                let _ = tx.send(Err(e));
             }
-            let sub = batch.submit();
-            let st = st.clone();
-            spawn_local(async move {
-                // A panic past this point would drop `tx` and the caller would
-                // read -1 while the batch may still hold its memory.
-                let _pinned = AbortOnUnwind("a batch holding the caller's memory");
-                let out = match sub.await {
-                    Outcome::Quiesced(q) => finish(q),
-                    Outcome::CompletionUnknown(t) => {
-                        let id = st.next_ticket.get();
-                        st.next_ticket.set(id + 1);
-                        st.tickets.borrow_mut().insert(id, Box::new(t));
-                        SyncOutcome {
-                            code: SYNC_UNKNOWN,
-                            buffers: None,
-                            tasks: Vec::new(),
-                            ticket: Some(id),
-                            remote_confirmed: false,
-                        }
-                    }
-                };
-                let _ = tx.send(Ok(out));
+        })?
+    }
+
+    /// Starts a batch of `dir` tasks and returns at once; its outcome comes
+    /// on the returned channel once it has one (0 or -1 with the buffers,
+    /// or -2 with a ticket for [`wait`](Self::wait)). A task the batch
+    /// rejects fails the call, and nothing starts.
+    pub fn submit<B: IoBufMut + Send>(
+        &self,
+        dir: Direction,
+        tasks: Vec<SyncTask<B>>,
+        opts: BatchOptions,
+    ) -> Result<mpsc::Receiver<SyncOutcome<B>>, SyncError> {
+        self.call(move |st, tx| {
+            let (out_tx, out_rx) = mpsc::channel();
+            let r = launch(st, dir, tasks, opts, move |out| {
+                let _ = out_tx.send(out);
             });
+            let _ = tx.send(r.map(|()| out_rx));
         })?
     }
 
@@ -317,6 +303,55 @@ impl SyncEngine {
             }
         })?
     }
+}
+
+/// Builds and submits a batch on the engine thread; `done` gets its outcome
+/// (from a task: the caller's answer must not wait on this job).
+fn launch<B: IoBufMut + Send>(
+    st: &State,
+    dir: Direction,
+    tasks: Vec<SyncTask<B>>,
+    opts: BatchOptions,
+    done: impl FnOnce(SyncOutcome<B>) + 'static,
+) -> Result<(), SyncError> {
+    let mut batch = Batch::new(Tcp, opts);
+    for t in tasks {
+        let Some(seg) = st.segments.borrow().get(t.segment as usize).cloned() else {
+            return Err(SyncError::UnknownSegment(t.segment));
+        };
+        let range = RemoteRange::new(&seg, t.offset, t.buf.bytes_total() as u64);
+        let added = match dir {
+            Direction::Write => batch.write(t.buf, range),
+            Direction::Read => batch.read(t.buf, range),
+        };
+        if let Err(r) = added {
+            return Err(SyncError::Batch(r.reason));
+        }
+    }
+    let sub = batch.submit();
+    let st = st.clone();
+    spawn_local(async move {
+        // A panic past this point would drop the reply and the caller would
+        // read -1 while the batch may still hold its memory.
+        let _pinned = AbortOnUnwind("a batch holding the caller's memory");
+        let out = match sub.await {
+            Outcome::Quiesced(q) => finish(q),
+            Outcome::CompletionUnknown(t) => {
+                let id = st.next_ticket.get();
+                st.next_ticket.set(id + 1);
+                st.tickets.borrow_mut().insert(id, Box::new(t));
+                SyncOutcome {
+                    code: SYNC_UNKNOWN,
+                    buffers: None,
+                    tasks: Vec::new(),
+                    ticket: Some(id),
+                    remote_confirmed: false,
+                }
+            }
+        };
+        done(out);
+    });
+    Ok(())
 }
 
 /// Aborts the process if dropped while unwinding: for code whose caller must

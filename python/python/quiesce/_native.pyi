@@ -1,12 +1,19 @@
-from typing import List
+from enum import IntEnum
+from typing import List, Optional
 
 SECRET_ENV: str
 OPEN_CLUSTER_ENV: str
+
+class TransferOpcode(IntEnum):
+    Read = 0
+    Write = 1
 
 class TransferEngine:
     """Mooncake's TransferEngine; codes: 0 completed, -1 failed (nothing
     touches your memory any more), -2 completion unknown (memory pinned until
     wait_for_quiescence() returns 0)."""
+
+    TransferOpcode: type[TransferOpcode]
 
     def __init__(self) -> None: ...
     def initialize(
@@ -21,15 +28,37 @@ class TransferEngine:
         metadata_type: str,
     ) -> int: ...
     def get_rpc_port(self) -> int: ...
-    def register_memory(self, addr: int, capacity: int) -> int: ...
-    def unregister_memory(self, addr: int) -> int: ...
-    def batch_register_memory(self, addrs: List[int], capacities: List[int]) -> int: ...
-    def batch_unregister_memory(self, addrs: List[int]) -> int: ...
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int: ...
+    def unregister_memory(self, buffer_addr: int) -> int: ...
+    def batch_register_memory(
+        self, buffer_addresses: List[int], capacities: List[int], location: str = "*"
+    ) -> int: ...
+    def batch_unregister_memory(self, buffer_addresses: List[int]) -> int: ...
     def transfer_sync_write(
-        self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
     ) -> int: ...
     def transfer_sync_read(
-        self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int: ...
+    def transfer_sync(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        opcode: TransferOpcode | int,
+        notify: Optional[object] = None,
+        transport_hint: str = "",
     ) -> int: ...
     def batch_transfer_sync_write(
         self,
@@ -37,6 +66,7 @@ class TransferEngine:
         buffers: List[int],
         peer_buffer_addresses: List[int],
         lengths: List[int],
+        transport_hint: str = "",
     ) -> int: ...
     def batch_transfer_sync_read(
         self,
@@ -44,5 +74,56 @@ class TransferEngine:
         buffers: List[int],
         peer_buffer_addresses: List[int],
         lengths: List[int],
+        transport_hint: str = "",
     ) -> int: ...
+    def batch_transfer_sync(
+        self,
+        target_hostname: str,
+        buffers: List[int],
+        peer_buffer_addresses: List[int],
+        lengths: List[int],
+        opcode: TransferOpcode | int,
+        notify: Optional[object] = None,
+        transport_hint: str = "",
+    ) -> int: ...
+    def batch_transfer_async(
+        self,
+        target_hostname: str,
+        buffers: List[int],
+        peer_buffer_addresses: List[int],
+        lengths: List[int],
+        opcode: TransferOpcode | int,
+        transport_hint: str = "",
+    ) -> int: ...
+    def batch_transfer_async_write(
+        self,
+        target_hostname: str,
+        buffers: List[int],
+        peer_buffer_addresses: List[int],
+        lengths: List[int],
+        transport_hint: str = "",
+    ) -> int: ...
+    def batch_transfer_async_read(
+        self,
+        target_hostname: str,
+        buffers: List[int],
+        peer_buffer_addresses: List[int],
+        lengths: List[int],
+        transport_hint: str = "",
+    ) -> int: ...
+    def get_batch_transfer_status(self, batch_ids: List[int]) -> int: ...
+    def transfer_submit_write(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int: ...
+    def transfer_check_status(self, batch_id: int) -> int: ...
+    def allocate_managed_buffer(self, length: int) -> int: ...
+    def free_managed_buffer(self, buffer_addr: int, length: int) -> int: ...
+    def write_bytes_to_buffer(self, dest_address: int, src_ptr: bytes, length: int) -> int: ...
+    def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes: ...
+    def send_probe(self, peer_server_name: str) -> int: ...
     def wait_for_quiescence(self, timeout: float = 30.0) -> int: ...

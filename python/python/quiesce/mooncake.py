@@ -13,6 +13,6 @@ sources and write the target), and ``-2`` means completion is unknown and the
 memory stays pinned until ``wait_for_quiescence()`` returns 0.
 """
 
-from quiesce._native import TransferEngine
+from quiesce._native import TransferEngine, TransferOpcode
 
-__all__ = ["TransferEngine"]
+__all__ = ["TransferEngine", "TransferOpcode"]

@@ -1,0 +1,412 @@
+//! An initialised engine behind the Python `TransferEngine`: the sync
+//! engine, the token every peer derives from the shared secret, the peer
+//! segments opened so far, and the batches still out (asynchronous ones,
+//! and those that returned -2).
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use quiesce_batch::ffi::RawBuf;
+use quiesce_batch::sync::{Direction, OpenedAt, SyncEngine, SyncOutcome, SyncTask};
+use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+use quiesce_transports::{EngineConfig, Token};
+
+use crate::managed::ManagedBuffers;
+
+/// The environment variable holding the cluster's shared secret (at least
+/// 16 bytes; the same on every peer).
+pub const SECRET_ENV: &str = "QUIESCE_SECRET";
+/// Set to `1` to run without a secret: any peer that can connect may read
+/// and write every registered range. Only on a trusted network.
+pub const OPEN_CLUSTER_ENV: &str = "QUIESCE_OPEN_CLUSTER";
+/// What an open cluster derives its token from (public by design).
+const OPEN_CLUSTER_SECRET: &[u8] = b"quiesce open cluster: whoever connects may read and write";
+/// The label every range's token is derived under: Mooncake's callers never
+/// see segment names, so all of a node's ranges share one token.
+const TOKEN_LABEL: &str = "mooncake-node";
+
+/// Prints why a call failed (Mooncake logs and returns -1 too).
+pub(crate) fn complain(what: &str) -> i32 {
+    eprintln!("quiesce: {what}");
+    SYNC_FAILED
+}
+
+/// A mutex whose poisoning is harmless here: no holder panics mid-update.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An asynchronous batch: its outcome's channel, and what it used.
+struct Outstanding {
+    outcome: mpsc::Receiver<SyncOutcome<RawBuf>>,
+    target: String,
+    peer: SocketAddr,
+    used: Vec<u32>,
+}
+
+/// How an asynchronous batch stands.
+pub(crate) enum Progress {
+    /// Still running.
+    Running,
+    /// Done with this code (0, -1, or -2 with its ticket kept pending).
+    Done(i32),
+    /// No such batch (never submitted, or its outcome already reported).
+    Unknown,
+}
+
+/// What one call's tasks became.
+struct Prepared {
+    peer: SocketAddr,
+    tasks: Vec<SyncTask<RawBuf>>,
+    used: Vec<u32>,
+}
+
+pub(crate) struct Node {
+    /// `None` only while dropping.
+    engine: Option<SyncEngine>,
+    pub(crate) token: Token,
+    /// Buffers `allocate_managed_buffer` made; freed after the engine
+    /// stopped, or leaked if its drain failed.
+    pub(crate) managed: ManagedBuffers,
+    options: BatchOptions,
+    /// Peer segments opened so far, by peer.
+    opened: Mutex<HashMap<SocketAddr, Vec<OpenedAt>>>,
+    /// Session names resolved so far.
+    peers: Mutex<HashMap<String, SocketAddr>>,
+    /// Tickets of batches that returned -2: their memory stays pinned.
+    pub(crate) pending: Mutex<Vec<u64>>,
+    /// Asynchronous batches without a reported outcome, by id.
+    outstanding: Mutex<HashMap<u64, Outstanding>>,
+    next_id: AtomicU64,
+}
+
+fn secret() -> Result<Vec<u8>, String> {
+    if let Some(s) = std::env::var_os(SECRET_ENV) {
+        let s = s.into_encoded_bytes();
+        if s.len() < 16 {
+            return Err(format!("{SECRET_ENV} must hold at least 16 bytes"));
+        }
+        return Ok(s);
+    }
+    if std::env::var(OPEN_CLUSTER_ENV).is_ok_and(|v| v == "1") {
+        eprintln!(
+            "quiesce: {OPEN_CLUSTER_ENV}=1: any peer that can connect may read and write registered memory"
+        );
+        return Ok(OPEN_CLUSTER_SECRET.to_vec());
+    }
+    Err(format!(
+        "remote access needs a shared secret: set {SECRET_ENV} (16+ bytes, the same on every \
+         peer), or {OPEN_CLUSTER_ENV}=1 to let any peer that can connect read and write (trusted \
+         networks only)"
+    ))
+}
+
+/// Fail-fast, as Mooncake returns at a batch's first failure — but after
+/// fencing the rest, so the -1 is safe. Mooncake's `MC_TRANSFER_TIMEOUT`
+/// (seconds, at least 5; 30 by default) is each batch's deadline.
+fn options() -> BatchOptions {
+    let secs = std::env::var("MC_TRANSFER_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(30, |s| s.max(5));
+    BatchOptions::default()
+        .policy(FailurePolicy::FailFast)
+        .deadline(Duration::from_secs(secs))
+}
+
+fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
+    let (host, port) = match local_hostname.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') || h.starts_with('[') => (
+            h.trim_start_matches('[').trim_end_matches(']'),
+            p.parse::<u16>()
+                .map_err(|_| format!("bad port in {local_hostname:?}"))?,
+        ),
+        _ => (local_hostname, 0),
+    };
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {host:?}: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("{host:?} resolves to no address"))
+}
+
+impl Node {
+    /// Starts an engine listening on `local_hostname`.
+    pub(crate) fn start(local_hostname: &str) -> Result<Node, String> {
+        let token = Token::derive(&secret()?, TOKEN_LABEL);
+        let config = EngineConfig {
+            node: local_hostname.to_string(),
+            listen: listen_addr(local_hostname)?,
+            ..Default::default()
+        };
+        let engine = SyncEngine::start(config).map_err(|e| e.to_string())?;
+        Ok(Node {
+            engine: Some(engine),
+            token,
+            managed: ManagedBuffers::default(),
+            options: options(),
+            opened: Mutex::default(),
+            peers: Mutex::default(),
+            pending: Mutex::default(),
+            outstanding: Mutex::default(),
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// The sync engine.
+    pub(crate) fn engine(&self) -> &SyncEngine {
+        self.engine
+            .as_ref()
+            .expect("the engine lives as long as its node")
+    }
+
+    fn peer(&self, target: &str) -> Result<SocketAddr, String> {
+        if let Some(a) = lock(&self.peers).get(target) {
+            return Ok(*a);
+        }
+        let addr = target
+            .to_socket_addrs()
+            .map_err(|e| format!("session {target:?}: {e}"))?
+            .next()
+            .ok_or_else(|| format!("session {target:?} resolves to no address"))?;
+        lock(&self.peers).insert(target.to_string(), addr);
+        Ok(addr)
+    }
+
+    /// The opened segment holding `addr..addr + len` at `peer` (opening it
+    /// by address if this engine has not yet).
+    fn segment(&self, peer: SocketAddr, addr: u64, len: u64) -> Result<OpenedAt, String> {
+        let holds = |s: &OpenedAt| addr >= s.base && addr - s.base < s.len;
+        let cached = lock(&self.opened)
+            .get(&peer)
+            .and_then(|v| v.iter().find(|s| holds(s)).copied());
+        let seg = match cached {
+            Some(s) => s,
+            None => {
+                let s = self.engine().open_at(peer, addr, self.token).map_err(|e| {
+                    format!("{peer}: no registered memory at {addr:#x} open to this secret ({e})")
+                })?;
+                lock(&self.opened).entry(peer).or_default().push(s);
+                s
+            }
+        };
+        if (addr - seg.base)
+            .checked_add(len)
+            .is_none_or(|end| end > seg.len)
+        {
+            return Err(format!(
+                "{peer}: {len} bytes at {addr:#x} cross the end of the registered range at {:#x} ({} bytes)",
+                seg.base, seg.len
+            ));
+        }
+        Ok(seg)
+    }
+
+    fn prepare(
+        &self,
+        target: &str,
+        buffers: &[usize],
+        peer_addresses: &[usize],
+        lengths: &[usize],
+    ) -> Result<Prepared, String> {
+        if buffers.len() != peer_addresses.len() || buffers.len() != lengths.len() {
+            return Err("buffers, peer addresses and lengths differ in count".into());
+        }
+        if buffers.is_empty() {
+            return Err("no buffers".into());
+        }
+        if let Some(i) = (0..buffers.len()).find(|&i| buffers[i] == 0 || lengths[i] == 0) {
+            return Err(format!("task {i} has a null buffer or zero length"));
+        }
+        let peer = self.peer(target)?;
+        let mut tasks = Vec::with_capacity(buffers.len());
+        let mut used = Vec::with_capacity(buffers.len());
+        for ((&buf, &at), &len) in buffers.iter().zip(peer_addresses).zip(lengths) {
+            let seg = self.segment(peer, at as u64, len as u64)?;
+            used.push(seg.segment);
+            tasks.push(SyncTask {
+                segment: seg.segment,
+                offset: at as u64 - seg.base,
+                // SAFETY: Mooncake's contract, which this API keeps: the
+                // caller's buffer stays valid and untouched until the call
+                // returns 0 or -1, or, after -2, until wait_for_quiescence()
+                // says the batch drained.
+                buf: unsafe { RawBuf::new(buf as *mut u8, len) },
+            });
+        }
+        Ok(Prepared { peer, tasks, used })
+    }
+
+    /// A batch of `dir` tasks to `target`, blocking until its outcome: 0,
+    /// -1, or -2 (its ticket kept pending).
+    pub(crate) fn run(
+        &self,
+        target: &str,
+        dir: Direction,
+        buffers: &[usize],
+        peer_addresses: &[usize],
+        lengths: &[usize],
+    ) -> i32 {
+        let p = match self.prepare(target, buffers, peer_addresses, lengths) {
+            Ok(p) => p,
+            Err(e) => return complain(&format!("transfer: {e}")),
+        };
+        match self.engine().batch(dir, p.tasks, self.options) {
+            Ok(out) => self.settle(target, p.peer, &p.used, out),
+            Err(e) => complain(&format!("transfer: {e}")),
+        }
+    }
+
+    /// Starts a batch and returns its id at once (0: it could not start).
+    pub(crate) fn submit(
+        &self,
+        target: &str,
+        dir: Direction,
+        buffers: &[usize],
+        peer_addresses: &[usize],
+        lengths: &[usize],
+    ) -> u64 {
+        let p = match self.prepare(target, buffers, peer_addresses, lengths) {
+            Ok(p) => p,
+            Err(e) => {
+                complain(&format!("transfer: {e}"));
+                return 0;
+            }
+        };
+        match self.engine().submit(dir, p.tasks, self.options) {
+            Ok(outcome) => {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                let o = Outstanding {
+                    outcome,
+                    target: target.to_string(),
+                    peer: p.peer,
+                    used: p.used,
+                };
+                lock(&self.outstanding).insert(id, o);
+                id
+            }
+            Err(e) => {
+                complain(&format!("transfer: {e}"));
+                0
+            }
+        }
+    }
+
+    /// How asynchronous batch `id` stands, waiting for it up to `wait`. A
+    /// batch whose outcome this reports is forgotten.
+    pub(crate) fn progress(&self, id: u64, wait: Duration) -> Progress {
+        let Some(o) = lock(&self.outstanding).remove(&id) else {
+            return Progress::Unknown;
+        };
+        match o.outcome.recv_timeout(wait) {
+            Ok(out) => Progress::Done(self.settle(&o.target, o.peer, &o.used, out)),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                lock(&self.outstanding).insert(id, o);
+                Progress::Running
+            }
+            // The engine thread is gone; its runtime reaped every op first.
+            Err(mpsc::RecvTimeoutError::Disconnected) => Progress::Done(complain(
+                "transfer: the engine stopped before the batch had an outcome",
+            )),
+        }
+    }
+
+    /// Waits for every batch in `ids`: 0 if all completed, else the worst
+    /// code (-2 before -1). Unknown ids count as -1.
+    pub(crate) fn wait_all(&self, ids: &[u64], timeout: Duration) -> i32 {
+        let deadline = Instant::now() + timeout;
+        let mut worst = SYNC_OK;
+        for &id in ids {
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match self.progress(id, left.max(Duration::from_millis(1))) {
+                    Progress::Done(c) => {
+                        worst = worst.min(c);
+                        break;
+                    }
+                    Progress::Unknown => {
+                        worst = worst.min(complain(&format!("no batch {id}")));
+                        break;
+                    }
+                    Progress::Running if Instant::now() >= deadline => {
+                        // Still running past the wait: its memory is not
+                        // back; the caller must keep it until it is.
+                        return SYNC_UNKNOWN;
+                    }
+                    Progress::Running => {}
+                }
+            }
+        }
+        worst
+    }
+
+    /// The code of an outcome; keeps a -2's ticket, and forgets the segments
+    /// a failed batch used (the peer may have re-registered its memory).
+    fn settle(
+        &self,
+        target: &str,
+        peer: SocketAddr,
+        used: &[u32],
+        out: SyncOutcome<RawBuf>,
+    ) -> i32 {
+        if out.code == SYNC_UNKNOWN {
+            if let Some(t) = out.ticket {
+                lock(&self.pending).push(t);
+            }
+            return SYNC_UNKNOWN;
+        }
+        if out.code != SYNC_OK {
+            if let Some(v) = lock(&self.opened).get_mut(&peer) {
+                v.retain(|s| !used.contains(&s.segment));
+            }
+            let why: Vec<String> = out
+                .tasks
+                .iter()
+                .filter_map(|t| match &t.status {
+                    TaskStatus::Failed(e) => Some(e.to_string()),
+                    TaskStatus::Fenced => Some("fenced".into()),
+                    TaskStatus::Completed => None,
+                })
+                .collect();
+            eprintln!("quiesce: transfer to {target} failed: {}", why.join("; "));
+        }
+        out.code
+    }
+
+    /// Waits up to `timeout` for the batches that returned -2 to drain;
+    /// returns how many have not.
+    pub(crate) fn quiesce_pending(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        // Taken out while waiting, so transfers returning -2 meanwhile are
+        // not held up; those stay for the next call.
+        let mut mine = std::mem::take(&mut *lock(&self.pending));
+        mine.retain(|&t| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            !matches!(self.engine().wait::<RawBuf>(t, left), Ok(Some(_)) | Err(_))
+        });
+        let mut pending = lock(&self.pending);
+        pending.extend(mine);
+        pending.len()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let Some(engine) = self.engine.take() else {
+            return;
+        };
+        if let Err(e) = engine.stop() {
+            // Something may still touch the managed buffers: never free them.
+            eprintln!("quiesce: {e}; leaking the managed buffers rather than free memory in use");
+            std::mem::forget(std::mem::take(&mut self.managed));
+        }
+    }
+}
