@@ -1,0 +1,226 @@
+"""Side-by-side benchmark of quiesce's drop-in and Mooncake's TransferEngine.
+
+    python -m quiesce.bench [--rounds N] [--iters N] [--impl quiesce,mooncake]
+
+Each implementation gets a target in its own process (this module with
+``--serve``), both alive at once; the latency cases alternate between the
+implementations every ``--block`` iterations so each pair of figures sees
+the same machine. Mooncake runs when ``mooncake.engine`` imports (PyPI:
+``mooncake-transfer-engine-non-cuda``). Printed per case: t_min and p50
+(and p99) per implementation, and quiesce's speed-up (Mooncake ÷ quiesce).
+
+The seed scenario is the one quiesce exists for: a batch of [a 4 KiB write
+the target refuses (a range it registered, then withdrew), a valid 64 MiB
+write]; as soon as the call returns, the source is overwritten; a round is
+corrupted if any overwritten byte reaches the target.
+"""
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MiB = 1 << 20
+SECRET = "quiesce.bench: a secret only this benchmark's processes share"
+
+
+def load(impl):
+    if impl == "quiesce":
+        from quiesce.mooncake import TransferEngine
+    else:
+        from mooncake.engine import TransferEngine
+    return TransferEngine
+
+
+def serve(impl, sizes):
+    """The target role: registers one buffer per size, answers commands."""
+    engine = load(impl)()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    bufs = [ctypes.create_string_buffer(s) for s in sizes]
+    addrs = [ctypes.addressof(b) for b in bufs]
+    for a, s in zip(addrs, sizes):
+        assert engine.register_memory(a, s) == 0
+    print("ready", engine.get_rpc_port(), *addrs, flush=True)
+    for line in sys.stdin:
+        w = line.split()
+        if w[0] == "fill":
+            ctypes.memset(int(w[1]), int(w[3]), int(w[2]))
+            print("ok", flush=True)
+        elif w[0] == "count":
+            data = ctypes.string_at(int(w[1]), int(w[2]))
+            print(data.count(bytes([int(w[3])])), flush=True)
+        elif w[0] == "unregister":
+            print(engine.unregister_memory(int(w[1])), flush=True)
+        elif w[0] == "register":
+            print(engine.register_memory(int(w[1]), int(w[2])), flush=True)
+
+
+class Side:
+    """One implementation: its target process and an initiator engine."""
+
+    def __init__(self, impl, big):
+        self.impl = impl
+        env = dict(os.environ, QUIESCE_SECRET=SECRET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "quiesce.bench", "--serve", impl, "4096", str(big)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        w = self.proc.stdout.readline().split()
+        assert w and w[0] == "ready", f"{impl} target did not start"
+        self.session = f"127.0.0.1:{w[1]}"
+        self.small, self.big = int(w[2]), int(w[3])
+        os.environ["QUIESCE_SECRET"] = SECRET
+        self.engine = load(impl)()
+        assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        self.bufs = []
+
+    def buffer(self, n, byte=0):
+        b = ctypes.create_string_buffer(n)
+        if byte:
+            ctypes.memset(b, byte, n)
+        self.bufs.append(b)
+        a = ctypes.addressof(b)
+        assert self.engine.register_memory(a, n) == 0
+        return a
+
+    def ask(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def timed(f):
+    t = time.perf_counter_ns()
+    ret = f()
+    return (time.perf_counter_ns() - t) / 1000.0, ret
+
+
+def latency(sides, size, iters, block):
+    """Alternating blocks of single writes of `size` bytes; µs per call."""
+    srcs = {s.impl: s.buffer(size, 7) for s in sides}
+    out = {s.impl: [] for s in sides}
+    done = 0
+    while done < iters:
+        for s in sides:
+            src = srcs[s.impl]
+            for _ in range(block):
+                us, ret = timed(lambda: s.engine.transfer_sync_write(s.session, src, s.big, size))
+                assert ret == 0, f"{s.impl}: {ret}"
+                out[s.impl].append(us)
+        done += block
+    return out
+
+
+def batch64(sides, iters, block):
+    """64 × 64 KiB in one batch; µs per batch."""
+    n, chunk = 64, 64 << 10
+    srcs = {s.impl: [s.buffer(chunk, 3) for _ in range(n)] for s in sides}
+    out = {s.impl: [] for s in sides}
+    done = 0
+    while done < iters:
+        for s in sides:
+            dsts = [s.big + i * chunk for i in range(n)]
+            for _ in range(block):
+                us, ret = timed(
+                    lambda: s.engine.batch_transfer_sync_write(s.session, srcs[s.impl], dsts, [chunk] * n)
+                )
+                assert ret == 0, f"{s.impl}: {ret}"
+                out[s.impl].append(us)
+        done += block
+    return out
+
+
+def seed(side, rounds, big):
+    """The seed scenario; returns (corrupted rounds, codes seen, ms to return)."""
+    probe = side.buffer(4096, 1)
+    src = side.buffer(big)
+    corrupted, codes, ms = 0, {}, []
+    for _ in range(rounds):
+        assert side.engine.transfer_sync_write(side.session, probe, side.small, 4096) == 0
+        assert side.ask(f"unregister {side.small}") == "0"
+        side.ask(f"fill {side.big} {big} 0")
+        ctypes.memset(src, 0xAA, big)
+        us, ret = timed(
+            lambda: side.engine.batch_transfer_sync_write(
+                side.session, [probe, src], [side.small, side.big], [4096, big]
+            )
+        )
+        ctypes.memset(src, 0xBB, big)  # the caller reuses its buffer at once
+        time.sleep(0.2)
+        if int(side.ask(f"count {side.big} {big} 187")) > 0:
+            corrupted += 1
+        codes[ret] = codes.get(ret, 0) + 1
+        ms.append(us / 1000)
+        side.ask(f"register {side.small} 4096")
+        if side.impl == "quiesce":
+            side.engine.wait_for_quiescence(30)
+    return corrupted, codes, statistics.median(ms)
+
+
+def fmt(v):
+    v = sorted(v)
+    p99 = v[min(len(v) - 1, int(len(v) * 0.99))]
+    return f"t_min {v[0]:8.1f}  p50 {statistics.median(v):8.1f}  p99 {p99:8.1f} µs"
+
+
+def main():
+    ap = argparse.ArgumentParser(prog="python -m quiesce.bench")
+    ap.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--impl", default=None, help="comma-separated: quiesce,mooncake")
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--block", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--big", type=int, default=64 * MiB)
+    a = ap.parse_args()
+    if a.serve:
+        return serve(a.serve[0], [int(s) for s in a.serve[1:]])
+    impls = a.impl.split(",") if a.impl else ["quiesce", "mooncake"]
+    available = []
+    for i in impls:
+        try:
+            load(i)
+            available.append(i)
+        except ImportError:
+            print(f"{i}: not installed, skipped")
+    sides = [Side(i, a.big) for i in available]
+    try:
+        results = {}
+        for name, size in [("4 KiB write", 4096), ("64 KiB write", 64 << 10)]:
+            results[name] = latency(sides, size, a.iters, a.block)
+        results["64 × 64 KiB batch"] = batch64(sides, max(a.iters // 10, 20), max(a.block // 10, 5))
+        results["64 MiB write"] = latency(sides, a.big, 20, 5)
+        for name, r in results.items():
+            print(f"== {name}")
+            for impl, v in r.items():
+                extra = ""
+                if name == "64 MiB write":
+                    extra = f"  ({a.big / (min(v) / 1e6) / 1e9:.2f} GB/s at t_min)"
+                print(f"   {impl:9} {fmt(v)}{extra}")
+            if "quiesce" in r and "mooncake" in r:
+                q, m = r["quiesce"], r["mooncake"]
+                print(
+                    f"   quiesce speed-up: t_min {min(m) / min(q):.2f}×, p50 "
+                    f"{statistics.median(m) / statistics.median(q):.2f}×"
+                )
+        print(f"== seed scenario ({a.rounds} rounds: [refused 4 KiB, valid {a.big >> 20} MiB], source overwritten on return)")
+        for s in sides:
+            c, codes, ms = seed(s, a.rounds, a.big)
+            print(f"   {s.impl:9} corrupted {c}/{a.rounds}  codes {codes}  returned after {ms:.1f} ms (p50)")
+    finally:
+        for s in sides:
+            s.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""The benchmark runs (quiesce alone here; Mooncake when installed)."""
+
+import subprocess
+import sys
+
+
+def test_bench_runs_and_counts_no_corruption():
+    out = subprocess.run(
+        [sys.executable, "-m", "quiesce.bench", "--impl", "quiesce", "--iters", "20",
+         "--block", "10", "--rounds", "2", "--big", str(4 << 20)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "== 4 KiB write" in out.stdout and "== 64 × 64 KiB batch" in out.stdout
+    assert "quiesce   corrupted 0/2" in out.stdout, out.stdout
