@@ -87,9 +87,76 @@ fn reclaim_cuts_a_stalled_write_and_returns_the_memory() {
     drop(s);
 }
 
+/// While a peer's read still sends from the lent memory, reclaiming answers
+/// `false` — to a second caller at the same time too — and the address
+/// cannot be lent again; once the peer goes, the memory comes back.
+#[test]
+fn memory_a_read_still_sends_from_stays_lent_for_every_caller() {
+    const BIG: usize = 32 << 20;
+    let target = std::sync::Arc::new(engine());
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let mut mem = vec![0u8; BIG].into_boxed_slice();
+    let base = mem.as_mut_ptr() as u64;
+    // SAFETY: `mem` lives until after `reclaim` answered true below.
+    let id = unsafe { target.lend("m", base, BIG as u64, token).unwrap() };
+    let s = stalled_reader(target.local_addr(), id, token, base, BIG as u64);
+    std::thread::sleep(Duration::from_millis(100));
+    let t2 = target.clone();
+    let second = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        t2.reclaim(base, Duration::from_millis(10))
+    });
+    assert_eq!(target.reclaim(base, Duration::from_millis(500)), Ok(false));
+    assert_eq!(
+        second.join().unwrap(),
+        Ok(false),
+        "a second caller was told it is free"
+    );
+    // SAFETY: refused, so nothing is lent.
+    let again = unsafe { target.lend("m2", base, BIG as u64, token) };
+    assert_eq!(again, Err(SyncError::StillLent(base)));
+    assert_eq!(target.reclaim(base, Duration::from_millis(100)), Ok(false));
+    drop(s);
+    assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
+    // Lendable again once it came back.
+    // SAFETY: `mem` lives until after the reclaim below.
+    unsafe { target.lend("m3", base, BIG as u64, token).unwrap() };
+    assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
+    drop(mem);
+}
+
 /// Connects raw, proves `token` by address, and sends a 64 KiB write's
 /// header with only its first 1000 bytes.
 fn stalled_writer(addr: std::net::SocketAddr, id: u64, token: Token, base: u64) -> TcpStream {
+    let mut s = authed(addr, token, base);
+    let mut w = Header::new(Opcode::Write);
+    (w.batch, w.task, w.segment, w.length) = (1, 1, id, 64 << 10);
+    s.write_all(&[&w.encode()[..], &[0x11; 1000]].concat())
+        .unwrap();
+    s
+}
+
+/// Connects raw, proves `token` by address, and asks to read all `len`
+/// bytes of segment `id` — then never reads them, so the target's send
+/// stalls with the memory in it.
+fn stalled_reader(
+    addr: std::net::SocketAddr,
+    id: u64,
+    token: Token,
+    base: u64,
+    len: u64,
+) -> TcpStream {
+    let mut s = authed(addr, token, base);
+    // Two halves: one frame may ask for at most 16 MiB.
+    for (task, offset) in [(1, 0), (2, len / 2)] {
+        let mut r = Header::new(Opcode::Read);
+        (r.batch, r.task, r.segment, r.offset, r.length) = (1, task, id, offset, len / 2);
+        s.write_all(&r.encode()).unwrap();
+    }
+    s
+}
+
+fn authed(addr: std::net::SocketAddr, token: Token, base: u64) -> TcpStream {
     use std::io::Read;
     let mut s = TcpStream::connect(addr).unwrap();
     let nonce = [3u8; 16];
@@ -129,8 +196,5 @@ fn stalled_writer(addr: std::net::SocketAddr, id: u64, token: Token, base: u64) 
     let h = Header::decode(&h).unwrap();
     let mut p = vec![0u8; h.length as usize];
     s.read_exact(&mut p).unwrap();
-    let mut w = Header::new(Opcode::Write);
-    (w.batch, w.task, w.segment, w.length) = (1, 1, id, 64 << 10);
-    s.write_all(&frame(w, &[0x11; 1000])).unwrap();
     s
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use quiesce_batch::sync::Direction;
+use quiesce_batch::sync::{Direction, SyncError};
 use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 
 use crate::node::{complain, Node, Progress};
@@ -509,13 +509,18 @@ impl TransferEngine {
                 "free_managed_buffer: no managed buffer at {buffer_addr:#x}"
             ));
         }
-        match self.unregister_memory(py, buffer_addr) {
-            SYNC_UNKNOWN => SYNC_UNKNOWN,
-            // Unregistered now, or by an earlier call that timed out.
-            _ if node.managed.free(buffer_addr, length) => SYNC_OK,
-            _ => complain(&format!(
-                "free_managed_buffer: {length} bytes is not its length"
-            )),
+        let reclaimed = py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT));
+        match reclaimed {
+            // Nothing holds it now — or nothing was lent there any more (an
+            // earlier unregister_memory took it back to the end).
+            Ok(true) | Err(SyncError::NotLent(_)) => match node.managed.free(buffer_addr, length) {
+                true => SYNC_OK,
+                false => complain(&format!(
+                    "free_managed_buffer: {length} bytes is not its length"
+                )),
+            },
+            Ok(false) => SYNC_UNKNOWN,
+            Err(e) => complain(&format!("free_managed_buffer {buffer_addr:#x}: {e}")),
         }
     }
 

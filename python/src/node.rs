@@ -10,7 +10,7 @@ use std::sync::{mpsc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use quiesce_batch::ffi::RawBuf;
-use quiesce_batch::sync::{Direction, OpenedAt, SyncEngine, SyncOutcome, SyncTask};
+use quiesce_batch::sync::{Direction, OpenedAt, SyncEngine, SyncError, SyncOutcome, SyncTask};
 use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_transports::{EngineConfig, Token};
 
@@ -39,9 +39,10 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// An asynchronous batch: its outcome's channel, and what it used.
+/// An asynchronous batch: its outcome's channel (taken out by the one call
+/// that waits on it), and what it used.
 struct Outstanding {
-    outcome: mpsc::Receiver<SyncOutcome<RawBuf>>,
+    outcome: Option<mpsc::Receiver<SyncOutcome<RawBuf>>>,
     target: String,
     peer: SocketAddr,
     used: Vec<u32>,
@@ -78,6 +79,8 @@ pub(crate) struct Node {
     peers: Mutex<HashMap<String, SocketAddr>>,
     /// Tickets of batches that returned -2: their memory stays pinned.
     pub(crate) pending: Mutex<Vec<u64>>,
+    /// Held by the one `quiesce_pending` that waits.
+    waiting: Mutex<()>,
     /// Asynchronous batches without a reported outcome, by id.
     outstanding: Mutex<HashMap<u64, Outstanding>>,
     next_id: AtomicU64,
@@ -106,12 +109,13 @@ fn secret() -> Result<Vec<u8>, String> {
 
 /// Fail-fast, as Mooncake returns at a batch's first failure — but after
 /// fencing the rest, so the -1 is safe. Mooncake's `MC_TRANSFER_TIMEOUT`
-/// (seconds, at least 5; 30 by default) is each batch's deadline.
+/// (seconds, 5 to 1800; 30 by default) is each batch's deadline, so every
+/// batch has an outcome well within `get_batch_transfer_status`'s hour.
 fn options() -> BatchOptions {
     let secs = std::env::var("MC_TRANSFER_TIMEOUT")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
-        .map_or(30, |s| s.max(5));
+        .map_or(30, |s| s.clamp(5, 1800));
     BatchOptions::default()
         .policy(FailurePolicy::FailFast)
         .deadline(Duration::from_secs(secs))
@@ -156,6 +160,7 @@ impl Node {
             opened: Mutex::default(),
             peers: Mutex::default(),
             pending: Mutex::default(),
+            waiting: Mutex::default(),
             outstanding: Mutex::default(),
             next_id: AtomicU64::new(1),
         })
@@ -285,7 +290,7 @@ impl Node {
             Ok(outcome) => {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let o = Outstanding {
-                    outcome,
+                    outcome: Some(outcome),
                     target: target.to_string(),
                     peer: p.peer,
                     used: p.used,
@@ -303,19 +308,35 @@ impl Node {
     /// How asynchronous batch `id` stands, waiting for it up to `wait`. A
     /// batch whose outcome this reports is forgotten.
     pub(crate) fn progress(&self, id: u64, wait: Duration) -> Progress {
-        let Some(o) = lock(&self.outstanding).remove(&id) else {
-            return Progress::Unknown;
+        let (rx, target, peer, used) = {
+            let mut all = lock(&self.outstanding);
+            let Some(o) = all.get_mut(&id) else {
+                return Progress::Unknown;
+            };
+            // Another call is waiting on it: running, as far as this one knows.
+            let Some(rx) = o.outcome.take() else {
+                return Progress::Running;
+            };
+            (rx, o.target.clone(), o.peer, o.used.clone())
         };
-        match o.outcome.recv_timeout(wait) {
-            Ok(out) => Progress::Done(self.settle(&o.target, o.peer, &o.used, out)),
+        match rx.recv_timeout(wait) {
+            Ok(out) => {
+                lock(&self.outstanding).remove(&id);
+                Progress::Done(self.settle(&target, peer, &used, out))
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                lock(&self.outstanding).insert(id, o);
+                if let Some(o) = lock(&self.outstanding).get_mut(&id) {
+                    o.outcome = Some(rx);
+                }
                 Progress::Running
             }
             // The engine thread is gone; its runtime reaped every op first.
-            Err(mpsc::RecvTimeoutError::Disconnected) => Progress::Done(complain(
-                "transfer: the engine stopped before the batch had an outcome",
-            )),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                lock(&self.outstanding).remove(&id);
+                Progress::Done(complain(
+                    "transfer: the engine stopped before the batch had an outcome",
+                ))
+            }
         }
     }
 
@@ -337,11 +358,14 @@ impl Node {
                         break;
                     }
                     Progress::Running if Instant::now() >= deadline => {
-                        // Still running past the wait: its memory is not
-                        // back; the caller must keep it until it is.
+                        // Still running past the wait (only if another call
+                        // waits on it too, or its deadline is beyond the
+                        // wait): its memory is not back, and the batch stays
+                        // listed for the next status call.
                         return SYNC_UNKNOWN;
                     }
-                    Progress::Running => {}
+                    // Another call holds its channel: look again shortly.
+                    Progress::Running => std::thread::sleep(Duration::from_micros(200)),
                 }
             }
         }
@@ -382,19 +406,25 @@ impl Node {
     }
 
     /// Waits up to `timeout` for the batches that returned -2 to drain;
-    /// returns how many have not.
+    /// returns how many have not. One caller waits at a time; another meanwhile
+    /// gets the count at once (its tickets stay listed until they drained, so
+    /// nobody is told 0 while one is out).
     pub(crate) fn quiesce_pending(&self, timeout: Duration) -> usize {
+        let Ok(_only) = self.waiting.try_lock() else {
+            return lock(&self.pending).len();
+        };
         let deadline = Instant::now() + timeout;
-        // Taken out while waiting, so transfers returning -2 meanwhile are
-        // not held up; those stay for the next call.
-        let mut mine = std::mem::take(&mut *lock(&self.pending));
-        mine.retain(|&t| {
+        let tickets = lock(&self.pending).clone();
+        for t in tickets {
             let left = deadline.saturating_duration_since(Instant::now());
-            !matches!(self.engine().wait::<RawBuf>(t, left), Ok(Some(_)) | Err(_))
-        });
-        let mut pending = lock(&self.pending);
-        pending.extend(mine);
-        pending.len()
+            match self.engine().wait::<RawBuf>(t, left) {
+                // Drained; or the engine stopped, after its runtime reaped
+                // every operation.
+                Ok(Some(_)) | Err(SyncError::Stopped) => lock(&self.pending).retain(|&p| p != t),
+                Ok(None) | Err(_) => {}
+            }
+        }
+        lock(&self.pending).len()
     }
 }
 

@@ -127,3 +127,30 @@ def test_send_probe(peer_factory):
     while e.send_probe(f"127.0.0.1:{port}") == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert e.send_probe(f"127.0.0.1:{port}") == -1
+
+
+def test_a_second_status_call_while_one_waits_says_running(peer_factory, local, monkeypatch):
+    """transfer_check_status from one thread while get_batch_transfer_status
+    waits on the same batch in another: 0 (running), never -1 — which would
+    tell the caller its buffer is free while the batch still reads it."""
+    import signal
+    import threading
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    target = peer_factory(64 * MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(64 * MiB, 9)
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    target.signal(signal.SIGSTOP)
+    bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
+    assert bid > 0
+    waited = []
+    t = threading.Thread(target=lambda: waited.append(e.get_batch_transfer_status([bid])))
+    t.start()
+    time.sleep(0.3)
+    assert e.transfer_check_status(bid) == 0, "told done while another call waits on it"
+    t.join(30)
+    assert waited and waited[0] in (-1, -2)
+    target.signal(signal.SIGCONT)
+    assert e.wait_for_quiescence(20) == 0

@@ -4,14 +4,28 @@
 //! only once nothing can touch it, and opening a peer's segment by an
 //! address inside it.
 
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::mpsc;
+use std::sync::{mpsc, MutexGuard};
 use std::time::Duration;
 
 use quiesce_runtime::spawn_local;
 use quiesce_transports::{ForeignMemory, Rights, Token};
 
 use super::{SyncEngine, SyncError};
+
+/// Where a lent range stands (the caller's side of it).
+pub(crate) enum Lending {
+    /// `lend` is registering it.
+    Starting,
+    /// Served to peers; the receiver says when the engine let go.
+    Serving(mpsc::Receiver<()>),
+    /// A `reclaim` is withdrawing it or waiting for its release.
+    Reclaiming,
+    /// Withdrawn, not yet released (a `reclaim` timed out).
+    Withdrawn(mpsc::Receiver<()>),
+}
 
 /// A peer's segment opened by an address inside it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +45,9 @@ impl SyncEngine {
     }
 
     /// Lends `addr..addr + len` to peers as segment `name` (read and
-    /// write), proven with `token`; returns its id.
+    /// write), proven with `token`; returns its id. Refused
+    /// ([`SyncError::StillLent`]) while an earlier lending of `addr` has not
+    /// been reclaimed to the end.
     ///
     /// # Safety
     ///
@@ -45,9 +61,15 @@ impl SyncEngine {
         len: u64,
         token: Token,
     ) -> Result<u64, SyncError> {
-        let name = name.to_string();
         let (released_tx, released_rx) = mpsc::channel();
-        let id = self.call(move |st, tx| {
+        // Claimed before the engine registers anything: a second lending of
+        // the same address would replace the first one's release signal.
+        match self.lendings().entry(addr) {
+            Entry::Occupied(_) => return Err(SyncError::StillLent(addr)),
+            Entry::Vacant(v) => v.insert(Lending::Starting),
+        };
+        let name = name.to_string();
+        let r = self.call(move |st, tx| {
             // SAFETY: the caller's contract above; `on_release` tells
             // `reclaim` when the engine no longer holds the range.
             let mem = unsafe {
@@ -65,43 +87,74 @@ impl SyncEngine {
                 })
                 .map_err(SyncError::from);
             let _ = tx.send(r);
-        })??;
-        self.released_map().insert(addr, released_rx);
-        Ok(id)
+        });
+        let mut lendings = self.lendings();
+        match r {
+            Ok(Ok(id)) => {
+                lendings.insert(addr, Lending::Serving(released_rx));
+                Ok(id)
+            }
+            Ok(Err(e)) | Err(e) => {
+                // Not registered: the engine dropped the memory's handle.
+                lendings.remove(&addr);
+                Err(e)
+            }
+        }
     }
 
     /// Takes back the range lent at `addr`: revokes all of it (writes
     /// landing there are cut, and none issued before lands later), stops
     /// serving it, and waits up to `timeout` until nothing holds it — no
     /// write landing, no read sending from it. `Ok(true)`: the memory is the
-    /// caller's again. `Ok(false)`: something still holds it; it must not be
-    /// freed or reused yet — call again to keep waiting.
+    /// caller's again. `Ok(false)`: something still holds it (or another
+    /// call is taking it back right now); it must not be freed or reused
+    /// yet — call again to keep waiting.
     pub fn reclaim(&self, addr: u64, timeout: Duration) -> Result<bool, SyncError> {
-        if !self.released_map().contains_key(&addr) {
-            return Err(SyncError::NotLent(addr));
-        }
-        self.call(move |st, tx| {
-            let Some(seg) = st.lent.borrow_mut().remove(&addr) else {
-                // Withdrawn by an earlier call that timed out.
-                let _ = tx.send(Ok(()));
-                return;
+        let (rx, serving) = {
+            let mut lendings = self.lendings();
+            let Some(state) = lendings.get_mut(&addr) else {
+                return Err(SyncError::NotLent(addr));
             };
-            let engine = st.engine.clone();
-            spawn_local(async move {
-                let r = seg.revoke(0..seg.len()).await.map_err(SyncError::from);
-                engine.deregister(seg.id());
-                drop(seg);
-                let _ = tx.send(r);
-            });
-        })??;
-        let rx = self.released_map().remove(&addr);
-        let Some(rx) = rx else {
-            return Err(SyncError::NotLent(addr));
+            match std::mem::replace(state, Lending::Reclaiming) {
+                Lending::Serving(rx) => (rx, true),
+                Lending::Withdrawn(rx) => (rx, false),
+                // Another call holds it; it stays as that call leaves it.
+                other @ (Lending::Starting | Lending::Reclaiming) => {
+                    *state = other;
+                    return Ok(false);
+                }
+            }
         };
+        if serving {
+            let withdrawn = self.call(move |st, tx| {
+                let Some(seg) = st.lent.borrow_mut().remove(&addr) else {
+                    let _ = tx.send(Ok(()));
+                    return;
+                };
+                let engine = st.engine.clone();
+                spawn_local(async move {
+                    let r = seg.revoke(0..seg.len()).await.map_err(SyncError::from);
+                    engine.deregister(seg.id());
+                    drop(seg);
+                    let _ = tx.send(r);
+                });
+            });
+            // The job deregisters the segment whatever its revoke answered,
+            // and an engine that stopped dropped it: either way the release
+            // signal below says when nothing holds the memory.
+            if let Err(e) | Ok(Err(e)) = withdrawn {
+                tracing::warn!(addr, error = %e, "reclaiming lent memory");
+            }
+        }
         match rx.recv_timeout(timeout) {
-            Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => Ok(true),
+            // Released — or the engine's thread is gone, after its runtime
+            // reaped every operation.
+            Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                self.lendings().remove(&addr);
+                Ok(true)
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                self.released_map().insert(addr, rx);
+                self.lendings().insert(addr, Lending::Withdrawn(rx));
                 Ok(false)
             }
         }
@@ -135,9 +188,7 @@ impl SyncEngine {
         })?
     }
 
-    fn released_map(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, mpsc::Receiver<()>>> {
+    fn lendings(&self) -> MutexGuard<'_, HashMap<u64, Lending>> {
         // A poisoned map is still the right map: nothing in it panics.
         self.released.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -99,8 +99,8 @@ pub struct SyncEngine {
     jobs: Option<Sender<Job>>,
     /// Where the engine listens.
     addr: SocketAddr,
-    /// For each lent range (by address), what says it was handed back.
-    released: std::sync::Mutex<HashMap<u64, mpsc::Receiver<()>>>,
+    /// Each lent range (by address) and where it stands.
+    released: std::sync::Mutex<HashMap<u64, memory::Lending>>,
     /// Answers how the runtime's shutdown went (ops still live after it).
     thread: Option<thread::JoinHandle<usize>>,
 }
@@ -133,6 +133,9 @@ pub enum SyncError {
     /// No memory was lent at this address.
     #[error("no memory lent at {0:#x}")]
     NotLent(u64),
+    /// The address is lent already, or not yet reclaimed to the end.
+    #[error("memory at {0:#x} is lent already (or not yet reclaimed)")]
+    StillLent(u64),
     /// The engine refused to register the memory.
     #[error(transparent)]
     Register(#[from] quiesce_transports::RegisterError),

@@ -119,10 +119,10 @@ impl RdmaPeer {
         let remote = accept.qp;
         qp.connect(&local, &remote, node.gid_index, Access::LOCAL)
             .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
-        self.inner
-            .keys
-            .borrow_mut()
-            .extend(accept.keys.iter().map(|k| (k.segment, *k)));
+        // The whole set this connection may use: keys from an older
+        // connection (another protection domain) or revoked since are dead,
+        // and posting one would only put the new queue pair in error.
+        *self.inner.keys.borrow_mut() = accept.keys.iter().map(|k| (k.segment, *k)).collect();
         let link = Rc::new(Link::new(
             qp,
             node.depth,
