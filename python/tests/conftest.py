@@ -77,6 +77,15 @@ def peer_factory():
         p.close()
 
 
+def engine():
+    """An initialised quiesce.mooncake.TransferEngine on loopback."""
+    from quiesce.mooncake import TransferEngine
+
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    return e
+
+
 class Local:
     """Local buffers for an initiator (kept alive by this object)."""
 

@@ -15,3 +15,14 @@ def test_bench_runs_and_counts_no_corruption():
     assert out.returncode == 0, out.stderr
     assert "== 4 KiB write" in out.stdout and "== 64 × 64 KiB batch" in out.stdout
     assert "quiesce   corrupted 0/2" in out.stdout, out.stdout
+
+
+def test_demo_runs_and_exits_zero():
+    out = subprocess.run(
+        [sys.executable, "-m", "quiesce.demo", "--rounds", "2", "--big", str(4 << 20)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "quiesce   corrupted: 0/2" in out.stdout, out.stdout

@@ -7,15 +7,10 @@ import time
 
 import pytest
 
+from conftest import engine
 from quiesce.mooncake import TransferEngine
 
 MiB = 1 << 20
-
-
-def engine():
-    e = TransferEngine()
-    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    return e
 
 
 def test_vllm_call_sequence(peer_factory, local):

@@ -4,15 +4,10 @@ status, managed buffers, probes."""
 import ctypes
 import time
 
+from conftest import engine
 from quiesce.mooncake import TransferEngine, TransferOpcode
 
 MiB = 1 << 20
-
-
-def engine():
-    e = TransferEngine()
-    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    return e
 
 
 def test_opcodes_as_enum_and_int(peer_factory, local):
