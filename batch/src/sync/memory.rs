@@ -27,9 +27,9 @@ pub(crate) enum Lending {
     Withdrawn(mpsc::Receiver<()>),
 }
 
-/// A peer's segment opened by an address inside it.
+/// A peer's segment this engine opened (by name, or by an address inside it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OpenedAt {
+pub struct OpenedSegment {
     /// The handle batches name it by.
     pub segment: u32,
     /// The peer's virtual address of its first byte (offset = address − base).
@@ -167,21 +167,14 @@ impl SyncEngine {
         peer: SocketAddr,
         addr: u64,
         token: Token,
-    ) -> Result<OpenedAt, SyncError> {
+    ) -> Result<OpenedSegment, SyncError> {
         self.call(move |st, tx| {
             let st = st.clone();
             spawn_local(async move {
                 let r = async {
                     let p = st.engine.connect(peer).await?;
                     let seg = p.open_at(addr, token).await?;
-                    let (base, len) = (seg.base(), seg.len());
-                    let mut segs = st.segments.borrow_mut();
-                    segs.push(seg);
-                    Ok(OpenedAt {
-                        segment: segs.len() as u32 - 1,
-                        base,
-                        len,
-                    })
+                    Ok(st.keep(seg))
                 };
                 let _ = tx.send(r.await);
             });

@@ -41,7 +41,7 @@ use crate::{
 
 mod memory;
 
-pub use memory::OpenedAt;
+pub use memory::OpenedSegment;
 
 /// Which direction a sync batch moves data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +92,20 @@ struct State {
     /// Tickets of batches whose completion is unknown, by id.
     tickets: Rc<RefCell<HashMap<u64, Box<dyn Any>>>>,
     next_ticket: Rc<Cell<u64>>,
+}
+
+impl State {
+    /// Keeps an opened segment; batches name it by the returned handle.
+    fn keep(&self, seg: RemoteSegment) -> OpenedSegment {
+        let (base, len) = (seg.base(), seg.len());
+        let mut segs = self.segments.borrow_mut();
+        segs.push(seg);
+        OpenedSegment {
+            segment: segs.len() as u32 - 1,
+            base,
+            len,
+        }
+    }
 }
 
 /// A transfer engine on its own thread, for blocking callers.
@@ -210,6 +224,17 @@ impl SyncEngine {
 
     /// Connects to `addr` and proves `token` for segment `name`; returns a handle.
     pub fn open(&self, addr: SocketAddr, name: &str, token: Token) -> Result<u32, SyncError> {
+        self.open_named(addr, name, token).map(|s| s.segment)
+    }
+
+    /// Like [`open`](Self::open), and says where the segment lies in the
+    /// peer's memory and how long it is.
+    pub fn open_named(
+        &self,
+        addr: SocketAddr,
+        name: &str,
+        token: Token,
+    ) -> Result<OpenedSegment, SyncError> {
         let name = name.to_string();
         self.call(move |st, tx| {
             let st = st.clone();
@@ -217,9 +242,7 @@ impl SyncEngine {
                 let r = async {
                     let peer = st.engine.connect(addr).await?;
                     let seg = peer.open(&name, token).await?;
-                    let mut segs = st.segments.borrow_mut();
-                    segs.push(seg);
-                    Ok(segs.len() as u32 - 1)
+                    Ok(st.keep(seg))
                 };
                 let _ = tx.send(r.await);
             });
@@ -235,7 +258,8 @@ impl SyncEngine {
     ) -> Result<SyncOutcome<B>, SyncError> {
         self.call(move |st, tx| {
             let reply = tx.clone();
-            if let Err(e) = launch(st, dir, tasks, opts, move |out| {
+            let tasks = tasks.into_iter().map(|t| (dir, t)).collect();
+            if let Err(e) = launch(st, tasks, opts, move |out| {
                 let _ = reply.send(Ok(out));
             }) {
                 let _ = tx.send(Err(e));
@@ -253,12 +277,26 @@ impl SyncEngine {
         tasks: Vec<SyncTask<B>>,
         opts: BatchOptions,
     ) -> Result<mpsc::Receiver<SyncOutcome<B>>, SyncError> {
+        let (out_tx, out_rx) = mpsc::channel();
+        let tasks = tasks.into_iter().map(|t| (dir, t)).collect();
+        self.submit_with(tasks, opts, move |out| {
+            let _ = out_tx.send(out);
+        })?;
+        Ok(out_rx)
+    }
+
+    /// Starts a batch whose tasks each move their own way and returns at
+    /// once; `done` gets its outcome, on the engine's thread (so it must
+    /// only hand it on, never block). A task the batch rejects fails the
+    /// call, nothing starts, and `done` is dropped uncalled.
+    pub fn submit_with<B: IoBufMut + Send>(
+        &self,
+        tasks: Vec<(Direction, SyncTask<B>)>,
+        opts: BatchOptions,
+        done: impl FnOnce(SyncOutcome<B>) + Send + 'static,
+    ) -> Result<(), SyncError> {
         self.call(move |st, tx| {
-            let (out_tx, out_rx) = mpsc::channel();
-            let r = launch(st, dir, tasks, opts, move |out| {
-                let _ = out_tx.send(out);
-            });
-            let _ = tx.send(r.map(|()| out_rx));
+            let _ = tx.send(launch(st, tasks, opts, done));
         })?
     }
 
@@ -312,13 +350,12 @@ impl SyncEngine {
 /// (from a task: the caller's answer must not wait on this job).
 fn launch<B: IoBufMut + Send>(
     st: &State,
-    dir: Direction,
-    tasks: Vec<SyncTask<B>>,
+    tasks: Vec<(Direction, SyncTask<B>)>,
     opts: BatchOptions,
     done: impl FnOnce(SyncOutcome<B>) + 'static,
 ) -> Result<(), SyncError> {
     let mut batch = Batch::new(Tcp, opts);
-    for t in tasks {
+    for (dir, t) in tasks {
         let Some(seg) = st.segments.borrow().get(t.segment as usize).cloned() else {
             return Err(SyncError::UnknownSegment(t.segment));
         };
