@@ -378,16 +378,28 @@ async fn join_slices(
             Err(TransferError::FencedPartial { landed: total })
         }
         Some(TransferError::Revoked { .. }) => Err(TransferError::Revoked { landed: total }),
+        // The segment went away (revoked and withdrawn) between slices:
+        // those before it landed whole, those after found it gone. That is
+        // a revoke after `total` bytes, not a write that never landed.
+        Some(TransferError::NoSuchSegment(_)) if total > 0 => {
+            Err(TransferError::Revoked { landed: total })
+        }
         Some(e) => Err(e),
     }
 }
 
 /// Keeps the first error, unless a later one left the target unsettled
-/// (a lost connection): the transfer's error must say so.
+/// (a lost connection): the transfer's error must say so. Among settled
+/// errors a revoke wins: slices sent after it find the segment gone, and
+/// their "no such segment" would hide that bytes landed before the cut.
 fn keep_worst(kept: &mut Option<TransferError>, e: TransferError) {
-    match kept {
-        Some(k) if !k.settles_remote() || e.settles_remote() => {}
-        _ => *kept = Some(e),
+    let rank = |e: &TransferError| match e {
+        _ if !e.settles_remote() => 2,
+        TransferError::Revoked { .. } => 1,
+        _ => 0,
+    };
+    if kept.as_ref().is_none_or(|k| rank(&e) > rank(k)) {
+        *kept = Some(e);
     }
 }
 
