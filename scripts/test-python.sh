@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 venv=${QUIESCE_VENV:-.venv}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q --upgrade pip
-"$venv/bin/pip" install -q ./python pytest
+"$venv/bin/pip" install -q ./python pytest numpy
 "$venv/bin/python" -m pytest -q python/tests "$@"

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 
 mod managed;
 mod mooncake;
+mod native;
 mod node;
 
 /// The extension module.
@@ -20,6 +21,8 @@ mod node;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mooncake::TransferEngine>()?;
     m.add_class::<mooncake::TransferOpcode>()?;
+    m.add_class::<native::NativeEngine>()?;
+    m.add_class::<native::batch::NativeBatch>()?;
     m.add("SECRET_ENV", node::SECRET_ENV)?;
     m.add("OPEN_CLUSTER_ENV", node::OPEN_CLUSTER_ENV)?;
     Ok(())

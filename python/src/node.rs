@@ -10,7 +10,7 @@ use std::sync::{mpsc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use quiesce_batch::ffi::RawBuf;
-use quiesce_batch::sync::{Direction, OpenedAt, SyncEngine, SyncError, SyncOutcome, SyncTask};
+use quiesce_batch::sync::{Direction, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask};
 use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_transports::{EngineConfig, Token};
 
@@ -74,7 +74,7 @@ pub(crate) struct Node {
     pub(crate) managed: ManagedBuffers,
     options: BatchOptions,
     /// Peer segments opened so far, by peer.
-    opened: Mutex<HashMap<SocketAddr, Vec<OpenedAt>>>,
+    opened: Mutex<HashMap<SocketAddr, Vec<OpenedSegment>>>,
     /// Session names resolved so far.
     peers: Mutex<HashMap<String, SocketAddr>>,
     /// Tickets of batches that returned -2: their memory stays pinned.
@@ -86,7 +86,21 @@ pub(crate) struct Node {
     next_id: AtomicU64,
 }
 
-fn secret() -> Result<Vec<u8>, String> {
+/// The cluster's shared secret: `explicit` (16+ bytes), an open cluster's
+/// public one if `open_cluster`, else from the environment.
+pub(crate) fn secret(explicit: Option<&[u8]>, open_cluster: bool) -> Result<Vec<u8>, String> {
+    if let Some(s) = explicit {
+        if s.len() < 16 {
+            return Err("the secret must hold at least 16 bytes".into());
+        }
+        return Ok(s.to_vec());
+    }
+    if open_cluster {
+        eprintln!(
+            "quiesce: open cluster: any peer that can connect may read and write registered memory"
+        );
+        return Ok(OPEN_CLUSTER_SECRET.to_vec());
+    }
     if let Some(s) = std::env::var_os(SECRET_ENV) {
         let s = s.into_encoded_bytes();
         if s.len() < 16 {
@@ -95,10 +109,7 @@ fn secret() -> Result<Vec<u8>, String> {
         return Ok(s);
     }
     if std::env::var(OPEN_CLUSTER_ENV).is_ok_and(|v| v == "1") {
-        eprintln!(
-            "quiesce: {OPEN_CLUSTER_ENV}=1: any peer that can connect may read and write registered memory"
-        );
-        return Ok(OPEN_CLUSTER_SECRET.to_vec());
+        return secret(None, true);
     }
     Err(format!(
         "remote access needs a shared secret: set {SECRET_ENV} (16+ bytes, the same on every \
@@ -121,7 +132,7 @@ fn options() -> BatchOptions {
         .deadline(Duration::from_secs(secs))
 }
 
-fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
+pub(crate) fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
     let (host, port) = match local_hostname.rsplit_once(':') {
         Some((h, p)) if !h.contains(':') || h.starts_with('[') => (
             h.trim_start_matches('[').trim_end_matches(']'),
@@ -145,7 +156,7 @@ fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
 impl Node {
     /// Starts an engine listening on `local_hostname`.
     pub(crate) fn start(local_hostname: &str) -> Result<Node, String> {
-        let token = Token::derive(&secret()?, TOKEN_LABEL);
+        let token = Token::derive(&secret(None, false)?, TOKEN_LABEL);
         let config = EngineConfig {
             node: local_hostname.to_string(),
             listen: listen_addr(local_hostname)?,
@@ -188,8 +199,8 @@ impl Node {
 
     /// The opened segment holding `addr..addr + len` at `peer` (opening it
     /// by address if this engine has not yet).
-    fn segment(&self, peer: SocketAddr, addr: u64, len: u64) -> Result<OpenedAt, String> {
-        let holds = |s: &OpenedAt| addr >= s.base && addr - s.base < s.len;
+    fn segment(&self, peer: SocketAddr, addr: u64, len: u64) -> Result<OpenedSegment, String> {
+        let holds = |s: &OpenedSegment| addr >= s.base && addr - s.base < s.len;
         let cached = lock(&self.opened)
             .get(&peer)
             .and_then(|v| v.iter().find(|s| holds(s)).copied());

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 PEER = Path(__file__).with_name("peer.py")
+NATIVE_PEER = Path(__file__).with_name("native_peer.py")
 SECRET = "pytest: a secret every peer of this suite shares"
 
 
@@ -69,6 +70,51 @@ def peer_factory():
 
     def make(*sizes, env=None):
         p = Peer(*sizes, env=env)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+class NativePeer:
+    """A quiesce.Engine target process (tests/native_peer.py) lending
+    bytearrays as named segments."""
+
+    def __init__(self, **segments):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(NATIVE_PEER), *(f"{k}={v}" for k, v in segments.items())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, QUIESCE_SECRET=SECRET),
+        )
+        first = self.proc.stdout.readline().split()
+        assert first and first[0] == "ready", f"peer did not start: {first}"
+        self.address = first[1]
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def count(self, name, byte) -> int:
+        return int(self.ask(f"count {name} {byte}"))
+
+    def fill(self, name, byte):
+        assert self.ask(f"fill {name} {byte}") == "ok"
+
+    signal = Peer.signal
+    close = Peer.close
+
+
+@pytest.fixture
+def native_peer():
+    made = []
+
+    def make(**segments):
+        p = NativePeer(**segments)
         made.append(p)
         return p
 

@@ -13,12 +13,56 @@ make), whose return codes keep quiesce's contract:
 Peers prove access with a secret they share: set ``QUIESCE_SECRET`` (16 or
 more bytes, the same on every peer), or ``QUIESCE_OPEN_CLUSTER=1`` on a
 trusted network.
+
+``quiesce.Engine`` is the native API: named segments lent from your
+buffers, batches over buffer-protocol objects, outcome objects
+(``Completed``, ``Failed``, ``CompletionUnknown``) and ``await``-able runs.
 """
 
 from quiesce._native import OPEN_CLUSTER_ENV, SECRET_ENV
+from quiesce.engine import Batch, Engine, LocalSegment, RemoteSegment
+from quiesce.errors import (
+    EngineClosed,
+    InvalidInput,
+    OutOfBounds,
+    PeerUnreachable,
+    QuiesceError,
+    SecretMissing,
+    SegmentRefused,
+    StillLent,
+    UnknownPeer,
+    ZeroLength,
+)
+from quiesce.outcome import Completed, CompletionUnknown, Failed, Outcome, TaskReport
 
 OK = 0
 FAILED = -1
 COMPLETION_UNKNOWN = -2
 
-__all__ = ["OK", "FAILED", "COMPLETION_UNKNOWN", "SECRET_ENV", "OPEN_CLUSTER_ENV", "mooncake"]
+__all__ = [
+    "OK",
+    "FAILED",
+    "COMPLETION_UNKNOWN",
+    "SECRET_ENV",
+    "OPEN_CLUSTER_ENV",
+    "Engine",
+    "Batch",
+    "LocalSegment",
+    "RemoteSegment",
+    "Completed",
+    "Failed",
+    "CompletionUnknown",
+    "Outcome",
+    "TaskReport",
+    "QuiesceError",
+    "InvalidInput",
+    "ZeroLength",
+    "OutOfBounds",
+    "SegmentRefused",
+    "UnknownPeer",
+    "PeerUnreachable",
+    "StillLent",
+    "SecretMissing",
+    "EngineClosed",
+    "mooncake",
+]

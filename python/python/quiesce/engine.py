@@ -1,0 +1,206 @@
+"""quiesce's native API: an ``Engine``, named segments lent from your
+buffers, and batches of reads and writes whose outcomes exist only once
+nothing can touch their buffers any more.
+
+Target side::
+
+    eng = quiesce.Engine("0.0.0.0:5555", secret=SECRET)
+    kv = eng.register("kv", bytearray(64 << 20))   # peers may read and write it
+    ...
+    assert kv.revoke()        # no earlier write lands after this; buffer is yours
+
+Initiator side::
+
+    eng = quiesce.Engine(secret=SECRET)
+    kv = eng.open("10.0.0.2:5555", "kv")
+    b = eng.batch(deadline=5.0)
+    b.write(numpy_array, kv, offset=0)
+    b.read(bytearray(4096), kv, offset=1 << 20)
+    out = b.run()            # or: out = await b.run_async()
+    if isinstance(out, quiesce.CompletionUnknown):
+        out = out.wait()     # the buffers stay held until then
+
+Buffers are any C-contiguous buffer-protocol object (bytearray, memoryview,
+numpy arrays, mmap) or an object with ``data_ptr()`` and ``nbytes`` on the
+CPU (torch tensors). A batch holds each buffer from ``write``/``read`` until
+its outcome — even if you drop your references, the batch, or the asyncio
+task awaiting it — and your code must not touch them meanwhile (exports
+lock a bytearray's size; tensors cannot be locked: do not resize them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, List, Optional, Union
+
+from quiesce import _native
+from quiesce.errors import InvalidInput
+from quiesce.outcome import Outcome, outcome
+
+__all__ = ["Engine", "Batch", "LocalSegment", "RemoteSegment"]
+
+
+@dataclass(frozen=True)
+class RemoteSegment:
+    """A peer's segment this engine opened (its secret proved access)."""
+
+    peer: str
+    name: str
+    #: The peer's address of its first byte.
+    address: int
+    length: int
+    _handle: int
+
+
+class LocalSegment:
+    """A buffer of yours lent to peers as a named segment."""
+
+    def __init__(self, engine: "Engine", name: str, buffer: Any, info) -> None:
+        self._engine = engine
+        self.name = name
+        self.buffer = buffer
+        self.id, self.address, self.length = info
+
+    def revoke(self, timeout: float = 5.0) -> bool:
+        """Revokes the whole segment and takes it back: once this returns
+        True, no byte of any earlier write lands in it, whoever sent it, and
+        no peer reads it — the buffer is yours again. False: something still
+        holds it after ``timeout`` s (call again; do not reuse it yet)."""
+        return self._engine._native.reclaim(self.address, timeout)
+
+    def __repr__(self) -> str:
+        return f"LocalSegment({self.name!r}, address={self.address:#x}, length={self.length})"
+
+
+class Batch:
+    """Reads and writes that resolve together. Build with ``write``/``read``,
+    then ``run()`` (blocking, the GIL released) or ``await run_async()``,
+    once."""
+
+    def __init__(self, engine: "Engine", policy: str, deadline: float) -> None:
+        self._engine = engine
+        self._policy = policy
+        self._deadline = deadline
+        self._native = _native.NativeBatch()
+        self._buffers: List[Any] = []
+
+    def write(self, source: Any, to: RemoteSegment, offset: int = 0) -> int:
+        """Adds a task writing all of ``source`` into ``to`` at ``offset``;
+        returns its index."""
+        return self._add(True, source, to, offset)
+
+    def read(self, destination: Any, of: RemoteSegment, offset: int = 0) -> int:
+        """Adds a task filling all of ``destination`` from ``of`` at
+        ``offset``; returns its index."""
+        return self._add(False, destination, of, offset)
+
+    def _add(self, write: bool, buf: Any, seg: RemoteSegment, offset: int) -> int:
+        if not isinstance(seg, RemoteSegment):
+            raise InvalidInput(f"expected a RemoteSegment from Engine.open, got {type(seg).__name__}")
+        if offset < 0:
+            raise InvalidInput("the offset must not be negative")
+        i = self._native.add(write, buf, seg._handle, seg.length, offset)
+        self._buffers.append(buf)
+        return i
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def run(self) -> Outcome:
+        """Runs the batch and blocks until its outcome."""
+        n = self._engine._native
+        r = n.run(self._native, self._policy, self._deadline)
+        return outcome(r, self._buffers, n)
+
+    async def run_async(self) -> Outcome:
+        """Runs the batch without blocking the event loop. Cancelling the
+        awaiting task does not cancel the batch: it runs to its outcome (or
+        its deadline), holding the buffers until then."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        n = self._engine._native
+        buffers = self._buffers
+
+        def settle(report) -> None:
+            if future.done():
+                return
+            if report is None:
+                from quiesce.errors import EngineClosed
+
+                future.set_exception(EngineClosed("the engine closed before the batch had an outcome"))
+            else:
+                future.set_result(outcome(report, buffers, n))
+
+        def delivered(report) -> None:
+            # On the delivery thread: hand over to the loop.
+            try:
+                loop.call_soon_threadsafe(settle, report)
+            except RuntimeError:
+                pass  # the loop closed; the batch has quiesced all the same
+
+        n.submit(self._native, self._policy, self._deadline, delivered)
+        return await future
+
+
+class Engine:
+    """A quiesce engine: serves the segments you register and runs batches
+    against peers' segments.
+
+    ``secret`` (16+ bytes; str or bytes) is the cluster's shared secret,
+    from which each segment's access is derived; without one,
+    ``QUIESCE_SECRET`` is used, and ``open_cluster=True`` (or
+    ``QUIESCE_OPEN_CLUSTER=1``) lets any peer that can connect read and write
+    (trusted networks only)."""
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        *,
+        secret: Optional[Union[str, bytes]] = None,
+        open_cluster: bool = False,
+    ) -> None:
+        if isinstance(secret, str):
+            secret = secret.encode()
+        self._native = _native.NativeEngine(listen, secret, open_cluster)
+        self._segments: dict = {}
+
+    @property
+    def address(self) -> str:
+        """Where peers connect: "ip:port"."""
+        return self._native.address
+
+    def register(self, name: str, buffer: Any) -> LocalSegment:
+        """Lends ``buffer`` (writable, contiguous) to peers as segment
+        ``name``: peers that prove the secret may read and write it until
+        ``revoke()``. Do not write it yourself meanwhile."""
+        seg = LocalSegment(self, name, buffer, self._native.lend(name, buffer))
+        return seg
+
+    def open(self, peer: str, name: str) -> RemoteSegment:
+        """Opens segment ``name`` at ``peer`` ("host:port")."""
+        handle, address, length = self._native.open(peer, name)
+        return RemoteSegment(peer, name, address, length, handle)
+
+    def batch(self, *, policy: str = "fail_fast", deadline: float = 30.0) -> Batch:
+        """A new batch. ``policy``: "fail_fast" (the first failure fences the
+        rest) or "drain" (every task runs to its end). ``deadline`` (s): past
+        it, the batch fences; a fence that cannot finish in time gives
+        ``CompletionUnknown``."""
+        return Batch(self, policy, deadline)
+
+    def pending(self) -> List[int]:
+        """Tickets of batches whose completion is still unknown."""
+        return self._native.pending()
+
+    def close(self) -> bool:
+        """Stops the engine: batches in flight are cancelled and reaped
+        first. False: it could not drain, and their memory stays held for
+        good (never freed under a transfer)."""
+        return self._native.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,65 @@
+"""The exceptions of quiesce's native API.
+
+Raised before anything moves: a batch that raises while being built or run
+took nothing of yours (no buffer is held, nothing was sent). Failures of
+transfers themselves are not exceptions but outcomes (``Failed``,
+``CompletionUnknown``).
+"""
+
+
+class QuiesceError(Exception):
+    """Base of every quiesce exception."""
+
+
+class InvalidInput(QuiesceError, ValueError):
+    """Bad input: a buffer that is not contiguous, read-only where it would be
+    written, a batch run twice, a bad policy or deadline."""
+
+
+class ZeroLength(InvalidInput):
+    """A task of zero bytes."""
+
+
+class OutOfBounds(InvalidInput):
+    """A task that crosses the end of its remote segment."""
+
+
+class SegmentRefused(QuiesceError):
+    """The peer refused to open the segment: it has no segment by that name,
+    or the secret does not prove access to it (the two look the same)."""
+
+
+class UnknownPeer(QuiesceError):
+    """The peer's address does not resolve."""
+
+
+class PeerUnreachable(QuiesceError):
+    """The peer cannot be reached, or its handshake failed."""
+
+
+class StillLent(QuiesceError):
+    """The memory is lent already, or an earlier lending of it has not been
+    taken back to the end."""
+
+
+class SecretMissing(QuiesceError):
+    """No shared secret: pass ``secret=``, set ``QUIESCE_SECRET``, or opt into
+    an open cluster (``open_cluster=True`` / ``QUIESCE_OPEN_CLUSTER=1``)."""
+
+
+class EngineClosed(QuiesceError):
+    """The engine was closed."""
+
+
+__all__ = [
+    "QuiesceError",
+    "InvalidInput",
+    "ZeroLength",
+    "OutOfBounds",
+    "SegmentRefused",
+    "UnknownPeer",
+    "PeerUnreachable",
+    "StillLent",
+    "SecretMissing",
+    "EngineClosed",
+]

@@ -1,0 +1,62 @@
+//! The exceptions of the native API (defined in `quiesce/errors.py`, so
+//! that they can also be `ValueError`s) and how errors map onto them.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+use quiesce_batch::sync::SyncError;
+use quiesce_batch::BatchError;
+use quiesce_transports::TransferError;
+
+/// An exception of class `kind` from `quiesce.errors`.
+pub(crate) fn raise(py: Python<'_>, kind: &str, msg: &str) -> PyErr {
+    let class = py
+        .import("quiesce.errors")
+        .and_then(|m| m.getattr(kind))
+        .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
+    match class {
+        Ok(c) => PyErr::from_type(c, msg.to_string()),
+        Err(e) => PyRuntimeError::new_err(format!("{msg} (and quiesce.errors.{kind}: {e})")),
+    }
+}
+
+/// Bad input of no more precise kind.
+pub(crate) fn invalid(py: Python<'_>, msg: &str) -> PyErr {
+    raise(py, "InvalidInput", msg)
+}
+
+/// A zero-length task.
+pub(crate) fn zero_length(py: Python<'_>, msg: &str) -> PyErr {
+    raise(py, "ZeroLength", msg)
+}
+
+/// The exception class for a sync-engine error.
+pub(crate) fn from_sync(py: Python<'_>, e: &SyncError) -> PyErr {
+    let kind = match e {
+        SyncError::Stopped => "EngineClosed",
+        SyncError::UnknownSegment(_) | SyncError::UnknownTicket(_) | SyncError::NotLent(_) => {
+            "InvalidInput"
+        }
+        SyncError::StillLent(_) => "StillLent",
+        SyncError::Batch(BatchError::Empty) => "ZeroLength",
+        SyncError::Batch(_) | SyncError::Revoke(_) | SyncError::Register(_) => "InvalidInput",
+        SyncError::Transfer(t) => transfer_kind(t),
+        SyncError::Setup(_) | SyncError::Undrained(_) => "QuiesceError",
+    };
+    raise(py, kind, &e.to_string())
+}
+
+fn transfer_kind(t: &TransferError) -> &'static str {
+    match t {
+        TransferError::OpenRefused(_)
+        | TransferError::NoSuchSegment(_)
+        | TransferError::Forbidden(_)
+        | TransferError::RemoteAccess(_) => "SegmentRefused",
+        TransferError::OutOfBounds { .. } => "OutOfBounds",
+        TransferError::BadLength(_) => "InvalidInput",
+        TransferError::Handshake { .. }
+        | TransferError::ConnectionLost(_)
+        | TransferError::ConnectTimeout => "PeerUnreachable",
+        _ => "QuiesceError",
+    }
+}

@@ -1,0 +1,436 @@
+//! The native API's Rust half (`quiesce.Engine` wraps `NativeEngine`):
+//! named segments lent from buffer-protocol objects, batches of reads and
+//! writes over them, outcomes for blocking callers and, through a
+//! delivery thread, for asyncio.
+//!
+//! Python memory is held ([`Held`]) from the moment a task takes it until
+//! the batch's outcome says nothing can touch it — on the caller's stack for
+//! a blocking run, in [`Core::flights`] for a submitted one, in
+//! [`Core::tickets`] after completion-unknown — and is released only on a
+//! thread attached to Python: the engine's thread never owns a `Held`.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use quiesce_batch::ffi::RawBuf;
+use quiesce_batch::sync::{SyncEngine, SyncError, SyncOutcome};
+use quiesce_batch::{BatchOptions, FailurePolicy, RemoteState, TaskStatus, SYNC_UNKNOWN};
+use quiesce_transports::{EngineConfig, Token};
+
+use crate::node::{listen_addr, lock, secret};
+
+pub(crate) mod batch;
+pub(crate) mod error;
+mod pin;
+
+use batch::NativeBatch;
+use error::{from_sync, invalid, raise};
+use pin::{Access, Held};
+
+/// What Python gets for an outcome: (code, [(status, reason, bytes,
+/// attempts, remote)], remote_confirmed, ticket).
+type Report = (
+    i32,
+    Vec<(String, Option<String>, u64, u32, String)>,
+    bool,
+    Option<u64>,
+);
+
+/// An outcome on its way to the delivery thread.
+type Delivery = (u64, SyncOutcome<RawBuf>);
+
+/// A submitted batch without a delivered outcome.
+struct Flight {
+    held: Vec<Held>,
+    /// Called with the report (or `None`: the engine closed first).
+    callback: Py<PyAny>,
+}
+
+/// How the engine ended (set by `close`, read by the delivery thread).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    Running,
+    /// Stopped after every operation was reaped: held memory may go.
+    Drained,
+    /// Stopped with operations maybe in flight: held memory is kept for good.
+    Undrained,
+}
+
+struct Core {
+    /// `None` once closed.
+    engine: RwLock<Option<SyncEngine>>,
+    secret: Vec<u8>,
+    flights: Mutex<HashMap<u64, Flight>>,
+    /// Memory of batches whose completion is unknown, by ticket.
+    tickets: Mutex<HashMap<u64, Vec<Held>>>,
+    /// Lent segments' memory, by address.
+    lent: Mutex<HashMap<u64, Held>>,
+    /// Where submitted batches' outcomes go (started with the first).
+    deliveries: Mutex<Option<mpsc::Sender<Delivery>>>,
+    ending: Mutex<Ending>,
+    next: AtomicU64,
+}
+
+/// The engine behind `quiesce.Engine`.
+#[pyclass(module = "quiesce._native", frozen)]
+pub struct NativeEngine {
+    core: Arc<Core>,
+}
+
+fn options(py: Python<'_>, policy: &str, deadline: f64) -> PyResult<BatchOptions> {
+    let policy = match policy {
+        "fail_fast" => FailurePolicy::FailFast,
+        "drain" => FailurePolicy::Drain,
+        other => {
+            return Err(invalid(
+                py,
+                &format!("policy {other:?}: use \"fail_fast\" or \"drain\""),
+            ))
+        }
+    };
+    let deadline = Duration::try_from_secs_f64(deadline)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| invalid(py, "the deadline must be a positive number of seconds"))?;
+    Ok(BatchOptions::default().policy(policy).deadline(deadline))
+}
+
+fn report(out: &SyncOutcome<RawBuf>) -> Report {
+    let tasks = out
+        .tasks
+        .iter()
+        .map(|t| {
+            let (status, reason) = match &t.status {
+                TaskStatus::Completed => ("completed", None),
+                TaskStatus::Failed(e) => ("failed", Some(e.to_string())),
+                TaskStatus::Fenced => ("fenced", None),
+            };
+            let remote = match t.remote {
+                RemoteState::Answered => "answered",
+                RemoteState::Fenced => "fenced",
+                RemoteState::Unconfirmed => "unconfirmed",
+            };
+            (status.into(), reason, t.bytes, t.attempts, remote.into())
+        })
+        .collect();
+    (out.code, tasks, out.remote_confirmed, out.ticket)
+}
+
+impl Core {
+    /// Runs `f` on the engine, or says it is closed.
+    fn with<R>(&self, f: impl FnOnce(&SyncEngine) -> Result<R, SyncError>) -> Result<R, SyncError> {
+        let engine = self.engine.read().unwrap_or_else(|e| e.into_inner());
+        f(engine.as_ref().ok_or(SyncError::Stopped)?)
+    }
+
+    /// Settles `held` by its batch's outcome: kept under the ticket for -2,
+    /// released otherwise.
+    fn settle(&self, py: Python<'_>, out: &SyncOutcome<RawBuf>, held: Vec<Held>) {
+        match (out.code, out.ticket) {
+            (SYNC_UNKNOWN, Some(t)) => {
+                lock(&self.tickets).insert(t, held);
+            }
+            _ => held.into_iter().for_each(|h| h.release(py)),
+        }
+    }
+
+    /// The delivery thread: hands each submitted batch's outcome to its
+    /// callback; once the engine closed, answers the rest with `None`.
+    fn deliver(self: Arc<Core>, rx: mpsc::Receiver<Delivery>) {
+        while let Ok((key, out)) = rx.recv() {
+            let delivered = Python::try_attach(|py| {
+                let Some(f) = lock(&self.flights).remove(&key) else {
+                    return;
+                };
+                self.settle(py, &out, f.held);
+                if let Err(e) = f.callback.call1(py, (Some(report(&out)),)) {
+                    e.write_unraisable(py, Some(f.callback.bind(py)));
+                }
+            });
+            if delivered.is_none() {
+                // The interpreter is shutting down: nobody is left to tell.
+                return;
+            }
+        }
+        // Every sender is gone: the engine stopped, and no outcome is coming.
+        let ending = *lock(&self.ending);
+        Python::try_attach(|py| {
+            let flights: Vec<Flight> = lock(&self.flights).drain().map(|(_, f)| f).collect();
+            for f in flights {
+                if ending == Ending::Drained {
+                    f.held.into_iter().for_each(|h| h.release(py));
+                } else {
+                    std::mem::forget(f.held);
+                }
+                if let Err(e) = f.callback.call1(py, (None::<Report>,)) {
+                    e.write_unraisable(py, Some(f.callback.bind(py)));
+                }
+            }
+        });
+    }
+
+    /// Stops the engine; releases held memory if it drained, else keeps it
+    /// for good. False: it did not drain.
+    fn close(&self, py: Python<'_>) -> bool {
+        let Some(engine) = self
+            .engine
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return *lock(&self.ending) == Ending::Drained;
+        };
+        let drained = py.detach(|| engine.stop()).is_ok();
+        *lock(&self.ending) = if drained {
+            Ending::Drained
+        } else {
+            Ending::Undrained
+        };
+        // The delivery thread answers the flights left once this goes.
+        drop(lock(&self.deliveries).take());
+        let tickets: Vec<Held> = lock(&self.tickets).drain().flat_map(|(_, h)| h).collect();
+        let lent: Vec<Held> = lock(&self.lent).drain().map(|(_, h)| h).collect();
+        for h in tickets.into_iter().chain(lent) {
+            if drained {
+                h.release(py);
+            } else {
+                std::mem::forget(h);
+            }
+        }
+        drained
+    }
+}
+
+#[pymethods]
+impl NativeEngine {
+    /// Starts an engine listening on `listen` ("host:port"; port 0 picks one).
+    #[new]
+    #[pyo3(signature = (listen, secret_bytes = None, open_cluster = false))]
+    fn new(
+        py: Python<'_>,
+        listen: &str,
+        secret_bytes: Option<Vec<u8>>,
+        open_cluster: bool,
+    ) -> PyResult<NativeEngine> {
+        let secret = secret(secret_bytes.as_deref(), open_cluster)
+            .map_err(|e| raise(py, "SecretMissing", &e))?;
+        let config = EngineConfig {
+            node: listen.to_string(),
+            listen: listen_addr(listen).map_err(|e| invalid(py, &e))?,
+            ..Default::default()
+        };
+        let engine = py
+            .detach(|| SyncEngine::start(config))
+            .map_err(|e| from_sync(py, &e))?;
+        Ok(NativeEngine {
+            core: Arc::new(Core {
+                engine: RwLock::new(Some(engine)),
+                secret,
+                flights: Mutex::default(),
+                tickets: Mutex::default(),
+                lent: Mutex::default(),
+                deliveries: Mutex::default(),
+                ending: Mutex::new(Ending::Running),
+                next: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// Where peers connect ("ip:port").
+    #[getter]
+    fn address(&self, py: Python<'_>) -> PyResult<String> {
+        self.core
+            .with(|e| Ok(e.local_addr().to_string()))
+            .map_err(|e| from_sync(py, &e))
+    }
+
+    /// Lends `buffer` to peers as segment `name`; returns (id, address, length).
+    fn lend(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        buffer: &Bound<'_, PyAny>,
+    ) -> PyResult<(u64, u64, u64)> {
+        let held = Held::new(buffer, Access::Write)?;
+        let (addr, len) = (held.addr as u64, held.len as u64);
+        let token = Token::derive(&self.core.secret, name);
+        // SAFETY: `held` keeps the memory valid and in place until `reclaim`
+        // says the engine let go of it (or the engine drained; one that did
+        // not leaks it). That the caller's code does not write it while it
+        // is lent is the caller's promise (documented on `Engine.register`).
+        let r = py.detach(|| {
+            self.core
+                .with(|e| unsafe { e.lend(name, addr, len, token) })
+        });
+        match r {
+            Ok(id) => {
+                lock(&self.core.lent).insert(addr, held);
+                Ok((id, addr, len))
+            }
+            Err(e) => {
+                held.release(py);
+                Err(from_sync(py, &e))
+            }
+        }
+    }
+
+    /// Revokes and takes back the segment lent at `address`, waiting up to
+    /// `timeout` s: True once nothing can touch it (its buffer is let go).
+    fn reclaim(&self, py: Python<'_>, address: u64, timeout: f64) -> PyResult<bool> {
+        let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::ZERO);
+        let back = py
+            .detach(|| self.core.with(|e| e.reclaim(address, t)))
+            .map_err(|e| from_sync(py, &e))?;
+        if back {
+            if let Some(h) = lock(&self.core.lent).remove(&address) {
+                h.release(py);
+            }
+        }
+        Ok(back)
+    }
+
+    /// Opens peer `peer`'s segment `name`; returns (handle, address, length).
+    fn open(&self, py: Python<'_>, peer: &str, name: &str) -> PyResult<(u32, u64, u64)> {
+        let addr: SocketAddr = peer
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| raise(py, "UnknownPeer", &format!("cannot resolve peer {peer:?}")))?;
+        let token = Token::derive(&self.core.secret, name);
+        let s = py
+            .detach(|| self.core.with(|e| e.open_named(addr, name, token)))
+            .map_err(|e| from_sync(py, &e))?;
+        Ok((s.segment, s.base, s.len))
+    }
+
+    /// Runs `batch`, blocking (without the GIL) until its outcome.
+    fn run(
+        &self,
+        py: Python<'_>,
+        batch: &mut NativeBatch,
+        policy: &str,
+        deadline: f64,
+    ) -> PyResult<Report> {
+        let opts = options(py, policy, deadline)?;
+        let (tasks, held) = batch.take(py)?;
+        let r = py.detach(|| {
+            self.core.with(|e| {
+                let (tx, rx) = mpsc::channel();
+                e.submit_with(tasks, opts, move |out| {
+                    let _ = tx.send(out);
+                })?;
+                rx.recv().map_err(|_| SyncError::Stopped)
+            })
+        });
+        match r {
+            Ok(out) => {
+                self.core.settle(py, &out, held);
+                Ok(report(&out))
+            }
+            // Nothing started, or the engine stopped, after its runtime
+            // reaped every operation: the memory is free to go.
+            Err(e) => {
+                held.into_iter().for_each(|h| h.release(py));
+                Err(from_sync(py, &e))
+            }
+        }
+    }
+
+    /// Starts `batch` and returns at once; `callback(report)` runs on a
+    /// delivery thread once it has an outcome (`callback(None)`: the engine
+    /// closed first).
+    fn submit(
+        &self,
+        py: Python<'_>,
+        batch: &mut NativeBatch,
+        policy: &str,
+        deadline: f64,
+        callback: Py<PyAny>,
+    ) -> PyResult<()> {
+        let opts = options(py, policy, deadline)?;
+        let (tasks, held) = batch.take(py)?;
+        let tx = self.deliveries(py)?;
+        let key = self.core.next.fetch_add(1, Ordering::Relaxed);
+        lock(&self.core.flights).insert(key, Flight { held, callback });
+        let r = py.detach(|| {
+            self.core.with(|e| {
+                e.submit_with(tasks, opts, move |out| {
+                    let _ = tx.send((key, out));
+                })
+            })
+        });
+        if let Err(e) = r {
+            // Nothing started.
+            if let Some(f) = lock(&self.core.flights).remove(&key) {
+                f.held.into_iter().for_each(|h| h.release(py));
+            }
+            return Err(from_sync(py, &e));
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` s for the batch behind `ticket` to drain: its
+    /// report, or None if it has not yet.
+    fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<Option<Report>> {
+        let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::ZERO);
+        let out = py
+            .detach(|| self.core.with(|e| e.wait::<RawBuf>(ticket, t)))
+            .map_err(|e| from_sync(py, &e))?;
+        Ok(out.map(|out| {
+            if let Some(held) = lock(&self.core.tickets).remove(&ticket) {
+                self.core.settle(py, &out, held);
+            }
+            report(&out)
+        }))
+    }
+
+    /// Tickets whose batches have not drained yet.
+    fn pending(&self) -> Vec<u64> {
+        lock(&self.core.tickets).keys().copied().collect()
+    }
+
+    /// Stops the engine (batches in flight are cancelled and reaped first).
+    /// False: it could not drain, and the memory it held stays held for good.
+    fn close(&self, py: Python<'_>) -> bool {
+        self.core.close(py)
+    }
+}
+
+impl NativeEngine {
+    /// The delivery thread's sender, starting the thread with the first.
+    fn deliveries(&self, py: Python<'_>) -> PyResult<mpsc::Sender<Delivery>> {
+        let mut d = lock(&self.core.deliveries);
+        if let Some(tx) = d.as_ref() {
+            return Ok(tx.clone());
+        }
+        if self
+            .core
+            .engine
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            return Err(from_sync(py, &SyncError::Stopped));
+        }
+        let (tx, rx) = mpsc::channel();
+        let core = self.core.clone();
+        std::thread::Builder::new()
+            .name("quiesce-deliver".into())
+            .spawn(move || core.deliver(rx))
+            .map_err(|e| raise(py, "QuiesceError", &format!("delivery thread: {e}")))?;
+        *d = Some(tx.clone());
+        Ok(tx)
+    }
+}
+
+impl Drop for NativeEngine {
+    fn drop(&mut self) {
+        // At interpreter shutdown there is no Python to release memory to:
+        // the process is ending, and the engine's thread with it.
+        Python::try_attach(|py| self.core.close(py));
+    }
+}

@@ -1,0 +1,112 @@
+//! Python memory a batch or a lent segment holds: a buffer-protocol export
+//! (the exporter cannot resize or free it while the export is held), or a
+//! strong reference to an object that gives its memory by `data_ptr()`
+//! (torch CPU tensors).
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::prelude::*;
+
+use super::error::{invalid, zero_length};
+
+/// What keeps the memory alive and in place.
+enum Keep {
+    /// A buffer-protocol export.
+    Export(PyUntypedBuffer),
+    /// An object with `data_ptr()`: referenced, never resized by this crate
+    /// (the caller must not `resize_` it while it is held either).
+    Object(Py<PyAny>),
+}
+
+/// Caller memory held until nothing can touch it; dropped only on a thread
+/// attached to Python (the engine's thread never owns one).
+pub(crate) struct Held {
+    keep: Keep,
+    /// Its first byte.
+    pub(crate) addr: usize,
+    /// Its length in bytes.
+    pub(crate) len: usize,
+}
+
+/// Whether the memory will be written (a read's destination, a lent segment).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// Only read from (a write's source).
+    Read,
+    /// Written into.
+    Write,
+}
+
+impl Held {
+    /// Holds `obj`'s memory: any C-contiguous buffer-protocol object, or an
+    /// object with `data_ptr()` and `nbytes` on the CPU.
+    pub(crate) fn new(obj: &Bound<'_, PyAny>, access: Access) -> PyResult<Held> {
+        let py = obj.py();
+        if let Ok(buf) = PyUntypedBuffer::get(obj) {
+            if !buf.is_c_contiguous() {
+                return Err(invalid(py, "the buffer is not C-contiguous"));
+            }
+            if access == Access::Write && buf.readonly() {
+                return Err(invalid(
+                    py,
+                    "the buffer is read-only, and it would be written",
+                ));
+            }
+            if buf.len_bytes() == 0 {
+                return Err(zero_length(py, "the buffer is empty"));
+            }
+            let (addr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+            return Ok(Held {
+                keep: Keep::Export(buf),
+                addr,
+                len,
+            });
+        }
+        Held::by_data_ptr(obj)
+    }
+
+    fn by_data_ptr(obj: &Bound<'_, PyAny>) -> PyResult<Held> {
+        let py = obj.py();
+        if !obj.hasattr("data_ptr")? {
+            return Err(invalid(
+                py,
+                &format!(
+                    "a {} is neither a buffer (bytearray, memoryview, numpy array) nor a tensor with data_ptr()",
+                    obj.get_type().name()?
+                ),
+            ));
+        }
+        if obj.hasattr("device")? {
+            let kind: String = obj.getattr("device")?.getattr("type")?.extract()?;
+            if kind != "cpu" {
+                return Err(invalid(
+                    py,
+                    &format!("the tensor is on {kind}, not the CPU"),
+                ));
+            }
+        }
+        if obj.hasattr("is_contiguous")? && !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(invalid(py, "the tensor is not contiguous"));
+        }
+        let addr: usize = obj.call_method0("data_ptr")?.extract()?;
+        let len: usize = obj.getattr("nbytes")?.extract()?;
+        if len == 0 {
+            return Err(zero_length(py, "the tensor is empty"));
+        }
+        if addr == 0 {
+            return Err(invalid(py, "the tensor has no memory"));
+        }
+        Ok(Held {
+            keep: Keep::Object(obj.clone().unbind()),
+            addr,
+            len,
+        })
+    }
+
+    /// Lets go of the memory now (the GIL is held).
+    pub(crate) fn release(self, py: Python<'_>) {
+        match self.keep {
+            Keep::Export(buf) => buf.release(py),
+            Keep::Object(o) => drop(o),
+        }
+    }
+}

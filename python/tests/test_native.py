@@ -1,0 +1,332 @@
+"""quiesce.Engine, the native API: named segments, batches over
+buffer-protocol objects, outcome objects, revoke, asyncio."""
+
+import asyncio
+import gc
+import signal
+import threading
+import time
+import weakref
+
+import pytest
+
+import quiesce
+from conftest import SECRET
+
+MiB = 1 << 20
+
+
+class Tensorish:
+    """An object giving its memory by data_ptr()/nbytes, as torch tensors do
+    (and, unlike a bytearray, one a weakref can watch)."""
+
+    def __init__(self, n, byte=0):
+        self._mem = bytearray([byte]) * n
+        import ctypes
+
+        self._c = (ctypes.c_char * n).from_buffer(self._mem)
+        self.nbytes = n
+        self.device = type("Device", (), {"type": "cpu"})()
+
+    def data_ptr(self):
+        import ctypes
+
+        return ctypes.addressof(self._c)
+
+    def is_contiguous(self):
+        return True
+
+
+def resizable(buf: bytearray) -> bool:
+    """Whether nothing holds an export of ``buf`` (a held buffer cannot be resized)."""
+    try:
+        buf.append(0)
+    except BufferError:
+        return False
+    buf.pop()
+    return True
+
+
+@pytest.fixture
+def eng():
+    e = quiesce.Engine(secret=SECRET)
+    yield e
+    e.close()
+
+
+def test_write_then_read_back(native_peer, eng):
+    np = pytest.importorskip("numpy")
+    t = native_peer(kv=4 * MiB)
+    kv = eng.open(t.address, "kv")
+    assert (kv.name, kv.length) == ("kv", 4 * MiB)
+    src = np.full(MiB // 4, 0x09090909, dtype=np.uint32)  # 1 MiB of uint32
+    b = eng.batch()
+    b.write(src, kv, offset=MiB)
+    b.write(bytes([7]) * 4096, kv)
+    out = b.run()
+    assert isinstance(out, quiesce.Completed), out
+    assert out.code == 0 and out.remote_confirmed
+    assert [r.status for r in out.tasks] == ["completed"] * 2
+    assert out.buffers[0] is src
+    assert t.count("kv", 7) == 4096
+    assert t.count("kv", 9) == MiB
+    back = np.zeros(MiB // 4, dtype=np.uint32)
+    mv = bytearray(4096)
+    b = eng.batch()
+    b.read(back, kv, offset=MiB)
+    b.read(memoryview(mv), kv)
+    assert b.run()
+    assert (back == src).all()
+    assert mv == bytes([7]) * 4096
+
+
+def test_a_batch_holds_its_buffers_from_add_to_outcome(native_peer, eng):
+    t = native_peer(kv=MiB)
+    kv = eng.open(t.address, "kv")
+    buf = bytearray(4096)
+    b = eng.batch()
+    b.write(buf, kv)
+    assert not resizable(buf), "the batch does not hold its buffer"
+    assert b.run()
+    assert resizable(buf), "the buffer is still held after the outcome"
+
+
+def test_bad_input_raises_a_typed_error_and_loses_nothing(native_peer, eng):
+    t = native_peer(kv=MiB)
+    kv = eng.open(t.address, "kv")
+    b = eng.batch()
+    buf = bytearray(4096)
+    with pytest.raises(quiesce.ZeroLength):
+        b.write(bytearray(), kv)
+    with pytest.raises(quiesce.OutOfBounds):
+        b.write(buf, kv, offset=MiB - 100)
+    with pytest.raises(quiesce.OutOfBounds):
+        b.write(buf, kv, offset=2**64 - 1)
+    with pytest.raises(quiesce.InvalidInput):
+        b.read(bytes(4096), kv)  # read-only destination
+    with pytest.raises(quiesce.InvalidInput):
+        b.write(object(), kv)
+    with pytest.raises(quiesce.InvalidInput):
+        b.write(memoryview(bytearray(8192))[::2], kv)  # not contiguous
+    with pytest.raises(quiesce.InvalidInput):
+        b.write(buf, kv, offset=-1)
+    assert resizable(buf), "a refused task kept its buffer"
+    assert len(b) == 0
+    with pytest.raises(quiesce.SegmentRefused):
+        eng.open(t.address, "nosuch")
+    with pytest.raises(quiesce.SegmentRefused):
+        quiesce.Engine(secret="another secret, 16+ bytes").open(t.address, "kv")
+    with pytest.raises(quiesce.UnknownPeer):
+        eng.open("no-such-host.invalid:1", "kv")
+    with pytest.raises(quiesce.PeerUnreachable):
+        eng.open("127.0.0.1:1", "kv")
+    with pytest.raises(quiesce.InvalidInput):
+        eng.batch(policy="sometimes").write(buf, kv)
+        eng.batch(policy="sometimes").run()
+    with pytest.raises(quiesce.InvalidInput):
+        eng.batch().run()  # no tasks
+    with pytest.raises(quiesce.SecretMissing):
+        quiesce.Engine(secret="short")
+    assert issubclass(quiesce.OutOfBounds, ValueError)
+    assert t.count("kv", 0) == MiB, "a refused task wrote"
+    # The engine and the batch still work.
+    b.write(bytearray([5]) * 4096, kv)
+    assert b.run()
+    assert t.count("kv", 5) == 4096
+    with pytest.raises(quiesce.InvalidInput):
+        b.run()  # once
+
+
+def test_seed_scenario_failed_means_nothing_touches_the_source(native_peer, eng):
+    """[4 KiB to a segment the target revoked, 64 MiB valid]: Failed with the
+    reason, and the source rewritten at once never reaches the target."""
+    t = native_peer(small=4096, big=64 * MiB)
+    src = bytearray(64 * MiB)
+    small = eng.open(t.address, "small")
+    big = eng.open(t.address, "big")
+    assert t.ask("revoke small") == "True"
+    corrupted = 0
+    rounds = 5
+    for r in range(rounds):
+        t.fill("big", 0)
+        src[:] = b"\xaa" * len(src)
+        b = eng.batch()
+        b.write(bytearray(4096), small)
+        b.write(src, big)
+        out = b.run()
+        assert isinstance(out, quiesce.Failed), f"round {r}: {out}"
+        assert out.tasks[0].status == "failed" and out.tasks[0].reason
+        assert out.buffers[1] is src
+        # Failed: nothing reads the source any more. Rewrite it at once.
+        src[:] = b"\xbb" * len(src)
+        time.sleep(0.05)
+        if t.count("big", 0xBB) != 0:
+            corrupted += 1
+    assert corrupted == 0, f"{corrupted}/{rounds} rounds had bytes written after Failed"
+
+
+def test_revoke_stops_every_earlier_write(native_peer):
+    """The target revokes a segment while a 64 MiB write into it is under
+    way: once revoke() returns True no more bytes land, and the outcome says
+    what landed."""
+    target = quiesce.Engine(secret=SECRET)
+    initiator = quiesce.Engine(secret=SECRET)
+    cut = 0
+    for r in range(5):
+        mem = bytearray(64 * MiB)
+        seg = target.register(f"kv{r}", mem)
+        assert not resizable(mem), "a lent buffer is not held"
+        kv = initiator.open(target.address, f"kv{r}")
+        b = initiator.batch()
+        b.write(bytearray([1]) * (64 * MiB), kv)
+        done = []
+        th = threading.Thread(target=lambda: done.append(b.run()))
+        th.start()
+        while mem.find(1) == -1 and th.is_alive():
+            pass  # until the write is under way
+        assert seg.revoke()
+        landed = mem.count(1)
+        assert resizable(mem), "revoke returned True but the buffer is still held"
+        th.join(30)
+        out = done[0]
+        time.sleep(0.05)
+        assert mem.count(1) == landed, f"round {r}: bytes landed after revoke"
+        if isinstance(out, quiesce.Failed):
+            cut += 1
+            assert out.remote_confirmed
+            assert "revoked" in (out.tasks[0].reason or ""), out.tasks[0]
+            assert out.tasks[0].bytes == landed, out.tasks[0]
+    assert cut > 0, "no write was cut by a revoke"
+    target.close()
+    initiator.close()
+
+
+def test_asyncio_batches(native_peer, eng):
+    t = native_peer(kv=8 * MiB)
+    kv = eng.open(t.address, "kv")
+
+    async def one(i):
+        b = eng.batch()
+        b.write(bytearray([i + 1]) * MiB, kv, offset=i * MiB)
+        return await b.run_async()
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    outs = asyncio.run(main())
+    assert all(isinstance(o, quiesce.Completed) for o in outs), outs
+    for i in range(8):
+        assert t.count("kv", i + 1) == MiB
+
+
+def test_a_dropped_awaiter_leaves_the_buffers_held_until_quiesced(native_peer, eng):
+    """Cancel the asyncio task awaiting a batch to a stopped target and drop
+    every reference: the batch still holds its buffers (a bytearray's
+    export, a tensor-like object) until its outcome, then lets them go."""
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    raw = bytearray([2]) * (32 * MiB)
+    tensor = Tensorish(32 * MiB, 3)
+    gone = weakref.ref(tensor)
+    t.signal(signal.SIGSTOP)
+
+    async def main():
+        b = eng.batch(deadline=2.0)
+        b.write(raw, kv)
+        b.write(tensor, kv, offset=32 * MiB)
+        task = asyncio.ensure_future(b.run_async())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    del tensor
+    gc.collect()
+    assert not resizable(raw), "the buffer was let go while the batch could still read it"
+    assert gone() is not None, "the tensor was let go while the batch could still read it"
+    t.signal(signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while (gone() is not None or not resizable(raw)) and time.monotonic() < deadline:
+        for tk in eng.pending():
+            quiesce.CompletionUnknown(tk, eng._native, []).wait(0.1)
+        time.sleep(0.05)
+        gc.collect()
+    assert resizable(raw), "the buffer is still held after the batch quiesced"
+    assert gone() is None, "the tensor is still held after the batch quiesced"
+
+
+def test_a_stopped_target_gives_failed_or_unknown_never_corruption(native_peer, eng):
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    src = bytearray([6]) * (64 * MiB)
+    t.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    b = eng.batch(deadline=1.0)
+    b.write(src, kv)
+    out = b.run()
+    took = time.monotonic() - t0
+    assert took < 1 + 10, f"{took:.1f} s"
+    assert isinstance(out, (quiesce.Failed, quiesce.CompletionUnknown)), out
+    if isinstance(out, quiesce.CompletionUnknown):
+        assert not resizable(src), "completion unknown, yet the buffer is let go"
+        assert eng.pending() == [out.ticket]
+        assert out.wait(0.2) is None, "drained while the target is stopped?"
+        t.signal(signal.SIGCONT)
+        out = out.wait(30)
+        assert isinstance(out, (quiesce.Completed, quiesce.Failed)), out
+        assert eng.pending() == []
+    else:
+        # Nothing reads the source any more: rewrite it before the target
+        # resumes; none of the new bytes may ever reach it.
+        src[:] = b"\x77" * len(src)
+        t.signal(signal.SIGCONT)
+    assert resizable(src)
+    time.sleep(0.2)
+    assert t.count("kv", 0x77) == 0, "bytes written after Failed reached the target"
+    print(f"stopped target: {type(out).__name__} after {took:.2f} s")
+
+
+def test_a_killed_target_gives_an_outcome(native_peer, eng):
+    for _ in range(3):
+        t = native_peer(kv=64 * MiB)
+        kv = eng.open(t.address, "kv")
+        b = eng.batch(deadline=10.0)
+        b.write(bytearray(64 * MiB), kv)
+        done = []
+        th = threading.Thread(target=lambda: done.append(b.run()))
+        th.start()
+        time.sleep(0.002)
+        t.signal(signal.SIGKILL)
+        th.join(40)
+        assert not th.is_alive(), "the batch hung on a killed target"
+        assert isinstance(done[0], (quiesce.Completed, quiesce.Failed, quiesce.CompletionUnknown))
+        if isinstance(done[0], quiesce.CompletionUnknown):
+            assert done[0].wait(15) is not None
+        t.close()
+
+
+def test_close_answers_batches_in_flight(native_peer):
+    t = native_peer(kv=64 * MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+    src = bytearray(64 * MiB)
+
+    async def main():
+        b = e.batch(deadline=60.0)
+        b.write(src, kv)
+        task = asyncio.ensure_future(b.run_async())
+        await asyncio.sleep(0.1)
+        assert e.close()
+        try:
+            return await asyncio.wait_for(task, 10)
+        except quiesce.EngineClosed as err:
+            return err
+
+    got = asyncio.run(main())
+    assert isinstance(got, (quiesce.EngineClosed, quiesce.Failed)), got
+    assert resizable(src), "closed and drained, yet the buffer is held"
+    with pytest.raises(quiesce.EngineClosed):
+        e.open(t.address, "kv")
+    t.signal(signal.SIGCONT)
