@@ -10,6 +10,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Duration;
 
 use slab::Slab;
 
@@ -39,6 +40,10 @@ pub(crate) struct Context {
     pub(crate) deferred: RefCell<Vec<std::task::Waker>>,
     /// Bytes moved by epoll ops since the last reactor turn (`TICK_BYTES`).
     pub(crate) tick_bytes: Cell<usize>,
+    /// How long the reactor busy-polls before it blocks ([`Builder::spin`]).
+    ///
+    /// [`Builder::spin`]: crate::Builder::spin
+    pub(crate) spin: Duration,
     /// Set when the `Runtime` shuts down: nothing runs tasks or reaps ops any
     /// more, so new ones are refused.
     pub(crate) closed: Cell<bool>,

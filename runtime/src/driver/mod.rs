@@ -115,6 +115,15 @@ impl Driver {
         }
     }
 
+    /// Whether a park reported anything besides operation completions.
+    pub(crate) fn has_events(&self) -> bool {
+        let e = match self {
+            Driver::Uring(u) => &u.events,
+            Driver::Poll(p) => &p.events,
+        };
+        e.woken || !e.sources_ready.is_empty() || !e.released.is_empty()
+    }
+
     pub(crate) fn take_events(&mut self) -> ParkEvents {
         match self {
             Driver::Uring(u) => std::mem::take(&mut u.events),

@@ -60,6 +60,15 @@ impl Unparker {
         out.extend(q.drain(..));
     }
 
+    /// Whether tasks were woken from other threads and not yet drained.
+    pub(crate) fn has_remote(&self) -> bool {
+        !self
+            .remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+    }
+
     /// Announces that the reactor is going to block. Returns false (and does
     /// not announce) when remote work is already queued, so the caller must not block.
     pub(crate) fn prepare_park(&self) -> bool {
