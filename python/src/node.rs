@@ -118,6 +118,15 @@ pub(crate) fn secret(explicit: Option<&[u8]>, open_cluster: bool) -> Result<Vec<
     ))
 }
 
+/// How long the engine and its callers busy-poll before they block:
+/// `QUIESCE_SPIN_US` microseconds (0: never), else the sync engine's default.
+pub(crate) fn spin() -> Duration {
+    std::env::var("QUIESCE_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(quiesce_batch::sync::DEFAULT_SPIN, Duration::from_micros)
+}
+
 /// Fail-fast, as Mooncake returns at a batch's first failure — but after
 /// fencing the rest, so the -1 is safe. Mooncake's `MC_TRANSFER_TIMEOUT`
 /// (seconds, 5 to 1800; 30 by default) is each batch's deadline, so every
@@ -162,7 +171,7 @@ impl Node {
             listen: listen_addr(local_hostname)?,
             ..Default::default()
         };
-        let engine = SyncEngine::start(config).map_err(|e| e.to_string())?;
+        let engine = SyncEngine::start_spinning(config, spin()).map_err(|e| e.to_string())?;
         Ok(Node {
             engine: Some(engine),
             token,

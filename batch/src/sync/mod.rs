@@ -113,6 +113,8 @@ pub struct SyncEngine {
     jobs: Option<Sender<Job>>,
     /// Where the engine listens.
     addr: SocketAddr,
+    /// How long a caller spins for an answer before it sleeps.
+    spin: Duration,
     /// Each lent range (by address) and where it stands.
     released: std::sync::Mutex<HashMap<u64, memory::Lending>>,
     /// Answers how the runtime's shutdown went (ops still live after it).
@@ -159,14 +161,24 @@ pub enum SyncError {
 }
 
 impl SyncEngine {
-    /// Starts the engine thread.
+    /// Starts the engine thread, spinning [`DEFAULT_SPIN`] before it or a
+    /// caller blocks.
     pub fn start(cfg: EngineConfig) -> Result<SyncEngine, SyncError> {
+        SyncEngine::start_spinning(cfg, DEFAULT_SPIN)
+    }
+
+    /// Starts the engine thread. `spin`: how long the engine's reactor
+    /// busy-polls before it blocks ([`Builder::spin`]), and a caller waiting
+    /// for an answer before it sleeps; zero never spins.
+    ///
+    /// [`Builder::spin`]: quiesce_runtime::Builder::spin
+    pub fn start_spinning(cfg: EngineConfig, spin: Duration) -> Result<SyncEngine, SyncError> {
         let (jobs, mut rx) = channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread = thread::Builder::new()
             .name("quiesce-sync".into())
             .spawn(move || {
-                let rt = match Runtime::new() {
+                let rt = match Runtime::builder().spin(spin).build() {
                     Ok(rt) => rt,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e.to_string()));
@@ -201,6 +213,7 @@ impl SyncEngine {
             Ok(Ok(addr)) => Ok(SyncEngine {
                 jobs: Some(jobs),
                 addr,
+                spin,
                 released: Default::default(),
                 thread: Some(thread),
             }),
@@ -219,7 +232,7 @@ impl SyncEngine {
         let jobs = self.jobs.as_ref().ok_or(SyncError::Stopped)?;
         jobs.send(Box::new(move |st: &State| f(st, tx)))
             .map_err(|_| SyncError::Stopped)?;
-        rx.recv().map_err(|_| SyncError::Stopped)
+        recv_spinning(&rx, self.spin).ok_or(SyncError::Stopped)
     }
 
     /// Connects to `addr` and proves `token` for segment `name`; returns a handle.
@@ -256,9 +269,18 @@ impl SyncEngine {
         tasks: Vec<SyncTask<B>>,
         opts: BatchOptions,
     ) -> Result<SyncOutcome<B>, SyncError> {
+        self.run(tasks.into_iter().map(|t| (dir, t)).collect(), opts)
+    }
+
+    /// Runs a batch whose tasks each move their own way, and blocks until
+    /// its outcome.
+    pub fn run<B: IoBufMut + Send>(
+        &self,
+        tasks: Vec<(Direction, SyncTask<B>)>,
+        opts: BatchOptions,
+    ) -> Result<SyncOutcome<B>, SyncError> {
         self.call(move |st, tx| {
             let reply = tx.clone();
-            let tasks = tasks.into_iter().map(|t| (dir, t)).collect();
             if let Err(e) = launch(st, tasks, opts, move |out| {
                 let _ = reply.send(Ok(out));
             }) {
@@ -344,6 +366,28 @@ impl SyncEngine {
             }
         })?
     }
+}
+
+/// How long [`SyncEngine::start`]'s engine and its callers spin before they
+/// block: about one round trip on loopback, so a blocking caller issuing
+/// small batches back to back never waits for a wake-up.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
+/// Receives on `rx`, polling for up to `spin` before it blocks; `None` once
+/// every sender is gone.
+fn recv_spinning<R>(rx: &mpsc::Receiver<R>, spin: Duration) -> Option<R> {
+    if !spin.is_zero() {
+        let start = std::time::Instant::now();
+        loop {
+            match rx.try_recv() {
+                Ok(v) => return Some(v),
+                Err(mpsc::TryRecvError::Disconnected) => return None,
+                Err(mpsc::TryRecvError::Empty) if start.elapsed() >= spin => break,
+                Err(mpsc::TryRecvError::Empty) => thread::yield_now(),
+            }
+        }
+    }
+    rx.recv().ok()
 }
 
 /// Builds and submits a batch on the engine thread; `done` gets its outcome

@@ -21,7 +21,7 @@ use quiesce_batch::sync::{SyncEngine, SyncError, SyncOutcome};
 use quiesce_batch::{BatchOptions, FailurePolicy, RemoteState, TaskStatus, SYNC_UNKNOWN};
 use quiesce_transports::{EngineConfig, Token};
 
-use crate::node::{listen_addr, lock, secret};
+use crate::node::{listen_addr, lock, secret, spin};
 
 pub(crate) mod batch;
 pub(crate) mod error;
@@ -224,7 +224,7 @@ impl NativeEngine {
             ..Default::default()
         };
         let engine = py
-            .detach(|| SyncEngine::start(config))
+            .detach(|| SyncEngine::start_spinning(config, spin()))
             .map_err(|e| from_sync(py, &e))?;
         Ok(NativeEngine {
             core: Arc::new(Core {
@@ -317,15 +317,7 @@ impl NativeEngine {
     ) -> PyResult<Report> {
         let opts = options(py, policy, deadline)?;
         let (tasks, held) = batch.take(py)?;
-        let r = py.detach(|| {
-            self.core.with(|e| {
-                let (tx, rx) = mpsc::channel();
-                e.submit_with(tasks, opts, move |out| {
-                    let _ = tx.send(out);
-                })?;
-                rx.recv().map_err(|_| SyncError::Stopped)
-            })
-        });
+        let r = py.detach(|| self.core.with(|e| e.run(tasks, opts)));
         match r {
             Ok(out) => {
                 self.core.settle(py, &out, held);
