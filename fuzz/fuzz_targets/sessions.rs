@@ -139,6 +139,8 @@ enum By {
     Id,
     Name,
     Address { at: u64 },
+    /// The first registered segment ("kv"): "pub"'s token must not open it.
+    First,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -322,6 +324,7 @@ fn run(t: &Target, steps: Vec<Step>) {
                     By::Address { at } => {
                         SegmentRef::Address(t.bases.1.wrapping_add(at % (2 * SEG_LEN as u64)))
                     }
+                    By::First => SegmentRef::First,
                 };
                 let proof = t.pub_token.prove(&ack.nonce, &c.nonce, ack.session, &seg);
                 auth(c, &mut tally, seg, proof, join);
@@ -335,8 +338,10 @@ fn run(t: &Target, steps: Vec<Step>) {
                 let Some(c) = conns[conn as usize % CONNS].as_mut() else {
                     continue;
                 };
-                // "kv" by name or by its address; others by id.
+                // "kv" by name, by its address or as the first registered;
+                // others by id.
                 let r = match seg {
+                    Seg::Kv if proof[0] & 3 == 2 => SegmentRef::First,
                     Seg::Kv if proof[0] & 1 == 0 => SegmentRef::Name("kv".into()),
                     Seg::Kv => SegmentRef::Address(t.bases.0 + proof[1] as u64),
                     s => SegmentRef::Id(seg_id(t, s)),

@@ -558,6 +558,21 @@ impl TransferEngine {
         Ok(PyBytes::new(py, &data))
     }
 
+    /// The address of the first buffer `segment_name` (`"host:port"`)
+    /// registered among those it serves now; 0 if there is none open to
+    /// this secret (or the peer cannot be reached).
+    fn get_first_buffer_address(&self, py: Python<'_>, segment_name: &str) -> u64 {
+        let Some(node) = self.node() else {
+            complain("get_first_buffer_address: not initialised");
+            return 0;
+        };
+        py.detach(|| node.first_buffer(segment_name))
+            .unwrap_or_else(|e| {
+                complain(&format!("get_first_buffer_address: {e}"));
+                0
+            })
+    }
+
     /// Whether the peer `peer_server_name` (`"host:port"`) accepts a
     /// connection within 2 s: 0 if so, -1 otherwise.
     fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i32 {

@@ -235,6 +235,25 @@ impl Node {
         Ok(seg)
     }
 
+    /// The address of the first range `target` registered among those it
+    /// serves now (opening it, and keeping it for later transfers).
+    pub(crate) fn first_buffer(&self, target: &str) -> Result<u64, String> {
+        let peer = self.peer(target)?;
+        let s = self
+            .engine()
+            .open_first(peer, self.token)
+            .map_err(|e| format!("{target}: no registered memory open to this secret ({e})"))?;
+        let mut opened = lock(&self.opened);
+        let known = opened.entry(peer).or_default();
+        if !known
+            .iter()
+            .any(|k| k.segment == s.segment || k.base == s.base)
+        {
+            known.push(s);
+        }
+        Ok(s.base)
+    }
+
     fn prepare(
         &self,
         target: &str,

@@ -197,3 +197,22 @@ def test_a_stopped_target_with_a_deadline(peer_factory, local, monkeypatch):
     time.sleep(0.2)
     assert target.count(a, 64 * MiB, 0x77) == 0, "bytes written after -1 reached the target"
     print(f"stopped target: {ret} after {took:.2f} s")
+
+
+def test_get_first_buffer_address(peer_factory, local, monkeypatch):
+    """The peer's first registered buffer, as Mooncake's callers locate a
+    peer's memory; the next one once it is withdrawn; 0 when nothing is open
+    to this engine."""
+    target = peer_factory(MiB, 64 << 10)
+    (a, _), (b, _) = target.regions
+    e = engine()
+    assert e.get_first_buffer_address(target.session) == a
+    buf = local.buffer(4096, 4)
+    assert e.transfer_sync_write(target.session, buf, a + 4096, 4096) == 0
+    assert target.count(a + 4096, 4096, 4) == 4096
+    assert target.ask(f"unregister {a}") == "0"
+    assert e.get_first_buffer_address(target.session) == b
+    assert e.get_first_buffer_address("127.0.0.1:1") == 0
+    monkeypatch.setenv("QUIESCE_SECRET", "a different secret, also 16+ bytes")
+    assert engine().get_first_buffer_address(target.session) == 0
+    assert TransferEngine().get_first_buffer_address(target.session) == 0

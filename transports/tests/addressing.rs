@@ -130,3 +130,38 @@ fn tokens_derived_from_a_shared_secret_open_and_others_do_not() {
         assert_eq!(b, [5u8; 10]);
     });
 }
+
+/// `SegmentRef::First` opens the segment registered first among the live
+/// ones (Mooncake's `get_first_buffer_address`): "a" while it lives, then
+/// "b"; only with that segment's token; nothing once none is left — and on
+/// the wire a refusal looks like any other.
+#[test]
+fn the_first_registered_segment_opens_by_first_and_only_with_its_token() {
+    let t = target();
+    let (a, b) = (t.seg("a").clone(), t.seg("b").clone());
+    assert!(a.id < b.id, "a was registered first");
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let r = peer.open_first(a.token).await.unwrap();
+        assert_eq!(
+            (r.name(), r.id(), r.base(), r.len()),
+            ("a", a.id, a.base, a.len)
+        );
+        let r = peer.open_first(b.token).await.err();
+        assert!(matches!(r, Some(TransferError::OpenRefused(_))), "{r:?}");
+    });
+    assert!(t.deregister("a"));
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let r = peer.open_first(b.token).await.unwrap();
+        assert_eq!((r.name(), r.base()), ("b", b.base));
+        let r = peer.open_first(a.token).await.err();
+        assert!(matches!(r, Some(TransferError::OpenRefused(_))), "{r:?}");
+    });
+    assert!(t.deregister("b"));
+    let mut c = RawClient::connect(t.addr);
+    let ack = c.auth_ref(SegmentRef::First, b.token);
+    assert_eq!(ack.results, vec![(Status::Forbidden, None)]);
+}

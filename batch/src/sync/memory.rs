@@ -27,6 +27,13 @@ pub(crate) enum Lending {
     Withdrawn(mpsc::Receiver<()>),
 }
 
+/// How [`SyncEngine::open_by`] names a peer's segment.
+#[derive(Clone, Copy)]
+enum SegmentBy {
+    Address(u64),
+    First,
+}
+
 /// A peer's segment this engine opened (by name, or by an address inside it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpenedSegment {
@@ -168,12 +175,30 @@ impl SyncEngine {
         addr: u64,
         token: Token,
     ) -> Result<OpenedSegment, SyncError> {
+        self.open_by(peer, SegmentBy::Address(addr), token)
+    }
+
+    /// Connects to `peer` and opens the segment it registered first among
+    /// those live now (Mooncake's `get_first_buffer_address`), proving `token`.
+    pub fn open_first(&self, peer: SocketAddr, token: Token) -> Result<OpenedSegment, SyncError> {
+        self.open_by(peer, SegmentBy::First, token)
+    }
+
+    fn open_by(
+        &self,
+        peer: SocketAddr,
+        by: SegmentBy,
+        token: Token,
+    ) -> Result<OpenedSegment, SyncError> {
         self.call(move |st, tx| {
             let st = st.clone();
             spawn_local(async move {
                 let r = async {
                     let p = st.engine.connect(peer).await?;
-                    let seg = p.open_at(addr, token).await?;
+                    let seg = match by {
+                        SegmentBy::Address(addr) => p.open_at(addr, token).await?,
+                        SegmentBy::First => p.open_first(token).await?,
+                    };
                     Ok(st.keep(seg))
                 };
                 let _ = tx.send(r.await);

@@ -461,6 +461,7 @@ impl ServedConn<'_> {
                     SegmentRef::Id(id) => self.engine.segment(*id),
                     SegmentRef::Name(n) => self.engine.segment_named(n),
                     SegmentRef::Address(a) => self.engine.segment_at(*a),
+                    SegmentRef::First => self.engine.segment_first(),
                 };
                 let verify = |t: &crate::control::auth::Token| {
                     t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)

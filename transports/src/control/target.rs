@@ -82,6 +82,11 @@ impl Target {
             .cloned()
     }
 
+    /// The segment registered first among the live ones (ids only grow).
+    pub(crate) fn segment_first(&self) -> Option<Segment> {
+        self.segments.borrow().values().next().cloned()
+    }
+
     /// What a peer that proved `s`'s token learns about it.
     pub(crate) fn descriptor(&self, s: &Segment) -> Descriptor {
         Descriptor {

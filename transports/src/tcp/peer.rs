@@ -114,6 +114,20 @@ impl Peer {
         .await
     }
 
+    /// Opens the segment the target registered first among those live now
+    /// (Mooncake's `get_first_buffer_address`), proving `token` for it.
+    /// Refused like [`open`](Self::open) when the target serves none or the
+    /// token is not that segment's.
+    pub async fn open_first(&self, token: Token) -> Result<RemoteSegment, TransferError> {
+        self.open_ref(
+            SegmentRef::First,
+            token,
+            |_| true,
+            || "the first registered segment".to_string(),
+        )
+        .await
+    }
+
     async fn open_ref(
         &self,
         seg: SegmentRef,
@@ -202,7 +216,7 @@ impl Peer {
                 .iter()
                 .filter_map(|(r, _)| match r {
                     SegmentRef::Id(id) => Some(*id),
-                    SegmentRef::Name(_) | SegmentRef::Address(_) => None,
+                    SegmentRef::Name(_) | SegmentRef::Address(_) | SegmentRef::First => None,
                 })
                 .collect();
             if let Err(e) = ack.and_then(|ack| check_auth(&ids, &ack.results)) {

@@ -486,6 +486,7 @@ pub fn prove(
         SegmentRef::Id(id) => [&[0u8][..], &id.to_le_bytes()].concat(),
         SegmentRef::Name(n) => [&[1u8, n.len() as u8][..], n.as_bytes()].concat(),
         SegmentRef::Address(a) => [&[2u8][..], &a.to_le_bytes()].concat(),
+        SegmentRef::First => vec![3u8],
     };
     hmac(
         &key,

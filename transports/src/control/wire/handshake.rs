@@ -81,6 +81,9 @@ pub enum SegmentRef {
     /// segment that holds that address, as Mooncake-style callers address
     /// remote memory).
     Address(u64),
+    /// The segment registered first among those live now (Mooncake's
+    /// `get_first_buffer_address`: a peer's first registered buffer).
+    First,
 }
 
 /// Initiator → target: proofs that it holds segment tokens.
@@ -195,8 +198,8 @@ impl HelloAck {
 impl SegmentRef {
     /// Its bytes as a proof covers them — as they are sent: `0x00` and the
     /// id (u64 LE), `0x01` and the name (1-byte length, UTF-8; a name too
-    /// long to send yields no bytes past the tag), or `0x02` and the address
-    /// (u64 LE).
+    /// long to send yields no bytes past the tag), `0x02` and the address
+    /// (u64 LE), or `0x03` alone.
     pub fn proof_bytes(&self) -> Vec<u8> {
         let mut o = Vec::with_capacity(16);
         if self.put(&mut o).is_err() {
@@ -219,6 +222,7 @@ impl SegmentRef {
                 o.push(2);
                 o.extend_from_slice(&a.to_le_bytes());
             }
+            SegmentRef::First => o.push(3),
         }
         Ok(())
     }
@@ -228,6 +232,7 @@ impl SegmentRef {
             0 => Ok(SegmentRef::Id(r.u64()?)),
             1 => Ok(SegmentRef::Name(r.str8()?)),
             2 => Ok(SegmentRef::Address(r.u64()?)),
+            3 => Ok(SegmentRef::First),
             _ => Err(FrameError::Invalid("segment reference")),
         }
     }
