@@ -330,3 +330,29 @@ def test_close_answers_batches_in_flight(native_peer):
     with pytest.raises(quiesce.EngineClosed):
         e.open(t.address, "kv")
     t.signal(signal.SIGCONT)
+
+
+def test_sixteen_threads_at_once(native_peer, eng):
+    """Batches from 16 Python threads at once on one engine (the GIL is
+    released while each waits)."""
+    t = native_peer(kv=16 * MiB)
+    kv = eng.open(t.address, "kv")
+    chunk = 64 << 10
+    outs = []
+
+    def work(i):
+        srcs = [bytearray([1 + i]) * chunk for _ in range(4)]
+        for _ in range(10):
+            b = eng.batch()
+            for k, s in enumerate(srcs):
+                b.write(s, kv, offset=i * MiB + k * chunk)
+            outs.append(b.run())
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert len(outs) == 160 and all(isinstance(o, quiesce.Completed) for o in outs)
+    for i in range(16):
+        assert t.count("kv", 1 + i) == 4 * chunk
