@@ -531,3 +531,62 @@ fn an_rkey_works_only_on_the_queue_pair_of_a_peer_that_proved_its_token() {
         }
     });
 }
+
+/// Keys belong to the control connection's protection domain: when it is
+/// replaced (here `abort` resets it; the next transfer reconnects, proves the
+/// tokens again and builds a new queue pair), the peer's keys are replaced
+/// with the new connection's. Transfers go on with the new key; the old one
+/// is refused at the NIC and lands nothing.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_new_control_connection_brings_new_keys_and_the_old_ones_die() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, l) = p.remote.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        drop(l);
+        let old = p
+            .remote
+            .remote_key()
+            .expect("a key on the first connection");
+
+        p.remote.peer().abort();
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 2);
+        let (r, l) = p.remote.write(4096, l, 2).await;
+        assert_eq!(r.unwrap(), 4096, "the write after a reconnect");
+        let new = p.remote.remote_key().expect("a key on the new connection");
+        assert_ne!(new, old, "the new connection kept the old domain's key");
+
+        let stale = p.remote.with_remote_key(old);
+        let mut l = l;
+        fill(&mut l, 3);
+        let (r, l) = stale.write(8192, l, 3).await;
+        assert!(
+            matches!(r, Err(TransferError::RemoteAccess(_))),
+            "a write with the old connection's key: {r:?}"
+        );
+        drop(l);
+        let mut snap = vec![0u8; 12288];
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(&snap[..4096], &pattern(4096, 1)[..]);
+        assert_eq!(&snap[4096..8192], &pattern(4096, 2)[..]);
+        assert!(
+            snap[8192..].iter().all(|&b| b == 0),
+            "the old key's write landed"
+        );
+
+        // The refused write put the queue pair in error; the next one
+        // rebuilds it with the current key.
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 4);
+        let (r, _l) = p.remote.write(0, l, 4).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(&snap[..4096], &pattern(4096, 4)[..]);
+        let s = p.initiator.stats();
+        assert_eq!((s.in_flight, s.posted), (0, s.reaped));
+    });
+}
