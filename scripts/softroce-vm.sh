@@ -443,7 +443,7 @@ run_tests() {
     log "building the RDMA test binaries and the quiesce binary"
     (cd "$REPO" && cargo build --quiet -p quiesce --bin quiesce -p quiesce-transports --bin quiesce-test-target) || die "cargo build failed"
     local bins
-    bins=$(test_executables -p quiesce-transports --test rdma -p quiesce --test seed_rdma) || die "cargo test --no-run failed"
+    bins=$(test_executables -p quiesce-transports --test rdma -p quiesce --test seed_rdma -p quiesce-batch --test sync_rdma) || die "cargo test --no-run failed"
     [ -n "$bins" ] || die "no test binaries were built"
     local script="set -u; rc=0"
     for b in $bins; do

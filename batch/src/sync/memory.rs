@@ -11,9 +11,9 @@ use std::sync::{mpsc, MutexGuard};
 use std::time::Duration;
 
 use quiesce_runtime::spawn_local;
-use quiesce_transports::{ForeignMemory, Rights, Token};
+use quiesce_transports::{ForeignMemory, Token};
 
-use super::{SyncEngine, SyncError};
+use super::{Lent, SegmentBy, SyncEngine, SyncError};
 
 /// Where a lent range stands (the caller's side of it).
 pub(crate) enum Lending {
@@ -25,13 +25,6 @@ pub(crate) enum Lending {
     Reclaiming,
     /// Withdrawn, not yet released (a `reclaim` timed out).
     Withdrawn(mpsc::Receiver<()>),
-}
-
-/// How [`SyncEngine::open_by`] names a peer's segment.
-#[derive(Clone, Copy)]
-enum SegmentBy {
-    Address(u64),
-    First,
 }
 
 /// A peer's segment this engine opened (by name, or by an address inside it).
@@ -84,15 +77,11 @@ impl SyncEngine {
                     let _ = released_tx.send(());
                 })
             };
-            let r = st
-                .engine
-                .register_with_token(&name, mem, Rights::READ | Rights::WRITE, token)
-                .map(|seg| {
-                    let id = seg.id();
-                    st.lent.borrow_mut().insert(addr, seg);
-                    id
-                })
-                .map_err(SyncError::from);
+            let r = st.fabric.lend(&st.engine, &name, mem, token).map(|lent| {
+                let id = lent.seg.id();
+                st.lent.borrow_mut().insert(addr, lent);
+                id
+            });
             let _ = tx.send(r);
         });
         let mut lendings = self.lendings();
@@ -134,14 +123,17 @@ impl SyncEngine {
         };
         if serving {
             let withdrawn = self.call(move |st, tx| {
-                let Some(seg) = st.lent.borrow_mut().remove(&addr) else {
+                let Some(Lent { seg, local }) = st.lent.borrow_mut().remove(&addr) else {
                     let _ = tx.send(Ok(()));
                     return;
                 };
-                let engine = st.engine.clone();
+                // No new local post from it; posts in flight hold the
+                // registration (and so the memory) until they are reaped.
+                drop(local);
+                let (engine, fabric) = (st.engine.clone(), st.fabric.clone());
                 spawn_local(async move {
                     let r = seg.revoke(0..seg.len()).await.map_err(SyncError::from);
-                    engine.deregister(seg.id());
+                    fabric.deregister(&engine, seg.id());
                     drop(seg);
                     let _ = tx.send(r);
                 });
@@ -193,14 +185,7 @@ impl SyncEngine {
         self.call(move |st, tx| {
             let st = st.clone();
             spawn_local(async move {
-                let r = async {
-                    let p = st.engine.connect(peer).await?;
-                    let seg = match by {
-                        SegmentBy::Address(addr) => p.open_at(addr, token).await?,
-                        SegmentBy::First => p.open_first(token).await?,
-                    };
-                    Ok(st.keep(seg))
-                };
+                let r = async { Ok(st.keep(st.fabric.open(&st.engine, peer, by, token).await?)) };
                 let _ = tx.send(r.await);
             });
         })?

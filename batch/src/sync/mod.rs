@@ -33,13 +33,15 @@ use std::time::Duration;
 
 use quiesce_runtime::shard::{channel, Sender};
 use quiesce_runtime::{spawn_local, IoBufMut, Runtime};
-use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Token, TransferError};
+use quiesce_transports::rdma::RdmaConfig;
+use quiesce_transports::{Engine, EngineConfig, Token, TransferError};
 
-use crate::{
-    Batch, BatchOptions, Outcome, Quiesced, RemoteRange, TaskReport, Tcp, Ticket, SYNC_UNKNOWN,
-};
+use crate::{BatchOptions, Outcome, Quiesced, TaskReport, Ticket, SYNC_UNKNOWN};
 
+mod fabric;
 mod memory;
+
+use fabric::{Fabric, Lent, Opened, SegmentBy, Setup};
 
 pub use memory::OpenedSegment;
 
@@ -85,10 +87,12 @@ type Job = Box<dyn FnOnce(&State) + Send>;
 /// What the engine thread keeps. Shared with the tasks it spawns.
 #[derive(Clone)]
 struct State {
+    /// The TCP engine (on RDMA, the control plane's).
     engine: Engine,
-    segments: Rc<RefCell<Vec<RemoteSegment>>>,
+    fabric: Fabric,
+    segments: Rc<RefCell<Vec<Opened>>>,
     /// Caller memory lent as segments ([`SyncEngine::lend`]), by address.
-    lent: Rc<RefCell<HashMap<u64, quiesce_transports::Segment>>>,
+    lent: Rc<RefCell<HashMap<u64, Lent>>>,
     /// Tickets of batches whose completion is unknown, by id.
     tickets: Rc<RefCell<HashMap<u64, Box<dyn Any>>>>,
     next_ticket: Rc<Cell<u64>>,
@@ -96,8 +100,8 @@ struct State {
 
 impl State {
     /// Keeps an opened segment; batches name it by the returned handle.
-    fn keep(&self, seg: RemoteSegment) -> OpenedSegment {
-        let (base, len) = (seg.base(), seg.len());
+    fn keep(&self, seg: Opened) -> OpenedSegment {
+        let (base, len) = seg.extent();
         let mut segs = self.segments.borrow_mut();
         segs.push(seg);
         OpenedSegment {
@@ -173,6 +177,21 @@ impl SyncEngine {
     ///
     /// [`Builder::spin`]: quiesce_runtime::Builder::spin
     pub fn start_spinning(cfg: EngineConfig, spin: Duration) -> Result<SyncEngine, SyncError> {
+        SyncEngine::start_on(Setup::Tcp(cfg), spin)
+    }
+
+    /// Starts the engine thread on RDMA verbs (`cfg.device`, or the first
+    /// device with an active port), spinning as
+    /// [`start_spinning`](Self::start_spinning) does. Peers are reached and
+    /// segments served over RDMA (the control plane on TCP); buffers of its
+    /// batches must lie in memory lent to it ([`lend`](Self::lend)), which
+    /// it registers with the device — others fail their task
+    /// (`TransferError::Unregistered`) before anything is posted.
+    pub fn start_rdma(cfg: RdmaConfig, spin: Duration) -> Result<SyncEngine, SyncError> {
+        SyncEngine::start_on(Setup::Rdma(cfg), spin)
+    }
+
+    fn start_on(setup: Setup, spin: Duration) -> Result<SyncEngine, SyncError> {
         let (jobs, mut rx) = channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread = thread::Builder::new()
@@ -185,14 +204,18 @@ impl SyncEngine {
                         return 0;
                     }
                 };
-                rt.block_on(async move {
-                    let engine = match Engine::bind(cfg) {
+                let drained = rt.block_on(async move {
+                    let (engine, fabric) = match setup.bind() {
                         Ok(e) => e,
-                        Err(e) => return ready_tx.send(Err(e.to_string())).unwrap_or(()),
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return true;
+                        }
                     };
                     let _ = ready_tx.send(Ok(engine.local_addr()));
                     let st = State {
                         engine,
+                        fabric,
                         segments: Rc::default(),
                         lent: Rc::default(),
                         tickets: Rc::default(),
@@ -202,11 +225,16 @@ impl SyncEngine {
                     while let Some(job) = rx.recv().await {
                         job(&st);
                     }
-                    st.engine.shutdown();
+                    st.fabric.shutdown(&st.engine)
                 });
                 // Batches still in flight are dropped with their tasks: every
                 // op on caller memory is cancelled and reaped here.
-                rt.shutdown().err().map_or(0, |u| u.live)
+                match rt.shutdown() {
+                    Err(u) => u.live,
+                    // RDMA requests still posted: how many is not known.
+                    Ok(()) if !drained => usize::MAX,
+                    Ok(()) => 0,
+                }
             })
             .map_err(|e| SyncError::Setup(e.to_string()))?;
         match ready_rx.recv() {
@@ -252,11 +280,8 @@ impl SyncEngine {
         self.call(move |st, tx| {
             let st = st.clone();
             spawn_local(async move {
-                let r = async {
-                    let peer = st.engine.connect(addr).await?;
-                    let seg = peer.open(&name, token).await?;
-                    Ok(st.keep(seg))
-                };
+                let by = SegmentBy::Name(name);
+                let r = async { Ok(st.keep(st.fabric.open(&st.engine, addr, by, token).await?)) };
                 let _ = tx.send(r.await);
             });
         })?
@@ -398,21 +423,9 @@ fn launch<B: IoBufMut + Send>(
     opts: BatchOptions,
     done: impl FnOnce(SyncOutcome<B>) + 'static,
 ) -> Result<(), SyncError> {
-    let mut batch = Batch::new(Tcp, opts);
-    for (dir, t) in tasks {
-        let Some(seg) = st.segments.borrow().get(t.segment as usize).cloned() else {
-            return Err(SyncError::UnknownSegment(t.segment));
-        };
-        let range = RemoteRange::new(&seg, t.offset, t.buf.bytes_total() as u64);
-        let added = match dir {
-            Direction::Write => batch.write(t.buf, range),
-            Direction::Read => batch.read(t.buf, range),
-        };
-        if let Err(r) = added {
-            return Err(SyncError::Batch(r.reason));
-        }
-    }
-    let sub = batch.submit();
+    let sub = st.fabric.submit(tasks, opts, |h| {
+        st.segments.borrow().get(h as usize).cloned()
+    })?;
     let st = st.clone();
     spawn_local(async move {
         // A panic past this point would drop the reply and the caller would

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use quiesce_runtime::source::register;
 
-use super::local::{LocalMr, LocalSide};
+use super::local::{Backing, LocalMr, LocalSide};
 use super::peer::RdmaPeer;
 use super::reaper::{Reaper, SharedReaper, Source};
 use super::served::Node;
@@ -20,6 +20,7 @@ use crate::engine::{Engine, RegisterError};
 use crate::error::TransferError;
 use crate::memory::Region;
 use crate::segment::{Rights, Segment, SegmentMemory};
+use crate::Token;
 
 /// RDMA engine settings.
 #[derive(Debug, Clone)]
@@ -163,6 +164,27 @@ impl RdmaEngine {
         rights: Rights,
     ) -> Result<Segment, RegisterError> {
         let seg = self.inner.tcp.register(name, mem, rights)?;
+        Ok(self.serve(seg, rights))
+    }
+
+    /// [`register`](Self::register) with a caller-chosen token (one derived
+    /// from a secret the cluster shares: [`Token::derive`]).
+    pub fn register_with_token(
+        &self,
+        name: &str,
+        mem: impl Into<SegmentMemory>,
+        rights: Rights,
+        token: Token,
+    ) -> Result<Segment, RegisterError> {
+        let seg = self
+            .inner
+            .tcp
+            .register_with_token(name, mem, rights, token)?;
+        Ok(self.serve(seg, rights))
+    }
+
+    /// Serves `seg` over RDMA as well.
+    fn serve(&self, seg: Segment, rights: Rights) -> Segment {
         let access = Access {
             remote_write: rights.contains(Rights::WRITE),
             remote_read: rights.contains(Rights::READ),
@@ -178,7 +200,7 @@ impl RdmaEngine {
                 node.kill_keys(id);
             }
         }));
-        Ok(seg)
+        seg
     }
 
     /// Stops serving segment `id` and deregisters its memory regions: from
@@ -192,12 +214,31 @@ impl RdmaEngine {
     /// and read into.
     pub fn register_region(&self, region: &Region) -> Result<LocalMemory, RdmaError> {
         let (ptr, len) = region.raw();
+        self.register_local(ptr, len, Backing::Region(region.clone()))
+    }
+
+    /// Registers the memory of `seg`, a segment this engine serves, for
+    /// local use too: buffers inside it can be written from and read into
+    /// (as Mooncake-style callers post from memory they registered for
+    /// peers). The registration keeps the segment's memory alive.
+    pub fn register_segment_locally(&self, seg: &Segment) -> Result<LocalMemory, RdmaError> {
+        let mem = seg.inner.mem.clone();
+        let (ptr, len) = mem.raw();
+        self.register_local(ptr, len, Backing::Segment(mem))
+    }
+
+    fn register_local(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        backing: Backing,
+    ) -> Result<LocalMemory, RdmaError> {
         let start = ptr as u64;
         if self.inner.local.locals.borrow().contains_key(&start) {
             return Err(RdmaError::AlreadyRegistered);
         }
-        // SAFETY: the registration keeps a clone of the region (its memory)
-        // alive and is dropped before it.
+        // SAFETY: `backing` keeps the memory alive, and the registration
+        // (holding it) is dropped before it.
         let mr = unsafe { Mr::register(&self.inner.local.node.pd, ptr, len, Access::LOCAL)? };
         let count = self.inner.local.node.mrs.clone();
         count.set(count.get() + 1);
@@ -205,7 +246,7 @@ impl RdmaEngine {
             start,
             Rc::new(LocalMr {
                 mr,
-                _region: region.clone(),
+                _backing: backing,
                 count,
             }),
         );

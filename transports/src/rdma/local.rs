@@ -10,12 +10,22 @@ use quiesce_runtime::source::SourceHandle;
 
 use super::served::Node;
 use super::verbs::Mr;
-use crate::memory::Region;
+use crate::memory::{ExposedMemory, Region};
+
+/// What keeps a local registration's memory alive (held, never read).
+#[allow(dead_code)]
+pub(crate) enum Backing {
+    /// A region the engine's user allocated.
+    Region(Region),
+    /// The memory of a segment this engine serves (caller memory lent to it
+    /// is handed back only once this is gone too).
+    Segment(Rc<ExposedMemory>),
+}
 
 /// A local memory region registered with the engine.
 pub(crate) struct LocalMr {
     pub(crate) mr: Mr,
-    pub(crate) _region: Region,
+    pub(crate) _backing: Backing,
     pub(crate) count: Rc<Cell<u64>>,
 }
 

@@ -59,6 +59,29 @@ impl RdmaPeer {
     /// Proves `token` for segment `name` and fetches its remote key.
     pub async fn open(&self, name: &str, token: Token) -> Result<RdmaSegment, TransferError> {
         let seg = self.inner.tcp.open(name, token).await?;
+        self.keyed(seg).await
+    }
+
+    /// Proves `token` for the segment holding the target's address `addr`
+    /// ([`Peer::open_at`]) and fetches its remote key.
+    ///
+    /// [`Peer::open_at`]: crate::Peer::open_at
+    pub async fn open_at(&self, addr: u64, token: Token) -> Result<RdmaSegment, TransferError> {
+        let seg = self.inner.tcp.open_at(addr, token).await?;
+        self.keyed(seg).await
+    }
+
+    /// Proves `token` for the segment the target registered first among
+    /// those live now ([`Peer::open_first`]) and fetches its remote key.
+    ///
+    /// [`Peer::open_first`]: crate::Peer::open_first
+    pub async fn open_first(&self, token: Token) -> Result<RdmaSegment, TransferError> {
+        let seg = self.inner.tcp.open_first(token).await?;
+        self.keyed(seg).await
+    }
+
+    /// The RDMA handle of a segment just proven on the control connection.
+    async fn keyed(&self, seg: crate::RemoteSegment) -> Result<RdmaSegment, TransferError> {
         let desc = seg.descriptor().clone();
         {
             // Keys only: the queue pair (if any) stays as it is. Fetched on

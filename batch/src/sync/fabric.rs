@@ -1,0 +1,201 @@
+//! What a sync engine's batches run on: TCP, or RDMA verbs (whose control
+//! plane is TCP). One engine runs on one fabric; everything that differs
+//! between the two — opening a peer's segment, lending caller memory,
+//! building a batch, stopping — is here.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use quiesce_runtime::IoBufMut;
+use quiesce_transports::rdma::{LocalMemory, RdmaConfig, RdmaEngine, RdmaSegment};
+use quiesce_transports::{
+    Engine, EngineConfig, ForeignMemory, RemoteSegment, Rights, Segment, Token, TransferError,
+};
+
+use super::{Direction, SyncError, SyncTask};
+use crate::transport::{OneSided, Range, Segments};
+use crate::{Batch, BatchOptions, Rdma, Submitted, Tcp};
+
+/// How long stopping an RDMA engine waits for its posted requests to flush.
+const RDMA_DRAIN: Duration = Duration::from_secs(10);
+
+/// What [`SyncEngine`](super::SyncEngine) binds on its thread.
+pub(crate) enum Setup {
+    Tcp(EngineConfig),
+    Rdma(RdmaConfig),
+}
+
+/// The fabric a running sync engine uses.
+#[derive(Clone)]
+pub(crate) enum Fabric {
+    Tcp,
+    Rdma(RdmaEngine),
+}
+
+/// A peer's segment, opened on the engine's fabric.
+#[derive(Clone)]
+pub(crate) enum Opened {
+    Tcp(RemoteSegment),
+    Rdma(RdmaSegment),
+}
+
+impl Opened {
+    /// The peer's address of its first byte, and its length.
+    pub(crate) fn extent(&self) -> (u64, u64) {
+        match self {
+            Opened::Tcp(s) => (s.base(), s.len()),
+            Opened::Rdma(s) => (s.base(), s.len()),
+        }
+    }
+}
+
+/// How a peer's segment is named when it is opened.
+pub(crate) enum SegmentBy {
+    Name(String),
+    Address(u64),
+    First,
+}
+
+/// Caller memory lent to the engine: the segment serving it, and on RDMA
+/// its local registration (so batches can post from it too).
+pub(crate) struct Lent {
+    pub(crate) seg: Segment,
+    pub(crate) local: Option<LocalMemory>,
+}
+
+impl Setup {
+    /// Binds the engine (on the engine's thread, inside its runtime).
+    pub(crate) fn bind(self) -> Result<(Engine, Fabric), String> {
+        match self {
+            Setup::Tcp(cfg) => Ok((Engine::bind(cfg).map_err(|e| e.to_string())?, Fabric::Tcp)),
+            Setup::Rdma(cfg) => {
+                let r = RdmaEngine::bind(cfg).map_err(|e| e.to_string())?;
+                Ok((r.control().clone(), Fabric::Rdma(r)))
+            }
+        }
+    }
+}
+
+impl Fabric {
+    /// Connects to `addr` and opens the segment `by` names, proving `token`.
+    pub(crate) async fn open(
+        &self,
+        engine: &Engine,
+        addr: SocketAddr,
+        by: SegmentBy,
+        token: Token,
+    ) -> Result<Opened, TransferError> {
+        Ok(match self {
+            Fabric::Tcp => {
+                let p = engine.connect(addr).await?;
+                Opened::Tcp(match by {
+                    SegmentBy::Name(n) => p.open(&n, token).await?,
+                    SegmentBy::Address(a) => p.open_at(a, token).await?,
+                    SegmentBy::First => p.open_first(token).await?,
+                })
+            }
+            Fabric::Rdma(r) => {
+                let p = r.connect(addr).await?;
+                Opened::Rdma(match by {
+                    SegmentBy::Name(n) => p.open(&n, token).await?,
+                    SegmentBy::Address(a) => p.open_at(a, token).await?,
+                    SegmentBy::First => p.open_first(token).await?,
+                })
+            }
+        })
+    }
+
+    /// Lends `mem` to peers as segment `name` (read and write), and on RDMA
+    /// registers it for local use as well.
+    pub(crate) fn lend(
+        &self,
+        engine: &Engine,
+        name: &str,
+        mem: ForeignMemory,
+        token: Token,
+    ) -> Result<Lent, SyncError> {
+        let rights = Rights::READ | Rights::WRITE;
+        match self {
+            Fabric::Tcp => Ok(Lent {
+                seg: engine.register_with_token(name, mem, rights, token)?,
+                local: None,
+            }),
+            Fabric::Rdma(r) => {
+                let seg = r.register_with_token(name, mem, rights, token)?;
+                match r.register_segment_locally(&seg) {
+                    Ok(local) => Ok(Lent {
+                        seg,
+                        local: Some(local),
+                    }),
+                    Err(e) => {
+                        r.deregister(seg.id());
+                        Err(SyncError::Setup(format!("local registration: {e}")))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops serving segment `id` (on RDMA, its memory regions go too).
+    pub(crate) fn deregister(&self, engine: &Engine, id: u64) {
+        match self {
+            Fabric::Tcp => engine.deregister(id),
+            Fabric::Rdma(r) => r.deregister(id),
+        };
+    }
+
+    /// Stops the transports; false if RDMA requests were still posted after
+    /// the drain (memory they use must never be freed).
+    pub(crate) fn shutdown(&self, engine: &Engine) -> bool {
+        match self {
+            Fabric::Tcp => {
+                engine.shutdown();
+                true
+            }
+            Fabric::Rdma(r) => r.shutdown(RDMA_DRAIN),
+        }
+    }
+
+    /// A batch of `tasks` on this fabric, submitted; `segment` looks up a
+    /// task's segment handle.
+    pub(crate) fn submit<B: IoBufMut + Send>(
+        &self,
+        tasks: Vec<(Direction, SyncTask<B>)>,
+        opts: BatchOptions,
+        segment: impl Fn(u32) -> Option<Opened>,
+    ) -> Result<Submitted<B>, SyncError> {
+        match self {
+            Fabric::Tcp => build(Tcp, tasks, opts, |h| match segment(h)? {
+                Opened::Tcp(s) => Some(s),
+                Opened::Rdma(_) => None,
+            }),
+            Fabric::Rdma(_) => build(Rdma, tasks, opts, |h| match segment(h)? {
+                Opened::Rdma(s) => Some(s),
+                Opened::Tcp(_) => None,
+            }),
+        }
+    }
+}
+
+fn build<S: OneSided, B: IoBufMut>(
+    transport: Segments<S>,
+    tasks: Vec<(Direction, SyncTask<B>)>,
+    opts: BatchOptions,
+    segment: impl Fn(u32) -> Option<S>,
+) -> Result<Submitted<B>, SyncError> {
+    let mut batch = Batch::new(transport, opts);
+    for (dir, t) in tasks {
+        let Some(seg) = segment(t.segment) else {
+            return Err(SyncError::UnknownSegment(t.segment));
+        };
+        let range = Range::new(&seg, t.offset, t.buf.bytes_total() as u64);
+        let added = match dir {
+            Direction::Write => batch.write(t.buf, range),
+            Direction::Read => batch.read(t.buf, range),
+        };
+        if let Err(r) = added {
+            return Err(SyncError::Batch(r.reason));
+        }
+    }
+    Ok(batch.submit())
+}
