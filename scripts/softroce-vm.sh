@@ -43,7 +43,7 @@
 # without reporting one (crash, boot failure); 126 on host-side setup errors.
 set -euo pipefail
 
-SCRIPT_VERSION=3   # bump to force the guest root / initramfs to be rebuilt
+SCRIPT_VERSION=4   # bump to force the guest root / initramfs to be rebuilt
 
 CACHE=${SOFTROCE_VM_CACHE:-/var/tmp/softroce-vm}
 KFLAVOUR=${SOFTROCE_VM_KERNEL:-bookworm}
@@ -57,7 +57,9 @@ EXTRA_PKGS=${SOFTROCE_VM_EXTRA_PKGS:-}
 
 # Userspace that goes into the guest root. rdma-core itself (udev rules, systemd
 # units) is not needed: libibverbs + the rxe provider + iproute2's `rdma` suffice.
-GUEST_PKGS="libibverbs1,ibverbs-providers,ibverbs-utils,librdmacm1,rdmacm-utils,perftest,iproute2,kmod,busybox-static,liburing2,procps"
+# python3: the Python package's RDMA tests run in the guest from the host's
+# venv (same Debian, same Python 3.11), shared with the repository.
+GUEST_PKGS="libibverbs1,ibverbs-providers,ibverbs-utils,librdmacm1,rdmacm-utils,perftest,iproute2,kmod,busybox-static,liburing2,procps,python3"
 
 log() { printf '[softroce-vm %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "ERROR: $*"; exit 126; }
@@ -454,6 +456,15 @@ run_tests() {
             script+=$'\n'"echo \"=== \$(basename $b) (epoll)\"; QUIESCE_DRIVER=epoll $b --include-ignored --test-threads=1 || rc=1";;
         esac
     done
+    # The Python package over RDMA: the guest's Python 3.11 with the
+    # packages of the venv scripts/test-python.sh made (the venv's own
+    # interpreter may live outside the share).
+    local site="$REPO/.venv/lib/python3.11/site-packages"
+    if [ -d "$site/quiesce" ]; then
+        script+=$'\n'"echo '=== python/tests/test_rdma.py'; PYTHONPATH=$site python3 -m pytest -q -p no:cacheprovider $REPO/python/tests/test_rdma.py || rc=1"
+    else
+        log "no Python 3.11 venv with quiesce in .venv (scripts/test-python.sh makes it): skipping the Python RDMA tests"
+    fi
     script+=$'\n''exit $rc'
     setup_all
     OPT_SHARES=("$REPO"); OPT_CWD=$REPO

@@ -19,7 +19,7 @@ use pyo3::types::PyBytes;
 use quiesce_batch::sync::{Direction, SyncError};
 use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 
-use crate::node::{complain, Node, Progress};
+use crate::node::{complain, Fabric, Node, Progress};
 
 /// How long `unregister_memory` waits for nothing to hold the range.
 const RECLAIM_WAIT: Duration = Duration::from_secs(30);
@@ -74,7 +74,14 @@ impl TransferEngine {
         self.node.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn start(&self, py: Python<'_>, local_hostname: &str, metadata: &str, protocol: &str) -> i32 {
+    fn start(
+        &self,
+        py: Python<'_>,
+        local_hostname: &str,
+        metadata: &str,
+        protocol: &str,
+        device_name: &str,
+    ) -> i32 {
         if self.node().is_some() {
             return complain("initialize: already initialised");
         }
@@ -83,12 +90,22 @@ impl TransferEngine {
                 "initialize: metadata server {metadata:?}: only \"P2PHANDSHAKE\" is supported"
             ));
         }
-        if protocol != "tcp" {
-            return complain(&format!(
-                "initialize: protocol {protocol:?}: only \"tcp\" is supported from Python"
-            ));
-        }
-        match py.detach(|| Node::start(local_hostname)) {
+        let fabric = match protocol {
+            "tcp" => Fabric::Tcp,
+            "rdma" => Fabric::Rdma {
+                device: device_name
+                    .split(',')
+                    .map(str::trim)
+                    .find(|d| !d.is_empty())
+                    .map(str::to_string),
+            },
+            _ => {
+                return complain(&format!(
+                    "initialize: protocol {protocol:?}: \"tcp\" and \"rdma\" are supported"
+                ))
+            }
+        };
+        match py.detach(|| Node::start(local_hostname, fabric)) {
             Ok(n) => {
                 *self.node.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(n));
                 SYNC_OK
@@ -155,7 +172,9 @@ impl TransferEngine {
 
     /// Starts the engine: listens on `local_hostname` (`"host"` picks a free
     /// port, `"host:port"` that one) for peers. `metadata_server` must be
-    /// `"P2PHANDSHAKE"` and `protocol` `"tcp"`; `device_name` is ignored.
+    /// `"P2PHANDSHAKE"`; `protocol` `"tcp"` or `"rdma"` (on `device_name`,
+    /// the first of a comma-separated list, or the first device with an
+    /// active port when empty).
     /// Needs the cluster's secret in `QUIESCE_SECRET` (or
     /// `QUIESCE_OPEN_CLUSTER=1`). 0 on success, -1 otherwise (why: stderr).
     fn initialize(
@@ -166,8 +185,7 @@ impl TransferEngine {
         protocol: &str,
         device_name: &str,
     ) -> i32 {
-        let _ = device_name;
-        self.start(py, local_hostname, metadata_server, protocol)
+        self.start(py, local_hostname, metadata_server, protocol, device_name)
     }
 
     /// `initialize` with Mooncake's explicit `metadata_type`, which must be
@@ -181,13 +199,12 @@ impl TransferEngine {
         device_name: &str,
         metadata_type: &str,
     ) -> i32 {
-        let _ = device_name;
         if metadata_type != "P2PHANDSHAKE" && metadata_server != "P2PHANDSHAKE" {
             return complain(&format!(
                 "initialize_ext: metadata type {metadata_type:?}: only \"P2PHANDSHAKE\" is supported"
             ));
         }
-        self.start(py, local_hostname, metadata_server, protocol)
+        self.start(py, local_hostname, metadata_server, protocol, device_name)
     }
 
     /// The port peers reach this engine on (its session name is

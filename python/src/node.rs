@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{Direction, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask};
 use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
 use crate::managed::ManagedBuffers;
@@ -37,6 +38,17 @@ pub(crate) fn complain(what: &str) -> i32 {
 /// A mutex whose poisoning is harmless here: no holder panics mid-update.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What an engine moves bytes over.
+pub(crate) enum Fabric {
+    /// TCP.
+    Tcp,
+    /// RDMA verbs on `device` (`None`: the first with an active port).
+    Rdma {
+        /// The device's name.
+        device: Option<String>,
+    },
 }
 
 /// An asynchronous batch: its outcome's channel (taken out by the one call
@@ -164,14 +176,25 @@ pub(crate) fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
 
 impl Node {
     /// Starts an engine listening on `local_hostname`.
-    pub(crate) fn start(local_hostname: &str) -> Result<Node, String> {
+    pub(crate) fn start(local_hostname: &str, fabric: Fabric) -> Result<Node, String> {
         let token = Token::derive(&secret(None, false)?, TOKEN_LABEL);
         let config = EngineConfig {
             node: local_hostname.to_string(),
             listen: listen_addr(local_hostname)?,
             ..Default::default()
         };
-        let engine = SyncEngine::start_spinning(config, spin()).map_err(|e| e.to_string())?;
+        let engine = match fabric {
+            Fabric::Tcp => SyncEngine::start_spinning(config, spin()),
+            Fabric::Rdma { device } => SyncEngine::start_rdma(
+                RdmaConfig {
+                    control: config,
+                    device,
+                    ..Default::default()
+                },
+                spin(),
+            ),
+        }
+        .map_err(|e| e.to_string())?;
         Ok(Node {
             engine: Some(engine),
             token,

@@ -82,13 +82,15 @@ class NativePeer:
     """A quiesce.Engine target process (tests/native_peer.py) lending
     bytearrays as named segments."""
 
-    def __init__(self, **segments):
+    def __init__(self, env=None, **segments):
+        e = dict(os.environ, QUIESCE_SECRET=SECRET)
+        e.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, str(NATIVE_PEER), *(f"{k}={v}" for k, v in segments.items())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=dict(os.environ, QUIESCE_SECRET=SECRET),
+            env=e,
         )
         first = self.proc.stdout.readline().split()
         assert first and first[0] == "ready", f"peer did not start: {first}"
@@ -113,8 +115,8 @@ class NativePeer:
 def native_peer():
     made = []
 
-    def make(**segments):
-        p = NativePeer(**segments)
+    def make(env=None, **segments):
+        p = NativePeer(env, **segments)
         made.append(p)
         return p
 
@@ -123,12 +125,12 @@ def native_peer():
         p.close()
 
 
-def engine():
+def engine(protocol="tcp"):
     """An initialised quiesce.mooncake.TransferEngine on loopback."""
     from quiesce.mooncake import TransferEngine
 
     e = TransferEngine()
-    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") == 0
     return e
 
 

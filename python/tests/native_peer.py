@@ -9,13 +9,16 @@ line:
 * ``revoke NAME``      -- answers ``True`` once no earlier write can land
 """
 
+import os
 import sys
 
 import quiesce
 
 
 def main() -> None:
-    engine = quiesce.Engine("127.0.0.1:0")
+    engine = quiesce.Engine(
+        "127.0.0.1:0", transport=os.environ.get("QUIESCE_TEST_PROTOCOL", "tcp")
+    )
     segments = {}
     for spec in sys.argv[1:]:
         name, size = spec.split("=")

@@ -142,7 +142,12 @@ class NativeBatch:
 
 class NativeEngine:
     def __init__(
-        self, listen: str, secret_bytes: Optional[bytes] = None, open_cluster: bool = False
+        self,
+        listen: str,
+        secret_bytes: Optional[bytes] = None,
+        open_cluster: bool = False,
+        transport: str = "tcp",
+        device: Optional[str] = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...

@@ -151,7 +151,13 @@ class Engine:
     from which each segment's access is derived; without one,
     ``QUIESCE_SECRET`` is used, and ``open_cluster=True`` (or
     ``QUIESCE_OPEN_CLUSTER=1``) lets any peer that can connect read and write
-    (trusted networks only)."""
+    (trusted networks only).
+
+    ``transport="rdma"`` moves bytes with RDMA verbs on ``device`` (default:
+    the first with an active port; the control plane stays on TCP). Then
+    every buffer a batch moves must lie inside memory registered with this
+    engine (``register``): a task on other memory fails before anything is
+    posted."""
 
     def __init__(
         self,
@@ -159,10 +165,12 @@ class Engine:
         *,
         secret: Optional[Union[str, bytes]] = None,
         open_cluster: bool = False,
+        transport: str = "tcp",
+        device: Optional[str] = None,
     ) -> None:
         if isinstance(secret, str):
             secret = secret.encode()
-        self._native = _native.NativeEngine(listen, secret, open_cluster)
+        self._native = _native.NativeEngine(listen, secret, open_cluster, transport, device)
         self._segments: dict = {}
 
     @property

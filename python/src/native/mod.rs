@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{SyncEngine, SyncError, SyncOutcome};
 use quiesce_batch::{BatchOptions, FailurePolicy, RemoteState, TaskStatus, SYNC_UNKNOWN};
+use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
 use crate::node::{listen_addr, lock, secret, spin};
@@ -209,12 +210,14 @@ impl Core {
 impl NativeEngine {
     /// Starts an engine listening on `listen` ("host:port"; port 0 picks one).
     #[new]
-    #[pyo3(signature = (listen, secret_bytes = None, open_cluster = false))]
+    #[pyo3(signature = (listen, secret_bytes = None, open_cluster = false, transport = "tcp", device = None))]
     fn new(
         py: Python<'_>,
         listen: &str,
         secret_bytes: Option<Vec<u8>>,
         open_cluster: bool,
+        transport: &str,
+        device: Option<String>,
     ) -> PyResult<NativeEngine> {
         let secret = secret(secret_bytes.as_deref(), open_cluster)
             .map_err(|e| raise(py, "SecretMissing", &e))?;
@@ -223,9 +226,24 @@ impl NativeEngine {
             listen: listen_addr(listen).map_err(|e| invalid(py, &e))?,
             ..Default::default()
         };
-        let engine = py
-            .detach(|| SyncEngine::start_spinning(config, spin()))
-            .map_err(|e| from_sync(py, &e))?;
+        let engine = match transport {
+            "tcp" => py.detach(|| SyncEngine::start_spinning(config, spin())),
+            "rdma" => py.detach(|| {
+                let cfg = RdmaConfig {
+                    control: config,
+                    device,
+                    ..Default::default()
+                };
+                SyncEngine::start_rdma(cfg, spin())
+            }),
+            other => {
+                return Err(invalid(
+                    py,
+                    &format!("transport {other:?}: use \"tcp\" or \"rdma\""),
+                ))
+            }
+        }
+        .map_err(|e| from_sync(py, &e))?;
         Ok(NativeEngine {
             core: Arc::new(Core {
                 engine: RwLock::new(Some(engine)),
