@@ -57,7 +57,7 @@ def test_seed_scenario_minus_one_means_nothing_touches_the_source(peer_factory, 
     probe = local.buffer(4096, 1)
     src = local.buffer(64 * MiB)
     corrupted = 0
-    rounds = 5
+    rounds = 50
     for r in range(rounds):
         # The small range is opened (cached), then withdrawn by the target:
         # its next write is refused there.
