@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,38 +19,27 @@ def shared_secret(monkeypatch):
     monkeypatch.delenv("QUIESCE_OPEN_CLUSTER", raising=False)
 
 
-class Peer:
-    """A target process (tests/peer.py) with registered regions."""
+class PeerProcess:
+    """A target process driven over stdin/stdout: it prints ``ready ...``
+    first, then answers one command a line."""
 
-    def __init__(self, *sizes, env=None):
+    def __init__(self, script, args, env=None):
         e = dict(os.environ, QUIESCE_SECRET=SECRET)
         e.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), *map(str, sizes)],
+            [sys.executable, str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=e,
         )
-        first = self.proc.stdout.readline().split()
-        assert first and first[0] == "ready", f"peer did not start: {first}"
-        self.port = int(first[1])
-        self.session = f"127.0.0.1:{self.port}"
-        self.regions = []
-        for _ in sizes:
-            w = self.proc.stdout.readline().split()
-            self.regions.append((int(w[1]), int(w[2])))
+        self.ready = self.proc.stdout.readline().split()
+        assert self.ready and self.ready[0] == "ready", f"peer did not start: {self.ready}"
 
     def ask(self, line: str) -> str:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         return self.proc.stdout.readline().strip()
-
-    def count(self, addr, n, byte) -> int:
-        return int(self.ask(f"count {addr} {n} {byte}"))
-
-    def fill(self, addr, n, byte):
-        assert self.ask(f"fill {addr} {n} {byte}") == "ok"
 
     def signal(self, sig):
         os.kill(self.proc.pid, sig)
@@ -62,6 +52,25 @@ class Peer:
                 pass
             self.proc.kill()
         self.proc.wait()
+
+
+class Peer(PeerProcess):
+    """A quiesce.mooncake target process (tests/peer.py) with registered regions."""
+
+    def __init__(self, *sizes, env=None):
+        super().__init__(PEER, map(str, sizes), env)
+        self.port = int(self.ready[1])
+        self.session = f"127.0.0.1:{self.port}"
+        self.regions = []
+        for _ in sizes:
+            w = self.proc.stdout.readline().split()
+            self.regions.append((int(w[1]), int(w[2])))
+
+    def count(self, addr, n, byte) -> int:
+        return int(self.ask(f"count {addr} {n} {byte}"))
+
+    def fill(self, addr, n, byte):
+        assert self.ask(f"fill {addr} {n} {byte}") == "ok"
 
 
 @pytest.fixture
@@ -78,37 +87,19 @@ def peer_factory():
         p.close()
 
 
-class NativePeer:
+class NativePeer(PeerProcess):
     """A quiesce.Engine target process (tests/native_peer.py) lending
     bytearrays as named segments."""
 
     def __init__(self, env=None, **segments):
-        e = dict(os.environ, QUIESCE_SECRET=SECRET)
-        e.update(env or {})
-        self.proc = subprocess.Popen(
-            [sys.executable, str(NATIVE_PEER), *(f"{k}={v}" for k, v in segments.items())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=e,
-        )
-        first = self.proc.stdout.readline().split()
-        assert first and first[0] == "ready", f"peer did not start: {first}"
-        self.address = first[1]
-
-    def ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
+        super().__init__(NATIVE_PEER, (f"{k}={v}" for k, v in segments.items()), env)
+        self.address = self.ready[1]
 
     def count(self, name, byte) -> int:
         return int(self.ask(f"count {name} {byte}"))
 
     def fill(self, name, byte):
         assert self.ask(f"fill {name} {byte}") == "ok"
-
-    signal = Peer.signal
-    close = Peer.close
 
 
 @pytest.fixture
@@ -151,3 +142,18 @@ class Local:
 @pytest.fixture
 def local():
     return Local()
+
+
+def seed_round(e, target, probe, src, small, big, length):
+    """One round of the seed scenario through the Mooncake drop-in: [4 KiB to
+    ``small``, which the target withdrew, ``length`` bytes to ``big``] must
+    return -1, after which the source is rewritten at once. True if any
+    rewritten byte reached the target (counted there 0.1 s later)."""
+    target.fill(big, length, 0)
+    ctypes.memset(src, 0xAA, length)
+    ret = e.batch_transfer_sync_write(target.session, [probe, src], [small, big], [4096, length])
+    assert ret == -1, ret
+    # -1: nothing reads the source any more. Rewrite it at once.
+    ctypes.memset(src, 0xBB, length)
+    time.sleep(0.1)
+    return target.count(big, length, 0xBB) != 0

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import engine
+from conftest import engine, seed_round
 from quiesce.mooncake import TransferEngine
 
 MiB = 1 << 20
@@ -49,8 +49,6 @@ def test_seed_scenario_minus_one_means_nothing_touches_the_source(peer_factory, 
     """[a 4 KiB write the target refuses, a valid 64 MiB write]: -1, and the
     source rewritten at once never shows up at the target (Mooncake 0.3.13:
     50 of 50 rounds still reading the source after -1)."""
-    import ctypes
-
     target = peer_factory(4096, 64 * MiB)
     (small, _), (big, _) = target.regions
     e = engine()
@@ -58,22 +56,12 @@ def test_seed_scenario_minus_one_means_nothing_touches_the_source(peer_factory, 
     src = local.buffer(64 * MiB)
     corrupted = 0
     rounds = 50
-    for r in range(rounds):
+    for _ in range(rounds):
         # The small range is opened (cached), then withdrawn by the target:
         # its next write is refused there.
         assert e.transfer_sync_write(target.session, probe, small, 4096) == 0
         assert target.ask(f"unregister {small}") == "0"
-        target.fill(big, 64 * MiB, 0)
-        ctypes.memset(src, 0xAA, 64 * MiB)
-        ret = e.batch_transfer_sync_write(
-            target.session, [probe, src], [small, big], [4096, 64 * MiB]
-        )
-        assert ret == -1, f"round {r}: {ret}"
-        # -1: nothing reads the source any more. Rewrite it at once.
-        ctypes.memset(src, 0xBB, 64 * MiB)
-        time.sleep(0.05)
-        if target.count(big, 64 * MiB, 0xBB) != 0:
-            corrupted += 1
+        corrupted += seed_round(e, target, probe, src, small, big, 64 * MiB)
         assert target.ask(f"register {small} 4096") == "0"
     assert corrupted == 0, f"{corrupted}/{rounds} rounds had bytes written after -1"
 

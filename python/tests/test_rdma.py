@@ -4,12 +4,11 @@ file inside its Soft-RoCE guest; elsewhere every test is skipped."""
 
 import ctypes
 import os
-import time
 
 import pytest
 
 import quiesce
-from conftest import SECRET, engine
+from conftest import SECRET, engine, seed_round
 
 MiB = 1 << 20
 RDMA = {"QUIESCE_TEST_PROTOCOL": "rdma"}
@@ -56,17 +55,8 @@ def test_seed_scenario_over_rdma(peer_factory, local):
     assert target.ask(f"unregister {small}") == "0"
     corrupted = 0
     rounds = 5
-    for r in range(rounds):
-        target.fill(big, 64 * MiB, 0)
-        ctypes.memset(src, 0xAA, 64 * MiB)
-        ret = e.batch_transfer_sync_write(
-            target.session, [probe, src], [small, big], [4096, 64 * MiB]
-        )
-        assert ret == -1, f"round {r}: {ret}"
-        ctypes.memset(src, 0xBB, 64 * MiB)
-        time.sleep(0.1)
-        if target.count(big, 64 * MiB, 0xBB) != 0:
-            corrupted += 1
+    for _ in range(rounds):
+        corrupted += seed_round(e, target, probe, src, small, big, 64 * MiB)
     assert corrupted == 0, f"{corrupted}/{rounds} rounds had bytes written after -1"
 
 

@@ -8,8 +8,18 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use quiesce_runtime::net::{TcpListener, TcpStream};
-use quiesce_runtime::shard::channel;
+use quiesce_runtime::shard::{channel, Receiver};
 use quiesce_runtime::{stats, time, Runtime};
+
+/// A channel whose only value another thread sends 5 ms from now.
+fn sent_from_another_thread(v: u32) -> (Receiver<u32>, std::thread::JoinHandle<()>) {
+    let (tx, rx) = channel::<u32>();
+    let th = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(5));
+        tx.send(v).unwrap();
+    });
+    (rx, th)
+}
 
 fn spinning(d: Duration) -> Runtime {
     Runtime::builder().spin(d).build().expect("runtime")
@@ -19,12 +29,8 @@ fn spinning(d: Duration) -> Runtime {
 fn a_wake_from_another_thread_while_spinning_needs_no_park() {
     let rt = spinning(Duration::from_secs(2));
     rt.block_on(async {
-        let (tx, mut rx) = channel::<u32>();
         let before = stats().parks;
-        let th = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(5));
-            tx.send(7).unwrap();
-        });
+        let (mut rx, th) = sent_from_another_thread(7);
         assert_eq!(rx.recv().await, Some(7));
         assert_eq!(
             stats().parks,
@@ -75,12 +81,8 @@ fn an_idle_spinning_runtime_still_blocks_and_its_timers_fire() {
     });
     // Without spin, the same wake costs a park.
     rt().block_on(async {
-        let (tx, mut rx) = channel::<u32>();
         let before = stats().parks;
-        let th = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(5));
-            tx.send(7).unwrap();
-        });
+        let (mut rx, th) = sent_from_another_thread(7);
         assert_eq!(rx.recv().await, Some(7));
         assert!(stats().parks > before);
         th.join().unwrap();

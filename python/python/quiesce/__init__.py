@@ -21,6 +21,7 @@ buffers, batches over buffer-protocol objects, outcome objects
 
 from quiesce._native import OPEN_CLUSTER_ENV, SECRET_ENV
 from quiesce.engine import Batch, Engine, LocalSegment, RemoteSegment
+from quiesce import errors
 from quiesce.errors import (
     EngineClosed,
     InvalidInput,
@@ -54,15 +55,6 @@ __all__ = [
     "CompletionUnknown",
     "Outcome",
     "TaskReport",
-    "QuiesceError",
-    "InvalidInput",
-    "ZeroLength",
-    "OutOfBounds",
-    "SegmentRefused",
-    "UnknownPeer",
-    "PeerUnreachable",
-    "StillLent",
-    "SecretMissing",
-    "EngineClosed",
     "mooncake",
+    *errors.__all__,
 ]
