@@ -308,8 +308,17 @@ fn turn(cx: &Context) {
             }
         }
     }
-    if timeout != Some(Duration::ZERO) && spin(cx, timeout) {
-        timeout = Some(Duration::ZERO);
+    if timeout != Some(Duration::ZERO) && !cx.spin.is_zero() {
+        timeout = if spin(cx, timeout) {
+            Some(Duration::ZERO)
+        } else {
+            // The spin used part of the wait: the nearest timer is that much
+            // closer now.
+            cx.timers
+                .borrow()
+                .next_deadline()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+        };
     }
     let parking = timeout != Some(Duration::ZERO);
     if parking && !cx.unparker.prepare_park() {
@@ -342,9 +351,6 @@ fn turn(cx: &Context) {
 /// a task, a completion source with work, a wake from another thread — so
 /// the turn must not block.
 fn spin(cx: &Context, timeout: Option<Duration>) -> bool {
-    if cx.spin.is_zero() {
-        return false;
-    }
     let limit = timeout.map_or(cx.spin, |t| t.min(cx.spin));
     let start = Instant::now();
     loop {

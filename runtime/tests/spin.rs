@@ -88,3 +88,18 @@ fn an_idle_spinning_runtime_still_blocks_and_its_timers_fire() {
         th.join().unwrap();
     });
 }
+
+/// The spin uses part of the wait for the nearest timer, and the park after
+/// it waits only for the rest: a 100 ms sleep on a runtime spinning 200 ms
+/// fires after about 100 ms, not 200 (spin to the deadline, then park for
+/// the whole timeout again).
+#[test]
+fn a_timer_is_not_late_by_the_spin() {
+    spinning(Duration::from_millis(200)).block_on(async {
+        let t0 = Instant::now();
+        time::sleep(Duration::from_millis(100)).await;
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_millis(100));
+        assert!(took < Duration::from_millis(180), "fired after {took:?}");
+    });
+}
