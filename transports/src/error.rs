@@ -55,8 +55,10 @@ pub enum TransferError {
         landed: u64,
     },
     /// The target's owner revoked the range after this initiator proved the
-    /// token: prove it again (`Peer::open`) to write there; `landed` bytes
-    /// of the write's prefix landed before the revoke.
+    /// token (or withdrew the segment mid-write): prove it again
+    /// (`Peer::open`) to write there; `landed` bytes of the write landed
+    /// before it — for a write striped over connections, summed over its
+    /// slices, which land in parallel, so not necessarily a prefix.
     #[error("revoked by the target after {landed} bytes landed")]
     Revoked {
         /// Bytes applied before the revoke.

@@ -115,9 +115,8 @@ impl Peer {
     }
 
     /// Opens the segment the target registered first among those live now
-    /// (Mooncake's `get_first_buffer_address`), proving `token` for it.
-    /// Refused like [`open`](Self::open) when the target serves none or the
-    /// token is not that segment's.
+    /// that `token` opens (Mooncake's `get_first_buffer_address`). Refused
+    /// like [`open`](Self::open) when `token` opens none.
     pub async fn open_first(&self, token: Token) -> Result<RemoteSegment, TransferError> {
         self.open_ref(
             SegmentRef::First,
@@ -364,9 +363,11 @@ pub(crate) fn slices(len: u64, slice: usize) -> impl Iterator<Item = (u64, u64)>
     (0..len.div_ceil(slice)).map(move |i| (i * slice, slice.min(len - i * slice)))
 }
 
-/// Folds slice results: bytes that landed, and the first error.
+/// Folds slice results: bytes that landed, and the first error (`write`:
+/// the slices wrote to the target).
 async fn join_slices(
     handles: Vec<JoinHandle<Result<u64, TransferError>>>,
+    write: bool,
 ) -> Result<u64, TransferError> {
     let mut total = 0;
     let mut first_err = None;
@@ -392,10 +393,11 @@ async fn join_slices(
             Err(TransferError::FencedPartial { landed: total })
         }
         Some(TransferError::Revoked { .. }) => Err(TransferError::Revoked { landed: total }),
-        // The segment went away (revoked and withdrawn) between slices:
-        // those before it landed whole, those after found it gone. That is
-        // a revoke after `total` bytes, not a write that never landed.
-        Some(TransferError::NoSuchSegment(_)) if total > 0 => {
+        // The segment went away (revoked and withdrawn) between a write's
+        // slices: those before it landed whole, those after found it gone.
+        // That is a revoke after `total` bytes, not a write that never
+        // landed. (A read so cut keeps its "no such segment".)
+        Some(TransferError::NoSuchSegment(_)) if write && total > 0 => {
             Err(TransferError::Revoked { landed: total })
         }
         Some(e) => Err(e),
@@ -478,6 +480,7 @@ impl RemoteSegment {
         &self,
         shared: &SplitBuf<B>,
         len: u64,
+        write: bool,
         slice: F,
     ) -> Result<u64, TransferError>
     where
@@ -508,7 +511,7 @@ impl RemoteSegment {
                 })
             })
             .collect();
-        join_slices(handles).await
+        join_slices(handles, write).await
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), TransferError> {
@@ -533,7 +536,7 @@ impl RemoteSegment {
         let zc_threshold = p.zc_threshold;
         let seg = self.desc.id;
         let res = self
-            .stripe(&shared, len, move |conn, off, part| async move {
+            .stripe(&shared, len, true, move |conn, off, part| async move {
                 let zc = zc_threshold.is_some_and(|t| part.len() >= t);
                 conn.write(batch, seg, offset + off, part, zc).await.0
             })
@@ -567,7 +570,7 @@ impl RemoteSegment {
         let shared = SplitBuf::destination(dst);
         let seg = self.desc.id;
         let res = self
-            .stripe(&shared, len, move |conn, off, part| async move {
+            .stripe(&shared, len, false, move |conn, off, part| async move {
                 conn.read(batch, seg, offset + off, part).await
             })
             .await;
