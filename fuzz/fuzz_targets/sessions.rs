@@ -139,7 +139,7 @@ enum By {
     Id,
     Name,
     Address { at: u64 },
-    /// The first registered segment ("kv"): "pub"'s token must not open it.
+    /// The first registered segment "pub"'s token opens: "pub", never "kv".
     First,
 }
 

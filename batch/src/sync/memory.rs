@@ -171,7 +171,8 @@ impl SyncEngine {
     }
 
     /// Connects to `peer` and opens the segment it registered first among
-    /// those live now (Mooncake's `get_first_buffer_address`), proving `token`.
+    /// those live now that `token` opens (Mooncake's
+    /// `get_first_buffer_address`).
     pub fn open_first(&self, peer: SocketAddr, token: Token) -> Result<OpenedSegment, SyncError> {
         self.open_by(peer, SegmentBy::First, token)
     }

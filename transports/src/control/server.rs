@@ -457,14 +457,14 @@ impl ServedConn<'_> {
             .proofs
             .iter()
             .map(|(seg_ref, proof)| {
+                let verify = |t: &crate::control::auth::Token| {
+                    t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)
+                };
                 let seg = match seg_ref {
                     SegmentRef::Id(id) => self.engine.segment(*id),
                     SegmentRef::Name(n) => self.engine.segment_named(n),
                     SegmentRef::Address(a) => self.engine.segment_at(*a),
-                    SegmentRef::First => self.engine.segment_first(),
-                };
-                let verify = |t: &crate::control::auth::Token| {
-                    t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)
+                    SegmentRef::First => self.engine.first_segment_proven(verify),
                 };
                 match seg {
                     Some(seg) if verify(&seg.token()) => {

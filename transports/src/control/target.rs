@@ -82,9 +82,21 @@ impl Target {
             .cloned()
     }
 
-    /// The segment registered first among the live ones (ids only grow).
-    pub(crate) fn segment_first(&self) -> Option<Segment> {
-        self.segments.borrow().values().next().cloned()
+    /// The segment registered first (ids only grow) among the live ones
+    /// whose token `proves` accepts. Every segment's token is tried, so the
+    /// work — and a refusal — says nothing about segments the proof does not
+    /// open.
+    pub(crate) fn first_segment_proven(
+        &self,
+        proves: impl Fn(&crate::control::auth::Token) -> bool,
+    ) -> Option<Segment> {
+        let mut first = None;
+        for s in self.segments.borrow().values() {
+            if proves(&s.token()) && first.is_none() {
+                first = Some(s.clone());
+            }
+        }
+        first
     }
 
     /// What a peer that proved `s`'s token learns about it.

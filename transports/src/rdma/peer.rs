@@ -72,7 +72,8 @@ impl RdmaPeer {
     }
 
     /// Proves `token` for the segment the target registered first among
-    /// those live now ([`Peer::open_first`]) and fetches its remote key.
+    /// those live now that it opens ([`Peer::open_first`]) and fetches its
+    /// remote key.
     ///
     /// [`Peer::open_first`]: crate::Peer::open_first
     pub async fn open_first(&self, token: Token) -> Result<RdmaSegment, TransferError> {

@@ -81,8 +81,9 @@ pub enum SegmentRef {
     /// segment that holds that address, as Mooncake-style callers address
     /// remote memory).
     Address(u64),
-    /// The segment registered first among those live now (Mooncake's
-    /// `get_first_buffer_address`: a peer's first registered buffer).
+    /// The segment registered first among those live now that the proof's
+    /// token opens (Mooncake's `get_first_buffer_address`: a peer's first
+    /// registered buffer).
     First,
 }
 
