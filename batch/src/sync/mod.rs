@@ -427,10 +427,13 @@ fn launch<B: IoBufMut + Send>(
         st.segments.borrow().get(h as usize).cloned()
     })?;
     let st = st.clone();
+    // A panic past this point would drop the reply and the caller would read
+    // -1 while the batch may still hold its memory. Made before the spawn: a
+    // panic elsewhere on this thread before the task's first poll drops the
+    // task, and with it this guard, while unwinding.
+    let pinned = AbortOnUnwind("a batch holding the caller's memory");
     spawn_local(async move {
-        // A panic past this point would drop the reply and the caller would
-        // read -1 while the batch may still hold its memory.
-        let _pinned = AbortOnUnwind("a batch holding the caller's memory");
+        let _pinned = pinned;
         let out = match sub.await {
             Outcome::Quiesced(q) => finish(q),
             Outcome::CompletionUnknown(t) => {

@@ -108,7 +108,8 @@ class Batch:
         return len(self._buffers)
 
     def run(self) -> Outcome:
-        """Runs the batch and blocks until its outcome."""
+        """Runs the batch and blocks until its outcome. A batch runs once:
+        this uses it up even when it raises (nothing moved then)."""
         n = self._engine._native
         r = n.run(self._native, self._policy, self._deadline)
         return outcome(r, self._buffers, n)
@@ -202,9 +203,12 @@ class Engine:
         return self._native.pending()
 
     def close(self) -> bool:
-        """Stops the engine: batches in flight are cancelled and reaped
-        first. False: it could not drain, and their memory stays held for
-        good (never freed under a transfer)."""
+        """Stops the engine. Blocking calls on other threads finish first
+        (each within its deadline; waits within 0.1 s); batches still in
+        flight (submitted ones, tickets) are cancelled and reaped before their
+        memory is let go. False: it could not drain, and that memory stays
+        held for good (never freed under a transfer). A second ``close``
+        waits for the first and answers the same."""
         return self._native.close()
 
     def __enter__(self) -> "Engine":

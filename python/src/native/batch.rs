@@ -84,6 +84,15 @@ impl NativeBatch {
     }
 }
 
+impl Drop for NativeBatch {
+    fn drop(&mut self) {
+        // Never run: nothing but this batch holds the buffers.
+        if let Some(tasks) = self.tasks.take() {
+            Python::try_attach(|py| tasks.into_iter().for_each(|t| t.held.release(py)));
+        }
+    }
+}
+
 impl NativeBatch {
     /// Takes the tasks out to run them: what the engine moves, and what
     /// holds the memory meanwhile (index for index).

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use quiesce_batch::ffi::RawBuf;
@@ -73,7 +73,39 @@ struct Core {
     /// Where submitted batches' outcomes go (started with the first).
     deliveries: Mutex<Option<mpsc::Sender<Delivery>>>,
     ending: Mutex<Ending>,
+    /// Held by the one `close` that stops the engine (a second waits for it).
+    closing: Mutex<()>,
     next: AtomicU64,
+}
+
+/// How long one wait holds the engine's read lock (a `close` waits for it).
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// `timeout` seconds (none if not positive; inf and huge values saturate).
+fn seconds(timeout: f64) -> Duration {
+    if timeout.is_nan() || timeout <= 0.0 {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(timeout)
+        .unwrap_or(Duration::MAX)
+        .min(Duration::from_secs(1 << 32))
+}
+
+/// Held memory, one buffer or a batch's.
+trait Release {
+    fn release(self, py: Python<'_>);
+}
+
+impl Release for Held {
+    fn release(self, py: Python<'_>) {
+        Held::release(self, py)
+    }
+}
+
+impl Release for Vec<Held> {
+    fn release(self, py: Python<'_>) {
+        self.into_iter().for_each(|h| h.release(py))
+    }
 }
 
 /// The engine behind `quiesce.Engine`.
@@ -132,10 +164,24 @@ impl Core {
     /// released otherwise.
     fn settle(&self, py: Python<'_>, out: &SyncOutcome<RawBuf>, held: Vec<Held>) {
         match (out.code, out.ticket) {
-            (SYNC_UNKNOWN, Some(t)) => {
-                lock(&self.tickets).insert(t, held);
-            }
+            (SYNC_UNKNOWN, Some(t)) => self.keep(py, &self.tickets, t, held),
             _ => held.into_iter().for_each(|h| h.release(py)),
+        }
+    }
+
+    /// Puts `held` in `map` under `key` — unless the engine has closed, whose
+    /// `close` emptied the maps already: then it is released if the engine
+    /// drained, and kept for good if it did not.
+    fn keep<H: Release>(&self, py: Python<'_>, map: &Mutex<HashMap<u64, H>>, key: u64, held: H) {
+        // The map's lock first: `close` sets the ending before it empties
+        // the maps, so an entry put in while it reads `Running` is emptied.
+        let mut map = lock(map);
+        match *lock(&self.ending) {
+            Ending::Running => {
+                map.insert(key, held);
+            }
+            Ending::Drained => held.release(py),
+            Ending::Undrained => drop(held),
         }
     }
 
@@ -175,34 +221,45 @@ impl Core {
     }
 
     /// Stops the engine; releases held memory if it drained, else keeps it
-    /// for good. False: it did not drain.
+    /// for good. False: it did not drain. Blocking calls on other threads
+    /// finish first (each within its deadline or wait slice); a second
+    /// `close` waits for the first and answers the same.
     fn close(&self, py: Python<'_>) -> bool {
-        let Some(engine) = self
-            .engine
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        else {
-            return *lock(&self.ending) == Ending::Drained;
-        };
-        let drained = py.detach(|| engine.stop()).is_ok();
-        *lock(&self.ending) = if drained {
-            Ending::Drained
-        } else {
-            Ending::Undrained
-        };
-        // The delivery thread answers the flights left once this goes.
-        drop(lock(&self.deliveries).take());
-        let tickets: Vec<Held> = lock(&self.tickets).drain().flat_map(|(_, h)| h).collect();
-        let lent: Vec<Held> = lock(&self.lent).drain().map(|(_, h)| h).collect();
-        for h in tickets.into_iter().chain(lent) {
-            if drained {
-                h.release(py);
+        // Without the GIL: blocking calls on other threads hold the engine's
+        // read lock until they finish, and may need the GIL to do so.
+        let stopped = py.detach(|| {
+            let _only = lock(&self.closing);
+            let engine = self
+                .engine
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            let Some(engine) = engine else {
+                return Err(*lock(&self.ending) == Ending::Drained);
+            };
+            let drained = engine.stop().is_ok();
+            *lock(&self.ending) = if drained {
+                Ending::Drained
             } else {
-                std::mem::forget(h);
+                Ending::Undrained
+            };
+            // The delivery thread answers the flights left once this goes.
+            drop(lock(&self.deliveries).take());
+            let mut held: Vec<Held> = lock(&self.tickets).drain().flat_map(|(_, h)| h).collect();
+            held.extend(lock(&self.lent).drain().map(|(_, h)| h));
+            Ok((drained, held))
+        });
+        match stopped {
+            Ok((drained, held)) => {
+                if drained {
+                    held.into_iter().for_each(|h| h.release(py));
+                }
+                // Else dropped unreleased: kept for good.
+                drained
             }
+            // Closed already (by the call this one waited for).
+            Err(drained) => drained,
         }
-        drained
     }
 }
 
@@ -253,6 +310,7 @@ impl NativeEngine {
                 lent: Mutex::default(),
                 deliveries: Mutex::default(),
                 ending: Mutex::new(Ending::Running),
+                closing: Mutex::default(),
                 next: AtomicU64::new(1),
             }),
         })
@@ -286,7 +344,7 @@ impl NativeEngine {
         });
         match r {
             Ok(id) => {
-                lock(&self.core.lent).insert(addr, held);
+                self.core.keep(py, &self.core.lent, addr, held);
                 Ok((id, addr, len))
             }
             Err(e) => {
@@ -299,9 +357,15 @@ impl NativeEngine {
     /// Revokes and takes back the segment lent at `address`, waiting up to
     /// `timeout` s: True once nothing can touch it (its buffer is let go).
     fn reclaim(&self, py: Python<'_>, address: u64, timeout: f64) -> PyResult<bool> {
-        let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::ZERO);
+        let deadline = Instant::now() + seconds(timeout);
         let back = py
-            .detach(|| self.core.with(|e| e.reclaim(address, t)))
+            .detach(|| loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match self.core.with(|e| e.reclaim(address, left.min(WAIT_SLICE))) {
+                    Ok(false) if !left.is_zero() => continue,
+                    r => return r,
+                }
+            })
             .map_err(|e| from_sync(py, &e))?;
         if back {
             if let Some(h) = lock(&self.core.lent).remove(&address) {
@@ -313,10 +377,8 @@ impl NativeEngine {
 
     /// Opens peer `peer`'s segment `name`; returns (handle, address, length).
     fn open(&self, py: Python<'_>, peer: &str, name: &str) -> PyResult<(u32, u64, u64)> {
-        let addr: SocketAddr = peer
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
+        let addr: SocketAddr = py
+            .detach(|| peer.to_socket_addrs().ok().and_then(|mut a| a.next()))
             .ok_or_else(|| raise(py, "UnknownPeer", &format!("cannot resolve peer {peer:?}")))?;
         let token = Token::derive(&self.core.secret, name);
         let s = py
@@ -374,11 +436,13 @@ impl NativeEngine {
             })
         });
         if let Err(e) = r {
-            // Nothing started.
+            // Nothing started. If the delivery thread took the flight first
+            // (the engine closed meanwhile), it answers the callback: no
+            // second answer here.
             if let Some(f) = lock(&self.core.flights).remove(&key) {
                 f.held.into_iter().for_each(|h| h.release(py));
+                return Err(from_sync(py, &e));
             }
-            return Err(from_sync(py, &e));
         }
         Ok(())
     }
@@ -386,9 +450,18 @@ impl NativeEngine {
     /// Waits up to `timeout` s for the batch behind `ticket` to drain: its
     /// report, or None if it has not yet.
     fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<Option<Report>> {
-        let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::ZERO);
+        let deadline = Instant::now() + seconds(timeout);
         let out = py
-            .detach(|| self.core.with(|e| e.wait::<RawBuf>(ticket, t)))
+            .detach(|| loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match self
+                    .core
+                    .with(|e| e.wait::<RawBuf>(ticket, left.min(WAIT_SLICE)))
+                {
+                    Ok(None) if !left.is_zero() => continue,
+                    r => return r,
+                }
+            })
             .map_err(|e| from_sync(py, &e))?;
         Ok(out.map(|out| {
             if let Some(held) = lock(&self.core.tickets).remove(&ticket) {
@@ -403,8 +476,9 @@ impl NativeEngine {
         lock(&self.core.tickets).keys().copied().collect()
     }
 
-    /// Stops the engine (batches in flight are cancelled and reaped first).
-    /// False: it could not drain, and the memory it held stays held for good.
+    /// Stops the engine (blocking calls finish first; batches in flight are
+    /// cancelled and reaped). False: it could not drain, and the memory it
+    /// held stays held for good.
     fn close(&self, py: Python<'_>) -> bool {
         self.core.close(py)
     }

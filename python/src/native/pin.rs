@@ -17,10 +17,14 @@ enum Keep {
     Object(Py<PyAny>),
 }
 
-/// Caller memory held until nothing can touch it; dropped only on a thread
-/// attached to Python (the engine's thread never owns one).
+/// Caller memory held until nothing can touch it. Only [`Held::release`]
+/// lets go of it (on a thread attached to Python; the engine's thread never
+/// owns one): a `Held` merely dropped — left in a map when the engine could
+/// not drain, or at interpreter shutdown — leaks its memory rather than hand
+/// back memory a transfer may still use.
 pub(crate) struct Held {
-    keep: Keep,
+    /// `None` once released.
+    keep: Option<Keep>,
     /// Its first byte.
     pub(crate) addr: usize,
     /// Its length in bytes.
@@ -56,7 +60,7 @@ impl Held {
             }
             let (addr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
             return Ok(Held {
-                keep: Keep::Export(buf),
+                keep: Some(Keep::Export(buf)),
                 addr,
                 len,
             });
@@ -96,17 +100,27 @@ impl Held {
             return Err(invalid(py, "the tensor has no memory"));
         }
         Ok(Held {
-            keep: Keep::Object(obj.clone().unbind()),
+            keep: Some(Keep::Object(obj.clone().unbind())),
             addr,
             len,
         })
     }
 
     /// Lets go of the memory now (the GIL is held).
-    pub(crate) fn release(self, py: Python<'_>) {
-        match self.keep {
-            Keep::Export(buf) => buf.release(py),
-            Keep::Object(o) => drop(o),
+    pub(crate) fn release(mut self, py: Python<'_>) {
+        match self.keep.take() {
+            Some(Keep::Export(buf)) => buf.release(py),
+            Some(Keep::Object(o)) => drop(o),
+            None => {}
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // Not released: keep the export (or the reference) for good.
+        if let Some(k) = self.keep.take() {
+            std::mem::forget(k);
         }
     }
 }
