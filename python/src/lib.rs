@@ -15,12 +15,13 @@ mod managed;
 mod mooncake;
 mod native;
 mod node;
+mod opcode;
 
 /// The extension module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mooncake::TransferEngine>()?;
-    m.add_class::<mooncake::TransferOpcode>()?;
+    m.add_class::<opcode::TransferOpcode>()?;
     m.add_class::<native::NativeEngine>()?;
     m.add_class::<native::batch::NativeBatch>()?;
     m.add("SECRET_ENV", node::SECRET_ENV)?;

@@ -20,41 +20,13 @@ use quiesce_batch::sync::{Direction, SyncError};
 use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 
 use crate::node::{complain, Fabric, Node, Progress};
+use crate::opcode::{direction, refuse_notify, TransferOpcode};
 
 /// How long `unregister_memory` waits for nothing to hold the range.
 const RECLAIM_WAIT: Duration = Duration::from_secs(30);
 /// How long `get_batch_transfer_status` waits at most (past every batch's
 /// own deadline, which ends it first).
 const STATUS_WAIT: Duration = Duration::from_secs(3600);
-
-/// Mooncake's opcode enum (`TransferEngine.TransferOpcode.Read` / `.Write`).
-#[pyclass(module = "quiesce._native", eq, eq_int, from_py_object)]
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum TransferOpcode {
-    /// Remote → local.
-    Read = 0,
-    /// Local → remote.
-    Write = 1,
-}
-
-fn direction(opcode: &Bound<'_, PyAny>) -> PyResult<Direction> {
-    let op = match opcode.extract::<TransferOpcode>() {
-        Ok(op) => op,
-        Err(_) => match opcode.extract::<i64>()? {
-            0 => TransferOpcode::Read,
-            1 => TransferOpcode::Write,
-            v => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "opcode {v}: TransferOpcode.Read (0) or TransferOpcode.Write (1)"
-                )))
-            }
-        },
-    };
-    Ok(match op {
-        TransferOpcode::Read => Direction::Read,
-        TransferOpcode::Write => Direction::Write,
-    })
-}
 
 /// Mooncake's `TransferEngine`, whose codes keep quiesce's contract.
 ///
@@ -613,14 +585,5 @@ impl TransferEngine {
         let Some(node) = self.node() else { return 0 };
         let t = Duration::from_secs_f64(timeout.max(0.0));
         py.detach(|| node.quiesce_pending(t))
-    }
-}
-
-fn refuse_notify(notify: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-    match notify {
-        Some(n) if !n.is_none() => Err(pyo3::exceptions::PyNotImplementedError::new_err(
-            "notify is not supported by quiesce.mooncake",
-        )),
-        _ => Ok(()),
     }
 }

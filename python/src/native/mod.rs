@@ -175,13 +175,21 @@ impl Core {
     fn keep<H: Release>(&self, py: Python<'_>, map: &Mutex<HashMap<u64, H>>, key: u64, held: H) {
         // The map's lock first: `close` sets the ending before it empties
         // the maps, so an entry put in while it reads `Running` is emptied.
-        let mut map = lock(map);
-        match *lock(&self.ending) {
-            Ending::Running => {
-                map.insert(key, held);
+        let left = {
+            let mut map = lock(map);
+            match *lock(&self.ending) {
+                Ending::Running => {
+                    map.insert(key, held);
+                    None
+                }
+                ending => Some((ending, held)),
             }
-            Ending::Drained => held.release(py),
-            Ending::Undrained => drop(held),
+        };
+        // Released with no lock held: letting go of an object may run
+        // Python code (a finaliser) that calls back into this engine.
+        // (Undrained: dropped unreleased, kept for good.)
+        if let Some((Ending::Drained, held)) = left {
+            held.release(py);
         }
     }
 
@@ -368,7 +376,8 @@ impl NativeEngine {
             })
             .map_err(|e| from_sync(py, &e))?;
         if back {
-            if let Some(h) = lock(&self.core.lent).remove(&address) {
+            let held = lock(&self.core.lent).remove(&address);
+            if let Some(h) = held {
                 h.release(py);
             }
         }
@@ -439,7 +448,8 @@ impl NativeEngine {
             // Nothing started. If the delivery thread took the flight first
             // (the engine closed meanwhile), it answers the callback: no
             // second answer here.
-            if let Some(f) = lock(&self.core.flights).remove(&key) {
+            let flight = lock(&self.core.flights).remove(&key);
+            if let Some(f) = flight {
                 f.held.into_iter().for_each(|h| h.release(py));
                 return Err(from_sync(py, &e));
             }
@@ -464,7 +474,8 @@ impl NativeEngine {
             })
             .map_err(|e| from_sync(py, &e))?;
         Ok(out.map(|out| {
-            if let Some(held) = lock(&self.core.tickets).remove(&ticket) {
+            let held = lock(&self.core.tickets).remove(&ticket);
+            if let Some(held) = held {
                 self.core.settle(py, &out, held);
             }
             report(&out)

@@ -1,0 +1,46 @@
+//! Mooncake's call arguments that are not plain values: the transfer
+//! opcode (`TransferEngine.TransferOpcode`, or Mooncake's 0 and 1) and the
+//! `notify` argument, which quiesce does not support.
+
+use pyo3::prelude::*;
+use quiesce_batch::sync::Direction;
+
+/// Mooncake's opcode enum (`TransferEngine.TransferOpcode.Read` / `.Write`).
+#[pyclass(module = "quiesce._native", eq, eq_int, from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum TransferOpcode {
+    /// Remote → local.
+    Read = 0,
+    /// Local → remote.
+    Write = 1,
+}
+
+/// The direction `opcode` names.
+pub(crate) fn direction(opcode: &Bound<'_, PyAny>) -> PyResult<Direction> {
+    let op = match opcode.extract::<TransferOpcode>() {
+        Ok(op) => op,
+        Err(_) => match opcode.extract::<i64>()? {
+            0 => TransferOpcode::Read,
+            1 => TransferOpcode::Write,
+            v => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "opcode {v}: TransferOpcode.Read (0) or TransferOpcode.Write (1)"
+                )))
+            }
+        },
+    };
+    Ok(match op {
+        TransferOpcode::Read => Direction::Read,
+        TransferOpcode::Write => Direction::Write,
+    })
+}
+
+/// Refuses a `notify` argument other than None.
+pub(crate) fn refuse_notify(notify: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    match notify {
+        Some(n) if !n.is_none() => Err(pyo3::exceptions::PyNotImplementedError::new_err(
+            "notify is not supported by quiesce.mooncake",
+        )),
+        _ => Ok(()),
+    }
+}
