@@ -293,10 +293,7 @@ fn turn(cx: &Context) {
     let mut timeout = if busy {
         Some(Duration::ZERO)
     } else {
-        cx.timers
-            .borrow()
-            .next_deadline()
-            .map(|d| d.saturating_duration_since(Instant::now()))
+        until_next_timer(cx)
     };
     if timeout != Some(Duration::ZERO) {
         match source::arm_all(cx) {
@@ -314,10 +311,7 @@ fn turn(cx: &Context) {
         } else {
             // The spin used part of the wait: the nearest timer is that much
             // closer now.
-            cx.timers
-                .borrow()
-                .next_deadline()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+            until_next_timer(cx)
         };
     }
     let parking = timeout != Some(Duration::ZERO);
@@ -344,6 +338,14 @@ fn turn(cx: &Context) {
     // Yielded tasks run after what this turn woke.
     let deferred = std::mem::take(&mut *cx.deferred.borrow_mut());
     deferred.into_iter().for_each(Waker::wake);
+}
+
+/// How long until the nearest timer is due (`None`: no timer).
+fn until_next_timer(cx: &Context) -> Option<Duration> {
+    cx.timers
+        .borrow()
+        .next_deadline()
+        .map(|d| d.saturating_duration_since(Instant::now()))
 }
 
 /// Busy-polls for up to the runtime's spin time (never past `timeout`, the
