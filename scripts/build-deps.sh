@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # build-deps.sh — installs what building quiesce needs beyond Rust and gcc:
 # cmake and libclang (rdma-mummy-sys compiles its libibverbs loader with
-# cmake and generates bindings with bindgen). Idempotent; quiet when both are
-# there. libibverbs itself is NOT needed: it is loaded at run time.
+# cmake and generates bindings with bindgen), and protoc (etcd-client, in
+# quiesce-directory, generates its gRPC code at build time). Idempotent;
+# quiet when all are there. libibverbs itself is NOT needed: it is loaded at
+# run time.
 set -euo pipefail
 have_libclang() {
     ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1
 }
-if command -v cmake >/dev/null && have_libclang; then
+if command -v cmake >/dev/null && command -v protoc >/dev/null && have_libclang; then
     exit 0
 fi
-[ "$(id -u)" = 0 ] || { echo "build-deps.sh: cmake/libclang missing; run as root to install them" >&2; exit 1; }
-echo "build-deps.sh: installing cmake and libclang-dev" >&2
+[ "$(id -u)" = 0 ] || { echo "build-deps.sh: cmake/libclang/protoc missing; run as root to install them" >&2; exit 1; }
+echo "build-deps.sh: installing cmake, libclang-dev and protobuf-compiler" >&2
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends cmake libclang-dev >/dev/null
+apt-get install -y -qq --no-install-recommends cmake libclang-dev protobuf-compiler >/dev/null

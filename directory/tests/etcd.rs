@@ -1,0 +1,292 @@
+//! The etcd directory against a real etcd (Debian's `etcd-server`; each
+//! test starts its own on free ports with a temporary data directory).
+//! Without an etcd binary the tests say they are skipped, and fail under
+//! `CI=true`.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use quiesce_directory::{
+    Change, Directory, DirectoryError, EtcdDirectory, EtcdOptions, LocalEtcd, NodeRecord,
+    SegmentRecord,
+};
+
+const TTL: i64 = 2;
+
+fn etcd() -> Option<LocalEtcd> {
+    if !LocalEtcd::available() {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI=true but no etcd binary (apt-get install etcd-server)"
+        );
+        eprintln!("skipped: no etcd binary (apt-get install etcd-server)");
+        return None;
+    }
+    Some(LocalEtcd::start().expect("start etcd"))
+}
+
+fn directory(e: &LocalEtcd, prefix: &str) -> EtcdDirectory {
+    EtcdDirectory::start(EtcdOptions {
+        ttl_secs: TTL,
+        ..EtcdOptions::from_url(&e.url(prefix)).unwrap()
+    })
+    .unwrap()
+}
+
+fn node(name: &str, port: u16) -> NodeRecord {
+    NodeRecord {
+        node: name.into(),
+        addr: format!("127.0.0.1:{port}").parse().unwrap(),
+        fabric: "tcp".into(),
+    }
+}
+
+fn segment(node: &str, name: &str, id: u64, len: u64) -> SegmentRecord {
+    SegmentRecord {
+        node: node.into(),
+        name: name.into(),
+        id,
+        base: 0x7f00_0000_0000,
+        len,
+        read: true,
+        write: true,
+    }
+}
+
+fn wait_for(rx: &Receiver<Change>, within: Duration, want: impl Fn(&Change) -> bool) -> bool {
+    let end = Instant::now() + within;
+    while let Some(left) = end.checked_duration_since(Instant::now()) {
+        match rx.recv_timeout(left) {
+            Ok(c) if want(&c) => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+    }
+    false
+}
+
+/// Run as a child process by `entries_vanish_within_ttl_of_a_kill`:
+/// publishes a node and a segment, says `ready`, and waits to be killed.
+#[test]
+fn child_publisher() {
+    let Ok(url) = std::env::var("QZ_DIRECTORY_CHILD") else {
+        return;
+    };
+    let d = EtcdDirectory::start(EtcdOptions {
+        ttl_secs: TTL,
+        ..EtcdOptions::from_url(&url).unwrap()
+    })
+    .unwrap();
+    d.publish_node(&node("doomed", 7001)).unwrap();
+    d.publish_segment(&segment("doomed", "kv", 1, 4096))
+        .unwrap();
+    d.flush(Duration::from_secs(10)).unwrap();
+    println!("ready");
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn entries_appear_on_start_and_vanish_within_ttl_of_a_kill() {
+    let Some(e) = etcd() else { return };
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_publisher",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("QZ_DIRECTORY_CHILD", e.url("kill"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("ready") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "child ended early");
+    }
+    let watcher = directory(&e, "kill");
+    assert_eq!(watcher.resolve("doomed").unwrap(), node("doomed", 7001));
+    assert_eq!(watcher.segment("doomed", "kv").unwrap().len, 4096);
+    let changes = watcher.subscribe();
+    child.kill().unwrap();
+    let killed = Instant::now();
+    child.wait().unwrap();
+    let gone = wait_for(&changes, Duration::from_secs(TTL as u64 + 5), |c| {
+        *c == Change::NodeGone("doomed".into())
+    });
+    let took = killed.elapsed();
+    assert!(gone, "the dead node's entry never went away");
+    assert!(
+        took <= Duration::from_secs(TTL as u64 + 1),
+        "the entry outlived the kill by {took:?} (TTL {TTL} s)"
+    );
+    // A fresh initiator (no mirror) finds nothing either: gone from etcd.
+    let fresh = directory(&e, "kill");
+    assert_eq!(
+        fresh.resolve("doomed"),
+        Err(DirectoryError::NotFound("doomed".into()))
+    );
+    assert!(fresh.segment("doomed", "kv").is_err());
+    eprintln!("entry gone {took:?} after the kill (TTL {TTL} s)");
+}
+
+#[test]
+fn a_watching_initiator_picks_up_a_re_registered_segment() {
+    let Some(e) = etcd() else { return };
+    let target = directory(&e, "rereg");
+    target.publish_node(&node("t", 7002)).unwrap();
+    target
+        .publish_segment(&segment("t", "kv", 1, 4096))
+        .unwrap();
+    target.flush(Duration::from_secs(10)).unwrap();
+    let initiator = directory(&e, "rereg");
+    assert_eq!(initiator.segment("t", "kv").unwrap().id, 1);
+    let changes = initiator.subscribe();
+    target.withdraw_segment("t", "kv").unwrap();
+    target
+        .publish_segment(&segment("t", "kv", 2, 8192))
+        .unwrap();
+    target.flush(Duration::from_secs(10)).unwrap();
+    assert!(
+        wait_for(&changes, Duration::from_secs(5), |c| matches!(
+            c,
+            Change::Segment(s) if s.id == 2
+        )),
+        "the watch did not deliver the new registration"
+    );
+    // Served from the mirror: stop etcd and it still answers.
+    let mut e = e;
+    e.stop();
+    let s = initiator.segment("t", "kv").unwrap();
+    assert_eq!((s.id, s.len), (2, 8192));
+}
+
+#[test]
+fn etcd_away_serves_the_cache_types_new_lookups_and_republishes_when_back() {
+    let Some(mut e) = etcd() else { return };
+    let target = directory(&e, "away");
+    target.publish_node(&node("t", 7003)).unwrap();
+    target
+        .publish_segment(&segment("t", "kv", 1, 4096))
+        .unwrap();
+    target.flush(Duration::from_secs(10)).unwrap();
+    let initiator = directory(&e, "away");
+    assert_eq!(initiator.resolve("t").unwrap().addr.port(), 7003);
+    let changes = initiator.subscribe();
+
+    // etcd dies with its data: cached peers still resolve, new names get a
+    // typed error in bounded time, publishing still queues.
+    e.wipe();
+    assert!(wait_for(&changes, Duration::from_secs(10), |c| matches!(
+        c,
+        Change::Unavailable(_)
+    )));
+    assert_eq!(initiator.resolve("t").unwrap().addr.port(), 7003);
+    let asked = Instant::now();
+    assert!(matches!(
+        initiator.resolve("other"),
+        Err(DirectoryError::Unavailable(_))
+    ));
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        asked.elapsed()
+    );
+    target
+        .publish_segment(&segment("t", "late", 2, 512))
+        .unwrap();
+    assert!(matches!(
+        target.flush(Duration::from_millis(300)),
+        Err(DirectoryError::Unavailable(_))
+    ));
+
+    // etcd back, empty: the target writes everything again, including what
+    // it published while etcd was away.
+    e.restart().unwrap();
+    target.flush(Duration::from_secs(15)).unwrap();
+    let fresh = directory(&e, "away");
+    assert_eq!(fresh.resolve("t").unwrap().addr.port(), 7003);
+    let names: Vec<String> = fresh
+        .segments("t")
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(names, ["kv", "late"]);
+    assert!(wait_for(&changes, Duration::from_secs(15), |c| matches!(
+        c,
+        Change::Segment(s) if s.name == "late"
+    )));
+}
+
+#[test]
+fn a_closed_directory_takes_its_entries_with_it() {
+    let Some(e) = etcd() else { return };
+    let target = directory(&e, "close");
+    target.publish_node(&node("t", 7004)).unwrap();
+    target.flush(Duration::from_secs(10)).unwrap();
+    let initiator = directory(&e, "close");
+    assert!(initiator.resolve("t").is_ok());
+    let changes = initiator.subscribe();
+    let closed = Instant::now();
+    drop(target);
+    assert!(wait_for(&changes, Duration::from_secs(TTL as u64), |c| {
+        *c == Change::NodeGone("t".into())
+    }));
+    assert!(
+        closed.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        closed.elapsed()
+    );
+}
+
+#[test]
+fn bad_names_urls_and_foreign_entries_are_refused() {
+    assert!(matches!(
+        Directory::open("zookeeper://x"),
+        Err(DirectoryError::BadUrl { .. })
+    ));
+    assert!(matches!(
+        Directory::open("etcd://nohost"),
+        Err(DirectoryError::BadUrl { .. })
+    ));
+    assert!(matches!(
+        Directory::open("P2PHANDSHAKE"),
+        Ok(Directory::P2p)
+    ));
+    let Some(e) = etcd() else { return };
+    let d = directory(&e, "bad");
+    assert!(matches!(
+        d.publish_node(&node("a/b", 1)),
+        Err(DirectoryError::BadName(_))
+    ));
+    assert!(matches!(d.resolve(""), Err(DirectoryError::BadName(_))));
+    // A hostile or foreign writer under the prefix: ignored, never served.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = etcd_client::Client::connect([e.endpoint()], None)
+            .await
+            .unwrap();
+        c.put("bad/nodes/evil", "addr=not an address\n", None)
+            .await
+            .unwrap();
+        c.put("bad/nodes/ok", "addr=127.0.0.1:9\nfabric=tcp\n", None)
+            .await
+            .unwrap();
+        c.put("bad/segments/ok/kv", "len=\u{1}", None)
+            .await
+            .unwrap();
+    });
+    assert!(matches!(
+        d.resolve("evil"),
+        Err(DirectoryError::Malformed(_))
+    ));
+    assert_eq!(d.resolve("ok").unwrap().addr.port(), 9);
+    assert!(d.segments("ok").unwrap().is_empty());
+}
