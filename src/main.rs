@@ -103,6 +103,13 @@ enum Cmd {
         /// quiesce: send slices of at least this size with SEND_ZC (io_uring).
         #[arg(long, value_parser = parse_size)]
         zc_threshold: Option<usize>,
+        /// Find --peer's address here (etcd://host:port[/prefix]) instead of
+        /// --connect.
+        #[arg(long, requires = "peer", conflicts_with = "connect")]
+        directory: Option<String>,
+        /// The target's node name in --directory.
+        #[arg(long, requires = "directory")]
+        peer: Option<String>,
     },
     /// Serve segments `kv` (read-write, --size bytes), `ro` and `wo` to peers.
     Target {
@@ -121,6 +128,13 @@ enum Cmd {
         /// Demonstrations only: acknowledge fences without applying them.
         #[arg(long)]
         ignore_fences: bool,
+        /// Publish the endpoint and segments here: etcd://host:port[/prefix]
+        /// (under a lease: they vanish within its TTL if this process dies).
+        #[arg(long)]
+        directory: Option<String>,
+        /// This node's name in the directory.
+        #[arg(long, default_value = "quiesce-target")]
+        node: String,
     },
 }
 
@@ -137,6 +151,12 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         .ok()
         .and_then(|n| n.checked_mul(mul))
         .ok_or_else(|| format!("{s:?} is not a size (like 4096, 4K, 64M)"))
+}
+
+/// `peer`'s address in the directory at `url`.
+fn resolve(url: &str, peer: &str) -> Result<SocketAddr, quiesce::directory::DirectoryError> {
+    let dir = quiesce::directory::Directory::open(url)?;
+    Ok(dir.resolve(peer)?.addr)
 }
 
 fn main() -> ExitCode {
@@ -166,12 +186,15 @@ fn main() -> ExitCode {
             no_stdin,
             transport,
             ignore_fences,
+            directory,
+            node,
         } => cmd::target::run(cmd::target::Options {
             listen,
             size,
             watch_stdin: !no_stdin,
             rdma: transport == "rdma",
             ignore_fences,
+            directory: directory.map(|url| (url, node)),
         })
         .map(|()| true),
         Cmd::Bench {
@@ -189,7 +212,19 @@ fn main() -> ExitCode {
             driver,
             initiator,
             zc_threshold,
+            directory,
+            peer,
         } => {
+            let connect = match (directory, peer) {
+                (Some(url), Some(peer)) => match resolve(&url, &peer) {
+                    Ok(a) => Some(a),
+                    Err(e) => {
+                        eprintln!("quiesce: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                _ => connect,
+            };
             let driver = match driver.as_str() {
                 "epoll" => quiesce::runtime::DriverKind::Epoll,
                 _ => quiesce::runtime::DriverKind::IoUring,

@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::net::SocketAddr;
 
+use quiesce::directory::{check_name, Directory, NodeRecord, SegmentRecord};
 use quiesce::runtime::Runtime;
 use quiesce::transports::rdma::{RdmaConfig, RdmaEngine};
 use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Rights};
@@ -23,6 +24,8 @@ pub struct Options {
     pub rdma: bool,
     /// Acknowledge fences without applying them (demonstrations).
     pub ignore_fences: bool,
+    /// Publish the endpoint and segments in this directory, as this node.
+    pub directory: Option<(String, String)>,
 }
 
 /// Serves `kv` (`size` bytes, read-write), `ro` (read-only) and `wo`
@@ -41,7 +44,21 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
         watch_stdin,
         rdma,
         ignore_fences,
+        directory,
     } = o;
+    let published = match &directory {
+        Some((url, node)) => {
+            check_name(node)?;
+            if listen.ip().is_unspecified() {
+                return Err(format!(
+                    "--directory needs an address peers can reach: --listen {listen} is a wildcard"
+                )
+                .into());
+            }
+            Some((Directory::open(url)?, node.clone()))
+        }
+        None => None,
+    };
     let rt = Runtime::new()?;
     rt.block_on(async move {
         let config = EngineConfig {
@@ -70,6 +87,9 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
             register("ro", SIDE_SEGMENT_LEN, Rights::READ)?,
             register("wo", SIDE_SEGMENT_LEN, Rights::WRITE)?,
         ];
+        if let Some((dir, node)) = &published {
+            publish(dir, node, &engine, &segs, rdma.is_some())?;
+        }
         let mut out = std::io::stdout().lock();
         for s in &segs {
             writeln!(
@@ -110,6 +130,34 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
         engine.shutdown();
         Ok::<_, Box<dyn std::error::Error>>(())
     })
+}
+
+/// Publishes this target and its segments, and waits until the directory
+/// holds them (so a peer that reads `listening` can resolve it).
+fn publish(
+    dir: &Directory,
+    node: &str,
+    engine: &Engine,
+    segs: &[quiesce::transports::Segment],
+    rdma: bool,
+) -> Result<(), quiesce::directory::DirectoryError> {
+    dir.publish_node(&NodeRecord {
+        node: node.to_string(),
+        addr: engine.local_addr(),
+        fabric: if rdma { "rdma" } else { "tcp" }.into(),
+    })?;
+    for s in segs {
+        dir.publish_segment(&SegmentRecord {
+            node: node.to_string(),
+            name: s.name().to_string(),
+            id: s.id(),
+            base: s.base(),
+            len: s.len(),
+            read: s.rights().contains(Rights::READ),
+            write: s.rights().contains(Rights::WRITE),
+        })?;
+    }
+    dir.flush(std::time::Duration::from_secs(10))
 }
 
 /// Runs one stdin command; returns the line to answer.
