@@ -57,11 +57,6 @@ impl TransferEngine {
         if self.node().is_some() {
             return complain("initialize: already initialised");
         }
-        if metadata != "P2PHANDSHAKE" {
-            return complain(&format!(
-                "initialize: metadata server {metadata:?}: only \"P2PHANDSHAKE\" is supported"
-            ));
-        }
         let fabric = match protocol {
             "tcp" => Fabric::Tcp,
             "rdma" => Fabric::Rdma {
@@ -77,7 +72,19 @@ impl TransferEngine {
                 ))
             }
         };
-        match py.detach(|| Node::start(local_hostname, fabric)) {
+        // Mooncake's forms: "P2PHANDSHAKE", "etcd://host:port", or a bare
+        // "host:port[,host:port]" meaning etcd.
+        let metadata = match metadata {
+            "P2PHANDSHAKE" => metadata.to_string(),
+            m if m.starts_with("etcd://") => m.to_string(),
+            m if !m.contains("://") => format!("etcd://{m}"),
+            m => {
+                return complain(&format!(
+                    "initialize: metadata server {m:?}: \"P2PHANDSHAKE\" or etcd://host:port are supported"
+                ))
+            }
+        };
+        match py.detach(|| Node::start(local_hostname, &metadata, fabric)) {
             Ok(n) => {
                 *self.node.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(n));
                 SYNC_OK
@@ -143,8 +150,10 @@ impl TransferEngine {
     }
 
     /// Starts the engine: listens on `local_hostname` (`"host"` picks a free
-    /// port, `"host:port"` that one) for peers. `metadata_server` must be
-    /// `"P2PHANDSHAKE"`; `protocol` `"tcp"` or `"rdma"` (on `device_name`,
+    /// port, `"host:port"` that one) for peers. `metadata_server` is
+    /// `"P2PHANDSHAKE"` (peers are named by `"host:rpc_port"`) or
+    /// `"etcd://host:port[/prefix]"` (this engine publishes itself as
+    /// `local_hostname`, under a lease, and peers are found by their names); `protocol` `"tcp"` or `"rdma"` (on `device_name`,
     /// the first of a comma-separated list, or the first device with an
     /// active port when empty).
     /// Needs the cluster's secret in `QUIESCE_SECRET` (or
@@ -160,8 +169,9 @@ impl TransferEngine {
         self.start(py, local_hostname, metadata_server, protocol, device_name)
     }
 
-    /// `initialize` with Mooncake's explicit `metadata_type`, which must be
-    /// `"P2PHANDSHAKE"` here as `metadata_server` must.
+    /// `initialize` with Mooncake's explicit `metadata_type`: `"etcd"`
+    /// (`metadata_server` is then `host:port` or `etcd://host:port`) or
+    /// `"P2PHANDSHAKE"`.
     fn initialize_ext(
         &self,
         py: Python<'_>,
@@ -171,12 +181,16 @@ impl TransferEngine {
         device_name: &str,
         metadata_type: &str,
     ) -> i32 {
-        if metadata_type != "P2PHANDSHAKE" && metadata_server != "P2PHANDSHAKE" {
-            return complain(&format!(
-                "initialize_ext: metadata type {metadata_type:?}: only \"P2PHANDSHAKE\" is supported"
-            ));
-        }
-        self.start(py, local_hostname, metadata_server, protocol, device_name)
+        let server = match metadata_type {
+            "P2PHANDSHAKE" => "P2PHANDSHAKE",
+            "etcd" if metadata_server != "P2PHANDSHAKE" => metadata_server,
+            _ => {
+                return complain(&format!(
+                    "initialize_ext: metadata type {metadata_type:?} with server {metadata_server:?}: \"etcd\" and \"P2PHANDSHAKE\" are supported"
+                ))
+            }
+        };
+        self.start(py, local_hostname, server, protocol, device_name)
     }
 
     /// The port peers reach this engine on (its session name is
@@ -205,7 +219,10 @@ impl TransferEngine {
             node.engine()
                 .lend(&format!("{addr:#x}"), addr, len, node.token)
         } {
-            Ok(_) => SYNC_OK,
+            Ok(id) => {
+                node.published(id, addr, len);
+                SYNC_OK
+            }
             Err(e) => complain(&format!("register_memory {addr:#x}: {e}")),
         }
     }
@@ -219,7 +236,10 @@ impl TransferEngine {
             return SYNC_FAILED;
         };
         match py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT)) {
-            Ok(true) => SYNC_OK,
+            Ok(true) => {
+                node.withdrawn(buffer_addr as u64);
+                SYNC_OK
+            }
             Ok(false) => SYNC_UNKNOWN,
             Err(e) => complain(&format!("unregister_memory {buffer_addr:#x}: {e}")),
         }

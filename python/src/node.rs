@@ -10,6 +10,7 @@ use std::sync::{mpsc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use quiesce_batch::ffi::RawBuf;
+use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
 use quiesce_batch::sync::{Direction, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask};
 use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_transports::rdma::RdmaConfig;
@@ -28,6 +29,9 @@ const OPEN_CLUSTER_SECRET: &[u8] = b"quiesce open cluster: whoever connects may 
 /// The label every range's token is derived under: Mooncake's callers never
 /// see segment names, so all of a node's ranges share one token.
 const TOKEN_LABEL: &str = "mooncake-node";
+
+/// How long `initialize` waits for the metadata server to hold this node.
+const PUBLISH_WAIT: Duration = Duration::from_secs(10);
 
 /// Prints why a call failed (Mooncake logs and returns -1 too).
 pub(crate) fn complain(what: &str) -> i32 {
@@ -80,6 +84,11 @@ struct Prepared {
 pub(crate) struct Node {
     /// `None` only while dropping.
     engine: Option<SyncEngine>,
+    /// Where peers are found (`P2PHANDSHAKE`: by their `host:port`; etcd:
+    /// by name, and this node publishes itself and its ranges there).
+    directory: Directory,
+    /// This node's name in the directory (`local_hostname`).
+    name: String,
     pub(crate) token: Token,
     /// Buffers `allocate_managed_buffer` made; freed after the engine
     /// stopped, or leaked if its drain failed.
@@ -175,8 +184,19 @@ pub(crate) fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
 }
 
 impl Node {
-    /// Starts an engine listening on `local_hostname`.
-    pub(crate) fn start(local_hostname: &str, fabric: Fabric) -> Result<Node, String> {
+    /// Starts an engine listening on `local_hostname`; with an `etcd://`
+    /// `metadata` URL, publishes it there as `local_hostname` and waits
+    /// until etcd holds the entry.
+    pub(crate) fn start(
+        local_hostname: &str,
+        metadata: &str,
+        fabric: Fabric,
+    ) -> Result<Node, String> {
+        let directory = Directory::open(metadata).map_err(|e| e.to_string())?;
+        let fabric_name = match fabric {
+            Fabric::Tcp => "tcp",
+            Fabric::Rdma { .. } => "rdma",
+        };
         let token = Token::derive(&secret(None, false)?, TOKEN_LABEL);
         let config = EngineConfig {
             node: local_hostname.to_string(),
@@ -195,8 +215,21 @@ impl Node {
             ),
         }
         .map_err(|e| e.to_string())?;
+        let publish = directory
+            .publish_node(&NodeRecord {
+                node: local_hostname.to_string(),
+                addr: engine.local_addr(),
+                fabric: fabric_name.into(),
+            })
+            .and_then(|()| directory.flush(PUBLISH_WAIT));
+        if let Err(e) = publish {
+            drop(engine);
+            return Err(format!("metadata server {metadata:?}: {e}"));
+        }
         Ok(Node {
             engine: Some(engine),
+            directory,
+            name: local_hostname.to_string(),
             token,
             managed: ManagedBuffers::default(),
             options: options(),
@@ -216,7 +249,38 @@ impl Node {
             .expect("the engine lives as long as its node")
     }
 
+    /// Publishes a registered range (etcd; nothing to do for P2P). Never
+    /// blocks: the directory writes it from its helper thread.
+    pub(crate) fn published(&self, id: u64, addr: u64, len: u64) {
+        let rec = SegmentRecord {
+            node: self.name.clone(),
+            name: format!("{addr:#x}"),
+            id,
+            base: addr,
+            len,
+            read: true,
+            write: true,
+        };
+        if let Err(e) = self.directory.publish_segment(&rec) {
+            tracing::warn!(error = %e, "register_memory: not published");
+        }
+    }
+
+    /// Withdraws a range taken back (etcd; nothing to do for P2P).
+    pub(crate) fn withdrawn(&self, addr: u64) {
+        let _ = self
+            .directory
+            .withdraw_segment(&self.name, &format!("{addr:#x}"));
+    }
+
     fn peer(&self, target: &str) -> Result<SocketAddr, String> {
+        if let Directory::Etcd(d) = &self.directory {
+            // The directory's mirror is the cache, kept current by its watch.
+            return d
+                .resolve(target)
+                .map(|n| n.addr)
+                .map_err(|e| format!("session {target:?}: {e}"));
+        }
         if let Some(a) = lock(&self.peers).get(target) {
             return Ok(*a);
         }
