@@ -10,9 +10,9 @@ use std::sync::{mpsc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use quiesce_batch::ffi::RawBuf;
-use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
 use quiesce_batch::sync::{Direction, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask};
 use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
