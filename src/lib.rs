@@ -8,6 +8,7 @@
 //! by name: P2P or etcd).
 #![deny(missing_docs)]
 
+pub mod cluster;
 pub mod scenario;
 pub mod stale;
 pub mod target_child;
