@@ -135,6 +135,10 @@ enum Cmd {
         /// This node's name in the directory.
         #[arg(long, default_value = "quiesce-target")]
         node: String,
+        /// The largest frame peers may send (the raw bench initiator sends
+        /// a whole transfer as one frame: `bench --compare` serves 128M).
+        #[arg(long, default_value = "16M", value_parser = parse_size)]
+        max_frame: usize,
     },
 }
 
@@ -188,7 +192,9 @@ fn main() -> ExitCode {
             ignore_fences,
             directory,
             node,
+            max_frame,
         } => cmd::target::run(cmd::target::Options {
+            max_frame: max_frame as u64,
             listen,
             size,
             watch_stdin: !no_stdin,

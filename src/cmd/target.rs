@@ -24,6 +24,8 @@ pub struct Options {
     pub rdma: bool,
     /// Acknowledge fences without applying them (demonstrations).
     pub ignore_fences: bool,
+    /// The largest frame peers may send.
+    pub max_frame: u64,
     /// Publish the endpoint and segments in this directory, as this node.
     pub directory: Option<(String, String)>,
 }
@@ -44,6 +46,7 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
         watch_stdin,
         rdma,
         ignore_fences,
+        max_frame,
         directory,
     } = o;
     let published = match &directory {
@@ -65,6 +68,7 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
             node: "quiesce-target".into(),
             listen,
             ignore_fences,
+            max_frame,
             ..Default::default()
         };
         let rdma = match rdma {
