@@ -170,19 +170,7 @@ impl Cluster {
     /// `None` stops dropping.
     pub fn loss(&self, i: usize, percent: Option<u32>) -> Result<(), String> {
         let ns = &self.hosts[i].netns;
-        let nft = |rule: &str| -> Result<(), String> {
-            let out = Command::new("ip")
-                .args(["netns", "exec", ns, "nft", rule])
-                .output()
-                .map_err(|e| format!("nft: {e}"))?;
-            match out.status.success() {
-                true => Ok(()),
-                false => Err(format!(
-                    "nft {rule}: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                )),
-            }
-        };
+        let nft = |rule: &str| ip(&["netns", "exec", ns, "nft", rule]);
         let _ = nft("delete table inet qzloss");
         if let Some(p) = percent {
             nft("add table inet qzloss")?;

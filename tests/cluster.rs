@@ -35,6 +35,15 @@ fn cluster() -> Option<Cluster> {
     Some(Cluster::new(5).expect("build the cluster"))
 }
 
+/// etcd on its own host, started from a thread already inside the cluster
+/// (its health is checked from there); the directory URL for `prefix`.
+fn etcd(c: &Cluster, prefix: &str) -> (LocalEtcd, String) {
+    let ip = c.hosts[ETCD].ip;
+    let wrapper = ["ip", "netns", "exec", c.hosts[ETCD].netns.as_str()];
+    let e = LocalEtcd::start_with(ip, 2379, 2380, &wrapper).expect("etcd on its host");
+    (e, format!("etcd://{ip}:2379/{prefix}"))
+}
+
 fn target(c: &Cluster, host: usize, node: &str, url: &str) -> TargetChild {
     let mut launcher = c.launcher(host);
     launcher
@@ -129,10 +138,7 @@ fn across_hosts_through_etcd() {
         s.spawn(|| {
             // Everything this thread starts lives on the initiator's host.
             c.enter(INITIATOR);
-            let etcd_ip = c.hosts[ETCD].ip;
-            let wrapper = ["ip", "netns", "exec", c.hosts[ETCD].netns.as_str()];
-            let _etcd = LocalEtcd::start_with(etcd_ip, 2379, 2380, &wrapper).expect("etcd");
-            let url = format!("etcd://{etcd_ip}:2379/cluster");
+            let (_etcd, url) = etcd(&c, "cluster");
             let a = target(&c, TARGET_A, "target-a", &url);
             let b = target(&c, TARGET_B, "target-b", &url);
             let dir = Directory::open(&url).unwrap();
@@ -312,10 +318,7 @@ fn partitions_mid_write_and_mid_read() {
     std::thread::scope(|s| {
         s.spawn(|| {
             c.enter(INITIATOR);
-            let etcd_ip = c.hosts[ETCD].ip;
-            let wrapper = ["ip", "netns", "exec", c.hosts[ETCD].netns.as_str()];
-            let _etcd = LocalEtcd::start_with(etcd_ip, 2379, 2380, &wrapper).expect("etcd");
-            let url = format!("etcd://{etcd_ip}:2379/partition");
+            let (_etcd, url) = etcd(&c, "partition");
             let mut t = target(&c, TARGET_A, "target-a", &url);
             let dir = Directory::open(&url).unwrap();
             Runtime::new().unwrap().block_on(async {
