@@ -96,7 +96,7 @@ pub(crate) struct Node {
     options: BatchOptions,
     /// Peer segments opened so far, by peer.
     opened: Mutex<HashMap<SocketAddr, Vec<OpenedSegment>>>,
-    /// Session names resolved so far.
+    /// P2P session names resolved so far.
     peers: Mutex<HashMap<String, SocketAddr>>,
     /// Tickets of batches that returned -2: their memory stays pinned.
     pub(crate) pending: Mutex<Vec<u64>>,
@@ -274,22 +274,19 @@ impl Node {
     }
 
     fn peer(&self, target: &str) -> Result<SocketAddr, String> {
-        if let Directory::Etcd(d) = &self.directory {
-            // The directory's mirror is the cache, kept current by its watch.
-            return d
-                .resolve(target)
-                .map(|n| n.addr)
-                .map_err(|e| format!("session {target:?}: {e}"));
-        }
         if let Some(a) = lock(&self.peers).get(target) {
             return Ok(*a);
         }
-        let addr = target
-            .to_socket_addrs()
+        let addr = self
+            .directory
+            .resolve(target)
             .map_err(|e| format!("session {target:?}: {e}"))?
-            .next()
-            .ok_or_else(|| format!("session {target:?} resolves to no address"))?;
-        lock(&self.peers).insert(target.to_string(), addr);
+            .addr;
+        // P2P names are addresses and never change; an etcd name's entry
+        // can, and the directory's watched mirror is its cache.
+        if matches!(self.directory, Directory::P2p) {
+            lock(&self.peers).insert(target.to_string(), addr);
+        }
         Ok(addr)
     }
 
