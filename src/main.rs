@@ -87,7 +87,7 @@ enum Cmd {
         /// Tasks per batch.
         #[arg(long, default_value_t = 1)]
         batch: usize,
-        /// Interleaved rounds for --compare.
+        /// --compare: multiples of the default iterations per case.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
         /// Also write the results as JSON.
@@ -103,6 +103,13 @@ enum Cmd {
         /// quiesce: send slices of at least this size with SEND_ZC (io_uring).
         #[arg(long, value_parser = parse_size)]
         zc_threshold: Option<usize>,
+        /// --compare: run the target on a thread of this process instead of
+        /// its own (every implementation then pays a cross-thread wake-up).
+        #[arg(long, requires = "compare")]
+        same_process: bool,
+        /// --compare: skip counting instructions under callgrind.
+        #[arg(long, requires = "compare")]
+        no_instructions: bool,
         /// Find --peer's address here (etcd://host:port[/prefix]) instead of
         /// --connect.
         #[arg(long, requires = "peer", conflicts_with = "connect")]
@@ -218,6 +225,8 @@ fn main() -> ExitCode {
             driver,
             initiator,
             zc_threshold,
+            same_process,
+            no_instructions,
             directory,
             peer,
         } => {
@@ -251,6 +260,8 @@ fn main() -> ExitCode {
                 driver,
                 initiator,
                 zc_threshold,
+                same_process,
+                instructions: !no_instructions,
             })
         }
     };

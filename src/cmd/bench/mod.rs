@@ -1,8 +1,10 @@
 //! `quiesce bench`: perftest-style latency and bandwidth against a target,
-//! or `--compare`: the same workloads on raw blocking TCP (the limit), tokio
-//! (the usual alternative), quiesce on io_uring and on epoll, interleaved in
-//! one run against one target on loopback.
+//! or `--compare` (compare.rs): the same workloads on raw blocking TCP (the
+//! limit), tokio (the usual alternative), quiesce on io_uring and on epoll,
+//! interleaved finely in one run against one target process on loopback.
 
+mod compare;
+mod instructions;
 mod quiesce_client;
 pub(crate) mod raw;
 mod rdma_client;
@@ -16,7 +18,7 @@ use hdrhistogram::Histogram;
 use quiesce::batch::{Batch, BatchOptions, FailurePolicy};
 use quiesce::runtime::DriverKind;
 use quiesce::scenario::{Buf, Seg};
-use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Rights, Token};
+use quiesce::transports::Token;
 
 /// A segment as a client needs it.
 #[derive(Debug, Clone, Copy)]
@@ -119,6 +121,7 @@ pub async fn batch_loop<S: Seg, B: Buf>(
     };
     let mut out = Vec::with_capacity(iters);
     for _ in 0..iters {
+        let a0 = allocations();
         let opts = match case {
             Case::FailFast(_) => BatchOptions::default().policy(FailurePolicy::FailFast),
             _ => BatchOptions::default(),
@@ -155,6 +158,7 @@ pub async fn batch_loop<S: Seg, B: Buf>(
             took,
             bytes: case.bytes(),
             fence,
+            allocs: allocations() - a0,
         });
     }
     Ok(out)
@@ -203,6 +207,17 @@ impl Case {
         }
     }
 
+    /// Iterations of one turn in `--compare`: a few milliseconds.
+    fn chunk(&self) -> usize {
+        match self.size() {
+            s if s <= 4096 => 100,
+            s if s <= 64 << 10 => 50,
+            s if s <= 1 << 20 => 10,
+            s if s <= 4 << 20 => 2,
+            _ => 1,
+        }
+    }
+
     fn default_iters(&self) -> usize {
         match self.size() {
             s if s <= 4096 => 2000,
@@ -221,6 +236,16 @@ pub struct Sample {
     pub bytes: u64,
     /// quiesce: from the failure to the safe outcome (the fence).
     pub fence: Option<Duration>,
+    /// Heap allocations this process made in the iteration, from building
+    /// the batch (or frame) to holding the buffers again.
+    pub allocs: u64,
+}
+
+/// Heap allocations this process has made (the `quiesce` binary's counting
+/// allocator). Only the measured initiator runs while a chunk does, so a
+/// difference around one iteration is that iteration's.
+pub fn allocations() -> u64 {
+    quiesce::runtime::heap::Heap::now().allocations
 }
 
 /// Summary of many samples.
@@ -236,15 +261,18 @@ struct Summary {
     gbps: f64,
     cpu_ms_per_gb: f64,
     fence_p50: Option<f64>,
+    /// Heap allocations per iteration on the initiator.
+    allocs: f64,
 }
 
 fn summarize(samples: &[Sample], cpu: Duration) -> Summary {
     let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("histogram bounds");
-    let (mut total, mut bytes) = (Duration::ZERO, 0u64);
+    let (mut total, mut bytes, mut allocs) = (Duration::ZERO, 0u64, 0u64);
     for s in samples {
         h.saturating_record(s.took.as_nanos() as u64);
         total += s.took;
         bytes += s.bytes;
+        allocs += s.allocs;
     }
     let us = |ns: u64| ns as f64 / 1e3;
     let mut fences: Vec<f64> = samples
@@ -263,6 +291,7 @@ fn summarize(samples: &[Sample], cpu: Duration) -> Summary {
         gbps: bytes as f64 * 8.0 / total.as_secs_f64().max(1e-9) / 1e9,
         cpu_ms_per_gb: cpu.as_secs_f64() * 1e3 / (bytes as f64 / 1e9).max(1e-12),
         fence_p50: (!fences.is_empty()).then(|| fences[fences.len() / 2]),
+        allocs: allocs as f64 / samples.len().max(1) as f64,
     }
 }
 
@@ -275,45 +304,6 @@ fn thread_cpu() -> Duration {
     // SAFETY: `ts` is a live timespec the call fills.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
-/// A target engine on its own thread, for `--compare`.
-fn start_target(kv_len: usize) -> (SocketAddr, SegInfo, SegInfo) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name("bench-target".into())
-        .spawn(move || {
-            let rt = quiesce::runtime::Runtime::new().expect("target runtime");
-            rt.block_on(async move {
-                let cfg = EngineConfig {
-                    node: "bench-target".into(),
-                    max_frame: 128 << 20,
-                    ..Default::default()
-                };
-                let e = Engine::bind(cfg).expect("bind");
-                let kv = e
-                    .register("kv", AlignedBuf::new(kv_len), Rights::READ | Rights::WRITE)
-                    .expect("kv");
-                let ro = e
-                    .register("ro", AlignedBuf::new(4096), Rights::READ)
-                    .expect("ro");
-                tx.send((
-                    e.local_addr(),
-                    SegInfo {
-                        id: kv.id(),
-                        token: kv.token(),
-                    },
-                    SegInfo {
-                        id: ro.id(),
-                        token: ro.token(),
-                    },
-                ))
-                .expect("send");
-                std::future::pending::<()>().await;
-            });
-        })
-        .expect("target thread");
-    rx.recv().expect("target started")
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -338,24 +328,81 @@ impl Impl {
     }
 }
 
-type Run<'a> = (&'a SocketAddr, &'a SegInfo, &'a SegInfo);
+/// Where the target listens and the segments a client proves.
+#[derive(Debug, Clone, Copy)]
+struct Endpoint {
+    addr: SocketAddr,
+    kv: SegInfo,
+    ro: SegInfo,
+}
 
-fn run_impl(
-    im: Impl,
-    (addr, kv, ro): Run<'_>,
-    case: Case,
-    iters: usize,
-    zc: Option<usize>,
-) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
-    Ok(match im {
-        Impl::Raw => raw::Raw::connect(*addr, kv, ro)?.run(case, iters)?,
-        Impl::Tokio => tokio_client::run(*addr, kv, ro, case, iters)?,
-        Impl::Uring => quiesce_client::run(DriverKind::IoUring, *addr, kv, ro, case, iters, zc)?,
-        Impl::Epoll => quiesce_client::run(DriverKind::Epoll, *addr, kv, ro, case, iters, zc)?,
-        Impl::Rdma { busy_poll, direct } => {
-            rdma_client::run(*addr, kv, ro, case, iters, busy_poll, direct)?
-        }
-    })
+/// One initiator, connected once and kept across runs, so that runs can
+/// alternate finely without paying a connection each.
+enum Client {
+    Raw(raw::Raw),
+    Tokio(tokio_client::Tokio),
+    Quiesce(quiesce_client::Quiesce),
+    /// RDMA sets up its engine per run (single mode only).
+    Rdma {
+        t: Endpoint,
+        busy_poll: bool,
+        direct: bool,
+    },
+}
+
+impl Client {
+    fn connect(
+        im: Impl,
+        t: &Endpoint,
+        zc: Option<usize>,
+    ) -> Result<Client, Box<dyn std::error::Error>> {
+        Ok(match im {
+            Impl::Raw => Client::Raw(raw::Raw::connect(t.addr, &t.kv, &t.ro)?),
+            Impl::Tokio => Client::Tokio(tokio_client::Tokio::connect(t.addr, &t.kv, &t.ro)?),
+            Impl::Uring | Impl::Epoll => {
+                let driver = match im {
+                    Impl::Epoll => DriverKind::Epoll,
+                    _ => DriverKind::IoUring,
+                };
+                Client::Quiesce(quiesce_client::Quiesce::connect(
+                    driver, t.addr, &t.kv, &t.ro, zc,
+                )?)
+            }
+            Impl::Rdma { busy_poll, direct } => Client::Rdma {
+                t: *t,
+                busy_poll,
+                direct,
+            },
+        })
+    }
+
+    fn run(&mut self, case: Case, iters: usize) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
+        Ok(match self {
+            Client::Raw(c) => c.run(case, iters)?,
+            Client::Tokio(c) => c.run(case, iters)?,
+            Client::Quiesce(c) => c.run(case, iters)?,
+            Client::Rdma {
+                t,
+                busy_poll,
+                direct,
+            } => rdma_client::run(t.addr, &t.kv, &t.ro, case, iters, *busy_poll, *direct)?,
+        })
+    }
+}
+
+/// One line of results.
+#[derive(Debug, Clone)]
+struct Row {
+    case: String,
+    im: &'static str,
+    s: Summary,
+    /// Against raw std: p50 latency for 4 KiB cases and fail-fast,
+    /// throughput otherwise.
+    ratio: f64,
+    /// Heap allocations per iteration in the target process.
+    target_allocs: Option<f64>,
+    /// User-space instructions per iteration on the initiator (callgrind).
+    instructions: Option<f64>,
 }
 
 /// Options of `quiesce bench`.
@@ -378,6 +425,10 @@ pub struct BenchArgs {
     pub initiator: String,
     /// quiesce: send slices of at least this many bytes with SEND_ZC.
     pub zc_threshold: Option<usize>,
+    /// `--compare`: the target on a thread of this process, not its own.
+    pub same_process: bool,
+    /// `--compare`: count instructions per iteration under callgrind.
+    pub instructions: bool,
 }
 
 pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
@@ -389,14 +440,19 @@ pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         );
     }
     if a.compare {
-        compare(&a)
+        compare::compare(&a)
     } else {
         single(&a)
     }
 }
 
+/// A progress line, rewritten in place; only on a terminal (in a file or a
+/// pipe the escape codes would be noise).
 fn progress(msg: &str) {
-    eprint!("\r\x1b[2K{msg}");
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() {
+        eprint!("\r\x1b[2K{msg}");
+    }
 }
 
 /// Runs the quiesce client against `--connect`, perftest style.
@@ -447,6 +503,7 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         ("quiesce", _) => Impl::Uring,
         (other, _) => return Err(format!("--impl {other:?}: one of quiesce, raw, tokio").into()),
     };
+    let mut client = Client::connect(im, &Endpoint { addr, kv, ro }, a.zc_threshold)?;
     println!(
         "{:>10} {:>8} {:>10} {:>12} {:>10} {:>10} {:>11} {:>10} {:>10} {:>11}",
         "#bytes",
@@ -470,10 +527,9 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         let iters = a.iters.unwrap_or(case.default_iters());
         progress(&format!("{} × {iters}…", case.name()));
         let cpu0 = thread_cpu();
-        let samples = run_impl(im, (&addr, &kv, &ro), case, iters, a.zc_threshold)?;
+        let samples = client.run(case, iters)?;
         let s = summarize(&samples, thread_cpu() - cpu0);
         progress("");
-        eprintln!();
         println!(
             "{:>10} {:>8} {:>10.2} {:>12.2} {:>10.2} {:>10.2} {:>11.2} {:>10.2} {:>10.1} {:>11.1}",
             case.size(),
@@ -487,192 +543,32 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
             s.gbps * 1e3 / 8.0,
             s.cpu_ms_per_gb
         );
-        json.push((case.name(), im.name(), s, 1.0));
+        json.push(Row {
+            case: case.name(),
+            im: im.name(),
+            s,
+            ratio: 1.0,
+            target_allocs: None,
+            instructions: None,
+        });
     }
     write_json(a, &json)?;
     Ok(true)
 }
 
-fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
-    let cases = [
-        Case::Write(4 << 10),
-        Case::Write(64 << 10),
-        Case::Write(1 << 20),
-        Case::Write(64 << 20),
-        Case::Read(4 << 10),
-        Case::Batch {
-            tasks: 64,
-            size: 64 << 10,
-        },
-        Case::FailFast(64 << 20),
-    ];
-    let impls = [Impl::Raw, Impl::Tokio, Impl::Uring, Impl::Epoll];
-    let (addr, kv, ro) = start_target(96 << 20);
-    println!("quiesce bench --compare: target on {addr} (in this process, io_uring); {} rounds, interleaved", a.rounds);
-    let mut rows = Vec::new();
-    for case in cases {
-        let iters = a.iters.unwrap_or(case.default_iters());
-        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); impls.len()];
-        let mut cpu = vec![Duration::ZERO; impls.len()];
-        for round in 0..a.rounds {
-            for (i, im) in impls.iter().enumerate() {
-                progress(&format!(
-                    "{} round {}/{} {}…",
-                    case.name(),
-                    round + 1,
-                    a.rounds,
-                    im.name()
-                ));
-                let c0 = thread_cpu();
-                samples[i].extend(run_impl(
-                    *im,
-                    (&addr, &kv, &ro),
-                    case,
-                    iters,
-                    a.zc_threshold,
-                )?);
-                cpu[i] += thread_cpu() - c0;
-            }
-        }
-        progress("");
-        let sums: Vec<Summary> = samples
-            .iter()
-            .zip(&cpu)
-            .map(|(s, c)| summarize(s, *c))
-            .collect();
-        for (i, im) in impls.iter().enumerate() {
-            let ratio = if matches!(case, Case::Write(_) | Case::Read(_)) && case.size() <= 4096
-                || matches!(case, Case::FailFast(_))
-            {
-                sums[i].p50 / sums[0].p50
-            } else {
-                sums[i].gbps / sums[0].gbps
-            };
-            rows.push((case.name(), im.name(), sums[i].clone(), ratio));
-        }
-    }
-    eprintln!();
-    let mut t = String::new();
-    writeln!(
-        t,
-        "{:<14} {:<17} {:>9} {:>9} {:>8} {:>10} {:>12} {:>9}",
-        "case", "impl", "p50 µs", "p99 µs", "Gb/s", "CPU ms/GB", "fence p50 µs", "× raw"
-    )?;
-    for (case, im, s, ratio) in &rows {
-        let fence = s
-            .fence_p50
-            .map(|f| format!("{f:.0}"))
-            .unwrap_or_else(|| "-".into());
-        writeln!(
-            t,
-            "{case:<14} {im:<17} {:>9.1} {:>9.1} {:>8.2} {:>10.1} {fence:>12} {ratio:>9.2}",
-            s.p50, s.p99, s.gbps, s.cpu_ms_per_gb
-        )?;
-    }
-    print!("{t}");
-    println!(
-        "(× raw: p50 latency ratio for 4 KiB cases and fail_fast, throughput ratio otherwise)"
-    );
-    goals(&rows);
-    write_json(a, &rows)?;
-    Ok(true)
-}
-
-type Row = (String, &'static str, Summary, f64);
-
-fn goals(rows: &[Row]) {
-    let get = |case: &str, im: &str| rows.iter().find(|r| r.0 == case && r.1 == im).map(|r| &r.2);
-    let verdict = |ok: bool| if ok { "MET" } else { "MISSED" };
-    let (Some(w4r), Some(w4q)) = (
-        get("write_4k", "raw-std"),
-        get("write_4k", "quiesce-io_uring"),
-    ) else {
-        return;
-    };
-    let r = w4q.p50 / w4r.p50;
-    println!(
-        "goal write_4k p50 <= 1.1x raw: {} ({r:.2})",
-        verdict(r <= 1.1)
-    );
-    if let (Some(a), Some(b)) = (
-        get("write_64m", "raw-std"),
-        get("write_64m", "quiesce-io_uring"),
-    ) {
-        let r = b.gbps / a.gbps;
-        println!(
-            "goal write_64m >= 1.0x raw throughput: {} ({r:.2})",
-            verdict(r >= 1.0)
-        );
-    }
-    if let (Some(a), Some(b)) = (
-        get("batch_64x64k", "raw-std"),
-        get("batch_64x64k", "quiesce-io_uring"),
-    ) {
-        let r = b.gbps / a.gbps;
-        println!(
-            "goal batch_64x64k >= 0.9x raw throughput: {} ({r:.2})",
-            verdict(r >= 0.9)
-        );
-    }
-    let cases: Vec<&String> = rows
-        .iter()
-        .map(|r| &r.0)
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    let better = |case: &str, a: &Summary, b: &Summary| {
-        if case.starts_with("fail_fast") || case.ends_with("_4k") {
-            a.p50 <= b.p50
-        } else {
-            a.gbps >= b.gbps
-        }
-    };
-    let mut uring_vs_epoll = Vec::new();
-    let mut vs_tokio = Vec::new();
-    for c in &cases {
-        if let (Some(u), Some(e), Some(t)) = (
-            get(c, "quiesce-io_uring"),
-            get(c, "quiesce-epoll"),
-            get(c, "tokio"),
-        ) {
-            if !better(c, u, e) {
-                uring_vs_epoll.push(c.as_str());
-            }
-            if !better(c, u, t) {
-                vs_tokio.push(c.as_str());
-            }
-        }
-    }
-    println!(
-        "goal io_uring not slower than epoll on any case: {} {:?}",
-        verdict(uring_vs_epoll.is_empty()),
-        uring_vs_epoll
-    );
-    println!(
-        "goal quiesce faster than tokio on every case: {} {:?}",
-        verdict(vs_tokio.is_empty()),
-        vs_tokio
-    );
-    if let Some(f) = get("fail_fast_64m", "quiesce-io_uring").and_then(|s| s.fence_p50) {
-        println!(
-            "goal fail_fast_64m <= 5 ms from failure to safe outcome: {} ({:.2} ms)",
-            verdict(f <= 5000.0),
-            f / 1e3
-        );
-    }
-}
-
 fn write_json(a: &BenchArgs, rows: &[Row]) -> std::io::Result<()> {
     let Some(path) = &a.json else { return Ok(()) };
+    let opt = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.2}"));
     let mut s = String::from("{\"cases\":[");
-    for (i, (case, im, sum, ratio)) in rows.iter().enumerate() {
+    for (i, r) in rows.iter().enumerate() {
         if i > 0 {
             s.push(',');
         }
         let _ = write!(
             s,
-            "{{\"name\":\"{case}\",\"impl\":\"{im}\",\"p50_us\":{:.3},\"p99_us\":{:.3},\"gbps\":{:.4},\"ratio_vs_raw\":{:.4},\"cpu_ms_per_gb\":{:.2},\"iters\":{}}}",
-            sum.p50, sum.p99, sum.gbps, ratio, sum.cpu_ms_per_gb, sum.n
+            "{{\"name\":\"{}\",\"impl\":\"{}\",\"min_us\":{:.3},\"p50_us\":{:.3},\"p99_us\":{:.3},\"gbps\":{:.4},\"ratio_vs_raw\":{:.4},\"cpu_ms_per_gb\":{:.2},\"allocs_per_op\":{:.2},\"target_allocs_per_op\":{},\"instructions_per_op\":{},\"iters\":{}}}",
+            r.case, r.im, r.s.min, r.s.p50, r.s.p99, r.s.gbps, r.ratio, r.s.cpu_ms_per_gb,
+            r.s.allocs, opt(r.target_allocs), opt(r.instructions), r.s.n
         );
     }
     s.push_str("]}\n");

@@ -3,42 +3,79 @@
 use std::net::SocketAddr;
 
 use quiesce::runtime::{DriverKind, Runtime};
-use quiesce::transports::{AlignedBuf, Engine, EngineConfig};
+use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Peer, RemoteSegment};
 
 use super::{Case, Sample, SegInfo};
 
-/// Runs `iters` iterations of `case` on a quiesce runtime with `driver`.
-pub fn run(
-    driver: DriverKind,
-    addr: SocketAddr,
-    kv: &SegInfo,
-    ro: &SegInfo,
-    case: Case,
-    iters: usize,
-    zc_threshold: Option<usize>,
-) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
-    let rt = Runtime::builder().driver(driver).build()?;
-    rt.block_on(async {
-        let engine = Engine::bind(EngineConfig {
-            node: "bench".into(),
-            zc_threshold,
-            ..Default::default()
+/// An engine on its own runtime with one session to the target and its
+/// `kv` segment open (`ro` too, once a fail-fast case needs it), kept across
+/// runs.
+pub struct Quiesce {
+    kv: RemoteSegment,
+    ro: Option<RemoteSegment>,
+    ro_token: quiesce::transports::Token,
+    peer: Peer,
+    engine: Engine,
+    /// Dropped last, after everything that lives on it.
+    rt: Runtime,
+}
+
+impl Quiesce {
+    /// Builds a runtime on `driver`, binds an engine, connects and opens
+    /// the segments.
+    pub fn connect(
+        driver: DriverKind,
+        addr: SocketAddr,
+        kv: &SegInfo,
+        ro: &SegInfo,
+        zc_threshold: Option<usize>,
+    ) -> Result<Quiesce, Box<dyn std::error::Error>> {
+        let rt = Runtime::builder().driver(driver).build()?;
+        let (engine, peer, kvs) = rt.block_on(async {
+            let engine = Engine::bind(EngineConfig {
+                node: "bench".into(),
+                zc_threshold,
+                ..Default::default()
+            })?;
+            let peer = engine.connect(addr).await?;
+            let kvs = peer.open("kv", kv.token).await?;
+            Ok::<_, Box<dyn std::error::Error>>((engine, peer, kvs))
         })?;
-        let peer = engine.connect(addr).await?;
-        let kvs = peer.open("kv", kv.token).await?;
-        let ros = match case {
-            Case::FailFast(_) => Some(peer.open("ro", ro.token).await?),
-            _ => None,
-        };
-        let size = case.size();
+        Ok(Quiesce {
+            kv: kvs,
+            ro: None,
+            ro_token: ro.token,
+            peer,
+            engine,
+            rt,
+        })
+    }
+
+    /// Runs `iters` iterations of `case` (one batch each).
+    pub fn run(
+        &mut self,
+        case: Case,
+        iters: usize,
+    ) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
         let (tasks, task_size) = match case {
             Case::Batch { tasks, size } => (tasks, size),
-            _ => (1, size),
+            _ => (1, case.size()),
         };
         let bufs: Vec<AlignedBuf> = (0..tasks).map(|_| AlignedBuf::new(task_size)).collect();
         let small = Some(AlignedBuf::new(4096));
-        let out = super::batch_loop(&kvs, ros.as_ref(), case, iters, bufs, small).await?;
-        engine.shutdown();
-        Ok(out)
-    })
+        self.rt.block_on(async {
+            if matches!(case, Case::FailFast(_)) && self.ro.is_none() {
+                self.ro = Some(self.peer.open("ro", self.ro_token).await?);
+            }
+            let ro = self.ro.as_ref().filter(|_| matches!(case, Case::FailFast(_)));
+            super::batch_loop(&self.kv, ro, case, iters, bufs, small).await
+        })
+    }
+}
+
+impl Drop for Quiesce {
+    fn drop(&mut self) {
+        let engine = &self.engine;
+        self.rt.block_on(async { engine.shutdown() });
+    }
 }

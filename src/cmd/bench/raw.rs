@@ -120,6 +120,7 @@ impl Raw {
         let mut buf = vec![0x5au8; size];
         let mut out = Vec::with_capacity(iters);
         for _ in 0..iters {
+            let a0 = super::allocations();
             let t0 = Instant::now();
             match case {
                 Case::Write(_) => self.write(0, &buf)?,
@@ -144,10 +145,12 @@ impl Raw {
                     self.status()?;
                 }
             }
+            let took = t0.elapsed();
             out.push(Sample {
-                took: t0.elapsed(),
+                took,
                 bytes: case.bytes(),
                 fence: None,
+                allocs: super::allocations() - a0,
             });
         }
         Ok(out)

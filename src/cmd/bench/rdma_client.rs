@@ -49,6 +49,7 @@ pub fn run(
             let len = buf.len() as u64;
             let mut out = Vec::with_capacity(iters);
             for i in 0..iters {
+                let a0 = super::allocations();
                 let t0 = Instant::now();
                 let (r, b) = match case {
                     Case::Read(_) => kvs.read(0, len, buf, i as u64).await,
@@ -62,6 +63,7 @@ pub fn run(
                     took,
                     bytes: len,
                     fence: None,
+                    allocs: super::allocations() - a0,
                 });
             }
             engine.shutdown(Duration::from_secs(5));

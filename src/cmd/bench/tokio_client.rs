@@ -64,62 +64,73 @@ impl Conn {
     }
 }
 
-/// Runs `iters` iterations of `case` on a fresh tokio runtime.
-pub fn run(
-    addr: SocketAddr,
-    kv: &SegInfo,
-    ro: &SegInfo,
-    case: Case,
-    iters: usize,
-) -> std::io::Result<Vec<Sample>> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let mut c = Conn::connect(addr, kv, ro).await?;
-        let size = case.size();
-        let mut buf = vec![0x5au8; size];
-        let mut out = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let t0 = Instant::now();
-            match case {
-                Case::Write(_) => {
-                    c.send_write(c.kv, 0, &buf).await?;
-                    c.status().await?;
-                }
-                Case::Read(_) => {
-                    let h = Header {
-                        task: c.next,
-                        segment: c.kv,
-                        length: size as u64,
-                        ..Header::new(Opcode::Read)
-                    };
-                    c.next += 1;
-                    c.s.write_all(&h.encode()).await?;
-                    read_header(&mut c.s).await?;
-                    c.s.read_exact(&mut buf).await?;
-                }
-                Case::Batch { tasks, size } => {
-                    for i in 0..tasks {
-                        c.send_write(c.kv, (i * size) as u64, &buf[..size]).await?;
+/// One connection on its own `current_thread` runtime, kept across runs.
+pub struct Tokio {
+    rt: tokio::runtime::Runtime,
+    c: Conn,
+}
+
+impl Tokio {
+    /// Starts the runtime, connects, says hello and proves the tokens.
+    pub fn connect(addr: SocketAddr, kv: &SegInfo, ro: &SegInfo) -> std::io::Result<Tokio> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let c = rt.block_on(Conn::connect(addr, kv, ro))?;
+        Ok(Tokio { rt, c })
+    }
+
+    /// Runs `iters` iterations of `case`; one sample per iteration.
+    pub fn run(&mut self, case: Case, iters: usize) -> std::io::Result<Vec<Sample>> {
+        let c = &mut self.c;
+        self.rt.block_on(async {
+            let size = case.size();
+            let mut buf = vec![0x5au8; size];
+            let mut out = Vec::with_capacity(iters);
+            for _ in 0..iters {
+                let a0 = super::allocations();
+                let t0 = Instant::now();
+                match case {
+                    Case::Write(_) => {
+                        c.send_write(c.kv, 0, &buf).await?;
+                        c.status().await?;
                     }
-                    for _ in 0..tasks {
+                    Case::Read(_) => {
+                        let h = Header {
+                            task: c.next,
+                            segment: c.kv,
+                            length: size as u64,
+                            ..Header::new(Opcode::Read)
+                        };
+                        c.next += 1;
+                        c.s.write_all(&h.encode()).await?;
+                        read_header(&mut c.s).await?;
+                        c.s.read_exact(&mut buf).await?;
+                    }
+                    Case::Batch { tasks, size } => {
+                        for i in 0..tasks {
+                            c.send_write(c.kv, (i * size) as u64, &buf[..size]).await?;
+                        }
+                        for _ in 0..tasks {
+                            c.status().await?;
+                        }
+                    }
+                    Case::FailFast(_) => {
+                        c.send_write(c.ro, 0, &buf[..4096]).await?;
+                        c.send_write(c.kv, 0, &buf).await?;
+                        c.status().await?;
                         c.status().await?;
                     }
                 }
-                Case::FailFast(_) => {
-                    c.send_write(c.ro, 0, &buf[..4096]).await?;
-                    c.send_write(c.kv, 0, &buf).await?;
-                    c.status().await?;
-                    c.status().await?;
-                }
+                let took = t0.elapsed();
+                out.push(Sample {
+                    took,
+                    bytes: case.bytes(),
+                    fence: None,
+                    allocs: super::allocations() - a0,
+                });
             }
-            out.push(Sample {
-                took: t0.elapsed(),
-                bytes: case.bytes(),
-                fence: None,
-            });
-        }
-        Ok(out)
-    })
+            Ok(out)
+        })
+    }
 }

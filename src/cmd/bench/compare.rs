@@ -1,0 +1,419 @@
+//! `quiesce bench --compare`: raw std TCP (the limit), tokio, quiesce on
+//! io_uring and on epoll, against one target — a `quiesce target` process by
+//! default, so that no implementation pays a cross-thread wake-up inside its
+//! own process.
+//!
+//! This VM's wake-up latency is bimodal from one stretch of time to the next,
+//! so whole-run medians of one implementation after another swing 2×. Here
+//! each implementation keeps one connection on its own thread, and they take
+//! turns in chunks of a few milliseconds (the first of each turn rotating),
+//! so every figure of a case samples the same machine states. Beside the
+//! times: heap allocations per iteration on the initiator (the binary's
+//! counting allocator) and in the target (its `heap` command around each
+//! chunk), and user-space instructions per iteration (instructions.rs) —
+//! figures that the noise does not move.
+
+use std::fmt::Write as _;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use quiesce::target_child::TargetChild;
+use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Rights};
+
+use super::{
+    instructions, progress, summarize, thread_cpu, write_json, BenchArgs, Case, Client, Endpoint,
+    Impl, Row, Sample, SegInfo, Summary,
+};
+
+/// What one chunk gives back.
+struct Chunk {
+    samples: Vec<Sample>,
+    cpu: Duration,
+}
+
+/// One implementation's connection on its own thread, running chunks on
+/// request.
+struct Worker {
+    jobs: Option<mpsc::Sender<(Case, usize)>>,
+    done: mpsc::Receiver<Result<Chunk, String>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Worker {
+    fn start(
+        im: Impl,
+        t: Endpoint,
+        zc: Option<usize>,
+    ) -> Result<Worker, Box<dyn std::error::Error>> {
+        let (jobs, job_rx) = mpsc::channel::<(Case, usize)>();
+        let (done_tx, done) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("bench-{}", im.name()))
+            .spawn(move || {
+                let mut client = match Client::connect(im, &t, zc) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let _ = done_tx.send(Err(format!("{}: connect: {e}", im.name())));
+                        return;
+                    }
+                };
+                let _ = done_tx.send(Ok(Chunk {
+                    samples: Vec::new(),
+                    cpu: Duration::ZERO,
+                }));
+                for (case, iters) in job_rx {
+                    let c0 = thread_cpu();
+                    let r = client.run(case, iters).map(|samples| Chunk {
+                        samples,
+                        cpu: thread_cpu() - c0,
+                    });
+                    let failed = r.is_err();
+                    let _ =
+                        done_tx.send(r.map_err(|e| format!("{} {}: {e}", im.name(), case.name())));
+                    if failed {
+                        return;
+                    }
+                }
+            })?;
+        let w = Worker {
+            jobs: Some(jobs),
+            done,
+            thread: Some(thread),
+        };
+        w.done.recv().map_err(|_| "worker died")??;
+        Ok(w)
+    }
+
+    fn run(&self, case: Case, iters: usize) -> Result<Chunk, Box<dyn std::error::Error>> {
+        self.jobs
+            .as_ref()
+            .ok_or("stopped")?
+            .send((case, iters))
+            .map_err(|_| "worker gone")?;
+        Ok(self.done.recv().map_err(|_| "worker died")??)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The target the initiators share.
+enum Target {
+    /// `quiesce target` in its own process (the default).
+    Process(Box<TargetChild>),
+    /// An engine on a thread of this process (`--same-process`): the old
+    /// setup, where every implementation also pays a wake-up across threads.
+    Thread,
+}
+
+impl Target {
+    /// Allocations the target process has made, if it is one.
+    fn allocations(&mut self) -> Result<Option<u64>, Box<dyn std::error::Error>> {
+        match self {
+            Target::Process(c) => Ok(Some(c.heap()?.2)),
+            Target::Thread => Ok(None),
+        }
+    }
+}
+
+/// A target engine on its own thread (`--same-process`).
+fn start_thread_target(kv_len: usize) -> Endpoint {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("bench-target".into())
+        .spawn(move || {
+            let rt = quiesce::runtime::Runtime::new().expect("target runtime");
+            rt.block_on(async move {
+                let cfg = EngineConfig {
+                    node: "bench-target".into(),
+                    max_frame: 128 << 20,
+                    ..Default::default()
+                };
+                let e = Engine::bind(cfg).expect("bind");
+                let kv = e
+                    .register("kv", AlignedBuf::new(kv_len), Rights::READ | Rights::WRITE)
+                    .expect("kv");
+                let ro = e
+                    .register("ro", AlignedBuf::new(4096), Rights::READ)
+                    .expect("ro");
+                let seg = |s: &quiesce::transports::Segment| SegInfo {
+                    id: s.id(),
+                    token: s.token(),
+                };
+                tx.send(Endpoint {
+                    addr: e.local_addr(),
+                    kv: seg(&kv),
+                    ro: seg(&ro),
+                })
+                .expect("send");
+                std::future::pending::<()>().await;
+            });
+        })
+        .expect("target thread");
+    rx.recv().expect("target started")
+}
+
+const KV_LEN: usize = 96 << 20;
+const IMPLS: [Impl; 4] = [Impl::Raw, Impl::Tokio, Impl::Uring, Impl::Epoll];
+
+pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
+    let cases = [
+        Case::Write(4 << 10),
+        Case::Write(64 << 10),
+        Case::Write(1 << 20),
+        Case::Write(64 << 20),
+        Case::Read(4 << 10),
+        Case::Batch {
+            tasks: 64,
+            size: 64 << 10,
+        },
+        Case::FailFast(64 << 20),
+    ];
+    let exe = std::env::current_exe()?;
+    let (mut target, t) = if a.same_process {
+        (Target::Thread, start_thread_target(KV_LEN))
+    } else {
+        // Raw and tokio send a 64 MiB write as one frame.
+        let c = TargetChild::spawn_with(&exe, KV_LEN, false, &["--max-frame", "128M"])?;
+        let seg = |n: &str| SegInfo {
+            id: c.ids[n],
+            token: c.tokens[n],
+        };
+        let t = Endpoint {
+            addr: c.addr,
+            kv: seg("kv"),
+            ro: seg("ro"),
+        };
+        (Target::Process(Box::new(c)), t)
+    };
+    // What one `heap` command costs the target, taken off each chunk's.
+    let probe = match (target.allocations()?, target.allocations()?) {
+        (Some(x), Some(y)) => y - x,
+        _ => 0,
+    };
+    let workers = IMPLS
+        .iter()
+        .map(|im| Worker::start(*im, t, a.zc_threshold))
+        .collect::<Result<Vec<_>, _>>()?;
+    println!(
+        "quiesce bench --compare: target on {} ({}); {} × the default iterations per case, \
+         in turns of a few ms",
+        t.addr,
+        match target {
+            Target::Process(_) => "its own process, io_uring",
+            Target::Thread => "a thread of this process, io_uring",
+        },
+        a.rounds
+    );
+    let mut rows = Vec::new();
+    for case in cases {
+        let total = a.iters.unwrap_or(case.default_iters()) * a.rounds;
+        let chunk = case.chunk().min(total).max(1);
+        // One turn each to warm up, not counted.
+        for w in &workers {
+            w.run(case, chunk)?;
+        }
+        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); IMPLS.len()];
+        let mut cpu = vec![Duration::ZERO; IMPLS.len()];
+        let mut target_allocs = vec![Some(0u64); IMPLS.len()];
+        let (mut left, mut turn) = (total, 0);
+        while left > 0 {
+            let n = chunk.min(left);
+            for k in 0..IMPLS.len() {
+                let i = (turn + k) % IMPLS.len();
+                let before = target.allocations()?;
+                let c = workers[i].run(case, n)?;
+                let after = target.allocations()?;
+                target_allocs[i] = match (target_allocs[i], before, after) {
+                    (Some(sum), Some(b), Some(a)) => Some(sum + (a - b).saturating_sub(probe)),
+                    _ => None,
+                };
+                samples[i].extend(c.samples);
+                cpu[i] += c.cpu;
+            }
+            left -= n;
+            turn += 1;
+            progress(&format!("{} {}/{total}…", case.name(), total - left));
+        }
+        progress("");
+        let sums: Vec<Summary> = samples
+            .iter()
+            .zip(&cpu)
+            .map(|(s, c)| summarize(s, *c))
+            .collect();
+        for (i, im) in IMPLS.iter().enumerate() {
+            let by_latency = matches!(case, Case::Write(s) | Case::Read(s) if s <= 4096)
+                || matches!(case, Case::FailFast(_));
+            let ratio = if by_latency {
+                sums[i].p50 / sums[0].p50
+            } else {
+                sums[i].gbps / sums[0].gbps
+            };
+            rows.push(Row {
+                case: case.name(),
+                im: im.name(),
+                s: sums[i].clone(),
+                ratio,
+                target_allocs: target_allocs[i].map(|n| n as f64 / total as f64),
+                instructions: None,
+            });
+        }
+    }
+    drop(workers);
+    if a.instructions {
+        count_instructions(&exe, &t, &mut rows)?;
+    }
+    print!("{}", table(&rows)?);
+    println!(
+        "(× raw: p50 latency ratio for 4 KiB cases and fail_fast, throughput ratio otherwise; \
+         allocs and Ir per iteration, a batch of 64 being one)"
+    );
+    goals(&rows);
+    write_json(a, &rows)?;
+    drop(target);
+    Ok(true)
+}
+
+/// Fills in instructions per iteration for the small single-transfer cases.
+fn count_instructions(
+    exe: &std::path::Path,
+    t: &Endpoint,
+    rows: &mut [Row],
+) -> Result<(), Box<dyn std::error::Error>> {
+    if !instructions::available() {
+        println!("instructions: valgrind not found (apt-get install valgrind); column left out");
+        return Ok(());
+    }
+    for case in [
+        Case::Write(4 << 10),
+        Case::Read(4 << 10),
+        Case::Write(64 << 10),
+    ] {
+        for im in IMPLS {
+            progress(&format!("callgrind {} {}…", case.name(), im.name()));
+            let ir = instructions::per_iteration(exe, t, im, case)?;
+            if let Some(r) = rows
+                .iter_mut()
+                .find(|r| r.case == case.name() && r.im == im.name())
+            {
+                r.instructions = Some(ir);
+            }
+        }
+    }
+    progress("");
+    Ok(())
+}
+
+fn table(rows: &[Row]) -> Result<String, std::fmt::Error> {
+    let opt = |v: Option<f64>, prec: usize| {
+        v.map(|v| format!("{v:.prec$}"))
+            .unwrap_or_else(|| "-".into())
+    };
+    let mut t = String::new();
+    writeln!(
+        t,
+        "{:<14} {:<17} {:>8} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>8} {:>9} {:>6}",
+        "case",
+        "impl",
+        "min µs",
+        "p50 µs",
+        "p99 µs",
+        "Gb/s",
+        "CPU ms/GB",
+        "allocs",
+        "tgt al",
+        "Ir",
+        "fence µs",
+        "× raw"
+    )?;
+    for r in rows {
+        let s = &r.s;
+        writeln!(
+            t,
+            "{:<14} {:<17} {:>8.1} {:>8.1} {:>8.1} {:>7.2} {:>9.1} {:>7.2} {:>7} {:>8} {:>9} {:>6.2}",
+            r.case,
+            r.im,
+            s.min,
+            s.p50,
+            s.p99,
+            s.gbps,
+            s.cpu_ms_per_gb,
+            s.allocs,
+            opt(r.target_allocs, 2),
+            opt(r.instructions, 0),
+            opt(s.fence_p50, 0),
+            r.ratio
+        )?;
+    }
+    Ok(t)
+}
+
+/// The cost issue's goals, each MET or MISSED with its figure.
+fn goals(rows: &[Row]) {
+    let get = |case: &str, im: &str| rows.iter().find(|r| r.case == case && r.im == im);
+    let verdict = |ok: bool| if ok { "MET" } else { "MISSED" };
+    let q = "quiesce-io_uring";
+    if let (Some(r), Some(u)) = (get("write_4k", "raw-std"), get("write_4k", q)) {
+        let (m, p) = (u.s.min / r.s.min, u.s.p50 / r.s.p50);
+        println!(
+            "goal write_4k t_min and p50 <= 1.1x raw: {} (t_min {m:.2}, p50 {p:.2})",
+            verdict(m <= 1.1 && p <= 1.1)
+        );
+        if let Some(ir) = u.instructions {
+            println!(
+                "goal write_4k <= 4000 user instructions including the batch: {} ({ir:.0})",
+                verdict(ir <= 4000.0)
+            );
+        }
+        let tgt = u.target_allocs.map_or("-".into(), |a| format!("{a:.2}"));
+        println!(
+            "goal write_4k allocations <= 2 on the initiator, 0 on the target: {} ({:.2}, {tgt})",
+            verdict(u.s.allocs <= 2.0 && u.target_allocs.is_some_and(|a| a < 0.005)),
+            u.s.allocs
+        );
+    }
+    for (case, min) in [("write_64m", 1.2), ("batch_64x64k", 1.2)] {
+        if let (Some(r), Some(u)) = (get(case, "raw-std"), get(case, q)) {
+            let x = u.s.gbps / r.s.gbps;
+            println!(
+                "goal {case} >= {min}x raw throughput: {} ({x:.2})",
+                verdict(x >= min)
+            );
+        }
+    }
+    if let Some(f) = get("fail_fast_64m", q).and_then(|r| r.s.fence_p50) {
+        println!(
+            "goal fail_fast_64m <= 1 ms from failure to safe outcome: {} ({:.2} ms)",
+            verdict(f <= 1000.0),
+            f / 1e3
+        );
+    }
+    let better = |case: &str, a: &Summary, b: &Summary| {
+        if case.starts_with("fail_fast") || case.ends_with("_4k") {
+            a.p50 <= b.p50
+        } else {
+            a.gbps >= b.gbps
+        }
+    };
+    let cases: std::collections::BTreeSet<&str> = rows.iter().map(|r| r.case.as_str()).collect();
+    for rival in ["quiesce-epoll", "tokio"] {
+        let behind: Vec<&str> = cases
+            .iter()
+            .copied()
+            .filter(|c| match (get(c, q), get(c, rival)) {
+                (Some(u), Some(o)) => !better(c, &u.s, &o.s),
+                _ => false,
+            })
+            .collect();
+        println!(
+            "goal io_uring not behind {rival} on any case: {} {behind:?}",
+            verdict(behind.is_empty())
+        );
+    }
+}
