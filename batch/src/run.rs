@@ -102,8 +102,9 @@ pub(crate) struct Driver<T: Transport, B> {
     fence_time: Option<Duration>,
     /// When the current fence's grace ends.
     hard_at: Option<Instant>,
-    /// Remote fences of the current wire batch, by peer.
-    fences: Fences<T::Peer>,
+    /// Remote fences of the current wire batch, by peer (made on the first
+    /// fence: a batch that never fences allocates no map).
+    fences: Option<Fences<T::Peer>>,
     soft: Option<Sleep>,
     hard: Option<Sleep>,
     deadline_sleep: Option<Sleep>,
@@ -135,7 +136,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             fence_started: None,
             fence_time: None,
             hard_at: None,
-            fences: Rc::default(),
+            fences: None,
             soft: None,
             hard: None,
             deadline_sleep: None,
@@ -163,8 +164,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             // Nothing of this wire batch moves any more: the peers it fenced
             // (the only ones that keep state for it) may forget it. No
             // allocation on the common path, a batch that never fenced.
-            for p in self.fences.borrow().keys() {
-                self.transport.retire(p, wire);
+            if let Some(fences) = &self.fences {
+                for p in fences.borrow().keys() {
+                    self.transport.retire(p, wire);
+                }
             }
             if !self.retry().await {
                 break;
@@ -301,17 +304,18 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     /// Sends a remote fence of `wire` to `peer` (once per wire batch, or
     /// again after a failed one with `again`); its answer is recorded in
     /// `fences` and wakes the driver.
-    fn fence_peer(&self, peer: T::Peer, wire: u64, again: bool) {
-        match self.fences.borrow().get(&peer) {
+    fn fence_peer(&mut self, peer: T::Peer, wire: u64, again: bool) {
+        let fences = self.fences.get_or_insert_with(Rc::default).clone();
+        match fences.borrow().get(&peer) {
             None => {}
             Some(FenceState::Failed) if again => {}
             Some(_) => return,
         }
-        self.fences
+        fences
             .borrow_mut()
             .insert(peer.clone(), FenceState::Pending);
         let f = self.transport.fence(&peer, wire);
-        let (fences, shared) = (self.fences.clone(), self.shared.clone());
+        let shared = self.shared.clone();
         spawn_local(async move {
             let state = match f.await {
                 Ok(()) => FenceState::Acked,
@@ -350,9 +354,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             .hard_at
             .unwrap_or_else(|| Instant::now() + self.opts.fence_grace);
         let mut limit = sleep_until(limit);
+        let fences = self.fences.clone().expect("fenced just above");
         std::future::poll_fn(|cx| {
             let answered = {
-                let f = self.fences.borrow();
+                let f = fences.borrow();
                 lost.iter().all(|p| f.get(p) != Some(&FenceState::Pending))
             };
             if answered || Pin::new(&mut limit).poll(cx).is_ready() {
@@ -362,7 +367,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             Poll::Pending
         })
         .await;
-        let fences = self.fences.borrow();
+        let fences = fences.borrow();
         for t in &mut self.tasks {
             let peer = self.transport.peer(&t.target);
             if t.remote == RemoteState::Unconfirmed && fences.get(&peer) == Some(&FenceState::Acked)
@@ -500,7 +505,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         self.soft = None;
         self.hard = None;
         self.hard_at = None;
-        self.fences = Rc::default();
+        self.fences = None;
         true
     }
 

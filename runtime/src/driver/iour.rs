@@ -56,6 +56,8 @@ pub(crate) struct Uring {
     wake_armed: bool,
     next_bgid: u16,
     pub(crate) events: ParkEvents,
+    /// Completions being dispatched (kept for its capacity).
+    reaped: Vec<cqueue::Entry>,
 }
 
 impl Uring {
@@ -104,6 +106,7 @@ impl Uring {
             wake_armed: false,
             next_bgid: 0,
             events: ParkEvents::default(),
+            reaped: Vec::with_capacity(256),
         })
     }
 
@@ -371,11 +374,16 @@ impl Uring {
             if cq.is_empty() {
                 return;
             }
-            let batch: Vec<cqueue::Entry> = cq.by_ref().take(256).collect();
+            // Copied out (the queue borrows the ring that dispatch needs)
+            // into a vector kept across turns: reaping allocates nothing.
+            let mut batch = std::mem::take(&mut self.reaped);
+            batch.clear();
+            batch.extend(cq.by_ref().take(256));
             drop(cq);
-            for cqe in batch {
+            for cqe in &batch {
                 self.dispatch(cqe.user_data(), cqe.result(), cqe.flags(), counters);
             }
+            self.reaped = batch;
         }
     }
 
