@@ -45,7 +45,13 @@ impl BatchState {
 #[derive(Default, Clone)]
 pub(crate) struct FenceTable {
     inner: Rc<RefCell<HashMap<Key, BatchState>>>,
+    /// Emptied write slabs of removed entries: every batch makes an entry,
+    /// and a recycled slab spares its first write an allocation.
+    spare: Rc<RefCell<Vec<Slab<Option<Canceller>>>>>,
 }
+
+/// Spare slabs kept at most.
+const SPARE_SLABS: usize = 64;
 
 impl FenceTable {
     pub(crate) fn is_fenced(&self, session: u64, batch: u64) -> bool {
@@ -61,7 +67,10 @@ impl FenceTable {
             .inner
             .borrow_mut()
             .entry((session, batch))
-            .or_default()
+            .or_insert_with(|| BatchState {
+                writes: self.spare.borrow_mut().pop().unwrap_or_default(),
+                ..BatchState::default()
+            })
             .writes
             .insert(None);
         WriteGuard {
@@ -188,7 +197,12 @@ impl Drop for WriteGuard {
                 Vec::new()
             };
             if !st.needed() {
-                t.remove(&self.key);
+                if let Some(st) = t.remove(&self.key) {
+                    let mut spare = self.table.spare.borrow_mut();
+                    if spare.len() < SPARE_SLABS {
+                        spare.push(st.writes);
+                    }
+                }
             }
             w
         };

@@ -63,10 +63,36 @@ pub(crate) async fn discard(s: &TcpStream, mut len: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// Frame buffers up to this size go back to [`SPARE_FRAMES`] after a send.
+const SPARE_FRAME_LEN: usize = 4096;
+
+thread_local! {
+    /// Sent frames' buffers, for the next frames of this thread's reactor: a
+    /// status or a small control frame allocates nothing once warm. A buffer
+    /// whose send was dropped mid-flight stays with its parked op instead.
+    static SPARE_FRAMES: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Sends a header and an optional payload as one write.
 pub(crate) async fn send_frame(s: &TcpStream, h: &Header, payload: &[u8]) -> io::Result<()> {
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    let len = HEADER_LEN + payload.len();
+    let mut out = if len <= SPARE_FRAME_LEN {
+        SPARE_FRAMES
+            .with_borrow_mut(Vec::pop)
+            .unwrap_or_else(|| Vec::with_capacity(SPARE_FRAME_LEN))
+    } else {
+        Vec::with_capacity(len)
+    };
+    out.clear();
     out.extend_from_slice(&h.encode());
     out.extend_from_slice(payload);
-    s.write_all(out).await.0
+    let (res, out) = s.write_all(out).await;
+    if out.capacity() <= SPARE_FRAME_LEN {
+        SPARE_FRAMES.with_borrow_mut(|spare| {
+            if spare.len() < 64 {
+                spare.push(out);
+            }
+        });
+    }
+    res
 }

@@ -232,10 +232,21 @@ async fn idle<T>(
     f: impl std::future::Future<Output = io::Result<T>>,
 ) -> Result<T, Closed> {
     match engine.config.idle_timeout {
-        Some(d) => timeout(d, f)
+        // `time::timeout` without its box: this runs once per frame.
+        Some(d) => {
+            use std::future::Future as _;
+            let mut f = std::pin::pin!(f);
+            let mut limit = quiesce_runtime::time::sleep(d);
+            std::future::poll_fn(|cx| {
+                if let std::task::Poll::Ready(r) = f.as_mut().poll(cx) {
+                    return std::task::Poll::Ready(r.map_err(Closed::Io));
+                }
+                std::pin::Pin::new(&mut limit)
+                    .poll(cx)
+                    .map(|()| Err(Closed::Protocol(format!("idle for {d:?}"))))
+            })
             .await
-            .map_err(|_| Closed::Protocol(format!("idle for {d:?}")))?
-            .map_err(Closed::Io),
+        }
         None => f.await.map_err(Closed::Io),
     }
 }
