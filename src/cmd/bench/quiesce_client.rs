@@ -67,7 +67,10 @@ impl Quiesce {
             if matches!(case, Case::FailFast(_)) && self.ro.is_none() {
                 self.ro = Some(self.peer.open("ro", self.ro_token).await?);
             }
-            let ro = self.ro.as_ref().filter(|_| matches!(case, Case::FailFast(_)));
+            let ro = self
+                .ro
+                .as_ref()
+                .filter(|_| matches!(case, Case::FailFast(_)));
             super::batch_loop(&self.kv, ro, case, iters, bufs, small).await
         })
     }
