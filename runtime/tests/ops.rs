@@ -348,3 +348,57 @@ fn a_read_into_a_slice_past_the_initialised_prefix_marks_nothing_it_did_not_writ
         assert_eq!(slice.into_inner(), b"xxabcd");
     });
 }
+
+/// A small send may go straight to the socket (io_uring, `Send`), but never
+/// past an earlier send on the same socket that is still queued: the second
+/// op is created while the first one's SQE (a send too large to try first)
+/// waits for the next park.
+#[test]
+fn a_small_send_never_overtakes_an_earlier_one() {
+    rt().block_on(async {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut server, _) = l.accept().unwrap();
+        let s = TcpStream::from_std(client).unwrap();
+        for round in 0..20 {
+            let len = (64 << 10) + round;
+            let first = s.write(vec![b'a'; len]);
+            let second = s.write(vec![b'b'; 10]);
+            let (r1, _) = first.await;
+            let (r2, _) = second.await;
+            assert_eq!(r1.unwrap(), len);
+            assert_eq!(r2.unwrap(), 10);
+            let mut got = vec![0u8; len + 10];
+            server.read_exact(&mut got).unwrap();
+            let first_b = got.iter().position(|&c| c == b'b').unwrap();
+            assert_eq!(first_b, len, "round {round}: the later send landed first");
+        }
+    });
+}
+
+/// A small send alone on its socket finishes without the ring on io_uring:
+/// no SQE, and its buffer is back at the first poll.
+#[test]
+fn a_small_send_alone_skips_the_ring() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    rt.block_on(async {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut server, _) = l.accept().unwrap();
+        let s = TcpStream::from_std(client).unwrap();
+        let before = stats().ops_submitted;
+        let (r, _) = s.write(vec![7u8; 4096]).await;
+        assert_eq!(r.unwrap(), 4096);
+        if uring {
+            assert_eq!(
+                stats().ops_submitted,
+                before,
+                "a 4 KiB send went through the ring"
+            );
+        }
+        let mut got = vec![0u8; 4096];
+        server.read_exact(&mut got).unwrap();
+        assert!(got.iter().all(|&c| c == 7));
+    });
+}

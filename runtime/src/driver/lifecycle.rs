@@ -140,6 +140,9 @@ enum State<T> {
     Refused(T),
     /// Submitted to the op's io_uring, slot `token`.
     Uring { token: u64, spec: T },
+    /// io_uring: finished at creation without the ring
+    /// ([`Operation::try_first`]); the kernel holds nothing of it.
+    Finished { spec: T, res: io::Result<u32> },
     /// The future completed.
     Done,
 }
@@ -153,8 +156,10 @@ enum State<T> {
 /// after its runtime was dropped — it always talks to its own driver.
 ///
 /// On io_uring the operation is submitted when the `Op` is created (the SQE
-/// is flushed at the next park, together with every other pushed SQE). On
-/// epoll it starts at the first poll.
+/// is flushed at the next park, together with every other pushed SQE) —
+/// unless it can finish at once without the ring (a small send alone on its
+/// socket, see `Send`), which it then does, there. On epoll it starts at the
+/// first poll.
 ///
 /// Dropping the `Op` early never frees a buffer the kernel may touch: on
 /// io_uring the op is parked in its driver with an async cancel posted, and
@@ -179,10 +184,13 @@ impl<T: Operation> Op<T> {
         let state = match &mut *cx.driver.borrow_mut() {
             // Nothing would ever reap it.
             _ if cx.closed.get() => State::Refused(spec),
-            Driver::Uring(u) => {
-                let token = u.submit(spec.uring_entry(), Lifecycle::Submitted, &cx.counters);
-                State::Uring { token, spec }
-            }
+            Driver::Uring(u) => match spec.try_first() {
+                Some(res) => State::Finished { spec, res },
+                None => {
+                    let token = u.submit(spec.uring_entry(), Lifecycle::Submitted, &cx.counters);
+                    State::Uring { token, spec }
+                }
+            },
             Driver::Poll(_) => State::Idle(spec),
         };
         Op {
@@ -271,6 +279,10 @@ impl<T: Operation> Future for Op<T> {
                         Poll::Ready(spec.complete(res, 0))
                     }
                 }
+            }
+            State::Finished { spec, res } => {
+                crate::stats::Counters::bump(&this.cx.counters.completions);
+                Poll::Ready(spec.complete(res, 0))
             }
             State::Refused(spec) => Poll::Ready(
                 spec.complete(Err(io::Error::other("the op's runtime has shut down")), 0),

@@ -10,6 +10,7 @@
 //! registration is removed from *that* runtime's poller when the fd closes,
 //! wherever the last holder is dropped.
 
+use std::cell::Cell;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
@@ -22,6 +23,34 @@ struct FdCell {
     /// `None` once handed to a `Close` op by [`SharedFd::try_unwrap`].
     fd: Option<OwnedFd>,
     cx: Rc<Context>,
+    /// Send operations on the fd that exist now (queued, in flight, parked,
+    /// or about to complete): a send may go straight to the kernel, ahead of
+    /// the ring, only when it is the only one — never past an earlier one.
+    senders: Cell<usize>,
+}
+
+/// A send operation's place in its fd's count of senders (see
+/// [`SharedFd::sender`]); it holds the fd too.
+pub(crate) struct Sender(SharedFd);
+
+impl Sender {
+    /// The fd.
+    pub(crate) fn fd(&self) -> &SharedFd {
+        &self.0
+    }
+
+    /// Whether this is the only send operation on the fd: nothing queued or
+    /// in flight can be overtaken.
+    pub(crate) fn alone(&self) -> bool {
+        (self.0).0.senders.get() == 1
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        let n = &(self.0).0.senders;
+        n.set(n.get() - 1);
+    }
 }
 
 /// Reference-counted ownership of one descriptor (see the module docs).
@@ -31,7 +60,17 @@ pub(crate) struct SharedFd(Rc<FdCell>);
 impl SharedFd {
     /// Adopts `fd` on runtime `cx`.
     pub(crate) fn new(fd: OwnedFd, cx: Rc<Context>) -> SharedFd {
-        SharedFd(Rc::new(FdCell { fd: Some(fd), cx }))
+        SharedFd(Rc::new(FdCell {
+            fd: Some(fd),
+            cx,
+            senders: Cell::new(0),
+        }))
+    }
+
+    /// Counts a send operation on the fd for as long as the guard lives.
+    pub(crate) fn sender(&self) -> Sender {
+        self.0.senders.set(self.0.senders.get() + 1);
+        Sender(self.clone())
     }
 
     /// The descriptor number, valid while this `SharedFd` lives.

@@ -62,6 +62,14 @@ pub trait Operation: sealed::Sealed + Unpin + 'static {
     #[doc(hidden)]
     fn poll_try(&mut self) -> io::Result<u32>;
 
+    /// io_uring: the result of finishing at once without the ring, tried
+    /// before submitting (`None`: submit). Only for an op the kernel is done
+    /// with when the call returns.
+    #[doc(hidden)]
+    fn try_first(&mut self) -> Option<io::Result<u32>> {
+        None
+    }
+
     /// io_uring: sees each CQE that arrives after the future was dropped.
     #[doc(hidden)]
     fn parked_cqe(&mut self, _res: i32, _flags: u32) {}

@@ -7,18 +7,30 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBuf};
-use crate::driver::shared_fd::SharedFd;
+use crate::driver::shared_fd::{Sender, SharedFd};
 use crate::driver::Interest;
 
+/// Sends of at most this many bytes try the socket before the ring.
+pub(crate) const TRY_FIRST_MAX: usize = 16 * 1024;
+
 /// Sends the initialised bytes of `buf` on a connected socket.
+///
+/// On io_uring a small send (≤ 16 KiB) that is the only send on its socket
+/// first tries a non-blocking `send(2)`: the kernel copies the bytes before
+/// the call returns, so nothing holds the buffer afterwards, and the request
+/// is on the wire without waiting for the next park and without a completion
+/// to reap. Only if the socket buffer is full does it go through the ring.
 pub struct Send<B> {
-    fd: SharedFd,
+    fd: Sender,
     buf: B,
 }
 
 impl<B: IoBuf> Send<B> {
     pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
-        Send { fd, buf }
+        Send {
+            fd: fd.sender(),
+            buf,
+        }
     }
 }
 
@@ -30,7 +42,7 @@ impl<B: IoBuf> Operation for Send<B> {
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_init().min(u32::MAX as usize) as u32;
-        opcode::Send::new(types::Fd(self.fd.raw()), self.buf.stable_ptr(), len)
+        opcode::Send::new(types::Fd(self.fd.fd().raw()), self.buf.stable_ptr(), len)
             .flags(libc::MSG_NOSIGNAL)
             .build()
     }
@@ -39,8 +51,20 @@ impl<B: IoBuf> Operation for Send<B> {
         (res.map(|n| n as usize), self.buf)
     }
 
+    fn try_first(&mut self) -> Option<io::Result<u32>> {
+        // Alone: no earlier send on the socket is queued or in flight, so
+        // going first cannot reorder the stream.
+        if self.buf.bytes_init() > TRY_FIRST_MAX || !self.fd.alone() {
+            return None;
+        }
+        match self.poll_try() {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+            res => Some(res),
+        }
+    }
+
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd.raw(), Interest::Write))
+        Some((self.fd.fd().raw(), Interest::Write))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
@@ -48,7 +72,7 @@ impl<B: IoBuf> Operation for Send<B> {
         // SAFETY: the buffer's first `len` bytes are initialised and live in `self`.
         cvt(unsafe {
             libc::send(
-                self.fd.raw(),
+                self.fd.fd().raw(),
                 self.buf.stable_ptr().cast(),
                 len,
                 libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,

@@ -12,18 +12,23 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBuf};
-use crate::driver::shared_fd::SharedFd;
+use crate::driver::shared_fd::{Sender, SharedFd};
 use crate::driver::Interest;
 
 /// Sends `buf` without copying it into the socket buffer (io_uring).
 pub struct SendZc<B> {
-    fd: SharedFd,
+    /// Counted with the socket's other sends, so a small plain send never
+    /// overtakes it (see `Send`).
+    fd: Sender,
     buf: B,
 }
 
 impl<B: IoBuf> SendZc<B> {
     pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
-        SendZc { fd, buf }
+        SendZc {
+            fd: fd.sender(),
+            buf,
+        }
     }
 }
 
@@ -35,7 +40,7 @@ impl<B: IoBuf> Operation for SendZc<B> {
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let len = self.buf.bytes_init().min(u32::MAX as usize) as u32;
-        opcode::SendZc::new(types::Fd(self.fd.raw()), self.buf.stable_ptr(), len)
+        opcode::SendZc::new(types::Fd(self.fd.fd().raw()), self.buf.stable_ptr(), len)
             .flags(libc::MSG_NOSIGNAL)
             .build()
     }
@@ -45,7 +50,7 @@ impl<B: IoBuf> Operation for SendZc<B> {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd.raw(), Interest::Write))
+        Some((self.fd.fd().raw(), Interest::Write))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
@@ -53,7 +58,7 @@ impl<B: IoBuf> Operation for SendZc<B> {
         // SAFETY: the buffer's first `len` bytes are initialised and live in `self`.
         cvt(unsafe {
             libc::send(
-                self.fd.raw(),
+                self.fd.fd().raw(),
                 self.buf.stable_ptr().cast(),
                 len,
                 libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
