@@ -22,6 +22,13 @@ use std::thread;
 use crate::driver::socket::pin_to_core;
 use crate::runtime::{BuildError, Builder};
 
+/// Pins the calling thread to CPU `core` (threads it starts afterwards, and
+/// processes it spawns, inherit that), as shards do with
+/// [`ShardBuilder::pin`](ShardBuilder::pin).
+pub fn pin_current_thread(core: usize) -> io::Result<()> {
+    pin_to_core(core)
+}
+
 /// A one-way flag with a waker, settable from any thread.
 #[derive(Default)]
 struct Signal {

@@ -176,6 +176,16 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         Case::FailFast(64 << 20),
     ];
     let exe = std::env::current_exe()?;
+    // Where a thread runs decides its wake-up cost on this VM: a reply to a
+    // thread on the same vCPU is a context switch (~15 µs round trip), one
+    // to the other vCPU an IPI to a halted vCPU (~60 µs). Left to the
+    // scheduler, each implementation's thread lands where it lands and the
+    // figures differ by 4× for that alone. So the target (started while this
+    // thread is pinned, so it inherits the CPU) runs on the last CPU and
+    // every initiator on CPU 0: each pays the cross-CPU wake-up a target on
+    // another core or host costs.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned = cpus >= 2 && quiesce::runtime::shard::pin_current_thread(cpus - 1).is_ok();
     let (mut target, t) = if a.same_process {
         (Target::Thread, start_thread_target(KV_LEN))
     } else {
@@ -192,6 +202,9 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         };
         (Target::Process(Box::new(c)), t)
     };
+    if pinned {
+        quiesce::runtime::shard::pin_current_thread(0)?;
+    }
     // What one `heap` command costs the target, taken off each chunk's.
     let probe = match (target.allocations()?, target.allocations()?) {
         (Some(x), Some(y)) => y - x,
@@ -202,12 +215,17 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         .map(|im| Worker::start(*im, t, a.zc_threshold))
         .collect::<Result<Vec<_>, _>>()?;
     println!(
-        "quiesce bench --compare: target on {} ({}); {} × the default iterations per case, \
+        "quiesce bench --compare: target on {} ({}{}); {} × the default iterations per case, \
          in turns of a few ms",
         t.addr,
         match target {
             Target::Process(_) => "its own process, io_uring",
             Target::Thread => "a thread of this process, io_uring",
+        },
+        if pinned {
+            format!(", on CPU {}; initiators on CPU 0", cpus - 1)
+        } else {
+            ", unpinned".into()
         },
         a.rounds
     );
