@@ -15,7 +15,7 @@ use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
 
 use crate::control::auth::{random_bytes, SessionKey};
-use crate::control::frame::{read_header, read_payload, send_frame};
+use crate::control::frame::{read_header, read_payload, send_frame, HeaderReader};
 use crate::control::target::Target;
 use crate::control::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, SegmentRef,
@@ -325,8 +325,10 @@ async fn serve_inner(
             .await)
         }
     };
+    // One header buffer for every frame of the connection.
+    let mut headers = HeaderReader::default();
     loop {
-        let Some(h) = next_header(s, idle(engine, read_header(s)).await?).await? else {
+        let Some(h) = next_header(s, idle(engine, headers.read(s)).await?).await? else {
             return Ok(());
         };
         match h.op {
