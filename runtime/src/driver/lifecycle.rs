@@ -220,6 +220,21 @@ impl<T: Operation> Op<T> {
         Canceller { state: st }
     }
 
+    /// [`canceller`](Self::canceller), re-armed from `c` — the canceller of
+    /// an earlier op of this runtime, which must have completed — instead of
+    /// a new one: a loop of ops (the receives of a target's writes) shares
+    /// one allocation. A request made on `c` for the earlier op is
+    /// forgotten. A `c` of another runtime is not reused.
+    pub fn canceller_reusing(&mut self, c: &Canceller) -> Canceller {
+        if self.cancel.is_none() && Rc::ptr_eq(&c.state.cx, &self.cx) {
+            c.state.requested.set(false);
+            c.state.token.set(0);
+            c.state.waker.borrow_mut().take();
+            self.cancel = Some(c.state.clone());
+        }
+        self.canceller()
+    }
+
     fn cancel_requested(&self) -> bool {
         self.cancel.as_ref().is_some_and(|c| c.requested.get())
     }

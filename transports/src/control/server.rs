@@ -50,6 +50,10 @@ pub(crate) struct ServedConn<'a> {
     /// queue pair and keys), from its first `QpConnect`.
     served: Option<Box<dyn crate::control::ServedLink>>,
     census: Census<'a>,
+    /// The canceller of the last write's receive, re-armed for the next.
+    pub(crate) canceller: Option<quiesce_runtime::Canceller>,
+    /// The last write's landing cell, reused when no parked receive holds it.
+    pub(crate) landing: Option<std::rc::Rc<crate::tcp::serve::LandingCell>>,
 }
 
 /// How a connection enters its session.
@@ -213,6 +217,8 @@ async fn handshake<'a>(
         authorised: HashMap::new(),
         served: None,
         census,
+        canceller: None,
+        landing: None,
     })
 }
 

@@ -5,5 +5,5 @@
 pub(crate) mod conn;
 pub(crate) mod peer;
 mod responses;
-mod serve;
+pub(crate) mod serve;
 pub(crate) mod split;

@@ -28,6 +28,24 @@ struct Landing {
     grant: LandingGuard,
 }
 
+/// Where a write's [`Landing`] lives while it lands: each receive's window
+/// holds the cell, so a receive parked because the write's future was
+/// dropped keeps the registrations until it is reaped. A write that finishes
+/// empties the cell itself, and the connection reuses it for the next write
+/// when no parked receive holds it any more.
+#[derive(Default)]
+pub(crate) struct LandingCell(std::cell::RefCell<Option<Landing>>);
+
+impl LandingCell {
+    fn with<R>(&self, f: impl FnOnce(&Landing) -> R) -> R {
+        f(self
+            .0
+            .borrow()
+            .as_ref()
+            .expect("a landing write is in its cell"))
+    }
+}
+
 impl ServedConn<'_> {
     /// The segment and this connection's grant epoch, if the request may
     /// touch it: length within `1..=max`, batch not fenced, segment known,
@@ -88,12 +106,16 @@ impl ServedConn<'_> {
         // The fence's and the revoke's registrations of this write end only
         // when its last receive is reaped: each receive's window holds them,
         // so a receive parked because this future was dropped keeps them too.
-        let landing = Rc::new(Landing {
+        let landing = match self.landing.take() {
+            Some(cell) if Rc::strong_count(&cell) == 1 => cell,
+            _ => Rc::new(LandingCell::default()),
+        };
+        *landing.0.borrow_mut() = Some(Landing {
             fence: self.engine.fences.begin_write(self.session, h.batch),
             grant: LandingGuard::begin(&seg, h.offset, h.length, epoch),
         });
         let (len, mut landed) = (h.length, 0u64);
-        while landed < len && !landing.fence.fenced() && !landing.grant.revoked() {
+        while landed < len && !landing.with(|l| l.fence.fenced() || l.grant.revoked()) {
             let window = Window::new(
                 seg.inner.mem.clone(),
                 (h.offset + landed) as usize,
@@ -101,12 +123,19 @@ impl ServedConn<'_> {
             )
             .keeping(landing.clone());
             let mut op = self.s.read(window);
-            let canceller = op.canceller();
-            landing.fence.set_canceller(Some(canceller.clone()));
-            landing.grant.set_canceller(Some(canceller));
+            let canceller = match &self.canceller {
+                Some(c) => op.canceller_reusing(c),
+                None => self.canceller.insert(op.canceller()).clone(),
+            };
+            landing.with(|l| {
+                l.fence.set_canceller(Some(canceller.clone()));
+                l.grant.set_canceller(Some(canceller));
+            });
             let (res, _window) = op.await;
-            landing.fence.set_canceller(None);
-            landing.grant.set_canceller(None);
+            landing.with(|l| {
+                l.fence.set_canceller(None);
+                l.grant.set_canceller(None);
+            });
             match res {
                 Ok(0) => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => landed += n as u64,
@@ -115,12 +144,13 @@ impl ServedConn<'_> {
                 Err(e) => return Err(e.into()),
             }
         }
-        let revoked = landed < len && landing.grant.revoked();
+        let revoked = landed < len && landing.with(|l| l.grant.revoked());
         // The receive is reaped: a fence or revoke waiting for this write may
         // resolve. The segment goes too: the rest of a cut write lands in
         // scratch, and a stalled sender must not keep the memory (caller-owned
         // memory comes back only when no handle to it is left).
-        drop(landing);
+        drop(landing.0.borrow_mut().take());
+        self.landing = Some(landing);
         drop(seg);
         let st = if landed == len {
             Status::Ok
