@@ -81,7 +81,7 @@ pub(crate) struct Conn {
 }
 
 /// Batches fenced by this initiator, shared by a peer's connections.
-pub(crate) type LocalFences = Rc<RefCell<std::collections::HashSet<u64>>>;
+pub(crate) type LocalFences = Rc<RefCell<super::own_ids::OwnIdSet>>;
 
 /// The session a peer's connections share: chosen by the target for the
 /// first connection, joined (by proving its key) by the others.

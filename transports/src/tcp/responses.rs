@@ -5,7 +5,7 @@
 //! reaped.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 
@@ -68,9 +68,9 @@ pub(super) enum Pending {
 #[derive(Default)]
 pub(super) struct State {
     pub(super) dead: Option<String>,
-    pub(super) pending: HashMap<u64, Pending>,
+    pub(super) pending: super::own_ids::OwnIdMap<Pending>,
     /// Fence waiters; filled with the QPN the target reset (0: none).
-    pub(super) fences: HashMap<u64, Vec<Reply<Result<u64, TransferError>>>>,
+    pub(super) fences: super::own_ids::OwnIdMap<Vec<Reply<Result<u64, TransferError>>>>,
     pub(super) auths: VecDeque<Reply<Result<AuthAck, TransferError>>>,
     pub(super) qp_accepts: VecDeque<Reply<Result<QpAccept, TransferError>>>,
 }
