@@ -28,7 +28,31 @@ use crate::tcp::responses::{read_loop, slot, wait, Pending, State};
 use crate::tcp::split::{bytes_of, Erased, Part};
 
 /// Payloads up to this size travel in the same send as their header.
-const INLINE_PAYLOAD: usize = 16 * 1024;
+pub(crate) const INLINE_PAYLOAD: usize = 16 * 1024;
+
+/// What a write frame carries.
+enum Payload<'a, B> {
+    /// Bytes copied into the frame (small writes).
+    Copied(&'a [u8]),
+    /// A part of the caller's buffer, lent to the send; `true`: `SEND_ZC`.
+    Lent(Part<B>, bool),
+}
+
+impl<B> Payload<'_, B> {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Copied(d) => d.len(),
+            Payload::Lent(p, _) => p.len(),
+        }
+    }
+
+    fn into_part(self) -> Option<Part<B>> {
+        match self {
+            Payload::Copied(_) => None,
+            Payload::Lent(p, _) => Some(p),
+        }
+    }
+}
 
 /// Holds the send half; if dropped before the frame was fully sent (its
 /// future was dropped mid-send), framing is lost and the connection dies.
@@ -382,40 +406,65 @@ impl Conn {
         part: Part<B>,
         zc: bool,
     ) -> (Result<u64, TransferError>, Part<B>) {
+        let (res, part) = self
+            .write_payload(batch, segment, offset, Payload::Lent(part, zc))
+            .await;
+        (res, part.expect("a lent part comes back"))
+    }
+
+    /// Writes `data` (at most [`INLINE_PAYLOAD`] bytes) to `segment[offset..]`,
+    /// copied into the frame with its header: nothing of the caller's buffer
+    /// is lent to the kernel, so nothing needs to share it.
+    pub(crate) async fn write_copied(
+        &self,
+        batch: u64,
+        segment: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<u64, TransferError> {
+        debug_assert!(data.len() <= INLINE_PAYLOAD);
+        self.write_payload::<Vec<u8>>(batch, segment, offset, Payload::Copied(data))
+            .await
+            .0
+    }
+
+    async fn write_payload<B: IoBuf>(
+        &self,
+        batch: u64,
+        segment: u64,
+        offset: u64,
+        payload: Payload<'_, B>,
+    ) -> (Result<u64, TransferError>, Option<Part<B>>) {
         let id = self.new_id();
         let result = slot();
         if self.register(id, Pending::Write(result.clone())).is_err() {
-            return (Err(self.lost()), part);
+            return (Err(self.lost()), payload.into_part());
         }
         let h = Header {
             batch,
             task: id,
             segment,
             offset,
-            length: part.len() as u64,
+            length: payload.len() as u64,
             ..Header::new(Opcode::Write)
         };
         let mut g = self.send_guard().await;
         if self.fenced_locally(&mut g, id, batch) {
-            return (Err(TransferError::Fenced), part);
+            return (Err(TransferError::Fenced), payload.into_part());
         }
-        let (sent, part) = if part.len() <= INLINE_PAYLOAD {
+        let (sent, part) = match payload {
+            Payload::Copied(data) => (self.send_inline(&h, data).await, None),
             // Small: header and payload in one send.
-            let mut out = self.frames.borrow_mut().pop().unwrap_or_default();
-            out.clear();
-            out.reserve(HEADER_LEN + part.len());
-            out.extend_from_slice(&h.encode());
-            out.extend_from_slice(bytes_of(&part));
-            let (res, out) = self.stream.write_all(out).await;
-            if out.capacity() <= HEADER_LEN + INLINE_PAYLOAD {
-                self.frames.borrow_mut().push(out);
+            Payload::Lent(part, _) if part.len() <= INLINE_PAYLOAD => {
+                (self.send_inline(&h, bytes_of(&part)).await, Some(part))
             }
-            (res, part)
-        } else {
-            match self.stream.write_all(h.encode().to_vec()).await.0 {
-                Err(e) => (Err(e), part),
-                Ok(()) if zc => self.stream.write_all_zc(part).await,
-                Ok(()) => self.stream.write_all(part).await,
+            Payload::Lent(part, zc) => {
+                let (res, part) = match self.stream.write_all(h.encode().to_vec()).await.0 {
+                    Err(e) => (Err(e), part),
+                    Ok(()) if zc => self.stream.write_all_zc(part).await,
+                    Ok(()) => self.stream.write_all(part).await,
+                };
+                (res, Some(part))
             }
         };
         g.complete = sent.is_ok();
@@ -426,6 +475,21 @@ impl Conn {
             return (Err(self.lost()), part);
         }
         (wait(&result).await, part)
+    }
+
+    /// Sends `h` and `data` as one frame from the connection's pool of frame
+    /// buffers.
+    async fn send_inline(&self, h: &Header, data: &[u8]) -> std::io::Result<()> {
+        let mut out = self.frames.borrow_mut().pop().unwrap_or_default();
+        out.clear();
+        out.reserve(HEADER_LEN + data.len());
+        out.extend_from_slice(&h.encode());
+        out.extend_from_slice(data);
+        let (res, out) = self.stream.write_all(out).await;
+        if out.capacity() <= HEADER_LEN + INLINE_PAYLOAD {
+            self.frames.borrow_mut().push(out);
+        }
+        res
     }
 
     /// Reads `segment[offset..offset + part.len()]` into `part`.

@@ -14,8 +14,8 @@ use crate::control::auth::Token;
 use crate::control::wire::{Descriptor, SegmentRef, Status};
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
-use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding};
-use crate::tcp::split::{set_filled, Part, SplitBuf};
+use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding, INLINE_PAYLOAD};
+use crate::tcp::split::{init_bytes, set_filled, Part, SplitBuf};
 
 /// How an initiator talks to peers.
 #[derive(Debug, Clone)]
@@ -494,9 +494,7 @@ impl RemoteSegment {
             // One slice: run it in place. If this future is dropped mid-send,
             // the connection's send guard kills the connection (framing is
             // lost) and the parked op keeps the part alive until reaped.
-            let i = inner.rr.get();
-            inner.rr.set(i.wrapping_add(1));
-            let conn = self.peer.conn(1 + i % n).await?;
+            let conn = self.next_conn().await?;
             return slice(conn, 0, shared.part(0, len as usize)).await;
         }
         let handles: Vec<_> = slices(len, inner.params.slice_size)
@@ -518,6 +516,16 @@ impl RemoteSegment {
         check_range(offset, len, self.desc.len)
     }
 
+    /// The next data connection, round-robin.
+    async fn next_conn(&self) -> Result<Rc<Conn>, TransferError> {
+        let inner = &self.peer.inner;
+        let i = inner.rr.get();
+        inner.rr.set(i.wrapping_add(1));
+        self.peer
+            .conn(1 + i % inner.params.connections.max(1))
+            .await
+    }
+
     /// Writes the initialised bytes of `src` to `offset`, sliced and striped
     /// over the peer's connections. Resolves when every slice has its answer
     /// and every local operation has returned its part of `src`.
@@ -530,6 +538,18 @@ impl RemoteSegment {
         let len = src.bytes_init() as u64;
         if let Err(e) = self.check(offset, len) {
             return (Err(e), src);
+        }
+        if len <= INLINE_PAYLOAD as u64 {
+            // Copied into the frame: nothing of `src` is lent, so nothing
+            // needs to share it (no `SplitBuf`).
+            let conn = match self.next_conn().await {
+                Ok(c) => c,
+                Err(e) => return (Err(e), src),
+            };
+            let res = conn
+                .write_copied(batch, self.desc.id, offset, init_bytes(&src))
+                .await;
+            return (res, src);
         }
         let shared = SplitBuf::source(src);
         let p = &self.peer.inner.params;

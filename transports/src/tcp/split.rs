@@ -104,6 +104,13 @@ unsafe impl<B: IoBufMut> IoBufMut for Part<B> {
 }
 
 /// The initialised bytes of a part (to copy a small payload next to its header).
+/// The initialised bytes of a whole buffer.
+pub(crate) fn init_bytes<B: IoBuf>(b: &B) -> &[u8] {
+    // SAFETY: `IoBuf`'s contract: `stable_ptr` points at `bytes_init`
+    // initialised bytes that stay valid while `b` is borrowed; only read here.
+    unsafe { std::slice::from_raw_parts(b.stable_ptr(), b.bytes_init()) }
+}
+
 pub(crate) fn bytes_of<B: IoBuf>(p: &Part<B>) -> &[u8] {
     // SAFETY: the part's range is initialised source memory (parts of a source
     // cover `bytes_init`), alive while `p` is borrowed, and only read here.
