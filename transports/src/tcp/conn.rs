@@ -24,7 +24,7 @@ use crate::control::wire::{
 };
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
-use crate::tcp::responses::{read_loop, slot, wait, Pending, State};
+use crate::tcp::responses::{read_loop, slot, wait, Pending, Reply, State};
 use crate::tcp::split::{bytes_of, Erased, Part};
 
 /// Payloads up to this size travel in the same send as their header.
@@ -96,6 +96,9 @@ pub(crate) struct Conn {
     join: [u8; 32],
     /// Frame buffers of small writes, reused (header and payload in one send).
     frames: RefCell<Vec<Vec<u8>>>,
+    /// Answered requests' result slots, for the next requests (see
+    /// [`Conn::reply`]).
+    replies: RefCell<Vec<Reply<Result<u64, TransferError>>>>,
     /// Run once when the connection ends (RDMA: reset the queue pair set up
     /// on it, whose peer may be gone with it).
     pub(super) on_close: RefCell<Vec<Box<dyn FnOnce()>>>,
@@ -205,6 +208,7 @@ impl Conn {
             join,
             fenced: p.fenced.clone(),
             frames: RefCell::default(),
+            replies: RefCell::default(),
             on_close: RefCell::default(),
         });
         // The reader holds the connection until the socket ends (kill/abort
@@ -436,7 +440,7 @@ impl Conn {
         payload: Payload<'_, B>,
     ) -> (Result<u64, TransferError>, Option<Part<B>>) {
         let id = self.new_id();
-        let result = slot();
+        let result = self.reply();
         if self.register(id, Pending::Write(result.clone())).is_err() {
             return (Err(self.lost()), payload.into_part());
         }
@@ -474,7 +478,30 @@ impl Conn {
             self.kill(&e.to_string());
             return (Err(self.lost()), part);
         }
-        (wait(&result).await, part)
+        (self.answer(result).await, part)
+    }
+
+    /// A result slot for a request: an answered one's, or a new one.
+    fn reply(&self) -> Reply<Result<u64, TransferError>> {
+        self.replies.borrow_mut().pop().unwrap_or_else(slot)
+    }
+
+    /// Waits for the answer in `result`, then keeps the slot for the next
+    /// request if nothing else holds it (the reader dropped its copy when it
+    /// filled it).
+    async fn answer(
+        &self,
+        result: Reply<Result<u64, TransferError>>,
+    ) -> Result<u64, TransferError> {
+        let r = wait(&result).await;
+        if Rc::strong_count(&result) == 1 {
+            result.borrow_mut().clear();
+            let mut spare = self.replies.borrow_mut();
+            if spare.len() < 64 {
+                spare.push(result);
+            }
+        }
+        r
     }
 
     /// Sends `h` and `data` as one frame from the connection's pool of frame
@@ -501,7 +528,7 @@ impl Conn {
         part: Part<B>,
     ) -> Result<u64, TransferError> {
         let id = self.new_id();
-        let result = slot();
+        let result = self.reply();
         let len = part.len() as u64;
         if self
             .register(
@@ -536,7 +563,7 @@ impl Conn {
             self.kill(&e.to_string());
             return Err(self.lost());
         }
-        wait(&result).await
+        self.answer(result).await
     }
 
     /// True if `batch` was fenced by this initiator: request `id` is then

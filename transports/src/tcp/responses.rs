@@ -23,6 +23,14 @@ pub(super) struct Slot<T> {
     waker: Option<Waker>,
 }
 
+impl<T> Slot<T> {
+    /// Empties the slot for another request.
+    pub(super) fn clear(&mut self) {
+        self.value = None;
+        self.waker = None;
+    }
+}
+
 pub(super) type Reply<T> = Rc<RefCell<Slot<T>>>;
 
 pub(super) fn slot<T>() -> Reply<T> {
