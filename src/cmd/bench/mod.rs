@@ -241,6 +241,20 @@ pub struct Sample {
     pub allocs: u64,
 }
 
+impl Sample {
+    /// An iteration of `case` without a fence that started at `t0` with
+    /// `a0` allocations made (the hand-written initiators).
+    pub fn unfenced(case: Case, t0: Instant, a0: u64) -> Sample {
+        let took = t0.elapsed();
+        Sample {
+            took,
+            bytes: case.bytes(),
+            fence: None,
+            allocs: allocations() - a0,
+        }
+    }
+}
+
 /// Heap allocations this process has made (the `quiesce` binary's counting
 /// allocator). Only the measured initiator runs while a chunk does, so a
 /// difference around one iteration is that iteration's.

@@ -122,13 +122,7 @@ impl Tokio {
                         c.status().await?;
                     }
                 }
-                let took = t0.elapsed();
-                out.push(Sample {
-                    took,
-                    bytes: case.bytes(),
-                    fence: None,
-                    allocs: super::allocations() - a0,
-                });
+                out.push(Sample::unfenced(case, t0, a0));
             }
             Ok(out)
         })
