@@ -66,10 +66,25 @@ async fn open(
     t: &TargetChild,
     name: &str,
 ) -> RemoteSegment {
-    let addr = dir
-        .resolve(node)
-        .expect("the target is in the directory")
-        .addr;
+    // After a partition the target's lease may have run out while its
+    // keep-alives sat behind TCP's backed-off retransmissions; its session
+    // publishes again once etcd answers. Wait for that (DESIGN §15.3).
+    let since = Instant::now();
+    let addr = loop {
+        match dir.resolve(node) {
+            Ok(r) => break r.addr,
+            Err(_) if since.elapsed() < Duration::from_secs(TTL + 5) => {
+                time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the target is not back in the directory: {e}"),
+        }
+    };
+    if since.elapsed() > Duration::from_millis(100) {
+        eprintln!(
+            "{node} was back in the directory after {:?}",
+            since.elapsed()
+        );
+    }
     assert_eq!(addr, t.addr);
     e.connect(addr)
         .await
