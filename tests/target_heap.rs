@@ -1,7 +1,7 @@
-//! The target's write path allocates nothing per write once warm: a
-//! `quiesce target` process, 4 KiB and 64 KiB writes through the batch API,
-//! and the target's own heap counters (its `heap` stdin command) around
-//! them. Counts, not times: the machine's noise cannot move them.
+//! The target's data path allocates nothing per request once warm: a
+//! `quiesce target` process, 4 KiB and 64 KiB writes and reads through the
+//! batch API, and the target's own heap counters (its `heap` stdin command)
+//! around them. Counts, not times: the machine's noise cannot move them.
 
 use std::path::Path;
 
@@ -13,7 +13,7 @@ use quiesce::transports::{AlignedBuf, Engine, EngineConfig};
 const WRITES: u64 = 500;
 
 #[test]
-fn a_warm_target_allocates_nothing_per_write() {
+fn a_warm_target_allocates_nothing_per_write_or_read() {
     let mut t =
         TargetChild::spawn(Path::new(env!("CARGO_BIN_EXE_quiesce")), 1 << 20, false).unwrap();
     // What one `heap` command costs the target itself.
@@ -26,16 +26,25 @@ fn a_warm_target_allocates_nothing_per_write() {
         let kv = peer.open("kv", t.tokens["kv"]).await.unwrap();
         (e, kv)
     });
-    for size in [4usize << 10, 64 << 10] {
+    for (size, write) in [
+        (4usize << 10, true),
+        (64 << 10, true),
+        (4 << 10, false),
+        (64 << 10, false),
+    ] {
         let mut buf = AlignedBuf::from_slice(&vec![5u8; size]);
         let run = |n: u64, buf: AlignedBuf| {
             rt.block_on(async {
                 let mut buf = buf;
                 for _ in 0..n {
                     let mut b = Batch::new(Tcp, BatchOptions::default());
-                    b.write(buf, RemoteRange::new(&kv, 0, size as u64))
-                        .ok()
-                        .unwrap();
+                    let range = RemoteRange::new(&kv, 0, size as u64);
+                    match write {
+                        true => b.write(buf, range),
+                        false => b.read(buf, range),
+                    }
+                    .ok()
+                    .unwrap();
                     let q = b.submit().await.quiesced().await;
                     assert!(q.all_completed(), "{:?}", q.tasks());
                     buf = q.into_buffers().pop().unwrap();
@@ -52,7 +61,8 @@ fn a_warm_target_allocates_nothing_per_write() {
         // (an Rc, a Vec, a boxed future) would be WRITES.
         assert!(
             made < WRITES / 10,
-            "{size}-byte writes: the target made {made} allocations for {WRITES} writes"
+            "{size}-byte {}: the target made {made} allocations for {WRITES} of them",
+            if write { "writes" } else { "reads" }
         );
     }
     rt.block_on(async { e.shutdown() });

@@ -63,33 +63,50 @@ pub(crate) async fn discard(s: &TcpStream, mut len: u64) -> io::Result<()> {
     Ok(())
 }
 
-/// Frame buffers up to this size go back to [`SPARE_FRAMES`] after a send.
-const SPARE_FRAME_LEN: usize = 4096;
+/// Frames up to this size are built in [`SPARE_FRAMES`]' buffers (a header
+/// and an inline read's 16 KiB of data).
+const SPARE_FRAME_LEN: usize = HEADER_LEN + 16 * 1024;
+
+/// Spare frame buffers kept per thread at most (256 KiB in all).
+const SPARE_FRAMES_MAX: usize = 16;
 
 thread_local! {
     /// Sent frames' buffers, for the next frames of this thread's reactor: a
-    /// status or a small control frame allocates nothing once warm. A buffer
-    /// whose send was dropped mid-flight stays with its parked op instead.
+    /// status, a small read's answer or a control frame allocates nothing
+    /// once warm. A buffer whose send was dropped mid-flight stays with its
+    /// parked op instead.
     static SPARE_FRAMES: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Sends a header and an optional payload as one write.
 pub(crate) async fn send_frame(s: &TcpStream, h: &Header, payload: &[u8]) -> io::Result<()> {
-    let len = HEADER_LEN + payload.len();
-    let mut out = if len <= SPARE_FRAME_LEN {
+    send_frame_filled(s, h, payload.len(), |b| b.copy_from_slice(payload)).await
+}
+
+/// Sends a header and `len` bytes of payload that `fill` writes straight
+/// into the frame, as one write.
+pub(crate) async fn send_frame_filled(
+    s: &TcpStream,
+    h: &Header,
+    len: usize,
+    fill: impl FnOnce(&mut [u8]),
+) -> io::Result<()> {
+    let total = HEADER_LEN + len;
+    let mut out = if total <= SPARE_FRAME_LEN {
         SPARE_FRAMES
             .with_borrow_mut(Vec::pop)
             .unwrap_or_else(|| Vec::with_capacity(SPARE_FRAME_LEN))
     } else {
-        Vec::with_capacity(len)
+        Vec::with_capacity(total)
     };
     out.clear();
     out.extend_from_slice(&h.encode());
-    out.extend_from_slice(payload);
+    out.resize(total, 0);
+    fill(&mut out[HEADER_LEN..]);
     let (res, out) = s.write_all(out).await;
     if out.capacity() <= SPARE_FRAME_LEN {
         SPARE_FRAMES.with_borrow_mut(|spare| {
-            if spare.len() < 64 {
+            if spare.len() < SPARE_FRAMES_MAX {
                 spare.push(out);
             }
         });

@@ -11,7 +11,7 @@
 use std::io;
 use std::rc::Rc;
 
-use crate::control::frame::{discard, send_frame};
+use crate::control::frame::{discard, send_frame, send_frame_filled};
 use crate::control::revoke::LandingGuard;
 use crate::control::server::{reject, status_frame, Closed, ServedConn};
 use crate::control::wire::{Header, Opcode, Status};
@@ -180,10 +180,12 @@ impl ServedConn<'_> {
             ..*h
         };
         if h.length <= INLINE_READ {
-            // Small: header and data in one send, one reactor turn.
-            let mut data = vec![0u8; h.length as usize];
-            seg.read_at(h.offset, &mut data);
-            send_frame(self.s, &head, &data).await?;
+            // Small: header and data in one send, one reactor turn, the data
+            // copied from the segment straight into the frame (checked above).
+            send_frame_filled(self.s, &head, h.length as usize, |b| {
+                seg.read_at(h.offset, b);
+            })
+            .await?;
             return Ok(());
         }
         send_frame(self.s, &head, &[]).await?;
