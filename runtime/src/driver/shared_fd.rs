@@ -30,10 +30,10 @@ struct FdCell {
 }
 
 /// A send operation's place in its fd's count of senders (see
-/// [`SharedFd::sender`]); it holds the fd too.
-pub(crate) struct Sender(SharedFd);
+/// [`SharedFd::pending_send`]); it holds the fd too.
+pub(crate) struct PendingSend(SharedFd);
 
-impl Sender {
+impl PendingSend {
     /// The fd.
     pub(crate) fn fd(&self) -> &SharedFd {
         &self.0
@@ -46,7 +46,7 @@ impl Sender {
     }
 }
 
-impl Drop for Sender {
+impl Drop for PendingSend {
     fn drop(&mut self) {
         let n = &(self.0).0.senders;
         n.set(n.get() - 1);
@@ -68,9 +68,9 @@ impl SharedFd {
     }
 
     /// Counts a send operation on the fd for as long as the guard lives.
-    pub(crate) fn sender(&self) -> Sender {
+    pub(crate) fn pending_send(&self) -> PendingSend {
         self.0.senders.set(self.0.senders.get() + 1);
-        Sender(self.clone())
+        PendingSend(self.clone())
     }
 
     /// The descriptor number, valid while this `SharedFd` lives.

@@ -7,7 +7,7 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBuf};
-use crate::driver::shared_fd::{Sender, SharedFd};
+use crate::driver::shared_fd::{PendingSend, SharedFd};
 use crate::driver::Interest;
 
 /// Sends of at most this many bytes try the socket before the ring.
@@ -21,14 +21,14 @@ pub(crate) const TRY_FIRST_MAX: usize = 16 * 1024;
 /// is on the wire without waiting for the next park and without a completion
 /// to reap. Only if the socket buffer is full does it go through the ring.
 pub struct Send<B> {
-    fd: Sender,
+    fd: PendingSend,
     buf: B,
 }
 
 impl<B: IoBuf> Send<B> {
     pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
         Send {
-            fd: fd.sender(),
+            fd: fd.pending_send(),
             buf,
         }
     }

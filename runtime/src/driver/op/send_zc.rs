@@ -12,21 +12,21 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBuf};
-use crate::driver::shared_fd::{Sender, SharedFd};
+use crate::driver::shared_fd::{PendingSend, SharedFd};
 use crate::driver::Interest;
 
 /// Sends `buf` without copying it into the socket buffer (io_uring).
 pub struct SendZc<B> {
     /// Counted with the socket's other sends, so a small plain send never
     /// overtakes it (see `Send`).
-    fd: Sender,
+    fd: PendingSend,
     buf: B,
 }
 
 impl<B: IoBuf> SendZc<B> {
     pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
         SendZc {
-            fd: fd.sender(),
+            fd: fd.pending_send(),
             buf,
         }
     }
