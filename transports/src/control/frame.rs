@@ -80,7 +80,10 @@ thread_local! {
 
 /// Sends a header and an optional payload as one write.
 pub(crate) async fn send_frame(s: &TcpStream, h: &Header, payload: &[u8]) -> io::Result<()> {
-    send_frame_filled(s, h, payload.len(), |b| b.copy_from_slice(payload)).await
+    let mut out = frame_buffer(HEADER_LEN + payload.len());
+    out.extend_from_slice(&h.encode());
+    out.extend_from_slice(payload);
+    send_frame_buffer(s, out).await
 }
 
 /// Sends a header and `len` bytes of payload that `fill` writes straight
@@ -91,7 +94,15 @@ pub(crate) async fn send_frame_filled(
     len: usize,
     fill: impl FnOnce(&mut [u8]),
 ) -> io::Result<()> {
-    let total = HEADER_LEN + len;
+    let mut out = frame_buffer(HEADER_LEN + len);
+    out.extend_from_slice(&h.encode());
+    out.resize(HEADER_LEN + len, 0);
+    fill(&mut out[HEADER_LEN..]);
+    send_frame_buffer(s, out).await
+}
+
+/// An empty buffer for a frame of `total` bytes: a spare one if it fits.
+fn frame_buffer(total: usize) -> Vec<u8> {
     let mut out = if total <= SPARE_FRAME_LEN {
         SPARE_FRAMES
             .with_borrow_mut(Vec::pop)
@@ -100,9 +111,11 @@ pub(crate) async fn send_frame_filled(
         Vec::with_capacity(total)
     };
     out.clear();
-    out.extend_from_slice(&h.encode());
-    out.resize(total, 0);
-    fill(&mut out[HEADER_LEN..]);
+    out
+}
+
+/// Sends `out` whole, then keeps it as a spare if it is small enough.
+async fn send_frame_buffer(s: &TcpStream, out: Vec<u8>) -> io::Result<()> {
     let (res, out) = s.write_all(out).await;
     if out.capacity() <= SPARE_FRAME_LEN {
         SPARE_FRAMES.with_borrow_mut(|spare| {
