@@ -46,3 +46,10 @@ pub use driver::{Canceller, DriverKind, Op};
 pub use executor::{spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle};
 pub use runtime::{BuildError, Builder, Runtime, Undrained};
 pub use stats::{stats, try_stats, Stats};
+
+/// False once this thread's thread-locals are being torn down (the thread
+/// is exiting): no runtime can be entered on it any more, and a runtime
+/// dropped now leaks what its ops hold rather than free it.
+pub fn thread_alive() -> bool {
+    context::thread_alive()
+}

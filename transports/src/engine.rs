@@ -84,6 +84,17 @@ impl Drop for LastHandle {
     }
 }
 
+/// Refuses settings no engine can run with.
+fn check(config: &EngineConfig) -> io::Result<()> {
+    if config.slice_size == 0 || config.slice_size as u64 > config.max_frame {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "slice_size must be in 1..=max_frame",
+        ));
+    }
+    Ok(())
+}
+
 /// Closes every peer (the engine shuts down).
 fn close_peers(peers: &RefCell<HashMap<SocketAddr, Peer>>) {
     let peers: Vec<Peer> = peers.borrow_mut().drain().map(|p| p.1).collect();
@@ -93,15 +104,32 @@ fn close_peers(peers: &RefCell<HashMap<SocketAddr, Peer>>) {
 impl Engine {
     /// Listens on `config.listen` and starts serving. Call inside a runtime.
     pub fn bind(config: EngineConfig) -> io::Result<Engine> {
-        if config.slice_size == 0 || config.slice_size as u64 > config.max_frame {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "slice_size must be in 1..=max_frame",
-            ));
-        }
+        check(&config)?;
         let listener = TcpListener::bind(config.listen)?;
+        let engine = Engine::with_target(config, listener.local_addr()?);
+        let inner = &engine.inner;
+        let accept = crate::control::accept::accept_loop(
+            listener,
+            Rc::downgrade(inner),
+            inner.admission.clone(),
+        );
+        inner.tasks.borrow_mut().push(accept);
+        Ok(engine)
+    }
+
+    /// An engine for the initiator role only: it opens peers and serves
+    /// nothing — it listens nowhere, so no peer can reach a segment of it.
+    /// Its [`local_addr`](Self::local_addr) is `config.listen`, unbound.
+    /// Call inside a runtime.
+    pub fn initiator(config: EngineConfig) -> io::Result<Engine> {
+        check(&config)?;
+        let at = config.listen;
+        Ok(Engine::with_target(config, at))
+    }
+
+    fn with_target(config: EngineConfig, local_addr: SocketAddr) -> Engine {
         let inner = Rc::new(Target {
-            local_addr: listener.local_addr()?,
+            local_addr,
             config,
             segments: RefCell::default(),
             next_segment: Cell::new(1),
@@ -114,21 +142,15 @@ impl Engine {
             counters: Counters::default(),
             qp_plane: RefCell::default(),
         });
-        let accept = crate::control::accept::accept_loop(
-            listener,
-            Rc::downgrade(&inner),
-            inner.admission.clone(),
-        );
-        inner.tasks.borrow_mut().push(accept);
         let peers = Rc::new(RefCell::new(HashMap::new()));
-        Ok(Engine {
+        Engine {
             _last: Rc::new(LastHandle {
                 target: Rc::downgrade(&inner),
                 peers: Rc::downgrade(&peers),
             }),
             inner,
             peers,
-        })
+        }
     }
 
     /// The address peers connect to.
