@@ -64,6 +64,14 @@ pub(crate) struct Lent {
 }
 
 impl Setup {
+    /// The TCP engine's settings (`None` on RDMA).
+    pub(crate) fn tcp_config(&self) -> Option<EngineConfig> {
+        match self {
+            Setup::Tcp(cfg) => Some(cfg.clone()),
+            Setup::Rdma(_) => None,
+        }
+    }
+
     /// Binds the engine (on the engine's thread, inside its runtime).
     pub(crate) fn bind(self) -> Result<(Engine, Fabric), String> {
         match self {

@@ -186,7 +186,10 @@ impl SyncEngine {
         self.call(move |st, tx| {
             let st = st.clone();
             spawn_local(async move {
-                let r = async { Ok(st.keep(st.fabric.open(&st.engine, peer, by, token).await?)) };
+                let r = async {
+                    let seg = st.fabric.open(&st.engine, peer, by, token).await?;
+                    Ok(st.keep(seg, peer, token, None))
+                };
                 let _ = tx.send(r.await);
             });
         })?

@@ -1,6 +1,9 @@
 //! Blocking use from code that has no async runtime: a [`SyncEngine`] runs a
 //! runtime and a transfer engine on its own thread; calls block until the
-//! batch has an outcome and return the C-compatible code.
+//! batch has an outcome and return the C-compatible code. Small TCP batches
+//! run on a *lane* of the calling thread instead (its own runtime and
+//! connections, on copies of the caller's bytes: see the `lane` module and
+//! [`SyncEngine::caller_lanes`]), which spares them two thread hand-offs.
 //!
 //! | code | meaning | the buffers |
 //! |---:|---|---|
@@ -27,7 +30,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::Duration;
 
@@ -39,9 +42,13 @@ use quiesce_transports::{Engine, EngineConfig, Token, TransferError};
 use crate::{BatchOptions, Outcome, Quiesced, TaskReport, Ticket, SYNC_UNKNOWN};
 
 mod fabric;
+mod lane;
 mod memory;
 
 use fabric::{Fabric, Lent, Opened, SegmentBy, Setup};
+use lane::{LaneKey, Lanes};
+
+pub use lane::{LANE_MAX_BYTES, LANE_MAX_TASKS};
 
 pub use memory::OpenedSegment;
 
@@ -96,19 +103,36 @@ struct State {
     /// Tickets of batches whose completion is unknown, by id.
     tickets: Rc<RefCell<HashMap<u64, Box<dyn Any>>>>,
     next_ticket: Rc<Cell<u64>>,
+    /// Shared with the callers' lanes: how they open each handle.
+    lanes: Arc<Lanes>,
 }
 
 impl State {
-    /// Keeps an opened segment; batches name it by the returned handle.
-    fn keep(&self, seg: Opened) -> OpenedSegment {
+    /// Keeps a segment opened at `peer` with `token` (by `name`, or by
+    /// address); batches name it by the returned handle.
+    fn keep(
+        &self,
+        seg: Opened,
+        peer: SocketAddr,
+        token: Token,
+        name: Option<String>,
+    ) -> OpenedSegment {
         let (base, len) = seg.extent();
+        let key = match &seg {
+            Opened::Tcp(s) => Some(LaneKey {
+                peer,
+                token,
+                name,
+                id: s.id(),
+                base,
+            }),
+            Opened::Rdma(_) => None,
+        };
         let mut segs = self.segments.borrow_mut();
         segs.push(seg);
-        OpenedSegment {
-            segment: segs.len() as u32 - 1,
-            base,
-            len,
-        }
+        let segment = segs.len() as u32 - 1;
+        self.lanes.record(segment, key);
+        OpenedSegment { segment, base, len }
     }
 }
 
@@ -123,6 +147,8 @@ pub struct SyncEngine {
     released: std::sync::Mutex<HashMap<u64, memory::Lending>>,
     /// Answers how the runtime's shutdown went (ops still live after it).
     thread: Option<thread::JoinHandle<usize>>,
+    /// Small batches run on their callers' threads ([`lane`]).
+    lanes: Arc<Lanes>,
 }
 
 /// Errors of the sync API that happen before any transfer starts.
@@ -192,6 +218,8 @@ impl SyncEngine {
     }
 
     fn start_on(setup: Setup, spin: Duration) -> Result<SyncEngine, SyncError> {
+        let lanes = Arc::new(Lanes::new(setup.tcp_config(), spin));
+        let lanes_st = lanes.clone();
         let (jobs, mut rx) = channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread = thread::Builder::new()
@@ -220,6 +248,7 @@ impl SyncEngine {
                         lent: Rc::default(),
                         tickets: Rc::default(),
                         next_ticket: Rc::new(Cell::new(1)),
+                        lanes: lanes_st,
                     };
                     // A job's sender wakes this runtime from the caller's thread.
                     while let Some(job) = rx.recv().await {
@@ -244,6 +273,7 @@ impl SyncEngine {
                 spin,
                 released: Default::default(),
                 thread: Some(thread),
+                lanes,
             }),
             Ok(Err(e)) => Err(SyncError::Setup(e)),
             Err(_) => Err(SyncError::Stopped),
@@ -280,11 +310,23 @@ impl SyncEngine {
         self.call(move |st, tx| {
             let st = st.clone();
             spawn_local(async move {
-                let by = SegmentBy::Name(name);
-                let r = async { Ok(st.keep(st.fabric.open(&st.engine, addr, by, token).await?)) };
+                let by = SegmentBy::Name(name.clone());
+                let r = async {
+                    let seg = st.fabric.open(&st.engine, addr, by, token).await?;
+                    Ok(st.keep(seg, addr, token, Some(name)))
+                };
                 let _ = tx.send(r.await);
             });
         })?
+    }
+
+    /// Lets small TCP batches of [`run`](Self::run) and
+    /// [`batch`](Self::batch) run on the calling thread (on by default;
+    /// `QUIESCE_CALLER_LANES=0` turns it off for every engine). See the
+    /// `lane` module: a lane copies the caller's bytes, so nothing but the
+    /// call itself ever touches the caller's buffers.
+    pub fn caller_lanes(&self, on: bool) {
+        self.lanes.set(on);
     }
 
     /// Runs a batch of `dir` tasks and blocks until its outcome.
@@ -304,6 +346,13 @@ impl SyncEngine {
         tasks: Vec<(Direction, SyncTask<B>)>,
         opts: BatchOptions,
     ) -> Result<SyncOutcome<B>, SyncError> {
+        if self.jobs.is_none() {
+            return Err(SyncError::Stopped);
+        }
+        let (tasks, opts) = match self.lanes.run(tasks, opts) {
+            Ok(answer) => return answer,
+            Err(back) => back,
+        };
         self.call(move |st, tx| {
             let reply = tx.clone();
             if let Err(e) = launch(st, tasks, opts, move |out| {
@@ -493,6 +542,7 @@ impl SyncEngine {
     }
 
     fn join(&mut self) -> Result<(), SyncError> {
+        self.lanes.stop();
         // Closing the job channel stops the loop; the runtime then drains.
         drop(self.jobs.take());
         match self.thread.take().map(thread::JoinHandle::join) {

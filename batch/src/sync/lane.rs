@@ -1,0 +1,456 @@
+//! Caller lanes: a small sync batch runs on the calling thread.
+//!
+//! A [`SyncEngine`](super::SyncEngine) call hands its batch to the engine's
+//! thread and waits for the answer: two cross-thread hand-offs per call,
+//! and on a machine with few cores a third busy thread (the caller's spin)
+//! beside the engine's and the peer's. For a 4 KiB write that is most of
+//! the round trip. A **lane** is a runtime and an initiator-only engine of
+//! the calling thread's own (made on its first small batch, kept in a
+//! thread-local), on which small TCP batches run in place: the caller's
+//! thread submits, spins on its own ring and reaps its own answer.
+//!
+//! A lane never lends the caller's memory to anything: a write's bytes are
+//! copied into a buffer of the lane's before the batch starts, and a read
+//! lands in one and is copied out when its task completed. The batch runs
+//! on those copies under the whole contract (fences, deadline, remote
+//! confirmation). So when the call returns, nothing can touch the caller's
+//! buffers, whatever the batch's outcome: a batch whose own completion is
+//! unknown (its fence did not finish in time) keeps only the lane's copies,
+//! and the call answers -1 with every task `Fenced` and the target
+//! unconfirmed — true for the caller's memory, and honest about the
+//! target's. Such a batch drains on the lane's runtime the next time that
+//! thread runs a batch, or when the lane is dropped.
+//!
+//! Lanes take TCP batches of at most [`LANE_MAX_TASKS`] tasks and
+//! [`LANE_MAX_BYTES`] bytes, from threads outside any quiesce runtime; a
+//! lane opens its own connection to each peer (its own session at the
+//! target) and proves the same token for the same segment, which must still
+//! have the id the engine opened — anything else runs on the engine's
+//! thread as before. A lane lives until its thread exits or, after its
+//! engine stopped, until the thread's next lane call.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use quiesce_runtime::time::timeout;
+use quiesce_runtime::{Handle, IoBuf, IoBufMut, Runtime, Slice};
+use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Token};
+
+use super::{Direction, SyncError, SyncOutcome, SyncTask};
+use crate::transport::Range;
+use crate::{Batch, BatchOptions, Outcome, RemoteState, TaskReport, TaskStatus, Tcp};
+
+/// Most tasks a lane takes in one batch.
+pub const LANE_MAX_TASKS: usize = 16;
+/// Most bytes (all tasks together) a lane takes in one batch: it copies
+/// them, so past this the engine's zero-copy path is the cheaper one.
+pub const LANE_MAX_BYTES: usize = 256 << 10;
+/// Most lanes (calling threads) one engine has at once; calls from further
+/// threads run on the engine's thread.
+const MAX_LANES: usize = 64;
+/// A lane idle this long takes a reactor turn before its next batch.
+const AWAY: Duration = Duration::from_millis(1);
+/// Spare copy buffers a lane keeps between calls.
+const SPARE_BUFFERS: usize = 16;
+
+/// How a lane opens a segment the engine opened: the same peer, token and
+/// name (or address), and it must be the same segment.
+#[derive(Clone)]
+pub(crate) struct LaneKey {
+    pub(crate) peer: SocketAddr,
+    pub(crate) token: Token,
+    /// Opened by name; `None`: by the address of its first byte.
+    pub(crate) name: Option<String>,
+    /// The segment's id at the peer.
+    pub(crate) id: u64,
+    pub(crate) base: u64,
+}
+
+/// What an engine shares with the lanes of the threads that call it.
+pub(crate) struct Lanes {
+    /// Tells this engine's lanes from other engines' in a thread's list.
+    id: u64,
+    /// The engine's settings (TCP), for the lanes' initiator engines.
+    config: Option<EngineConfig>,
+    spin: Duration,
+    /// By segment handle: how a lane opens it (`None`: not on TCP).
+    pub(crate) keys: Mutex<Vec<Option<LaneKey>>>,
+    /// Set when lanes may take batches (see `SyncEngine::caller_lanes`).
+    on: AtomicBool,
+    /// Set once the engine stopped: its lanes are dropped.
+    stopped: Arc<AtomicBool>,
+    /// Lanes alive now.
+    live: Arc<AtomicUsize>,
+}
+
+static NEXT_ENGINE: AtomicUsize = AtomicUsize::new(1);
+
+thread_local! {
+    /// This thread's lanes, one per engine it ran small batches on.
+    static LANES: RefCell<Vec<Lane>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Lanes {
+    /// Lanes for an engine with these TCP settings (`None`: another fabric,
+    /// no lanes).
+    pub(crate) fn new(config: Option<EngineConfig>, spin: Duration) -> Lanes {
+        let on =
+            config.is_some() && std::env::var("QUIESCE_CALLER_LANES").map_or(true, |v| v != "0");
+        Lanes {
+            id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed) as u64,
+            config,
+            spin,
+            keys: Mutex::default(),
+            on: AtomicBool::new(on),
+            stopped: Arc::default(),
+            live: Arc::default(),
+        }
+    }
+
+    /// Turns lanes on or off (never on for a fabric other than TCP).
+    pub(crate) fn set(&self, on: bool) {
+        self.on
+            .store(on && self.config.is_some(), Ordering::Relaxed);
+    }
+
+    /// Records how lanes open segment handle `handle`.
+    pub(crate) fn record(&self, handle: u32, key: Option<LaneKey>) {
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        let h = handle as usize;
+        if keys.len() <= h {
+            keys.resize(h + 1, None);
+        }
+        keys[h] = key;
+    }
+
+    /// The engine stops: its lanes go (this thread's now, others' at their
+    /// next lane call).
+    pub(crate) fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        let _ = LANES.try_with(|l| {
+            if let Ok(mut l) = l.try_borrow_mut() {
+                l.retain(|lane| !lane.stopped.load(Ordering::Acquire));
+            }
+        });
+    }
+
+    /// Runs `tasks` on this thread's lane if they qualify; gives them back
+    /// untouched if they must run on the engine's thread, with the options
+    /// to run them with there (the deadline less the time the lane took to
+    /// find out it cannot open a segment).
+    pub(crate) fn run<B: IoBufMut>(
+        &self,
+        tasks: Vec<(Direction, SyncTask<B>)>,
+        opts: BatchOptions,
+    ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
+        if !self.on.load(Ordering::Relaxed) || !qualifies(&tasks) {
+            return Err((tasks, opts));
+        }
+        // Inside a runtime the thread is that runtime's: no second one here.
+        // (Asked first, so the runtime's thread-locals outlive the lanes'.)
+        if Handle::try_current().is_some() {
+            return Err((tasks, opts));
+        }
+        let keys: Option<Vec<LaneKey>> = {
+            let all = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+            tasks
+                .iter()
+                .map(|(_, t)| all.get(t.segment as usize).cloned().flatten())
+                .collect()
+        };
+        let Some(keys) = keys else {
+            return Err((tasks, opts));
+        };
+        let r = LANES.try_with(|lanes| {
+            let Ok(mut lanes) = lanes.try_borrow_mut() else {
+                return Err((tasks, opts));
+            };
+            lanes.retain(|l| !l.stopped.load(Ordering::Acquire));
+            let at = match lanes.iter().position(|l| l.engine == self.id) {
+                Some(i) => i,
+                None => match self.lane() {
+                    Some(l) => {
+                        lanes.push(l);
+                        lanes.len() - 1
+                    }
+                    None => return Err((tasks, opts)),
+                },
+            };
+            lanes[at].run(tasks, &keys, opts)
+        });
+        // This thread is exiting: its lanes are gone.
+        r.unwrap_or_else(|e| panic!("quiesce: a lane call while the thread exits: {e}"))
+    }
+
+    /// A new lane for this engine on this thread, unless it has enough.
+    fn lane(&self) -> Option<Lane> {
+        let config = self.config.clone()?;
+        if self.live.fetch_add(1, Ordering::AcqRel) >= MAX_LANES {
+            self.live.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        let live = LiveLane(self.live.clone());
+        let rt = match Runtime::builder().entries(64).spin(self.spin).build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::warn!(error = %e, "no caller lane: its runtime could not start");
+                return None;
+            }
+        };
+        let config = EngineConfig {
+            connections_per_peer: 1,
+            ..config
+        };
+        let engine = match rt.block_on(async { Engine::initiator(config) }) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(error = %e, "no caller lane: its engine could not start");
+                return None;
+            }
+        };
+        Some(Lane {
+            engine: self.id,
+            stopped: self.stopped.clone(),
+            net: Some(engine),
+            opened: HashMap::new(),
+            spare: Vec::new(),
+            last: std::time::Instant::now(),
+            rt,
+            _live: live,
+        })
+    }
+}
+
+/// A batch a lane gives back to the engine's thread, with its options.
+pub(crate) type Fallback<B> = (Vec<(Direction, SyncTask<B>)>, BatchOptions);
+
+/// Small enough for a lane, and every write's bytes initialised.
+fn qualifies<B: IoBufMut>(tasks: &[(Direction, SyncTask<B>)]) -> bool {
+    let mut bytes = 0usize;
+    tasks.len() <= LANE_MAX_TASKS
+        && tasks.iter().all(|(dir, t)| {
+            let n = t.buf.bytes_total();
+            bytes = bytes.saturating_add(n);
+            n > 0 && (*dir == Direction::Read || t.buf.bytes_init() == n)
+        })
+        && bytes <= LANE_MAX_BYTES
+}
+
+/// Counts a lane as alive until it is dropped.
+struct LiveLane(Arc<AtomicUsize>);
+
+impl Drop for LiveLane {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One thread's runtime and initiator for one engine's small batches.
+struct Lane {
+    /// The engine's id ([`Lanes::id`]).
+    engine: u64,
+    stopped: Arc<AtomicBool>,
+    /// The lane's initiator; `None` only while dropping.
+    net: Option<Engine>,
+    /// Segments this lane opened, by the engine's handle; `None`: the lane
+    /// could not open it as the engine did (those batches run there).
+    opened: HashMap<u32, Option<RemoteSegment>>,
+    /// Copy buffers kept for the next call.
+    spare: Vec<Vec<u8>>,
+    /// When the last batch on this lane ended.
+    last: std::time::Instant,
+    /// Dropped after the engine (see `Drop`).
+    rt: Runtime,
+    _live: LiveLane,
+}
+
+/// A task's copy, and where its bytes go back to.
+type Copied = Slice<Vec<u8>>;
+
+impl Lane {
+    fn run<B: IoBufMut>(
+        &mut self,
+        tasks: Vec<(Direction, SyncTask<B>)>,
+        keys: &[LaneKey],
+        opts: BatchOptions,
+    ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
+        let started = std::time::Instant::now();
+        let Some(segs) = self.segments(&tasks, keys, opts.deadline) else {
+            // What the lane spent trying counts against the deadline.
+            let opts = BatchOptions {
+                deadline: opts.deadline.map(|d| d.saturating_sub(started.elapsed())),
+                ..opts
+            };
+            return Err((tasks, opts));
+        };
+        let mut batch = Batch::new(Tcp, opts);
+        let mut dirs = Vec::with_capacity(tasks.len());
+        let mut originals = Vec::with_capacity(tasks.len());
+        for ((dir, t), seg) in tasks.into_iter().zip(&segs) {
+            let n = t.buf.bytes_total();
+            let mut copy = self.spare.pop().unwrap_or_default();
+            copy.clear();
+            let range = Range::new(seg, t.offset, n as u64);
+            let added = match dir {
+                Direction::Write => {
+                    // SAFETY: `IoBuf` promises `bytes_init()` initialised bytes
+                    // at `stable_ptr()` (all `n` of them: `qualifies`), and
+                    // nothing else reaches the buffer while this call holds it.
+                    let src = unsafe { std::slice::from_raw_parts(t.buf.stable_ptr(), n) };
+                    copy.extend_from_slice(src);
+                    batch.write(copy.slice(0..n), range)
+                }
+                Direction::Read => {
+                    copy.reserve(n);
+                    batch.read(copy.slice(0..n), range)
+                }
+            };
+            if let Err(r) = added {
+                // Nothing started; the engine's thread refuses it alike.
+                return Ok(Err(SyncError::Batch(r.reason)));
+            }
+            dirs.push(dir);
+            originals.push(t.buf);
+        }
+        // Submitting starts the transfers: inside the lane's runtime.
+        let outcome = self.rt.block_on(async move { batch.submit().await });
+        self.last = std::time::Instant::now();
+        Ok(Ok(match outcome {
+            Outcome::Quiesced(q) => {
+                let code = q.sync_code();
+                let tasks = q.tasks().to_vec();
+                let remote_confirmed = q.remote_confirmed();
+                let copies = q.into_buffers();
+                for (((dir, report), copy), orig) in dirs
+                    .iter()
+                    .zip(&tasks)
+                    .zip(&copies)
+                    .zip(originals.iter_mut())
+                {
+                    if *dir == Direction::Read && report.status == TaskStatus::Completed {
+                        copy_out(copy, orig);
+                    }
+                }
+                self.keep_spares(copies);
+                SyncOutcome {
+                    code,
+                    buffers: Some(originals),
+                    tasks,
+                    ticket: None,
+                    remote_confirmed,
+                }
+            }
+            Outcome::CompletionUnknown(ticket) => {
+                // Only the copies are held: the batch drains on this lane
+                // later; the caller's buffers were never lent.
+                drop(ticket);
+                let tasks = originals
+                    .iter()
+                    .map(|_| TaskReport {
+                        status: TaskStatus::Fenced,
+                        bytes: 0,
+                        attempts: 1,
+                        remote: RemoteState::Unconfirmed,
+                    })
+                    .collect();
+                SyncOutcome {
+                    code: crate::SYNC_FAILED,
+                    buffers: Some(originals),
+                    tasks,
+                    ticket: None,
+                    remote_confirmed: false,
+                }
+            }
+        }))
+    }
+
+    /// This lane's segment for every task (opening those it has not yet,
+    /// within `deadline`), or `None` if one cannot be opened here as the
+    /// engine opened it — or not in time: a peer that does not answer now
+    /// is tried again by the next call.
+    fn segments<B>(
+        &mut self,
+        tasks: &[(Direction, SyncTask<B>)],
+        keys: &[LaneKey],
+        deadline: Option<Duration>,
+    ) -> Option<Vec<RemoteSegment>> {
+        let net = self.net.clone()?;
+        let started = std::time::Instant::now();
+        let mut out = Vec::with_capacity(tasks.len());
+        for ((_, t), key) in tasks.iter().zip(keys) {
+            let seg = match self.opened.get(&t.segment) {
+                Some(s) => s.clone(),
+                None => {
+                    let opening = open(&net, key);
+                    let s = match deadline {
+                        Some(d) => {
+                            let left = d.saturating_sub(started.elapsed());
+                            let r = self.rt.block_on(timeout(left, opening));
+                            r.ok()?
+                        }
+                        None => self.rt.block_on(opening),
+                    };
+                    self.opened.insert(t.segment, s.clone());
+                    s
+                }
+            };
+            out.push(seg?);
+        }
+        // Connections the peer closed while this thread was away are seen
+        // before the batch picks one (a turn of the reactor). Back to back,
+        // nothing is older than what the last call reaped on its way out.
+        if self.last.elapsed() >= AWAY {
+            self.rt.block_on(quiesce_runtime::yield_now());
+        }
+        Some(out)
+    }
+
+    fn keep_spares(&mut self, copies: Vec<Copied>) {
+        for c in copies {
+            if self.spare.len() < SPARE_BUFFERS {
+                self.spare.push(c.into_inner());
+            }
+        }
+    }
+}
+
+/// Opens the segment `key` names on the lane's engine: `None` if it cannot
+/// be, or is no longer the segment the engine opened.
+async fn open(net: &Engine, key: &LaneKey) -> Option<RemoteSegment> {
+    let peer = net.connect(key.peer).await.ok()?;
+    let seg = match &key.name {
+        Some(n) => peer.open(n, key.token).await.ok()?,
+        None => peer.open_at(key.base, key.token).await.ok()?,
+    };
+    (seg.id() == key.id).then_some(seg)
+}
+
+/// Copies a completed read's bytes into the caller's buffer.
+fn copy_out<B: IoBufMut>(copy: &Copied, to: &mut B) {
+    let n = copy.bytes_init().min(to.bytes_total());
+    // SAFETY: the copy holds `n` initialised bytes at its `stable_ptr`; `to`
+    // promises `bytes_total()` writable bytes at `stable_mut_ptr` and is held
+    // by this call alone; the two never overlap (the copy is the lane's).
+    unsafe {
+        std::ptr::copy_nonoverlapping(copy.stable_ptr(), to.stable_mut_ptr(), n);
+        to.set_init(n);
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        let net = self.net.take();
+        // Closing the peers needs the runtime; a thread whose runtime
+        // thread-locals are gone leaks the lot (the runtime says so), which
+        // holds only the lane's own copies.
+        if quiesce_runtime::thread_alive() {
+            self.rt.block_on(async move { drop(net) });
+        } else {
+            std::mem::forget(net);
+        }
+    }
+}

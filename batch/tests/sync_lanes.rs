@@ -1,0 +1,414 @@
+//! Caller lanes: small sync batches run on the calling thread, on copies of
+//! the caller's bytes — so whatever the batch's outcome, nothing touches the
+//! caller's buffers once the call has returned.
+
+use std::future::Future;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use quiesce_batch::sync::{Direction, SyncEngine, SyncError, SyncTask, LANE_MAX_BYTES};
+use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK};
+use quiesce_runtime::shard::{channel, Sender, Shards};
+use quiesce_transports::{Engine, EngineConfig, EngineStats, Rights, Token, TransferError};
+
+const KV: usize = 8 << 20;
+
+enum Cmd {
+    /// Freezes the target's thread.
+    Stall(Duration),
+    Stats(mpsc::Sender<EngineStats>),
+    /// The bytes of `kv` at an offset.
+    Peek(u64, usize, mpsc::Sender<Vec<u8>>),
+}
+
+/// A target on its own shard with one read-write segment `kv`.
+struct Target {
+    addr: std::net::SocketAddr,
+    token: Token,
+    cmds: Sender<Cmd>,
+    shards: Option<Shards<()>>,
+}
+
+impl Target {
+    fn start() -> Target {
+        let (cmd_tx, cmd_rx) = channel::<Cmd>();
+        let cmd_rx = std::sync::Mutex::new(Some(cmd_rx));
+        let (tx, rx) = mpsc::channel();
+        let shards = Shards::builder()
+            .count(1)
+            .pin(false)
+            .spawn(move |shard| {
+                let tx = tx.clone();
+                let mut cmds = cmd_rx.lock().unwrap().take().unwrap();
+                async move {
+                    let e = Engine::bind(EngineConfig::default()).unwrap();
+                    let kv = e
+                        .register("kv", vec![0u8; KV], Rights::READ | Rights::WRITE)
+                        .unwrap();
+                    tx.send((e.local_addr(), kv.token())).unwrap();
+                    let serve = async {
+                        while let Some(c) = cmds.recv().await {
+                            match c {
+                                Cmd::Stall(d) => std::thread::sleep(d),
+                                Cmd::Stats(r) => {
+                                    let _ = r.send(e.stats());
+                                }
+                                Cmd::Peek(at, n, r) => {
+                                    let mut v = vec![0u8; n];
+                                    assert!(kv.read_at(at, &mut v));
+                                    let _ = r.send(v);
+                                }
+                            }
+                        }
+                    };
+                    let stop = shard.shutdown_requested();
+                    let mut serve = std::pin::pin!(serve);
+                    let mut stop = std::pin::pin!(stop);
+                    std::future::poll_fn(|cx| {
+                        if serve.as_mut().poll(cx).is_ready() || stop.as_mut().poll(cx).is_ready() {
+                            std::task::Poll::Ready(())
+                        } else {
+                            std::task::Poll::Pending
+                        }
+                    })
+                    .await;
+                    e.shutdown();
+                }
+            })
+            .unwrap();
+        let (addr, token) = rx.recv().unwrap();
+        Target {
+            addr,
+            token,
+            cmds: cmd_tx,
+            shards: Some(shards),
+        }
+    }
+
+    fn stats(&self) -> EngineStats {
+        let (tx, rx) = mpsc::channel();
+        self.cmds.send(Cmd::Stats(tx)).ok().unwrap();
+        rx.recv().unwrap()
+    }
+
+    fn peek(&self, at: u64, n: usize) -> Vec<u8> {
+        let (tx, rx) = mpsc::channel();
+        self.cmds.send(Cmd::Peek(at, n, tx)).ok().unwrap();
+        rx.recv().unwrap()
+    }
+
+    fn stall(&self, d: Duration) {
+        self.cmds.send(Cmd::Stall(d)).ok().unwrap();
+        // The target's thread is asleep once this returns.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    /// Waits until the target has `n` sessions with a connection.
+    fn wait_sessions(&self, n: u64) -> u64 {
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let s = self.stats().sessions;
+            if s == n || std::time::Instant::now() > until {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        if let Some(s) = self.shards.take() {
+            s.shutdown();
+        }
+    }
+}
+
+fn task(segment: u32, offset: u64, buf: Vec<u8>) -> SyncTask<Vec<u8>> {
+    SyncTask {
+        segment,
+        offset,
+        buf,
+    }
+}
+
+fn write(e: &SyncEngine, seg: u32, at: u64, buf: Vec<u8>) -> i32 {
+    e.batch(
+        Direction::Write,
+        vec![task(seg, at, buf)],
+        BatchOptions::default(),
+    )
+    .unwrap()
+    .code
+}
+
+/// Small batches run on the caller's thread: its lane is a session of its
+/// own at the target; with lanes off, every batch goes through the engine's.
+#[test]
+fn small_batches_run_on_a_lane_of_the_calling_thread() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    assert_eq!(t.wait_sessions(1), 1, "the engine's own session");
+
+    e.caller_lanes(false);
+    assert_eq!(write(&e, kv, 0, vec![1u8; 4096]), SYNC_OK);
+    assert_eq!(
+        t.wait_sessions(1),
+        1,
+        "lanes off: no session but the engine's"
+    );
+
+    e.caller_lanes(true);
+    assert_eq!(write(&e, kv, 0, vec![2u8; 4096]), SYNC_OK);
+    assert_eq!(t.wait_sessions(2), 2, "the calling thread's lane");
+    assert!(t.peek(0, 4096).iter().all(|&b| b == 2));
+    // Too big for a lane: the engine's thread, no new session.
+    let big = LANE_MAX_BYTES + 1;
+    assert_eq!(write(&e, kv, 0, vec![3u8; big]), SYNC_OK);
+    assert!(t.peek(0, big).iter().all(|&b| b == 3));
+
+    // Each thread has its lane, and it goes when its thread exits.
+    let all_wrote = std::sync::Barrier::new(5);
+    let checked = std::sync::Barrier::new(5);
+    std::thread::scope(|s| {
+        for i in 0..4u8 {
+            let (e, all_wrote, checked) = (&e, &all_wrote, &checked);
+            s.spawn(move || {
+                for _ in 0..50 {
+                    let at = u64::from(i) << 16;
+                    assert_eq!(write(e, kv, at, vec![10 + i; 8192]), SYNC_OK);
+                }
+                all_wrote.wait();
+                checked.wait();
+            });
+        }
+        all_wrote.wait();
+        assert_eq!(
+            t.wait_sessions(6),
+            6,
+            "the engine's, this thread's and 4 more"
+        );
+        checked.wait();
+    });
+    assert_eq!(
+        t.wait_sessions(2),
+        2,
+        "the 4 threads' lanes closed as they exited"
+    );
+    for i in 0..4u8 {
+        assert!(t
+            .peek(u64::from(i) << 16, 8192)
+            .iter()
+            .all(|&b| b == 10 + i));
+    }
+
+    // Stopping the engine drops this thread's lane at once.
+    e.stop().unwrap();
+    assert_eq!(
+        t.wait_sessions(0),
+        0,
+        "this thread's lane closed with its engine"
+    );
+}
+
+/// Reads and writes of every size a lane takes, mixed in one batch, land
+/// and come back byte for byte.
+#[test]
+fn lane_reads_and_writes_move_every_byte() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let sizes = [1usize, 7, 4096, 16 << 10, (16 << 10) + 1, 64 << 10, 100_000];
+    let mut at = 0u64;
+    for &n in &sizes {
+        let data: Vec<u8> = (0..n).map(|i| (i * 31 + n) as u8).collect();
+        assert_eq!(write(&e, kv, at, data.clone()), SYNC_OK, "{n} bytes");
+        assert_eq!(t.peek(at, n), data, "{n} bytes landed");
+        let out = e
+            .batch(
+                Direction::Read,
+                vec![task(kv, at, vec![0u8; n])],
+                BatchOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(out.code, SYNC_OK);
+        assert_eq!(out.buffers.unwrap()[0], data, "{n} bytes read back");
+        at += n as u64;
+    }
+    // A write and a read in one batch.
+    let out = e
+        .run(
+            vec![
+                (Direction::Write, task(kv, 1 << 20, vec![0xab; 4096])),
+                (Direction::Read, task(kv, 0, vec![0u8; 4096])),
+            ],
+            BatchOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(out.code, SYNC_OK);
+    let bufs = out.buffers.unwrap();
+    assert_eq!(bufs[1], t.peek(0, 4096));
+    assert!(t.peek(1 << 20, 4096).iter().all(|&b| b == 0xab));
+    assert_eq!(t.wait_sessions(2), 2, "all of it on this thread's lane");
+}
+
+/// Bad input gets the same answer on a lane as on the engine's thread, and
+/// nothing lands.
+#[test]
+fn a_lane_refuses_what_the_engine_refuses() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let past_end = || vec![task(kv, KV as u64 - 100, vec![7u8; 4096])];
+    let on_lane = e
+        .batch(Direction::Write, past_end(), BatchOptions::default())
+        .unwrap();
+    e.caller_lanes(false);
+    let on_engine = e
+        .batch(Direction::Write, past_end(), BatchOptions::default())
+        .unwrap();
+    assert_eq!(on_lane.code, SYNC_FAILED);
+    assert_eq!(on_lane.tasks, on_engine.tasks, "the same report either way");
+    assert!(
+        matches!(
+            on_lane.tasks[0].status,
+            TaskStatus::Failed(TransferError::OutOfBounds { .. })
+        ),
+        "{:?}",
+        on_lane.tasks
+    );
+    assert!(t.peek(KV as u64 - 100, 100).iter().all(|&b| b == 0));
+    assert_eq!(t.wait_sessions(2), 2, "the first ran on a lane");
+    e.caller_lanes(true);
+    let out = e.batch(
+        Direction::Write,
+        vec![task(99, 0, vec![1u8; 16])],
+        BatchOptions::default(),
+    );
+    assert!(matches!(out, Err(SyncError::UnknownSegment(99))), "{out:?}");
+}
+
+/// A lane read whose answer comes only after its deadline (a frozen
+/// target, no grace): the call answers -1, remote unconfirmed, and hands
+/// the buffer back — and the late answer, reaped by the thread's next lane
+/// call, lands in the lane's copy, never in the caller's buffer.
+#[test]
+fn a_lane_read_cut_at_its_deadline_never_writes_the_callers_buffer_afterwards() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    assert_eq!(write(&e, kv, 0, vec![0x11; 64 << 10]), SYNC_OK);
+    let cut = BatchOptions::default()
+        .policy(FailurePolicy::FailFast)
+        .deadline(Duration::from_millis(20))
+        .fence_grace(Duration::ZERO);
+    for round in 0..3 {
+        t.stall(Duration::from_millis(300));
+        let out = e
+            .batch(Direction::Read, vec![task(kv, 0, vec![0u8; 64 << 10])], cut)
+            .unwrap();
+        assert_eq!(
+            out.code, SYNC_FAILED,
+            "round {round}: a lane never answers -2"
+        );
+        assert!(
+            !out.remote_confirmed,
+            "round {round}: the frozen target confirmed nothing"
+        );
+        assert!(out.tasks.iter().all(|r| r.status != TaskStatus::Completed));
+        let mut mine = out
+            .buffers
+            .expect("-1 hands the buffer back")
+            .pop()
+            .unwrap();
+        // The caller's buffer is its own again: it writes a pattern there.
+        mine.fill(0xee);
+        std::thread::sleep(Duration::from_millis(400)); // the target thaws and answers
+                                                        // This thread's next lane call reaps whatever arrived meanwhile.
+        assert_eq!(write(&e, kv, 1 << 20, vec![1u8; 4096]), SYNC_OK);
+        assert!(
+            mine.iter().all(|&b| b == 0xee),
+            "round {round}: the late answer wrote the caller's buffer after -1"
+        );
+    }
+}
+
+/// A lane write cut at its deadline answers -1 with the buffer (not -2):
+/// the caller's bytes were copied before anything was sent, so what the
+/// caller writes into its buffer afterwards never reaches the target.
+#[test]
+fn a_lane_write_cut_at_its_deadline_hands_the_buffer_back_and_never_sends_it_again() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let cut = BatchOptions::default()
+        .policy(FailurePolicy::FailFast)
+        .deadline(Duration::from_millis(20))
+        .fence_grace(Duration::ZERO);
+    let n = LANE_MAX_BYTES;
+    assert_eq!(write(&e, kv, 0, vec![0x30; n]), SYNC_OK, "the lane is up");
+    for round in 0..3u8 {
+        t.stall(Duration::from_millis(300));
+        let t0 = std::time::Instant::now();
+        let out = e
+            .batch(
+                Direction::Write,
+                vec![task(kv, 0, vec![0x40 + round; n])],
+                cut,
+            )
+            .unwrap();
+        eprintln!("round {round}: {:?} {:?}", t0.elapsed(), out.tasks);
+        assert_eq!(out.code, SYNC_FAILED, "round {round}");
+        assert!(!out.remote_confirmed, "round {round}");
+        let mut mine = out.buffers.unwrap().pop().unwrap();
+        mine.fill(0xee);
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(write(&e, kv, 1 << 20, vec![1u8; 4096]), SYNC_OK);
+        let landed = t.peek(0, n);
+        assert!(
+            !landed.contains(&0xee),
+            "round {round}: bytes the caller wrote after -1 reached the target"
+        );
+    }
+}
+
+/// From inside a quiesce runtime there is no lane (the thread is that
+/// runtime's): the engine's thread runs the batch.
+#[test]
+fn inside_a_runtime_the_engine_runs_the_batch() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let rt = quiesce_runtime::Runtime::new().unwrap();
+    let code = rt.block_on(async { write(&e, kv, 0, vec![5u8; 4096]) });
+    assert_eq!(code, SYNC_OK);
+    assert_eq!(t.wait_sessions(1), 1, "no lane was made");
+    assert!(t.peek(0, 4096).iter().all(|&b| b == 5));
+}
+
+/// A thread's first small batch opens its lane's connection: a peer that
+/// does not answer then must not stretch the caller's deadline — the lane
+/// gives up in time and the engine's thread runs the batch with what is
+/// left of it.
+#[test]
+fn opening_a_lane_to_a_frozen_peer_keeps_the_deadline() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    t.stall(Duration::from_millis(1500));
+    let opts = BatchOptions::default()
+        .policy(FailurePolicy::FailFast)
+        .deadline(Duration::from_millis(100))
+        .fence_grace(Duration::from_millis(100));
+    let started = std::time::Instant::now();
+    let out = e
+        .batch(Direction::Write, vec![task(kv, 0, vec![9u8; 4096])], opts)
+        .unwrap();
+    let took = started.elapsed();
+    assert_ne!(out.code, SYNC_OK, "the target is frozen");
+    assert!(
+        took < Duration::from_millis(600),
+        "deadline 100 ms + grace 100 ms, answered after {took:?}"
+    );
+}
