@@ -1,8 +1,9 @@
 //! 4 KiB latency and 64 MiB throughput across network namespaces (veth and
 //! a bridge, `quiesce::cluster`), quiesce beside the raw std TCP initiator
-//! on the same link, interleaved round by round, clean and with 1 % loss
-//! (and 2 ms ± 1 ms delay where the kernel has netem). The target runs on
-//! one host, `quiesce bench` on another. As root:
+//! on the same link, interleaved round by round: clean, with 2 ms ± 1 ms
+//! delay each way (the cluster's delay line: this kernel has no netem), and
+//! with 1 % loss on top. The target runs on one host, `quiesce bench` on
+//! another. As root:
 //!
 //! ```sh
 //! cargo build --release --bin quiesce --example cluster_bench
@@ -11,7 +12,9 @@
 
 use std::path::PathBuf;
 
-use quiesce::cluster::Cluster;
+use std::time::Duration;
+
+use quiesce::cluster::{Cluster, Delay};
 use quiesce::target_child::TargetChild;
 
 const TARGET: usize = 0;
@@ -72,25 +75,25 @@ fn main() {
         &["--listen", &listen, "--max-frame", "128M"],
     )
     .expect("target");
-    let netem = c.has_netem();
-    let profiles: [(&str, bool); 2] = [("clean veth", false), ("1% loss", true)];
+    let jittery = Delay {
+        base: Duration::from_millis(2),
+        jitter: Duration::from_millis(1),
+    };
+    let profiles: [(&str, Option<Delay>, bool); 3] = [
+        ("clean veth", None, false),
+        ("2ms±1ms each way", Some(jittery), false),
+        ("2ms±1ms + 1% loss", Some(jittery), true),
+    ];
     println!("cluster bench: veth + bridge, target and initiator in their own namespaces; {rounds} interleaved rounds; median of rounds");
     println!(
         "{:<34} {:>8} {:>12} {:>12} {:>12} {:>12} {:>10}",
         "profile", "impl", "4K t_min", "4K p50", "64M MB/s", "4K p50 ×raw", "64M ×raw"
     );
-    for (name, lossy) in profiles {
+    for (label, delay, lossy) in profiles {
         for h in [TARGET, INITIATOR] {
             c.loss(h, lossy.then_some(1)).unwrap();
-            if netem {
-                c.netem(h, lossy.then_some("delay 2ms 1ms")).unwrap();
-            }
+            c.delay(h, delay).unwrap();
         }
-        let label = match (lossy, netem) {
-            (true, true) => format!("{name} + 2ms±1ms"),
-            (true, false) => format!("{name} (no netem: no delay)"),
-            _ => name.to_string(),
-        };
         let mut runs: [Vec<Vec<(f64, f64, f64)>>; 2] = [Vec::new(), Vec::new()];
         for _ in 0..rounds {
             for (i, im) in ["raw", "quiesce"].iter().enumerate() {

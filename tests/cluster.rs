@@ -1,14 +1,14 @@
 //! Hosts in network namespaces joined by a bridge (`quiesce::cluster`),
 //! etcd on a host of its own, targets found through it by name: the seed
-//! scenario across hosts, fan-in and fan-out, netem loss and delay, and a
-//! host killed mid-transfer. Needs root, iproute2, tc and etcd (`.ci/run`
-//! has them; elsewhere the test says it is skipped, and fails under
-//! `CI=true`).
+//! scenario across hosts, fan-in and fan-out, loss and a jittery delay, and
+//! a host killed mid-transfer. Needs root, iproute2, tc, nft, iptables and
+//! etcd (`.ci/run` has them; elsewhere the test says it is skipped, and
+//! fails under `CI=true`).
 
 use std::time::{Duration, Instant};
 
 use quiesce::batch::{Batch, BatchOptions, FailurePolicy, RemoteRange, Tcp};
-use quiesce::cluster::Cluster;
+use quiesce::cluster::{Cluster, Delay};
 use quiesce::directory::{Change, Directory, LocalEtcd};
 use quiesce::runtime::{time, Runtime};
 use quiesce::scenario::{read_round, seed_options, write_round, Bufs, Kind, Remote};
@@ -27,9 +27,9 @@ fn cluster() -> Option<Cluster> {
     if !Cluster::available() || !LocalEtcd::available() {
         assert!(
             std::env::var("CI").is_err(),
-            "CI must run the cluster tests: they need root, iproute2, tc and etcd-server"
+            "CI must run the cluster tests: they need root, iproute2, tc, nft, iptables and etcd-server"
         );
-        eprintln!("skipped: needs root, iproute2, tc and etcd-server");
+        eprintln!("skipped: needs root, iproute2, tc, nft, iptables and etcd-server");
         return None;
     }
     Some(Cluster::new(5).expect("build the cluster"))
@@ -201,34 +201,31 @@ fn across_hosts_through_etcd() {
                     gbps(2 * BIG, t0.elapsed())
                 );
 
-                // 1 % loss on both ends (nftables), and 2 ms ± 1 ms where
-                // the kernel has netem (this project's CI kernel has not:
-                // CONFIG_NET_SCH_NETEM is unset), plus a 2 Gbit/s rate limit
-                // (tbf).
-                let netem = c.has_netem();
+                // 1 % loss on both ends (nftables), 2 ms ± 1 ms each way
+                // (the delay line: this kernel has no netem) and a 2 Gbit/s
+                // rate limit (tbf).
+                let jittery = Delay {
+                    base: Duration::from_millis(2),
+                    jitter: Duration::from_millis(1),
+                };
                 for h in [INITIATOR, TARGET_A] {
                     c.loss(h, Some(1)).unwrap();
-                    match netem {
-                        true => c.netem(h, Some("delay 2ms 1ms rate 2gbit")).unwrap(),
-                        false => c.shape(h, Some("2gbit")).unwrap(),
-                    }
+                    c.delay(h, Some(jittery)).unwrap();
+                    c.shape(h, Some("2gbit")).unwrap();
                 }
                 let (ok_w, tw) = one_write(&r.kv, BIG, 3).await;
                 let (ok_r, tr) = one_read(&r.kv, BIG).await;
-                assert!(ok_w && ok_r, "netem: write {ok_w}, read {ok_r}");
+                assert!(ok_w && ok_r, "loss and delay: write {ok_w}, read {ok_r}");
                 eprintln!(
-                    "1% loss, 2 Gbit/s{}: 64 MiB write {:.3} Gbit/s, read {:.3} Gbit/s",
-                    if netem {
-                        ", 2ms±1ms"
-                    } else {
-                        " (no netem in this kernel: no delay)"
-                    },
+                    "1% loss, 2ms±1ms each way, 2 Gbit/s: 64 MiB write {:.3} Gbit/s, read {:.3} Gbit/s",
                     gbps(BIG, tw),
                     gbps(BIG, tr)
                 );
                 for h in [INITIATOR, TARGET_A] {
                     c.loss(h, None).unwrap();
-                    c.netem(h, None).unwrap();
+                    let held = c.delay(h, None).unwrap();
+                    eprintln!("host {h}'s delay line: {held:?}");
+                    c.shape(h, None).unwrap();
                 }
                 e.shutdown();
             });
@@ -418,5 +415,110 @@ fn partitions_mid_write_and_mid_read() {
                 eprintln!("{cut:?} rounds cut mid-read/mid-write; slowest outcome {outcome_max:?} after submit");
             });
         });
+    });
+}
+
+/// The delay line (this kernel has no `tc netem`): every packet a delayed
+/// host sends waits base ± jitter — a round trip across two delayed hosts
+/// never takes less than twice `base - jitter` — packets overtake each
+/// other, TCP still delivers every byte in order, and releasing the delay
+/// brings the link back to its own speed.
+#[test]
+fn a_delayed_link_delays_jitters_and_reorders() {
+    use std::io::{Read, Write};
+    if !Cluster::available() {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI must run the cluster tests"
+        );
+        eprintln!("skipped: needs root, iproute2, tc, nft and iptables");
+        return;
+    }
+    let c = Cluster::new(2).expect("build the cluster");
+    let server = c.hosts[1].ip;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        let c = &c;
+        s.spawn(move || {
+            c.enter(1);
+            let l = std::net::TcpListener::bind((server, 9000)).unwrap();
+            tx.send(()).unwrap();
+            let (mut conn, _) = l.accept().unwrap();
+            conn.set_nodelay(true).unwrap();
+            // Ping-pong one byte at a time; then count a stream's bytes.
+            let mut b = [0u8; 1];
+            loop {
+                conn.read_exact(&mut b).unwrap();
+                if b[0] == 0xff {
+                    break;
+                }
+                conn.write_all(&b).unwrap();
+            }
+            let mut buf = vec![0u8; 1 << 16];
+            let mut next = 0u8;
+            let mut total = 0usize;
+            loop {
+                let n = conn.read(&mut buf).unwrap();
+                if n == 0 {
+                    break;
+                }
+                for &x in &buf[..n] {
+                    assert_eq!(x, next, "byte {total} out of order");
+                    next = next.wrapping_add(1);
+                    total += 1;
+                }
+            }
+            conn.write_all(&(total as u64).to_le_bytes()).unwrap();
+        });
+        rx.recv().unwrap();
+        c.enter(0);
+        let mut conn = std::net::TcpStream::connect((server, 9000)).unwrap();
+        conn.set_nodelay(true).unwrap();
+        let mut rtts = |n: usize| {
+            let mut v: Vec<Duration> = (0..n)
+                .map(|i| {
+                    let t = Instant::now();
+                    conn.write_all(&[i as u8 % 200]).unwrap();
+                    let mut b = [0u8; 1];
+                    conn.read_exact(&mut b).unwrap();
+                    t.elapsed()
+                })
+                .collect();
+            v.sort();
+            v
+        };
+        let clean = rtts(200);
+        let d = Delay {
+            base: Duration::from_millis(5),
+            jitter: Duration::from_millis(2),
+        };
+        c.delay(0, Some(d)).unwrap();
+        c.delay(1, Some(d)).unwrap();
+        let delayed = rtts(60);
+        let (lo, hi) = (delayed[0], delayed[delayed.len() - 1]);
+        eprintln!(
+            "round trip: clean p50 {:?}; 5 ms ± 2 ms each way: min {lo:?}, p50 {:?}, max {hi:?}",
+            clean[100], delayed[30]
+        );
+        assert!(
+            lo >= Duration::from_millis(6),
+            "faster than 2 × (5 - 2) ms: {lo:?}"
+        );
+        assert!(
+            hi - lo >= Duration::from_millis(1),
+            "no jitter: {lo:?} .. {hi:?}"
+        );
+        // A stream through the delay: packets overtake, TCP reorders them.
+        conn.write_all(&[0xff]).unwrap();
+        let data: Vec<u8> = (0..8usize << 20).map(|i| i as u8).collect();
+        conn.write_all(&data).unwrap();
+        conn.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut total = [0u8; 8];
+        conn.read_exact(&mut total).unwrap();
+        assert_eq!(u64::from_le_bytes(total), data.len() as u64);
+        let sent = c.delay(0, None).unwrap().expect("a line was running");
+        c.delay(1, None).unwrap();
+        eprintln!("host 0's delay line: {sent:?}");
+        assert!(sent.packets > 0 && sent.reordered > 0, "{sent:?}");
     });
 }

@@ -1,15 +1,24 @@
 //! A cluster of network namespaces on one machine, for tests across
 //! "hosts": each host is a namespace with one veth link to a bridge in a
 //! switch namespace of its own (the machine's own namespace is never
-//! touched). Links take `tc netem` profiles and go down and up
-//! (partitions: nothing answers, nothing resets). Needs root and iproute2;
+//! touched). A host's egress takes a delay with jitter (a user-space delay
+//! line, [`delay`]: this kernel has no `tc netem`), random loss (nftables)
+//! and a rate limit (tbf); links go down and up (partitions: nothing
+//! answers, nothing resets). Needs root and iproute2 (iptables for delays);
 //! only addresses inside `10.214.N.0/24` are used, N from the process id
 //! (each cluster's bridge is its own, so two clusters never meet).
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::AsRawFd;
 use std::process::Command;
+use std::sync::Mutex;
+
+mod delay;
+
+use delay::DelayLine;
+pub use delay::{Delay, DelayStats};
 
 /// One namespace of the cluster.
 pub struct Host {
@@ -28,6 +37,8 @@ pub struct Cluster {
     switch: String,
     /// The hosts, in the order they were asked for.
     pub hosts: Vec<Host>,
+    /// Delay lines on hosts' egress, by host.
+    delays: Mutex<HashMap<usize, DelayLine>>,
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -46,7 +57,8 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl Cluster {
-    /// Whether this process may build one (root, iproute2, tc).
+    /// Whether this process may build one and shape its links (root,
+    /// iproute2's ip and tc, nft for loss, iptables for delays).
     pub fn available() -> bool {
         // SAFETY: geteuid has no preconditions.
         let root = unsafe { libc::geteuid() } == 0;
@@ -56,7 +68,7 @@ impl Cluster {
                 .output()
                 .is_ok_and(|o| o.status.success())
         };
-        root && tool("ip") && tool("tc")
+        root && tool("ip") && tool("tc") && tool("nft") && tool("iptables")
     }
 
     /// `n` hosts, `10.214.N.1` … `10.214.N.n`, all links up.
@@ -71,6 +83,7 @@ impl Cluster {
         let mut c = Cluster {
             switch: switch.clone(),
             hosts: Vec::new(),
+            delays: Mutex::default(),
         };
         ip(&["netns", "add", &switch])?;
         ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"])?;
@@ -130,11 +143,38 @@ impl Cluster {
         ])
     }
 
-    /// Sets a `tc netem` profile on host `i`'s egress (`"delay 2ms 1ms loss
-    /// 1%"`); `None` removes whatever qdisc is there. Fails where the kernel
-    /// has no netem ([`Cluster::has_netem`]).
-    pub fn netem(&self, i: usize, profile: Option<&str>) -> Result<(), String> {
-        self.qdisc(i, profile.map(|p| format!("netem {p}")))
+    /// Delays every packet host `i` sends on its link by `profile` (base ±
+    /// jitter, so packets are reordered too), as `tc netem delay` would;
+    /// `None` releases what is held and stops, answering what the line did.
+    pub fn delay(&self, i: usize, profile: Option<Delay>) -> Result<Option<DelayStats>, String> {
+        let h = &self.hosts[i];
+        let iptables = |add: bool| {
+            let mut args = vec![
+                "netns".to_string(),
+                "exec".into(),
+                h.netns.clone(),
+                "iptables".into(),
+            ];
+            args.extend(DelayLine::rule(&h.dev, add));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            ip(&args)
+        };
+        let mut lines = self.delays.lock().unwrap_or_else(|e| e.into_inner());
+        let stopped = match lines.remove(&i) {
+            Some(line) => {
+                // No new packet is queued once the rule is gone; then the
+                // held ones are released.
+                iptables(false)?;
+                Some(line.stop()?)
+            }
+            None => None,
+        };
+        if let Some(d) = profile {
+            let line = DelayLine::start(&h.netns, d)?;
+            iptables(true)?;
+            lines.insert(i, line);
+        }
+        Ok(stopped)
     }
 
     /// Limits host `i`'s egress to `rate` (`"2gbit"`, tbf); `None` removes
@@ -181,18 +221,15 @@ impl Cluster {
         }
         Ok(())
     }
-
-    /// Whether this kernel has `tc netem` (delay, jitter, reordering).
-    pub fn has_netem(&self) -> bool {
-        match self.netem(0, Some("delay 1ms")) {
-            Ok(()) => self.netem(0, None).is_ok(),
-            Err(_) => false,
-        }
-    }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        // Their threads live in the hosts' namespaces: stopped first.
+        self.delays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         // Deleting a namespace deletes the veth ends in it, and so the pairs.
         for h in &self.hosts {
             let _ = ip(&["netns", "del", &h.netns]);
