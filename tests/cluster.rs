@@ -522,3 +522,116 @@ fn a_delayed_link_delays_jitters_and_reorders() {
         assert!(sent.packets > 0 && sent.reordered > 0, "{sent:?}");
     });
 }
+
+/// A partition that heals while the batch still has time: the stalled
+/// connection is found out (`stall_timeout`, TCP_USER_TIMEOUT) instead of
+/// waiting for the deadline, the batch fences the target again on a fresh
+/// connection until the path is back and the target confirms, and only then
+/// retries — which completes. Without the stall timeout the transfer would
+/// sit behind TCP's backed-off retransmissions until its deadline.
+#[test]
+fn a_partition_that_heals_is_retried_once_the_target_confirms() {
+    if !Cluster::available() {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI must run the cluster tests"
+        );
+        eprintln!("skipped: needs root, iproute2, tc, nft and iptables");
+        return;
+    }
+    const TGT: usize = 1;
+    let c = Cluster::new(2).expect("build the cluster");
+    let partition = Duration::from_millis(1500);
+    let deadline = Duration::from_secs(20);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            c.enter(0);
+            let mut launcher = c.launcher(TGT);
+            launcher.arg(env!("CARGO_BIN_EXE_quiesce"));
+            let listen = format!("{}:7000", c.hosts[TGT].ip);
+            let t = TargetChild::spawn_command(launcher, BIG, false, &["--listen", &listen])
+                .expect("a target on its host");
+            Runtime::new().unwrap().block_on(async {
+                let e = Engine::bind(EngineConfig {
+                    listen: "0.0.0.0:0".parse().unwrap(),
+                    stall_timeout: Some(Duration::from_millis(400)),
+                    ..Default::default()
+                })
+                .unwrap();
+                let peer = e.connect(t.addr).await.unwrap();
+                let kv = peer.open("kv", t.tokens["kv"]).await.unwrap();
+                for round in 0..3 {
+                    let opts = BatchOptions::default()
+                        .policy(FailurePolicy::FailFast)
+                        .deadline(deadline)
+                        .fence_grace(Duration::from_secs(8))
+                        .retry(2, Duration::from_millis(50));
+                    let byte = 0xC0 + round as u8;
+                    let mut b = Batch::new(Tcp, opts);
+                    b.write(filled(byte), RemoteRange::new(&kv, 0, BIG as u64))
+                        .ok()
+                        .unwrap();
+                    let submitted = Instant::now();
+                    let sub = b.submit();
+                    time::sleep(Duration::from_millis(3)).await;
+                    c.link(TGT, false).unwrap();
+                    let heal = {
+                        let c = &c;
+                        async move {
+                            time::sleep(partition).await;
+                            c.link(TGT, true).unwrap();
+                        }
+                    };
+                    let (q, ()) = futures_join(async { sub.await.quiesced().await }, heal).await;
+                    let took = submitted.elapsed();
+                    let r = &q.tasks()[0];
+                    eprintln!("round {round}: {r:?} after {took:?}");
+                    assert!(q.all_completed(), "round {round}: {:?}", q.tasks());
+                    assert_eq!(r.attempts, 2, "round {round}: cut once, retried once");
+                    assert!(q.remote_confirmed(), "round {round}");
+                    assert!(
+                        took < deadline / 2,
+                        "round {round}: {took:?}: the stall was not found out before the deadline"
+                    );
+                    let (n, _) = quiesce::scenario::count_remote(
+                        &kv,
+                        BIG as u64,
+                        byte,
+                        AlignedBuf::new(8 << 20),
+                    )
+                    .await;
+                    assert_eq!(n, BIG, "round {round}: the retried write is whole");
+                }
+                e.shutdown();
+            });
+        });
+    });
+}
+
+/// Polls two futures to completion on this task.
+async fn futures_join<A: std::future::Future, B: std::future::Future>(
+    a: A,
+    b: B,
+) -> (A::Output, B::Output) {
+    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
+    let (mut ra, mut rb) = (None, None);
+    std::future::poll_fn(|cx| {
+        if ra.is_none() {
+            if let std::task::Poll::Ready(v) = a.as_mut().poll(cx) {
+                ra = Some(v);
+            }
+        }
+        if rb.is_none() {
+            if let std::task::Poll::Ready(v) = b.as_mut().poll(cx) {
+                rb = Some(v);
+            }
+        }
+        if ra.is_some() && rb.is_some() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    (ra.unwrap(), rb.unwrap())
+}

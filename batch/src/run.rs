@@ -53,6 +53,11 @@ pub(crate) enum InFlight<B> {
     Spawned(JoinHandle<(Result<u64, TransferError>, B)>),
 }
 
+/// The first pause before a failed confirming fence goes again; it doubles
+/// up to [`REFENCE_MAX`] while the grace lasts.
+const REFENCE_FIRST: Duration = Duration::from_millis(50);
+const REFENCE_MAX: Duration = Duration::from_secs(1);
+
 /// Batches up to this many tasks poll their transfers inline.
 const INLINE_TASKS: usize = 16;
 
@@ -346,27 +351,46 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             return;
         }
         // A fence that failed (its control connection went down with the
-        // teardown at half grace) goes again on a fresh connection.
-        for p in &lost {
-            self.fence_peer(p.clone(), wire, true);
-        }
+        // teardown at half grace, or the peer is unreachable) goes again on
+        // a fresh connection — and again, backing off, while the grace
+        // lasts: a partition that heals in time gets its confirmation (and
+        // the batch its retry).
         let limit = self
             .hard_at
             .unwrap_or_else(|| Instant::now() + self.opts.fence_grace);
-        let mut limit = sleep_until(limit);
-        let fences = self.fences.clone().expect("fenced just above");
-        std::future::poll_fn(|cx| {
-            let answered = {
-                let f = fences.borrow();
-                lost.iter().all(|p| f.get(p) != Some(&FenceState::Pending))
-            };
-            if answered || Pin::new(&mut limit).poll(cx).is_ready() {
-                return Poll::Ready(());
+        let mut backoff = REFENCE_FIRST;
+        let fences = loop {
+            for p in &lost {
+                self.fence_peer(p.clone(), wire, true);
             }
-            *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
-            Poll::Pending
-        })
-        .await;
+            let fences = self.fences.clone().expect("fenced just above");
+            let mut until = sleep_until(limit);
+            std::future::poll_fn(|cx| {
+                let answered = {
+                    let f = fences.borrow();
+                    lost.iter().all(|p| f.get(p) != Some(&FenceState::Pending))
+                };
+                if answered || Pin::new(&mut until).poll(cx).is_ready() {
+                    return Poll::Ready(());
+                }
+                *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            })
+            .await;
+            let failed = {
+                let f = fences.borrow();
+                lost.iter().any(|p| f.get(p) == Some(&FenceState::Failed))
+            };
+            let now = Instant::now();
+            if !failed || now >= limit {
+                break fences;
+            }
+            sleep_until((now + backoff).min(limit)).await;
+            backoff = (backoff * 2).min(REFENCE_MAX);
+            if Instant::now() >= limit {
+                break fences;
+            }
+        };
         let fences = fences.borrow();
         for t in &mut self.tasks {
             let peer = self.transport.peer(&t.target);

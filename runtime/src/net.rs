@@ -195,6 +195,15 @@ impl TcpStream {
         view::<std::net::TcpStream>(&self.fd).set_nodelay(on)
     }
 
+    /// Sets `TCP_USER_TIMEOUT`: once data sent on the stream stays
+    /// unacknowledged (or unsent behind a zero window) for `limit`, the
+    /// kernel drops the connection and its ops fail with `ETIMEDOUT` — a
+    /// peer behind a partition is found out even with no deadline. `None`
+    /// leaves it to the system's retransmission limits (many minutes).
+    pub fn set_user_timeout(&self, limit: Option<std::time::Duration>) -> io::Result<()> {
+        crate::driver::socket::set_user_timeout(&self.fd.raw(), limit)
+    }
+
     /// The peer's address.
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
         view::<std::net::TcpStream>(&self.fd).peer_addr()

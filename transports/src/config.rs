@@ -42,6 +42,13 @@ pub struct EngineConfig {
     /// Connections one session may have open (target); each may hold a
     /// served RDMA queue pair, so this caps those per peer too.
     pub max_connections_per_session: usize,
+    /// A connection whose sent data stays unacknowledged this long — a peer
+    /// behind a partition, dead, or stopped with its receive window full —
+    /// is dropped by the kernel (`TCP_USER_TIMEOUT`, both roles): its
+    /// transfers fail as the connection lost (retryable once the target
+    /// confirms), and a target's reads stop holding segment memory. `None`:
+    /// the system's retransmission limits (many minutes).
+    pub stall_timeout: Option<Duration>,
     /// Demonstrations only, never in production: acknowledge fences without
     /// applying them, so a fenced batch's bytes keep landing (what a target
     /// without fences does). `quiesce demo` uses it to show that quiesce's
@@ -66,6 +73,7 @@ impl Default for EngineConfig {
             max_connections: 4096,
             max_fenced_per_session: 4096,
             max_connections_per_session: 64,
+            stall_timeout: Some(Duration::from_secs(30)),
             ignore_fences: false,
         }
     }

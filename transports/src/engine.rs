@@ -232,6 +232,7 @@ impl Engine {
             slice_size: c.slice_size,
             zc_threshold: c.zc_threshold,
             connect_timeout: c.connect_timeout,
+            stall_timeout: c.stall_timeout,
         }
     }
 

@@ -113,6 +113,27 @@ pub(crate) fn set_linger(fd: &impl AsRawFd, linger: Option<std::time::Duration>)
     Ok(())
 }
 
+/// Sets `TCP_USER_TIMEOUT`: data sent and not acknowledged (or held back
+/// by a zero window) for `limit` makes the kernel drop the connection with
+/// `ETIMEDOUT`; `None` (0) restores the system's retransmission limits.
+pub(crate) fn set_user_timeout(
+    fd: &impl AsRawFd,
+    limit: Option<std::time::Duration>,
+) -> io::Result<()> {
+    let ms: libc::c_uint = limit.map_or(0, |d| d.as_millis().clamp(1, u32::MAX as u128) as u32);
+    // SAFETY: `ms` is a live c_uint and its size is passed.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_USER_TIMEOUT,
+            (&ms as *const libc::c_uint).cast(),
+            std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
+        )
+    } as isize)?;
+    Ok(())
+}
+
 /// Disconnects a TCP socket at once (`connect` to an `AF_UNSPEC` address:
 /// the kernel's `tcp_disconnect`): an RST goes out and both queues are
 /// dropped, whoever else holds the socket; every op on it ends.

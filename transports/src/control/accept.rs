@@ -123,7 +123,9 @@ pub(crate) fn accept_loop(
                 c.refused.set(c.refused.get() + 1);
                 continue;
             }
-            if stream.set_nodelay(true).is_err() {
+            if stream.set_nodelay(true).is_err()
+                || stream.set_user_timeout(cfg.stall_timeout).is_err()
+            {
                 continue;
             }
             let authed = Rc::new(Cell::new(false));

@@ -120,6 +120,10 @@ pub(crate) struct ConnParams<'a> {
     pub(crate) shards: u16,
     pub(crate) session: SessionBinding,
     pub(crate) connect_timeout: std::time::Duration,
+    /// `TCP_USER_TIMEOUT` ([`EngineConfig::stall_timeout`]).
+    ///
+    /// [`EngineConfig::stall_timeout`]: crate::EngineConfig::stall_timeout
+    pub(crate) stall_timeout: Option<std::time::Duration>,
     pub(crate) fenced: LocalFences,
 }
 
@@ -138,6 +142,9 @@ impl Conn {
             .map_err(|_| TransferError::ConnectTimeout)?
             .map_err(|e| hs(e.to_string()))?;
         stream.set_nodelay(true).map_err(|e| hs(e.to_string()))?;
+        stream
+            .set_user_timeout(p.stall_timeout)
+            .map_err(|e| hs(e.to_string()))?;
         let mut nonce = [0u8; 16];
         random_bytes(&mut nonce);
         let asked = p.session.get();

@@ -26,6 +26,7 @@ pub(crate) struct PeerParams {
     pub(crate) slice_size: usize,
     pub(crate) zc_threshold: Option<usize>,
     pub(crate) connect_timeout: Duration,
+    pub(crate) stall_timeout: Option<Duration>,
 }
 
 pub(crate) struct PeerInner {
@@ -315,6 +316,7 @@ fn conn_params<'a>(
         shards: p.shards,
         session: session.clone(),
         connect_timeout: p.connect_timeout,
+        stall_timeout: p.stall_timeout,
         fenced: fenced.clone(),
     }
 }
