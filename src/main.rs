@@ -44,6 +44,10 @@ enum Cmd {
         /// tcp, or rdma (needs an RDMA device; `scripts/softroce-vm.sh` has one).
         #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
         transport: String,
+        /// Publish the target in this directory (etcd://host:port[/prefix])
+        /// and find it there by its `node/segment` paths.
+        #[arg(long)]
+        directory: Option<String>,
     },
     /// State that must not grow (failed batches, connection churn) and an
     /// honest client under a flood, against a target process.
@@ -176,12 +180,14 @@ fn main() -> ExitCode {
         rounds: 50,
         size: 64 << 20,
         transport: "tcp".into(),
+        directory: None,
     }) {
         Cmd::Demo {
             rounds,
             size,
             transport,
-        } => cmd::demo::run(rounds, size, transport == "rdma"),
+            directory,
+        } => cmd::demo::run(rounds, size, transport == "rdma", directory.as_deref()),
         Cmd::Soak {
             batches,
             connections,

@@ -20,8 +20,12 @@ use crate::target_child::TargetChild;
 /// What one round saw.
 #[derive(Debug, Clone, Copy)]
 pub struct StaleRound {
-    /// A's outcome claimed the target confirmed it (it must not).
+    /// A's outcome claimed the target confirmed it although A did not
+    /// complete (it must not: the target was stopped).
     pub a_confirmed: bool,
+    /// A completed before the stop took hold (a small `size` can): the round
+    /// tested nothing.
+    pub a_completed: bool,
     /// Bytes of A found over B's, 200 ms after B completed.
     pub stale_bytes: usize,
 }
@@ -50,7 +54,8 @@ pub async fn stale_bytes_round(
     sleep(Duration::from_millis(3)).await;
     t.signal(libc::SIGSTOP)?;
     let qa = sub.await.quiesced().await;
-    let a_confirmed = qa.remote_confirmed();
+    let a_completed = qa.all_completed();
+    let a_confirmed = qa.remote_confirmed() && !a_completed;
     t.signal(libc::SIGCONT)?;
     if revoke {
         t.revoke("kv")?;
@@ -69,6 +74,7 @@ pub async fn stale_bytes_round(
     eb.shutdown();
     Ok(StaleRound {
         a_confirmed,
+        a_completed,
         stale_bytes,
     })
 }

@@ -74,3 +74,35 @@ fn a_target_found_through_etcd_serves_writes_and_vanishes_when_killed() {
     drop(target);
     eprintln!("entry gone {took:?} after SIGKILL (TTL {TTL} s)");
 }
+
+/// `quiesce demo --directory`: the demo's target publishes itself, the
+/// demo finds its `kv` and `ro` by their `node/segment` paths (checking the
+/// published ids against the target's own) and runs the seed scenario
+/// through the address the directory gave — 0 corrupted.
+#[test]
+fn the_demo_finds_its_target_through_etcd() {
+    if !LocalEtcd::available() {
+        assert!(std::env::var("CI").is_err(), "CI=true but no etcd binary");
+        eprintln!("skipped: no etcd binary (apt-get install etcd-server)");
+        return;
+    }
+    let etcd = LocalEtcd::start().unwrap();
+    let url = etcd.url("demo");
+    let out = Command::new(Path::new(env!("CARGO_BIN_EXE_quiesce")))
+        .args(["demo", "--rounds", "3", "--size", "8M", "--directory", &url])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for name in ["kv", "ro"] {
+        assert!(
+            stdout.contains(&format!("/{name} through {url}")),
+            "{name} not found through the directory:\n{stdout}"
+        );
+    }
+    assert!(stdout.contains("corrupted: 0/3"), "{stdout}");
+}

@@ -26,6 +26,8 @@
 //! }).unwrap();
 //! let peer = dir.resolve("decode-3").unwrap();
 //! println!("decode-3 listens on {}", peer.addr);
+//! let kv = dir.locate("decode-3/kv").unwrap(); // node/segment
+//! println!("its kv segment: {:?}", kv.record);
 //! ```
 #![deny(missing_docs)]
 
@@ -73,6 +75,19 @@ pub enum DirectoryError {
     /// The directory was closed.
     #[error("the directory is closed")]
     Closed,
+}
+
+/// A `node/segment` path, resolved ([`Directory::locate`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Located {
+    /// How to reach the node.
+    pub node: NodeRecord,
+    /// The segment's name on it.
+    pub segment: String,
+    /// On etcd, the segment's published descriptor (its id, base and
+    /// length: an initiator checks the segment it opens against it). P2P:
+    /// `None` — the peer's hello brings the descriptor.
+    pub record: Option<SegmentRecord>,
 }
 
 /// A directory of nodes and segments: P2P or etcd.
@@ -165,6 +180,30 @@ impl Directory {
             )),
             Directory::Etcd(e) => e.segments(node),
         }
+    }
+
+    /// Resolves a `node/segment` path: the node (as [`resolve`](Self::resolve)
+    /// does) and, on etcd, the segment's descriptor — `NotFound` naming the
+    /// path when the node publishes no segment by that name (it never did,
+    /// withdrew it, or died). P2P: `host:port/segment`, the segment
+    /// unchecked until it is opened.
+    pub fn locate(&self, path: &str) -> Result<Located, DirectoryError> {
+        let Some((node, segment)) = path.split_once('/') else {
+            return Err(DirectoryError::BadName(format!(
+                "{path} (a path is node/segment)"
+            )));
+        };
+        check_name(segment)?;
+        let rec = self.resolve(node)?;
+        let record = match self {
+            Directory::P2p => None,
+            Directory::Etcd(e) => Some(e.segment(node, segment)?),
+        };
+        Ok(Located {
+            node: rec,
+            segment: segment.to_string(),
+            record,
+        })
     }
 
     /// Which backend: `"p2p"` or `"etcd"`.

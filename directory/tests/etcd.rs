@@ -290,3 +290,42 @@ fn bad_names_urls_and_foreign_entries_are_refused() {
     assert_eq!(d.resolve("ok").unwrap().addr.port(), 9);
     assert!(d.segments("ok").unwrap().is_empty());
 }
+
+/// `node/segment` paths: the node's endpoint and the segment's published
+/// descriptor; a missing segment or node is `NotFound` naming the path, a
+/// path without a segment is a bad name. P2P paths are `host:port/segment`.
+#[test]
+fn node_slash_segment_paths_resolve_through_the_directory() {
+    let Some(e) = etcd() else { return };
+    let target = directory(&e, "paths");
+    target.publish_node(&node("prefill-0", 7003)).unwrap();
+    target
+        .publish_segment(&segment("prefill-0", "kv", 4, 1 << 20))
+        .unwrap();
+    target.flush(Duration::from_secs(10)).unwrap();
+    let dir = Directory::Etcd(directory(&e, "paths"));
+    let at = dir.locate("prefill-0/kv").unwrap();
+    assert_eq!(at.node.addr, "127.0.0.1:7003".parse().unwrap());
+    assert_eq!(at.segment, "kv");
+    let rec = at.record.expect("etcd has the descriptor");
+    assert_eq!((rec.id, rec.len), (4, 1 << 20));
+    assert_eq!(
+        dir.locate("prefill-0/ro"),
+        Err(DirectoryError::NotFound("prefill-0/ro".into()))
+    );
+    assert!(matches!(
+        dir.locate("nobody/kv"),
+        Err(DirectoryError::NotFound(_))
+    ));
+    assert!(matches!(
+        dir.locate("prefill-0"),
+        Err(DirectoryError::BadName(_))
+    ));
+    assert!(matches!(
+        dir.locate("prefill-0/"),
+        Err(DirectoryError::BadName(_))
+    ));
+    let p2p = Directory::P2p.locate("127.0.0.1:7004/kv").unwrap();
+    assert_eq!(p2p.node.addr, "127.0.0.1:7004".parse().unwrap());
+    assert_eq!((p2p.segment.as_str(), p2p.record), ("kv", None));
+}

@@ -1,7 +1,9 @@
 //! `quiesce demo`: the seed scenario against a target process on loopback.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
+use quiesce::directory::Directory;
 use quiesce::runtime::Runtime;
 use quiesce::scenario::{seed_options, write_round, Buf, Bufs, Kind, Remote, Round, Seg};
 use quiesce::stale::stale_bytes_round;
@@ -35,21 +37,37 @@ async fn rounds<S: Seg, B: Buf>(remote: &Remote<S>, mut bufs: Bufs<B>, rounds: u
 /// Over TCP it also runs the proofs that the count can fail: the same
 /// rounds through an early-return initiator against a target that applies
 /// everything (fences included), quiesce against that same target, and the
-/// stale-bytes scenario with and without the target's revoke.
-pub fn run(rounds_n: u32, size: usize, rdma: bool) -> Result<bool, Box<dyn std::error::Error>> {
+/// stale-bytes scenario with and without the target's revoke. With a
+/// `directory`, the target publishes itself there and quiesce's rounds
+/// find it by its `node/segment` paths.
+pub fn run(
+    rounds_n: u32,
+    size: usize,
+    rdma: bool,
+    directory: Option<&str>,
+) -> Result<bool, Box<dyn std::error::Error>> {
     let exe = std::env::current_exe()?;
-    let target = TargetChild::spawn(&exe, size, rdma)?;
+    let node = format!("quiesce-demo-{}", std::process::id());
+    let published: Vec<&str> = match directory {
+        Some(url) => vec!["--directory", url, "--node", &node],
+        None => Vec::new(),
+    };
+    let target = TargetChild::spawn_with(&exe, size, rdma, &published)?;
     println!(
         "quiesce demo: target on {} (separate process, {}), {rounds_n} rounds",
         target.addr,
         if rdma { "RDMA verbs" } else { "TCP" }
     );
+    let addr = match directory {
+        Some(url) => find(url, &node, &target)?,
+        None => target.addr,
+    };
     println!(
         "each round: batch [4 KiB write the target refuses, valid {} MiB write], fail-fast;",
         size >> 20
     );
     println!("then the returned source is overwritten and the destination checked for it.");
-    let (results, driver) = quiesce_rounds(&target, rounds_n, size, rdma)?;
+    let (results, driver) = quiesce_rounds(&target, addr, rounds_n, size, rdma)?;
     let corrupted = summarise(&results, driver);
     println!("corrupted: {corrupted}/{rounds_n}");
     if rdma {
@@ -78,7 +96,7 @@ pub fn run(rounds_n: u32, size: usize, rdma: bool) -> Result<bool, Box<dyn std::
     // A fresh one of the same kind: the baseline left post-outcome bytes in
     // the first one's memory.
     let open = TargetChild::spawn_with(&exe, size, false, &["--ignore-fences"])?;
-    let (results, _) = quiesce_rounds(&open, rounds_n, size, false)?;
+    let (results, _) = quiesce_rounds(&open, open.addr, rounds_n, size, false)?;
     let own = results.iter().filter(|r| r.corrupted_bytes > 0).count();
     println!(
         "quiesce against that same target (it acknowledges fences without applying them): \
@@ -89,32 +107,74 @@ pub fn run(rounds_n: u32, size: usize, rdma: bool) -> Result<bool, Box<dyn std::
     let stale_rounds = rounds_n.min(5);
     let mut target = TargetChild::spawn(&exe, size, false)?;
     let rt = Runtime::new()?;
-    let (mut claimed, mut stale_without, mut stale_with) = (0, 0, 0);
+    let (mut claimed, mut beat_stop, mut stale_without, mut stale_with) = (0, 0, 0, 0);
     rt.block_on(async {
         for _ in 0..stale_rounds {
-            let r = stale_bytes_round(&mut target, size, false).await?;
-            claimed += r.a_confirmed as u32;
-            stale_without += (r.stale_bytes > 0) as u32;
-            let r = stale_bytes_round(&mut target, size, true).await?;
-            claimed += r.a_confirmed as u32;
-            stale_with += (r.stale_bytes > 0) as u32;
+            for revoke in [false, true] {
+                let r = stale_bytes_round(&mut target, size, revoke).await?;
+                claimed += r.a_confirmed as u32;
+                beat_stop += r.a_completed as u32;
+                let stale = (r.stale_bytes > 0) as u32;
+                match revoke {
+                    false => stale_without += stale,
+                    true => stale_with += stale,
+                }
+            }
         }
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
     println!(
         "stale bytes (target stopped mid-write, a second writer after it resumes), \
-         {stale_rounds} rounds each: outcome claimed the target's confirmation {claimed}/{}; \
+         {stale_rounds} rounds each: outcome claimed the stopped target's confirmation {claimed}/{}; \
          old bytes over the new without revoke {stale_without}/{stale_rounds}, \
-         with the target's revoke {stale_with}/{stale_rounds}",
-        2 * stale_rounds
+         with the target's revoke {stale_with}/{stale_rounds}{}",
+        2 * stale_rounds,
+        match beat_stop {
+            0 => String::new(),
+            n => format!(" ({n} writes finished before the stop: nothing to test there)"),
+        }
     );
     ok &= claimed == 0 && stale_with == 0;
     Ok(ok)
 }
 
-/// quiesce's rounds against `target`; the results and the runtime's counters.
+/// Finds the target's `kv` and `ro` in the directory at `url` by their
+/// `node/segment` paths (their tokens, never published, come from the
+/// target itself); the address the directory gives.
+fn find(
+    url: &str,
+    node: &str,
+    target: &TargetChild,
+) -> Result<SocketAddr, Box<dyn std::error::Error>> {
+    let dir = Directory::open(url)?;
+    let mut addr = None;
+    for name in ["kv", "ro"] {
+        let path = format!("{node}/{name}");
+        let at = dir.locate(&path)?;
+        let rec = at
+            .record
+            .ok_or("a P2P directory publishes nothing to find")?;
+        if rec.id != target.ids[name] {
+            return Err(format!(
+                "{path}: the directory has segment id {}, the target registered {}",
+                rec.id, target.ids[name]
+            )
+            .into());
+        }
+        println!(
+            "found {path} through {url}: {} (segment {}, {} bytes)",
+            at.node.addr, rec.id, rec.len
+        );
+        addr = Some(at.node.addr);
+    }
+    Ok(addr.expect("two paths looked up"))
+}
+
+/// quiesce's rounds against `target`, reached at `addr`; the results and
+/// the runtime's counters.
 fn quiesce_rounds(
     target: &TargetChild,
+    addr: SocketAddr,
     rounds_n: u32,
     size: usize,
     rdma: bool,
@@ -126,7 +186,7 @@ fn quiesce_rounds(
             let piece = size.min(8 << 20);
             let region = Region::new(size + 4096 + piece);
             let _registration = engine.register_region(&region)?;
-            let peer = engine.connect(target.addr).await?;
+            let peer = engine.connect(addr).await?;
             let remote = Remote {
                 kv: peer.open("kv", target.tokens["kv"]).await?,
                 refuse: peer.open("ro", target.tokens["ro"]).await?,
@@ -144,7 +204,7 @@ fn quiesce_rounds(
                 node: "quiesce-demo".into(),
                 ..Default::default()
             })?;
-            let peer = engine.connect(target.addr).await?;
+            let peer = engine.connect(addr).await?;
             let remote = Remote {
                 kv: peer.open("kv", target.tokens["kv"]).await?,
                 refuse: peer.open("ro", target.tokens["ro"]).await?,
