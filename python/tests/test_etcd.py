@@ -108,3 +108,62 @@ def test_an_unreachable_metadata_server_fails_initialize():
     assert e.initialize("127.0.0.7", f"etcd://127.0.0.1:{port}", "tcp", "") == -1
     assert time.monotonic() - started < 15
     assert TransferEngine().initialize("127.0.0.7", "zk://x:1", "tcp", "") == -1
+
+
+SECRET = b"test_etcd: a secret both engines share"
+
+
+def test_native_engines_find_each_other_and_segments_by_path(etcd):
+    import quiesce
+
+    url = f"etcd://{etcd}/native"
+    target = quiesce.Engine("127.0.0.1:0", secret=SECRET, directory=url, node="prefill-0")
+    initiator = quiesce.Engine(secret=SECRET, directory=url, node="decode-0")
+    kv = bytearray(1 << 20)
+    try:
+        seg = target.register("kv", kv)
+        # By node/segment path, and by node name and segment.
+        remote = initiator.open("prefill-0/kv")
+        assert (remote.address, remote.length) == (seg.address, seg.length)
+        assert initiator.open("prefill-0", "kv").length == 1 << 20
+        b = initiator.batch()
+        b.write(bytearray(b"\x7e" * 4096), remote, offset=8192)
+        assert isinstance(b.run(), quiesce.Completed)
+        assert kv[8192 : 8192 + 4096] == b"\x7e" * 4096
+        # A name the directory does not hold; a path without a segment.
+        with pytest.raises(quiesce.UnknownPeer):
+            initiator.open("nobody/kv")
+        with pytest.raises(quiesce.InvalidInput):
+            initiator.open("prefill-0")
+        # Closing the target takes its entry with it: a fresh engine (empty
+        # cache) finds nothing.
+        assert seg.revoke()
+        assert target.close()
+        late = quiesce.Engine(secret=SECRET, directory=url, node="decode-1")
+        try:
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    late.open("prefill-0/kv")
+                except quiesce.UnknownPeer:
+                    break
+                except quiesce.PeerUnreachable:
+                    pass  # still listed a moment after the close
+                assert time.monotonic() < deadline, "the closed engine is still listed"
+                time.sleep(0.1)
+        finally:
+            late.close()
+    finally:
+        target.close()
+        initiator.close()
+
+
+def test_a_native_engine_refuses_an_unreachable_directory():
+    import quiesce
+
+    started = time.monotonic()
+    with pytest.raises(quiesce.DirectoryUnavailable):
+        quiesce.Engine(secret=SECRET, directory=f"etcd://127.0.0.1:{_free_port()}", node="n")
+    assert time.monotonic() - started < 15
+    with pytest.raises(quiesce.InvalidInput):
+        quiesce.Engine(secret=SECRET, directory="zk://x:1")

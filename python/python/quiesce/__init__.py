@@ -23,6 +23,7 @@ from quiesce._native import OPEN_CLUSTER_ENV, SECRET_ENV
 from quiesce.engine import Batch, Engine, LocalSegment, RemoteSegment
 from quiesce import errors
 from quiesce.errors import (
+    DirectoryUnavailable,
     EngineClosed,
     InvalidInput,
     OutOfBounds,

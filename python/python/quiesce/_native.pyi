@@ -148,6 +148,8 @@ class NativeEngine:
         open_cluster: bool = False,
         transport: str = "tcp",
         device: Optional[str] = None,
+        directory: Optional[str] = None,
+        node: Optional[str] = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...

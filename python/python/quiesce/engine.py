@@ -158,7 +158,14 @@ class Engine:
     the first with an active port; the control plane stays on TCP). Then
     every buffer a batch moves must lie inside memory registered with this
     engine (``register``): a task on other memory fails before anything is
-    posted."""
+    posted.
+
+    ``directory="etcd://host:port[/prefix]"`` publishes this engine as
+    ``node`` (default: ``listen``; give one peers can reach) and every
+    segment it registers, under a lease (entries vanish within its TTL if
+    the process dies; ``close()`` takes them at once), and finds peers there
+    by node name: ``open("prefill-0", "kv")`` or ``open("prefill-0/kv")``.
+    Secrets and tokens are never published."""
 
     def __init__(
         self,
@@ -168,10 +175,14 @@ class Engine:
         open_cluster: bool = False,
         transport: str = "tcp",
         device: Optional[str] = None,
+        directory: Optional[str] = None,
+        node: Optional[str] = None,
     ) -> None:
         if isinstance(secret, str):
             secret = secret.encode()
-        self._native = _native.NativeEngine(listen, secret, open_cluster, transport, device)
+        self._native = _native.NativeEngine(
+            listen, secret, open_cluster, transport, device, directory, node
+        )
         self._segments: dict = {}
 
     @property
@@ -186,8 +197,15 @@ class Engine:
         seg = LocalSegment(self, name, buffer, self._native.lend(name, buffer))
         return seg
 
-    def open(self, peer: str, name: str) -> RemoteSegment:
-        """Opens segment ``name`` at ``peer`` ("host:port")."""
+    def open(self, peer: str, name: Optional[str] = None) -> RemoteSegment:
+        """Opens segment ``name`` at ``peer``: "host:port", or a node name
+        the engine's directory holds. With ``name`` omitted, ``peer`` is a
+        ``node/segment`` path ("prefill-0/kv")."""
+        if name is None:
+            path = peer
+            peer, _, name = path.rpartition("/")
+            if not peer or not name:
+                raise InvalidInput(f"{path!r}: a path is node/segment")
         handle, address, length = self._native.open(peer, name)
         return RemoteSegment(peer, name, address, length, handle)
 

@@ -51,6 +51,11 @@ class EngineClosed(QuiesceError):
     """The engine was closed."""
 
 
+class DirectoryUnavailable(QuiesceError):
+    """The directory (etcd) cannot be reached, and what was asked is not in
+    its cache (or the engine could not publish itself there in time)."""
+
+
 __all__ = [
     "QuiesceError",
     "InvalidInput",
@@ -62,4 +67,5 @@ __all__ = [
     "StillLent",
     "SecretMissing",
     "EngineClosed",
+    "DirectoryUnavailable",
 ]

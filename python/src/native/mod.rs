@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{SyncEngine, SyncError, SyncOutcome};
 use quiesce_batch::{BatchOptions, FailurePolicy, RemoteState, TaskStatus, SYNC_UNKNOWN};
+use quiesce_directory::{Directory, DirectoryError, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
@@ -76,6 +77,27 @@ struct Core {
     /// Held by the one `close` that stops the engine (a second waits for it).
     closing: Mutex<()>,
     next: AtomicU64,
+    /// Where peers are found and this engine is published (P2P: nowhere);
+    /// `None` once closed (dropping it takes the entries with it).
+    directory: RwLock<Option<Directory>>,
+    /// This engine's node name in the directory.
+    node: String,
+    /// Lent segments' names, by address (to withdraw them).
+    names: Mutex<HashMap<u64, String>>,
+}
+
+/// How long `NativeEngine::new` waits for the directory to hold its entry.
+const PUBLISH_WAIT: Duration = Duration::from_secs(10);
+
+/// The exception for a directory error: a name it does not hold is an
+/// unknown peer; a directory that cannot be reached, its own kind.
+fn from_directory(py: Python<'_>, e: &DirectoryError) -> PyErr {
+    let kind = match e {
+        DirectoryError::NotFound(_) => "UnknownPeer",
+        DirectoryError::BadName(_) | DirectoryError::BadUrl { .. } => "InvalidInput",
+        _ => "DirectoryUnavailable",
+    };
+    raise(py, kind, &e.to_string())
 }
 
 /// How long one wait holds the engine's read lock (a `close` waits for it).
@@ -154,6 +176,37 @@ fn report(out: &SyncOutcome<RawBuf>) -> Report {
 }
 
 impl Core {
+    /// Where `peer` listens: a literal `ip:port` as it is; else, with an
+    /// etcd directory, the node it names there; else the system resolver's
+    /// `host:port`. `Err(None)`: it does not resolve.
+    fn peer(&self, peer: &str) -> Result<SocketAddr, Option<DirectoryError>> {
+        if let Ok(a) = peer.parse::<SocketAddr>() {
+            return Ok(a);
+        }
+        let by_name = self.directory(|d| match d {
+            Directory::Etcd(_) => d.resolve(peer).map(|r| Some(r.addr)),
+            Directory::P2p => Ok(None),
+        });
+        match by_name {
+            Ok(Some(a)) => Ok(a),
+            Ok(None) => peer
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or(None),
+            Err(e) => Err(Some(e)),
+        }
+    }
+
+    /// Runs `f` on the directory, or says it is closed.
+    fn directory<R>(
+        &self,
+        f: impl FnOnce(&Directory) -> Result<R, DirectoryError>,
+    ) -> Result<R, DirectoryError> {
+        let d = self.directory.read().unwrap_or_else(|e| e.into_inner());
+        f(d.as_ref().ok_or(DirectoryError::Closed)?)
+    }
+
     /// Runs `f` on the engine, or says it is closed.
     fn with<R>(&self, f: impl FnOnce(&SyncEngine) -> Result<R, SyncError>) -> Result<R, SyncError> {
         let engine = self.engine.read().unwrap_or_else(|e| e.into_inner());
@@ -253,6 +306,13 @@ impl Core {
             };
             // The delivery thread answers the flights left once this goes.
             drop(lock(&self.deliveries).take());
+            // This node's entries go with its directory (the lease is revoked).
+            drop(
+                self.directory
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take(),
+            );
             let mut held: Vec<Held> = lock(&self.tickets).drain().flat_map(|(_, h)| h).collect();
             held.extend(lock(&self.lent).drain().map(|(_, h)| h));
             Ok((drained, held))
@@ -275,7 +335,8 @@ impl Core {
 impl NativeEngine {
     /// Starts an engine listening on `listen` ("host:port"; port 0 picks one).
     #[new]
-    #[pyo3(signature = (listen, secret_bytes = None, open_cluster = false, transport = "tcp", device = None))]
+    #[pyo3(signature = (listen, secret_bytes = None, open_cluster = false, transport = "tcp", device = None, directory = None, node = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         listen: &str,
@@ -283,9 +344,15 @@ impl NativeEngine {
         open_cluster: bool,
         transport: &str,
         device: Option<String>,
+        directory: Option<&str>,
+        node: Option<String>,
     ) -> PyResult<NativeEngine> {
         let secret = secret(secret_bytes.as_deref(), open_cluster)
             .map_err(|e| raise(py, "SecretMissing", &e))?;
+        let directory = py
+            .detach(|| Directory::open(directory.unwrap_or("P2PHANDSHAKE")))
+            .map_err(|e| from_directory(py, &e))?;
+        let node = node.unwrap_or_else(|| listen.to_string());
         let config = EngineConfig {
             node: listen.to_string(),
             listen: listen_addr(listen).map_err(|e| invalid(py, &e))?,
@@ -309,6 +376,19 @@ impl NativeEngine {
             }
         }
         .map_err(|e| from_sync(py, &e))?;
+        let published = py.detach(|| {
+            directory
+                .publish_node(&NodeRecord {
+                    node: node.clone(),
+                    addr: engine.local_addr(),
+                    fabric: transport.into(),
+                })
+                .and_then(|()| directory.flush(PUBLISH_WAIT))
+        });
+        if let Err(e) = published {
+            py.detach(|| drop(engine));
+            return Err(from_directory(py, &e));
+        }
         Ok(NativeEngine {
             core: Arc::new(Core {
                 engine: RwLock::new(Some(engine)),
@@ -320,6 +400,9 @@ impl NativeEngine {
                 ending: Mutex::new(Ending::Running),
                 closing: Mutex::default(),
                 next: AtomicU64::new(1),
+                directory: RwLock::new(Some(directory)),
+                node,
+                names: Mutex::default(),
             }),
         })
     }
@@ -353,6 +436,20 @@ impl NativeEngine {
         match r {
             Ok(id) => {
                 self.core.keep(py, &self.core.lent, addr, held);
+                lock(&self.core.names).insert(addr, name.to_string());
+                // Publishing only queues (a helper thread writes etcd).
+                let rec = SegmentRecord {
+                    node: self.core.node.clone(),
+                    name: name.to_string(),
+                    id,
+                    base: addr,
+                    len,
+                    read: true,
+                    write: true,
+                };
+                if let Err(e) = self.core.directory(|d| d.publish_segment(&rec)) {
+                    tracing::warn!(error = %e, segment = name, "not published");
+                }
                 Ok((id, addr, len))
             }
             Err(e) => {
@@ -380,15 +477,23 @@ impl NativeEngine {
             if let Some(h) = held {
                 h.release(py);
             }
+            let name = lock(&self.core.names).remove(&address);
+            if let Some(n) = name {
+                let _ = self
+                    .core
+                    .directory(|d| d.withdraw_segment(&self.core.node, &n));
+            }
         }
         Ok(back)
     }
 
-    /// Opens peer `peer`'s segment `name`; returns (handle, address, length).
+    /// Opens peer `peer`'s segment `name`; returns (handle, address,
+    /// length). `peer`: a node name the directory holds, or `host:port`.
     fn open(&self, py: Python<'_>, peer: &str, name: &str) -> PyResult<(u32, u64, u64)> {
-        let addr: SocketAddr = py
-            .detach(|| peer.to_socket_addrs().ok().and_then(|mut a| a.next()))
-            .ok_or_else(|| raise(py, "UnknownPeer", &format!("cannot resolve peer {peer:?}")))?;
+        let addr = py.detach(|| self.core.peer(peer)).map_err(|e| match e {
+            Some(e) => from_directory(py, &e),
+            None => raise(py, "UnknownPeer", &format!("cannot resolve peer {peer:?}")),
+        })?;
         let token = Token::derive(&self.core.secret, name);
         let s = py
             .detach(|| self.core.with(|e| e.open_named(addr, name, token)))
