@@ -23,8 +23,20 @@ const TARGET_B: usize = 2;
 const INITIATOR: usize = 3;
 const INITIATOR_2: usize = 4;
 
+/// Five hosts, where this process may build them and etcd is installed.
 fn cluster() -> Option<Cluster> {
-    if !Cluster::available() || !LocalEtcd::available() {
+    hosts(5, true)
+}
+
+/// Two hosts and no etcd.
+fn two_hosts() -> Option<Cluster> {
+    hosts(2, false)
+}
+
+/// `n` hosts, where this process may build them (and etcd is installed,
+/// if `etcd`); `None`, saying so, where not — never under `CI=true`.
+fn hosts(n: usize, etcd: bool) -> Option<Cluster> {
+    if !Cluster::available() || (etcd && !LocalEtcd::available()) {
         assert!(
             std::env::var("CI").is_err(),
             "CI must run the cluster tests: they need root, iproute2, tc, nft, iptables and etcd-server"
@@ -32,7 +44,7 @@ fn cluster() -> Option<Cluster> {
         eprintln!("skipped: needs root, iproute2, tc, nft, iptables and etcd-server");
         return None;
     }
-    Some(Cluster::new(5).expect("build the cluster"))
+    Some(Cluster::new(n).expect("build the cluster"))
 }
 
 /// etcd on its own host, started from a thread already inside the cluster
@@ -134,6 +146,13 @@ async fn one_read(kv: &RemoteSegment, len: usize) -> (bool, Duration) {
     let t0 = Instant::now();
     let q = b.submit().await.quiesced().await;
     (q.all_completed(), t0.elapsed())
+}
+
+/// How many of `kv`'s first 64 MiB are `byte` (read back 8 MiB at a time).
+async fn bytes_equal(kv: &RemoteSegment, byte: u8) -> usize {
+    quiesce::scenario::count_remote(kv, BIG as u64, byte, AlignedBuf::new(8 << 20))
+        .await
+        .0
 }
 
 fn filled(byte: u8) -> AlignedBuf {
@@ -252,13 +271,7 @@ fn across_hosts_through_etcd() {
                                 "fan-in from host {host}: {:?}",
                                 q.tasks()
                             );
-                            let (n, _) = quiesce::scenario::count_remote(
-                                &kv,
-                                BIG as u64,
-                                byte,
-                                AlignedBuf::new(8 << 20),
-                            )
-                            .await;
+                            let n = bytes_equal(&kv, byte).await;
                             assert!(n >= BIG / 2, "host {host}: only {n} of its bytes landed");
                             e.shutdown();
                         });
@@ -393,13 +406,7 @@ fn partitions_mid_write_and_mid_read() {
                         let (ok, _) = one_write(&kv_b, BIG, 0xB2).await;
                         assert!(ok, "round {round}: the second writer failed");
                         time::sleep(Duration::from_millis(500)).await;
-                        let (stale, _) = quiesce::scenario::count_remote(
-                            &kv_b,
-                            BIG as u64,
-                            0xA1,
-                            AlignedBuf::new(8 << 20),
-                        )
-                        .await;
+                        let stale = bytes_equal(&kv_b, 0xA1).await;
                         assert_eq!(stale, 0, "round {round}: {stale} bytes of the partitioned write landed");
                     } else {
                         time::sleep(Duration::from_millis(500)).await;
@@ -426,15 +433,7 @@ fn partitions_mid_write_and_mid_read() {
 #[test]
 fn a_delayed_link_delays_jitters_and_reorders() {
     use std::io::{Read, Write};
-    if !Cluster::available() {
-        assert!(
-            std::env::var("CI").is_err(),
-            "CI must run the cluster tests"
-        );
-        eprintln!("skipped: needs root, iproute2, tc, nft and iptables");
-        return;
-    }
-    let c = Cluster::new(2).expect("build the cluster");
+    let Some(c) = two_hosts() else { return };
     let server = c.hosts[1].ip;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::scope(|s| {
@@ -531,16 +530,8 @@ fn a_delayed_link_delays_jitters_and_reorders() {
 /// sit behind TCP's backed-off retransmissions until its deadline.
 #[test]
 fn a_partition_that_heals_is_retried_once_the_target_confirms() {
-    if !Cluster::available() {
-        assert!(
-            std::env::var("CI").is_err(),
-            "CI must run the cluster tests"
-        );
-        eprintln!("skipped: needs root, iproute2, tc, nft and iptables");
-        return;
-    }
     const TGT: usize = 1;
-    let c = Cluster::new(2).expect("build the cluster");
+    let Some(c) = two_hosts() else { return };
     let partition = Duration::from_millis(1500);
     let deadline = Duration::from_secs(20);
     std::thread::scope(|s| {
@@ -593,13 +584,7 @@ fn a_partition_that_heals_is_retried_once_the_target_confirms() {
                         took < deadline / 2,
                         "round {round}: {took:?}: the stall was not found out before the deadline"
                     );
-                    let (n, _) = quiesce::scenario::count_remote(
-                        &kv,
-                        BIG as u64,
-                        byte,
-                        AlignedBuf::new(8 << 20),
-                    )
-                    .await;
+                    let n = bytes_equal(&kv, byte).await;
                     assert_eq!(n, BIG, "round {round}: the retried write is whole");
                 }
                 e.shutdown();

@@ -15,14 +15,19 @@ use quiesce::transports::{Engine, EngineConfig};
 
 const TTL: u64 = 2;
 
-#[test]
-fn a_target_found_through_etcd_serves_writes_and_vanishes_when_killed() {
+/// A private etcd, where Debian's etcd-server is installed.
+fn etcd() -> Option<LocalEtcd> {
     if !LocalEtcd::available() {
         assert!(std::env::var("CI").is_err(), "CI=true but no etcd binary");
         eprintln!("skipped: no etcd binary (apt-get install etcd-server)");
-        return;
+        return None;
     }
-    let etcd = LocalEtcd::start().unwrap();
+    Some(LocalEtcd::start().unwrap())
+}
+
+#[test]
+fn a_target_found_through_etcd_serves_writes_and_vanishes_when_killed() {
+    let Some(etcd) = etcd() else { return };
     let url = etcd.url("cli");
     let mut cmd = Command::new(Path::new(env!("CARGO_BIN_EXE_quiesce")));
     cmd.env("QUIESCE_DIRECTORY_TTL", TTL.to_string());
@@ -81,12 +86,7 @@ fn a_target_found_through_etcd_serves_writes_and_vanishes_when_killed() {
 /// through the address the directory gave — 0 corrupted.
 #[test]
 fn the_demo_finds_its_target_through_etcd() {
-    if !LocalEtcd::available() {
-        assert!(std::env::var("CI").is_err(), "CI=true but no etcd binary");
-        eprintln!("skipped: no etcd binary (apt-get install etcd-server)");
-        return;
-    }
-    let etcd = LocalEtcd::start().unwrap();
+    let Some(etcd) = etcd() else { return };
     let url = etcd.url("demo");
     let out = Command::new(Path::new(env!("CARGO_BIN_EXE_quiesce")))
         .args(["demo", "--rounds", "3", "--size", "8M", "--directory", &url])

@@ -1,82 +1,17 @@
 //! The sync API and the C ABI (a C program built by this test), against a
 //! target engine on another thread.
 
-use std::future::Future;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::mpsc;
 use std::time::Duration;
 
 use quiesce_batch::sync::{Direction, SyncEngine, SyncTask};
 use quiesce_batch::{BatchOptions, FailurePolicy, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
-use quiesce_runtime::shard::{channel, Shards};
-use quiesce_transports::{Engine, EngineConfig, Rights, Token};
+use quiesce_transports::EngineConfig;
 
-/// A target on its own shard: segments kv (rw) and ro (r); a command stalls it.
-struct Target {
-    addr: std::net::SocketAddr,
-    kv: Token,
-    ro: Token,
-    stall: quiesce_runtime::shard::Sender<Duration>,
-    shards: Option<Shards<()>>,
-}
+mod common;
 
-impl Target {
-    fn start() -> Target {
-        let (stall_tx, stall_rx) = channel::<Duration>();
-        let stall_rx = std::sync::Mutex::new(Some(stall_rx));
-        let (tx, rx) = mpsc::channel();
-        let shards = Shards::builder()
-            .count(1)
-            .pin(false)
-            .spawn(move |shard| {
-                let tx = tx.clone();
-                let mut stall = stall_rx.lock().unwrap().take().unwrap();
-                async move {
-                    let e = Engine::bind(EngineConfig::default()).unwrap();
-                    let kv = e
-                        .register("kv", vec![0u8; 8 << 20], Rights::READ | Rights::WRITE)
-                        .unwrap();
-                    let ro = e.register("ro", vec![0u8; 4096], Rights::READ).unwrap();
-                    tx.send((e.local_addr(), kv.token(), ro.token())).unwrap();
-                    let serve = async {
-                        while let Some(d) = stall.recv().await {
-                            std::thread::sleep(d); // freeze the shard
-                        }
-                    };
-                    let stop = shard.shutdown_requested();
-                    let mut serve = std::pin::pin!(serve);
-                    let mut stop = std::pin::pin!(stop);
-                    std::future::poll_fn(|cx| {
-                        if serve.as_mut().poll(cx).is_ready() || stop.as_mut().poll(cx).is_ready() {
-                            std::task::Poll::Ready(())
-                        } else {
-                            std::task::Poll::Pending
-                        }
-                    })
-                    .await;
-                    e.shutdown();
-                }
-            })
-            .unwrap();
-        let (addr, kv, ro) = rx.recv().unwrap();
-        Target {
-            addr,
-            kv,
-            ro,
-            stall: stall_tx,
-            shards: Some(shards),
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        if let Some(s) = self.shards.take() {
-            s.shutdown();
-        }
-    }
-}
+use common::Target;
 
 #[test]
 fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
@@ -140,8 +75,7 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
     // A frozen target and no grace: the outcome is unknown, with a ticket.
     // Writes 4 MiB of `fill` to a target frozen for 300 ms, with no grace.
     let frozen_write = |fill: u8| {
-        t.stall.send(Duration::from_millis(300)).ok().unwrap();
-        std::thread::sleep(Duration::from_millis(20));
+        t.stall(Duration::from_millis(300));
         let opts = BatchOptions::default()
             .deadline(Duration::from_millis(20))
             .fence_grace(Duration::ZERO);

@@ -2,127 +2,15 @@
 //! the caller's bytes — so whatever the batch's outcome, nothing touches the
 //! caller's buffers once the call has returned.
 
-use std::future::Future;
-use std::sync::mpsc;
 use std::time::Duration;
 
 use quiesce_batch::sync::{Direction, SyncEngine, SyncError, SyncTask, LANE_MAX_BYTES};
 use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK};
-use quiesce_runtime::shard::{channel, Sender, Shards};
-use quiesce_transports::{Engine, EngineConfig, EngineStats, Rights, Token, TransferError};
+use quiesce_transports::{EngineConfig, TransferError};
 
-const KV: usize = 8 << 20;
+mod common;
 
-enum Cmd {
-    /// Freezes the target's thread.
-    Stall(Duration),
-    Stats(mpsc::Sender<EngineStats>),
-    /// The bytes of `kv` at an offset.
-    Peek(u64, usize, mpsc::Sender<Vec<u8>>),
-}
-
-/// A target on its own shard with one read-write segment `kv`.
-struct Target {
-    addr: std::net::SocketAddr,
-    token: Token,
-    cmds: Sender<Cmd>,
-    shards: Option<Shards<()>>,
-}
-
-impl Target {
-    fn start() -> Target {
-        let (cmd_tx, cmd_rx) = channel::<Cmd>();
-        let cmd_rx = std::sync::Mutex::new(Some(cmd_rx));
-        let (tx, rx) = mpsc::channel();
-        let shards = Shards::builder()
-            .count(1)
-            .pin(false)
-            .spawn(move |shard| {
-                let tx = tx.clone();
-                let mut cmds = cmd_rx.lock().unwrap().take().unwrap();
-                async move {
-                    let e = Engine::bind(EngineConfig::default()).unwrap();
-                    let kv = e
-                        .register("kv", vec![0u8; KV], Rights::READ | Rights::WRITE)
-                        .unwrap();
-                    tx.send((e.local_addr(), kv.token())).unwrap();
-                    let serve = async {
-                        while let Some(c) = cmds.recv().await {
-                            match c {
-                                Cmd::Stall(d) => std::thread::sleep(d),
-                                Cmd::Stats(r) => {
-                                    let _ = r.send(e.stats());
-                                }
-                                Cmd::Peek(at, n, r) => {
-                                    let mut v = vec![0u8; n];
-                                    assert!(kv.read_at(at, &mut v));
-                                    let _ = r.send(v);
-                                }
-                            }
-                        }
-                    };
-                    let stop = shard.shutdown_requested();
-                    let mut serve = std::pin::pin!(serve);
-                    let mut stop = std::pin::pin!(stop);
-                    std::future::poll_fn(|cx| {
-                        if serve.as_mut().poll(cx).is_ready() || stop.as_mut().poll(cx).is_ready() {
-                            std::task::Poll::Ready(())
-                        } else {
-                            std::task::Poll::Pending
-                        }
-                    })
-                    .await;
-                    e.shutdown();
-                }
-            })
-            .unwrap();
-        let (addr, token) = rx.recv().unwrap();
-        Target {
-            addr,
-            token,
-            cmds: cmd_tx,
-            shards: Some(shards),
-        }
-    }
-
-    fn stats(&self) -> EngineStats {
-        let (tx, rx) = mpsc::channel();
-        self.cmds.send(Cmd::Stats(tx)).ok().unwrap();
-        rx.recv().unwrap()
-    }
-
-    fn peek(&self, at: u64, n: usize) -> Vec<u8> {
-        let (tx, rx) = mpsc::channel();
-        self.cmds.send(Cmd::Peek(at, n, tx)).ok().unwrap();
-        rx.recv().unwrap()
-    }
-
-    fn stall(&self, d: Duration) {
-        self.cmds.send(Cmd::Stall(d)).ok().unwrap();
-        // The target's thread is asleep once this returns.
-        std::thread::sleep(Duration::from_millis(20));
-    }
-
-    /// Waits until the target has `n` sessions with a connection.
-    fn wait_sessions(&self, n: u64) -> u64 {
-        let until = std::time::Instant::now() + Duration::from_secs(5);
-        loop {
-            let s = self.stats().sessions;
-            if s == n || std::time::Instant::now() > until {
-                return s;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        if let Some(s) = self.shards.take() {
-            s.shutdown();
-        }
-    }
-}
+use common::{Target, KV};
 
 fn task(segment: u32, offset: u64, buf: Vec<u8>) -> SyncTask<Vec<u8>> {
     SyncTask {
@@ -148,7 +36,7 @@ fn write(e: &SyncEngine, seg: u32, at: u64, buf: Vec<u8>) -> i32 {
 fn small_batches_run_on_a_lane_of_the_calling_thread() {
     let t = Target::start();
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
-    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
     assert_eq!(t.wait_sessions(1), 1, "the engine's own session");
 
     e.caller_lanes(false);
@@ -218,7 +106,7 @@ fn small_batches_run_on_a_lane_of_the_calling_thread() {
 fn lane_reads_and_writes_move_every_byte() {
     let t = Target::start();
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
-    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
     let sizes = [1usize, 7, 4096, 16 << 10, (16 << 10) + 1, 64 << 10, 100_000];
     let mut at = 0u64;
     for &n in &sizes {
@@ -259,7 +147,7 @@ fn lane_reads_and_writes_move_every_byte() {
 fn a_lane_refuses_what_the_engine_refuses() {
     let t = Target::start();
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
-    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
     let past_end = || vec![task(kv, KV as u64 - 100, vec![7u8; 4096])];
     let on_lane = e
         .batch(Direction::Write, past_end(), BatchOptions::default())
@@ -297,7 +185,7 @@ fn a_lane_refuses_what_the_engine_refuses() {
 fn a_lane_read_cut_at_its_deadline_never_writes_the_callers_buffer_afterwards() {
     let t = Target::start();
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
-    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
     assert_eq!(write(&e, kv, 0, vec![0x11; 64 << 10]), SYNC_OK);
     let cut = BatchOptions::default()
         .policy(FailurePolicy::FailFast)
@@ -341,7 +229,7 @@ fn a_lane_read_cut_at_its_deadline_never_writes_the_callers_buffer_afterwards() 
 fn a_lane_write_cut_at_its_deadline_hands_the_buffer_back_and_never_sends_it_again() {
     let t = Target::start();
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
-    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
     let cut = BatchOptions::default()
         .policy(FailurePolicy::FailFast)
         .deadline(Duration::from_millis(20))
@@ -379,7 +267,7 @@ fn a_lane_write_cut_at_its_deadline_hands_the_buffer_back_and_never_sends_it_aga
 fn inside_a_runtime_the_engine_runs_the_batch() {
     let t = Target::start();
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
-    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
     let rt = quiesce_runtime::Runtime::new().unwrap();
     let code = rt.block_on(async { write(&e, kv, 0, vec![5u8; 4096]) });
     assert_eq!(code, SYNC_OK);
@@ -395,7 +283,7 @@ fn inside_a_runtime_the_engine_runs_the_batch() {
 fn opening_a_lane_to_a_frozen_peer_keeps_the_deadline() {
     let t = Target::start();
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
-    let kv = e.open(t.addr, "kv", t.token).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
     t.stall(Duration::from_millis(1500));
     let opts = BatchOptions::default()
         .policy(FailurePolicy::FailFast)
