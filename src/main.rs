@@ -67,6 +67,11 @@ enum Cmd {
         /// Start a target on loopback and compare raw std TCP, tokio, quiesce io_uring and epoll.
         #[arg(long)]
         compare: bool,
+        /// Start a target on loopback and measure many transfers at once:
+        /// 1,000 batches in flight (heap per batch), 16 concurrent 64 MiB
+        /// writes, two shards against one.
+        #[arg(long, conflicts_with = "compare")]
+        scale: bool,
         /// Target address (from `quiesce target`).
         #[arg(long)]
         connect: Option<SocketAddr>,
@@ -218,6 +223,7 @@ fn main() -> ExitCode {
         .map(|()| true),
         Cmd::Bench {
             compare,
+            scale,
             connect,
             token,
             transport,
@@ -252,6 +258,7 @@ fn main() -> ExitCode {
             };
             cmd::bench::run(cmd::bench::BenchArgs {
                 compare,
+                scale,
                 connect,
                 token,
                 ro_token: None,

@@ -54,8 +54,11 @@ pub const LANE_MAX_BYTES: usize = 256 << 10;
 const MAX_LANES: usize = 64;
 /// A lane idle this long takes a reactor turn before its next batch.
 const AWAY: Duration = Duration::from_millis(1);
-/// Spare copy buffers a lane keeps between calls.
+/// Spare copy buffers a lane keeps between calls, and the largest one it
+/// keeps: at most 1 MiB of spares per lane (a 4 KiB batch reuses them; a
+/// rare 256 KiB one allocates its copy).
 const SPARE_BUFFERS: usize = 16;
+const SPARE_MAX: usize = 64 << 10;
 
 /// How a lane opens a segment the engine opened: the same peer, token and
 /// name (or address), and it must be the same segment.
@@ -165,7 +168,11 @@ impl Lanes {
         let Some(keys) = keys else {
             return Err((tasks, opts));
         };
-        let r = LANES.try_with(|lanes| {
+        // A thread that is exiting has no lanes any more.
+        if LANES.try_with(|_| ()).is_err() {
+            return Err((tasks, opts));
+        }
+        LANES.with(|lanes| {
             let Ok(mut lanes) = lanes.try_borrow_mut() else {
                 return Err((tasks, opts));
             };
@@ -181,9 +188,7 @@ impl Lanes {
                 },
             };
             lanes[at].run(tasks, &keys, opts)
-        });
-        // This thread is exiting: its lanes are gone.
-        r.unwrap_or_else(|e| panic!("quiesce: a lane call while the thread exits: {e}"))
+        })
     }
 
     /// A new lane for this engine on this thread, unless it has enough.
@@ -411,8 +416,9 @@ impl Lane {
 
     fn keep_spares(&mut self, copies: Vec<Copied>) {
         for c in copies {
-            if self.spare.len() < SPARE_BUFFERS {
-                self.spare.push(c.into_inner());
+            let c = c.into_inner();
+            if self.spare.len() < SPARE_BUFFERS && c.capacity() <= SPARE_MAX {
+                self.spare.push(c);
             }
         }
     }

@@ -8,6 +8,7 @@ mod instructions;
 mod quiesce_client;
 pub(crate) mod raw;
 mod rdma_client;
+mod scale;
 mod tokio_client;
 
 use std::fmt::Write as _;
@@ -422,6 +423,8 @@ struct Row {
 /// Options of `quiesce bench`.
 pub struct BenchArgs {
     pub compare: bool,
+    /// Many transfers at once (`scale.rs`).
+    pub scale: bool,
     pub connect: Option<SocketAddr>,
     pub token: Option<Token>,
     pub ro_token: Option<Token>,
@@ -453,7 +456,9 @@ pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
                 .into(),
         );
     }
-    if a.compare {
+    if a.scale {
+        scale::scale()
+    } else if a.compare {
         compare::compare(&a)
     } else {
         single(&a)
