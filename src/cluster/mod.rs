@@ -2,7 +2,7 @@
 //! "hosts": each host is a namespace with one veth link to a bridge in a
 //! switch namespace of its own (the machine's own namespace is never
 //! touched). A host's egress takes a delay with jitter (a user-space delay
-//! line, [`delay`]: this kernel has no `tc netem`), random loss (nftables)
+//! line, [`Cluster::delay`]: this kernel has no `tc netem`), random loss (nftables)
 //! and a rate limit (tbf); links go down and up (partitions: nothing
 //! answers, nothing resets). Needs root and iproute2 (iptables for delays);
 //! only addresses inside `10.214.N.0/24` are used, N from the process id
