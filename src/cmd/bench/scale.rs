@@ -46,7 +46,7 @@ async fn write_one(kv: &RemoteSegment, src: AlignedBuf, at: u64) -> (bool, Align
         BatchOptions::default().deadline(Duration::from_secs(60)),
     );
     b.write(src, RemoteRange::new(kv, at, n))
-        .ok()
+        .map_err(|r| r.reason)
         .expect("a valid task");
     let q = b.submit().await.quiesced().await;
     let ok = q.all_completed();
@@ -81,8 +81,8 @@ pub fn scale() -> Result<bool, Box<dyn std::error::Error>> {
         for (i, src) in sources.into_iter().enumerate() {
             let mut b = Batch::new(Tcp, BatchOptions::default().deadline(Duration::from_secs(60)));
             b.write(src, RemoteRange::new(&kv, (i * SMALL) as u64, SMALL as u64))
-                .ok()
-                .expect("a valid task");
+        .map_err(|r| r.reason)
+        .expect("a valid task");
             flying.push(b.submit());
         }
         // Nothing was awaited yet: every batch is in flight.
@@ -120,8 +120,8 @@ pub fn scale() -> Result<bool, Box<dyn std::error::Error>> {
         for (i, src) in srcs.into_iter().enumerate() {
             let mut b = Batch::new(Tcp, BatchOptions::default().deadline(Duration::from_secs(60)));
             b.write(src, RemoteRange::new(&kv, (i * BIG) as u64, BIG as u64))
-                .ok()
-                .expect("a valid task");
+        .map_err(|r| r.reason)
+        .expect("a valid task");
             flying.push(b.submit());
         }
         let mut all = 0;
