@@ -109,6 +109,11 @@ impl<B> Quiesced<B> {
         self.buffers
     }
 
+    /// Takes the reports and the buffers, both in task order.
+    pub fn into_parts(self) -> (Vec<TaskReport>, Vec<B>) {
+        (self.tasks, self.buffers)
+    }
+
     /// How long the fence took (from starting it to quiescence), if the
     /// batch fenced.
     pub fn fence_time(&self) -> Option<Duration> {

@@ -343,7 +343,7 @@ fn turn(cx: &Context) {
 /// How long until the nearest timer is due (`None`: no timer).
 fn until_next_timer(cx: &Context) -> Option<Duration> {
     cx.timers
-        .borrow()
+        .borrow_mut()
         .next_deadline()
         .map(|d| d.saturating_duration_since(Instant::now()))
 }

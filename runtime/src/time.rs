@@ -1,47 +1,112 @@
 //! Timers: `sleep`, `sleep_until`, `timeout`. The nearest deadline bounds how
 //! long the reactor parks.
 //!
-//! Timers live in a per-runtime ordered map (no syscall per timer). For a
-//! timer armed in the kernel itself — `IORING_OP_TIMEOUT`, or a `timerfd` on
-//! epoll — use [`kernel_sleep`].
+//! Timers live in a per-runtime slab with a min-heap of deadlines (no
+//! syscall per timer, and no allocation per timer once the runtime is warm:
+//! a batch arms and cancels its deadline every time). For a timer armed in
+//! the kernel itself — `IORING_OP_TIMEOUT`, or a `timerfd` on epoll — use
+//! [`kernel_sleep`].
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context as TaskCx, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use slab::Slab;
+
 use crate::context;
 use crate::driver::op::Timeout as TimeoutOp;
 use crate::driver::Op;
 
+/// A registered timer: where its waker sits and which registration it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TimerKey {
+    slot: usize,
+    /// Tells this registration from a later one in the same slot.
+    gen: u64,
+}
+
+struct Armed {
+    gen: u64,
+    waker: Waker,
+}
+
 /// Pending timers of one runtime.
+///
+/// Invariant: every armed slot has exactly one heap entry with its
+/// generation; heap entries whose slot was cancelled (or re-used) are
+/// stale and skipped, and dropped when they reach the top or when stale
+/// entries outnumber armed ones (a rebuild).
 #[derive(Default)]
 pub(crate) struct Timers {
-    map: BTreeMap<(Instant, u64), Waker>,
-    next_id: u64,
+    armed: Slab<Armed>,
+    heap: BinaryHeap<Reverse<(Instant, u64, usize)>>,
+    next_gen: u64,
 }
 
 impl Timers {
-    pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.map.keys().next().map(|k| k.0)
+    fn arm(&mut self, deadline: Instant, waker: Waker) -> TimerKey {
+        self.next_gen += 1;
+        let gen = self.next_gen;
+        let slot = self.armed.insert(Armed { gen, waker });
+        self.heap.push(Reverse((deadline, gen, slot)));
+        TimerKey { slot, gen }
+    }
+
+    fn is_armed(&self, key: TimerKey) -> bool {
+        self.armed.get(key.slot).is_some_and(|a| a.gen == key.gen)
+    }
+
+    fn cancel(&mut self, key: TimerKey) {
+        if self.is_armed(key) {
+            self.armed.remove(key.slot);
+            // Cancelled timers leave stale heap entries behind: rebuild
+            // once they outnumber the armed ones.
+            if self.heap.len() > 2 * self.armed.len() + 64 {
+                let armed = &self.armed;
+                self.heap.retain(|Reverse((_, gen, slot))| {
+                    armed.get(*slot).is_some_and(|a| a.gen == *gen)
+                });
+            }
+        }
+    }
+
+    /// Drops stale entries from the top of the heap.
+    fn prune(&mut self) {
+        while let Some(Reverse((_, gen, slot))) = self.heap.peek() {
+            if self.armed.get(*slot).is_some_and(|a| a.gen == *gen) {
+                return;
+            }
+            self.heap.pop();
+        }
+    }
+
+    pub(crate) fn next_deadline(&mut self) -> Option<Instant> {
+        self.prune();
+        self.heap.peek().map(|Reverse((at, _, _))| *at)
     }
 
     /// Removes every timer due at `now`; returns their wakers.
     pub(crate) fn expire(&mut self, now: Instant) -> Vec<Waker> {
         let mut out = Vec::new();
-        while let Some(entry) = self.map.first_entry() {
-            if entry.key().0 > now {
-                break;
+        loop {
+            self.prune();
+            match self.heap.peek() {
+                Some(Reverse((at, _, slot))) if *at <= now => {
+                    let slot = *slot;
+                    self.heap.pop();
+                    out.push(self.armed.remove(slot).waker);
+                }
+                _ => return out,
             }
-            out.push(entry.remove());
         }
-        out
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.armed.is_empty()
     }
 }
 
@@ -62,8 +127,8 @@ pub(crate) fn fire_due(cx: &context::Context) {
 pub struct Sleep {
     deadline: Instant,
     /// Where the waker is registered: the runtime it was first polled on, and
-    /// the key in its timer map.
-    key: Option<(Rc<context::Context>, (Instant, u64))>,
+    /// the key in its timers.
+    key: Option<(Rc<context::Context>, TimerKey)>,
 }
 
 impl Sleep {
@@ -80,7 +145,7 @@ impl Sleep {
 
     fn unregister(&mut self) {
         if let Some((cx, key)) = self.key.take() {
-            cx.timers.borrow_mut().map.remove(&key);
+            cx.timers.borrow_mut().cancel(key);
         }
     }
 }
@@ -102,19 +167,14 @@ impl Future for Sleep {
         let new_key = {
             let mut t = cx.timers.borrow_mut();
             match key {
-                Some(k) if t.map.contains_key(&k) => {
-                    let w = t.map.get_mut(&k).expect("present");
+                Some(k) if t.is_armed(k) => {
+                    let w = &mut t.armed[k.slot].waker;
                     if !w.will_wake(tcx.waker()) {
                         *w = tcx.waker().clone();
                     }
                     k
                 }
-                _ => {
-                    t.next_id += 1;
-                    let k = (deadline, t.next_id);
-                    t.map.insert(k, tcx.waker().clone());
-                    k
-                }
+                _ => t.arm(deadline, tcx.waker().clone()),
             }
         };
         self.key = Some((cx, new_key));
@@ -190,4 +250,55 @@ pub fn timeout<F: Future>(duration: Duration, fut: F) -> Timeout<F> {
 pub fn kernel_sleep(duration: Duration) -> Op<TimeoutOp> {
     let cx = context::current();
     Op::on(cx.clone(), TimeoutOp::new(duration, cx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn noop() -> Waker {
+        Waker::noop().clone()
+    }
+
+    #[test]
+    fn timers_fire_in_deadline_order_and_cancelled_ones_never() {
+        let mut t = Timers::default();
+        let t0 = Instant::now();
+        let late = t.arm(t0 + Duration::from_millis(30), noop());
+        let early = t.arm(t0 + Duration::from_millis(10), noop());
+        let gone = t.arm(t0 + Duration::from_millis(5), noop());
+        t.cancel(gone);
+        assert!(!t.is_armed(gone));
+        assert_eq!(t.next_deadline(), Some(t0 + Duration::from_millis(10)));
+        assert_eq!(t.expire(t0 + Duration::from_millis(20)).len(), 1);
+        assert!(!t.is_armed(early) && t.is_armed(late));
+        // The freed slot is used again: the old registration's key is not
+        // this one, and cancelling it touches nothing.
+        let again = t.arm(t0 + Duration::from_millis(40), noop());
+        assert!(again.slot == gone.slot || again.slot == early.slot);
+        t.cancel(gone);
+        t.cancel(early);
+        assert!(t.is_armed(again) && t.is_armed(late));
+        assert_eq!(t.expire(t0 + Duration::from_secs(1)).len(), 2);
+        assert!(t.is_empty());
+        assert_eq!(t.next_deadline(), None);
+    }
+
+    #[test]
+    fn cancelled_timers_do_not_pile_up() {
+        let mut t = Timers::default();
+        let far = Instant::now() + Duration::from_secs(3600);
+        let keep = t.arm(far, noop());
+        for _ in 0..100_000 {
+            let k = t.arm(far, noop());
+            t.cancel(k);
+        }
+        assert!(
+            t.heap.len() <= 2 * t.armed.len() + 65,
+            "{} heap entries",
+            t.heap.len()
+        );
+        assert!(t.is_armed(keep));
+        assert_eq!(t.next_deadline(), Some(far));
+    }
 }

@@ -158,16 +158,6 @@ impl Lanes {
         if Handle::try_current().is_some() {
             return Err((tasks, opts));
         }
-        let keys: Option<Vec<LaneKey>> = {
-            let all = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-            tasks
-                .iter()
-                .map(|(_, t)| all.get(t.segment as usize).cloned().flatten())
-                .collect()
-        };
-        let Some(keys) = keys else {
-            return Err((tasks, opts));
-        };
         // A thread that is exiting has no lanes any more.
         if LANES.try_with(|_| ()).is_err() {
             return Err((tasks, opts));
@@ -187,7 +177,7 @@ impl Lanes {
                     None => return Err((tasks, opts)),
                 },
             };
-            lanes[at].run(tasks, &keys, opts)
+            lanes[at].run(tasks, &self.keys, opts)
         })
     }
 
@@ -280,7 +270,7 @@ impl Lane {
     fn run<B: IoBufMut>(
         &mut self,
         tasks: Vec<(Direction, SyncTask<B>)>,
-        keys: &[LaneKey],
+        keys: &Mutex<Vec<Option<LaneKey>>>,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
         let started = std::time::Instant::now();
@@ -327,9 +317,8 @@ impl Lane {
         Ok(Ok(match outcome {
             Outcome::Quiesced(q) => {
                 let code = q.sync_code();
-                let tasks = q.tasks().to_vec();
                 let remote_confirmed = q.remote_confirmed();
-                let copies = q.into_buffers();
+                let (tasks, copies) = q.into_parts();
                 for (((dir, report), copy), orig) in dirs
                     .iter()
                     .zip(&tasks)
@@ -374,23 +363,30 @@ impl Lane {
     }
 
     /// This lane's segment for every task (opening those it has not yet,
-    /// within `deadline`), or `None` if one cannot be opened here as the
-    /// engine opened it — or not in time: a peer that does not answer now
-    /// is tried again by the next call.
+    /// as `keys` says the engine opened them, within `deadline`), or `None`
+    /// if one cannot be opened here as the engine opened it — or not in
+    /// time: a peer that does not answer now is tried again by the next
+    /// call.
     fn segments<B>(
         &mut self,
         tasks: &[(Direction, SyncTask<B>)],
-        keys: &[LaneKey],
+        keys: &Mutex<Vec<Option<LaneKey>>>,
         deadline: Option<Duration>,
     ) -> Option<Vec<RemoteSegment>> {
-        let net = self.net.clone()?;
         let started = std::time::Instant::now();
         let mut out = Vec::with_capacity(tasks.len());
-        for ((_, t), key) in tasks.iter().zip(keys) {
+        for (_, t) in tasks {
             let seg = match self.opened.get(&t.segment) {
                 Some(s) => s.clone(),
                 None => {
-                    let opening = open(&net, key);
+                    // Not on TCP, or not a handle of this engine: the
+                    // engine's thread answers it.
+                    let key = {
+                        let all = keys.lock().unwrap_or_else(|e| e.into_inner());
+                        all.get(t.segment as usize).cloned().flatten()?
+                    };
+                    let net = self.net.clone()?;
+                    let opening = open(&net, &key);
                     let s = match deadline {
                         Some(d) => {
                             let left = d.saturating_sub(started.elapsed());

@@ -521,11 +521,11 @@ impl Drop for AbortOnUnwind {
 
 fn finish<B>(q: Quiesced<B>) -> SyncOutcome<B> {
     let code = q.sync_code();
-    let tasks = q.tasks().to_vec();
     let remote_confirmed = q.remote_confirmed();
+    let (tasks, buffers) = q.into_parts();
     SyncOutcome {
         code,
-        buffers: Some(q.into_buffers()),
+        buffers: Some(buffers),
         tasks,
         ticket: None,
         remote_confirmed,
