@@ -167,3 +167,39 @@ def test_a_native_engine_refuses_an_unreachable_directory():
     assert time.monotonic() - started < 15
     with pytest.raises(quiesce.InvalidInput):
         quiesce.Engine(secret=SECRET, directory="zk://x:1")
+
+
+def _node_keys(etcd, prefix):
+    """The node entries under `prefix`, read through etcd's JSON gateway."""
+    import base64
+    import json
+
+    body = json.dumps({"key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode()})
+    req = urllib.request.Request(f"http://{etcd}/v3/kv/range", data=body.encode(), method="POST")
+    kvs = json.loads(urllib.request.urlopen(req, timeout=5).read()).get("kvs", [])
+    keys = [base64.b64decode(kv["key"]).decode() for kv in kvs]
+    return sorted(k.split("/nodes/", 1)[1] for k in keys if prefix in k and "/nodes/" in k)
+
+
+def test_a_native_engine_is_published_under_its_bound_address(etcd):
+    import quiesce
+
+    url = f"etcd://{etcd}/bound"
+    # A wildcard would tell peers nothing they can reach.
+    with pytest.raises(quiesce.InvalidInput):
+        quiesce.Engine("0.0.0.0:0", secret=SECRET, directory=url)
+    # Unnamed engines are their bound "ip:port": two never share an entry,
+    # and one's close takes only its own.
+    a = quiesce.Engine(secret=SECRET, directory=url)
+    b = quiesce.Engine(secret=SECRET, directory=url)
+    try:
+        assert a.address != b.address
+        assert _node_keys(etcd, "bound") == sorted([a.address, b.address])
+        b.close()
+        deadline = time.monotonic() + 5
+        while _node_keys(etcd, "bound") != [a.address]:
+            assert time.monotonic() < deadline, _node_keys(etcd, "bound")
+            time.sleep(0.05)
+    finally:
+        a.close()
+        b.close()

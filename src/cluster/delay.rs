@@ -258,8 +258,15 @@ impl Queue {
         };
         if n < 0 {
             let e = io::Error::last_os_error();
-            return match e.kind() {
-                io::ErrorKind::WouldBlock => Ok(None),
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) => Ok(None),
+                // The kernel dropped notices (the socket's buffer was full):
+                // their packets stay held until the line stops (the queue
+                // is flushed when the socket closes). Keep serving the rest.
+                Some(libc::ENOBUFS) => {
+                    eprintln!("delay line: nfnetlink_queue notices lost (ENOBUFS)");
+                    Ok(Some(&buf[..0]))
+                }
                 _ => Err(e),
             };
         }
@@ -269,8 +276,16 @@ impl Queue {
     /// Waits for the kernel's answer to a request sent with `NLM_F_ACK`.
     fn ack(&self) -> io::Result<()> {
         let mut buf = vec![0u8; 8192];
+        let until = Instant::now() + Duration::from_secs(2);
         loop {
-            self.wait(Some(Duration::from_secs(2)))?;
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "nfnetlink_queue did not answer a configuration request",
+                ));
+            }
+            self.wait(Some(left))?;
             let Some(m) = self.recv(&mut buf)? else {
                 continue;
             };

@@ -225,11 +225,18 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        // Their threads live in the hosts' namespaces: stopped first.
-        self.delays
+        // Their threads live in the hosts' namespaces: stopped first, each
+        // rule removed before its line releases what it holds.
+        let delayed: Vec<usize> = self
+            .delays
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clear();
+            .keys()
+            .copied()
+            .collect();
+        for i in delayed {
+            let _ = self.delay(i, None);
+        }
         // Deleting a namespace deletes the veth ends in it, and so the pairs.
         for h in &self.hosts {
             let _ = ip(&["netns", "del", &h.netns]);

@@ -46,8 +46,12 @@ pub struct EngineConfig {
     /// behind a partition, dead, or stopped with its receive window full —
     /// is dropped by the kernel (`TCP_USER_TIMEOUT`, both roles): its
     /// transfers fail as the connection lost (retryable once the target
-    /// confirms), and a target's reads stop holding segment memory. `None`:
-    /// the system's retransmission limits (many minutes).
+    /// confirms), and a target's reads stop holding segment memory. So a
+    /// target paused longer than this (SIGSTOP, a debugger, a VM migration)
+    /// with data pending fails even a batch without a deadline — -1, the
+    /// target unconfirmed, since it cannot answer a fence — where it would
+    /// otherwise complete after the pause. `None` (or zero): the system's
+    /// retransmission limits (many minutes).
     pub stall_timeout: Option<Duration>,
     /// Demonstrations only, never in production: acknowledge fences without
     /// applying them, so a fenced batch's bytes keep landing (what a target

@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quiesce_runtime::time::timeout;
 use quiesce_runtime::{Handle, IoBuf, IoBufMut, Runtime, Slice};
@@ -52,6 +52,12 @@ pub const LANE_MAX_BYTES: usize = 256 << 10;
 /// Most lanes (calling threads) one engine has at once; calls from further
 /// threads run on the engine's thread.
 const MAX_LANES: usize = 64;
+/// Opening a lane's segment may take this share (1/n) of the batch's
+/// deadline at most: the rest is the batch's, on the lane or not.
+const OPEN_SHARE: u32 = 4;
+/// After an open ran out of time, how long batches on that handle go to
+/// the engine's thread before the lane tries again.
+const OPEN_BACKOFF: Duration = Duration::from_secs(1);
 /// A lane idle this long takes a reactor turn before its next batch.
 const AWAY: Duration = Duration::from_millis(1);
 /// Spare copy buffers a lane keeps between calls, and the largest one it
@@ -130,10 +136,14 @@ impl Lanes {
         keys[h] = key;
     }
 
-    /// The engine stops: its lanes go (this thread's now, others' at their
-    /// next lane call).
+    /// The engine stops: its lanes go (this thread's now, unless it is
+    /// inside a runtime, which cannot drive a lane's; others' at their
+    /// thread's next lane call).
     pub(crate) fn stop(&self) {
         self.stopped.store(true, Ordering::Release);
+        if Handle::try_current().is_some() {
+            return;
+        }
         let _ = LANES.try_with(|l| {
             if let Ok(mut l) = l.try_borrow_mut() {
                 l.retain(|lane| !lane.stopped.load(Ordering::Acquire));
@@ -213,7 +223,7 @@ impl Lanes {
             net: Some(engine),
             opened: HashMap::new(),
             spare: Vec::new(),
-            last: std::time::Instant::now(),
+            last: Instant::now(),
             rt,
             _live: live,
         })
@@ -251,13 +261,12 @@ struct Lane {
     stopped: Arc<AtomicBool>,
     /// The lane's initiator; `None` only while dropping.
     net: Option<Engine>,
-    /// Segments this lane opened, by the engine's handle; `None`: the lane
-    /// could not open it as the engine did (those batches run there).
-    opened: HashMap<u32, Option<RemoteSegment>>,
+    /// What this lane knows of each of the engine's handles.
+    opened: HashMap<u32, LaneSegment>,
     /// Copy buffers kept for the next call.
     spare: Vec<Vec<u8>>,
     /// When the last batch on this lane ended.
-    last: std::time::Instant,
+    last: Instant,
     /// Dropped after the engine (see `Drop`).
     rt: Runtime,
     _live: LiveLane,
@@ -266,6 +275,19 @@ struct Lane {
 /// A task's copy, and where its bytes go back to.
 type Copied = Slice<Vec<u8>>;
 
+/// One of the engine's segment handles, as a lane sees it.
+#[derive(Clone)]
+enum LaneSegment {
+    /// Opened here, as the engine opened it.
+    Open(RemoteSegment),
+    /// Cannot be opened here as the engine did (another segment by now, or
+    /// refused): its batches run on the engine's thread.
+    Refused,
+    /// Opening it did not finish in time: batches run on the engine's
+    /// thread until then, when the lane tries again.
+    Slow(Instant),
+}
+
 impl Lane {
     fn run<B: IoBufMut>(
         &mut self,
@@ -273,13 +295,15 @@ impl Lane {
         keys: &Mutex<Vec<Option<LaneKey>>>,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
-        let started = std::time::Instant::now();
-        let Some(segs) = self.segments(&tasks, keys, opts.deadline) else {
-            // What the lane spent trying counts against the deadline.
-            let opts = BatchOptions {
-                deadline: opts.deadline.map(|d| d.saturating_sub(started.elapsed())),
-                ..opts
-            };
+        let started = Instant::now();
+        let segs = self.segments(&tasks, keys, opts.deadline);
+        // What the lane spent opening counts against the deadline, here or
+        // on the engine's thread.
+        let opts = BatchOptions {
+            deadline: opts.deadline.map(|d| d.saturating_sub(started.elapsed())),
+            ..opts
+        };
+        let Some(segs) = segs else {
             return Err((tasks, opts));
         };
         let mut batch = Batch::new(Tcp, opts);
@@ -313,20 +337,29 @@ impl Lane {
         }
         // Submitting starts the transfers: inside the lane's runtime.
         let outcome = self.rt.block_on(async move { batch.submit().await });
-        self.last = std::time::Instant::now();
+        if !matches!(&outcome, Outcome::Quiesced(q) if q.all_completed()) {
+            // A fenced batch left work queued (its forget): one more turn
+            // sends it now, not at the thread's next call or its exit.
+            self.rt.block_on(quiesce_runtime::yield_now());
+        }
+        self.last = Instant::now();
         Ok(Ok(match outcome {
             Outcome::Quiesced(q) => {
                 let code = q.sync_code();
                 let remote_confirmed = q.remote_confirmed();
-                let (tasks, copies) = q.into_parts();
+                let (mut tasks, copies) = q.into_parts();
                 for (((dir, report), copy), orig) in dirs
                     .iter()
-                    .zip(&tasks)
+                    .zip(&mut tasks)
                     .zip(&copies)
                     .zip(originals.iter_mut())
                 {
-                    if *dir == Direction::Read && report.status == TaskStatus::Completed {
-                        copy_out(copy, orig);
+                    match (dir, &report.status) {
+                        (Direction::Read, TaskStatus::Completed) => copy_out(copy, orig),
+                        // Not copied out: none of its bytes reached the
+                        // caller's buffer.
+                        (Direction::Read, _) => report.bytes = 0,
+                        (Direction::Write, _) => {}
                     }
                 }
                 self.keep_spares(copies);
@@ -363,22 +396,24 @@ impl Lane {
     }
 
     /// This lane's segment for every task (opening those it has not yet,
-    /// as `keys` says the engine opened them, within `deadline`), or `None`
-    /// if one cannot be opened here as the engine opened it — or not in
-    /// time: a peer that does not answer now is tried again by the next
-    /// call.
+    /// as `keys` says the engine opened them), or `None` if one cannot be
+    /// opened here as the engine opened it, or not in time. An open may
+    /// take [`OPEN_SHARE`] of the batch's deadline at most, leaving the
+    /// rest for the batch; one that runs out is not tried again for
+    /// [`OPEN_BACKOFF`].
     fn segments<B>(
         &mut self,
         tasks: &[(Direction, SyncTask<B>)],
         keys: &Mutex<Vec<Option<LaneKey>>>,
         deadline: Option<Duration>,
     ) -> Option<Vec<RemoteSegment>> {
-        let started = std::time::Instant::now();
         let mut out = Vec::with_capacity(tasks.len());
         for (_, t) in tasks {
-            let seg = match self.opened.get(&t.segment) {
-                Some(s) => s.clone(),
-                None => {
+            let seg = match self.opened.get(&t.segment).cloned() {
+                Some(LaneSegment::Open(s)) => s,
+                Some(LaneSegment::Refused) => return None,
+                Some(LaneSegment::Slow(until)) if Instant::now() < until => return None,
+                Some(LaneSegment::Slow(_)) | None => {
                     // Not on TCP, or not a handle of this engine: the
                     // engine's thread answers it.
                     let key = {
@@ -387,19 +422,23 @@ impl Lane {
                     };
                     let net = self.net.clone()?;
                     let opening = open(&net, &key);
-                    let s = match deadline {
-                        Some(d) => {
-                            let left = d.saturating_sub(started.elapsed());
-                            let r = self.rt.block_on(timeout(left, opening));
-                            r.ok()?
-                        }
-                        None => self.rt.block_on(opening),
+                    let opened = match deadline {
+                        Some(d) => self.rt.block_on(timeout(d / OPEN_SHARE, opening)).ok(),
+                        None => Some(self.rt.block_on(opening)),
                     };
-                    self.opened.insert(t.segment, s.clone());
-                    s
+                    let state = match opened {
+                        Some(Some(s)) => LaneSegment::Open(s),
+                        Some(None) => LaneSegment::Refused,
+                        None => LaneSegment::Slow(Instant::now() + OPEN_BACKOFF),
+                    };
+                    self.opened.insert(t.segment, state.clone());
+                    match state {
+                        LaneSegment::Open(s) => s,
+                        _ => return None,
+                    }
                 }
             };
-            out.push(seg?);
+            out.push(seg);
         }
         // Connections the peer closed while this thread was away are seen
         // before the batch picks one (a turn of the reactor). Back to back,

@@ -161,8 +161,8 @@ class Engine:
     posted.
 
     ``directory="etcd://host:port[/prefix]"`` publishes this engine as
-    ``node`` (default: ``listen``; give one peers can reach) and every
-    segment it registers, under a lease (entries vanish within its TTL if
+    ``node`` (default: the "ip:port" it is bound to; ``listen`` must be an
+    address peers can reach, not a wildcard) and every segment it registers, under a lease (entries vanish within its TTL if
     the process dies; ``close()`` takes them at once), and finds peers there
     by node name: ``open("prefill-0", "kv")`` or ``open("prefill-0/kv")``.
     Secrets and tokens are never published."""

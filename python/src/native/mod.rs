@@ -177,23 +177,23 @@ fn report(out: &SyncOutcome<RawBuf>) -> Report {
 
 impl Core {
     /// Where `peer` listens: a literal `ip:port` as it is; else, with an
-    /// etcd directory, the node it names there; else the system resolver's
-    /// `host:port`. `Err(None)`: it does not resolve.
+    /// etcd directory, the node it names there; else (or if the directory
+    /// has no such node) the system resolver's `host:port`. `Err(None)`: it
+    /// does not resolve.
     fn peer(&self, peer: &str) -> Result<SocketAddr, Option<DirectoryError>> {
         if let Ok(a) = peer.parse::<SocketAddr>() {
             return Ok(a);
         }
+        let by_system = || peer.to_socket_addrs().ok().and_then(|mut a| a.next());
         let by_name = self.directory(|d| match d {
             Directory::Etcd(_) => d.resolve(peer).map(|r| Some(r.addr)),
             Directory::P2p => Ok(None),
         });
         match by_name {
             Ok(Some(a)) => Ok(a),
-            Ok(None) => peer
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or(None),
+            Ok(None) => by_system().ok_or(None),
+            // Not a node the directory holds: a `host:port` still resolves.
+            Err(e @ DirectoryError::NotFound(_)) => by_system().ok_or(Some(e)),
             Err(e) => Err(Some(e)),
         }
     }
@@ -352,12 +352,21 @@ impl NativeEngine {
         let directory = py
             .detach(|| Directory::open(directory.unwrap_or("P2PHANDSHAKE")))
             .map_err(|e| from_directory(py, &e))?;
-        let node = node.unwrap_or_else(|| listen.to_string());
         let config = EngineConfig {
             node: listen.to_string(),
             listen: listen_addr(listen).map_err(|e| invalid(py, &e))?,
             ..Default::default()
         };
+        // An etcd entry must say where peers reach this engine.
+        if matches!(directory, Directory::Etcd(_)) && config.listen.ip().is_unspecified() {
+            return Err(invalid(
+                py,
+                &format!(
+                    "with a directory, listen on an address peers can reach, not {listen:?}: \
+                     it is what the directory tells them"
+                ),
+            ));
+        }
         let engine = match transport {
             "tcp" => py.detach(|| SyncEngine::start_spinning(config, spin())),
             "rdma" => py.detach(|| {
@@ -376,6 +385,9 @@ impl NativeEngine {
             }
         }
         .map_err(|e| from_sync(py, &e))?;
+        // Unnamed, the engine is its bound address (unique, unlike a
+        // "host:0" it was asked to listen on).
+        let node = node.unwrap_or_else(|| engine.local_addr().to_string());
         let published = py.detach(|| {
             directory
                 .publish_node(&NodeRecord {

@@ -115,12 +115,17 @@ pub(crate) fn set_linger(fd: &impl AsRawFd, linger: Option<std::time::Duration>)
 
 /// Sets `TCP_USER_TIMEOUT`: data sent and not acknowledged (or held back
 /// by a zero window) for `limit` makes the kernel drop the connection with
-/// `ETIMEDOUT`; `None` (0) restores the system's retransmission limits.
+/// `ETIMEDOUT`; `None` or zero restores the system's retransmission limits.
+/// The kernel takes an `int` of milliseconds: longer limits are clamped to
+/// its largest (24.8 days), shorter ones to 1 ms.
 pub(crate) fn set_user_timeout(
     fd: &impl AsRawFd,
     limit: Option<std::time::Duration>,
 ) -> io::Result<()> {
-    let ms: libc::c_uint = limit.map_or(0, |d| d.as_millis().clamp(1, u32::MAX as u128) as u32);
+    let ms: libc::c_uint = match limit {
+        Some(d) if !d.is_zero() => d.as_millis().clamp(1, i32::MAX as u128) as libc::c_uint,
+        _ => 0,
+    };
     // SAFETY: `ms` is a live c_uint and its size is passed.
     cvt(unsafe {
         libc::setsockopt(

@@ -104,8 +104,12 @@ pub(crate) async fn send_frame_filled(
 /// An empty buffer for a frame of `total` bytes: a spare one if it fits.
 fn frame_buffer(total: usize) -> Vec<u8> {
     let mut out = if total <= SPARE_FRAME_LEN {
+        // A thread whose locals are being torn down (a runtime dropped in
+        // a thread-local's destructor) allocates instead.
         SPARE_FRAMES
-            .with_borrow_mut(Vec::pop)
+            .try_with(|s| s.borrow_mut().pop())
+            .ok()
+            .flatten()
             .unwrap_or_else(|| Vec::with_capacity(SPARE_FRAME_LEN))
     } else {
         Vec::with_capacity(total)
@@ -118,7 +122,8 @@ fn frame_buffer(total: usize) -> Vec<u8> {
 async fn send_frame_buffer(s: &TcpStream, out: Vec<u8>) -> io::Result<()> {
     let (res, out) = s.write_all(out).await;
     if out.capacity() <= SPARE_FRAME_LEN {
-        SPARE_FRAMES.with_borrow_mut(|spare| {
+        let _ = SPARE_FRAMES.try_with(|spare| {
+            let mut spare = spare.borrow_mut();
             if spare.len() < SPARE_FRAMES_MAX {
                 spare.push(out);
             }
