@@ -79,8 +79,8 @@ impl DelayLine {
         let thread = std::thread::Builder::new()
             .name(format!("delay-{netns}"))
             .spawn(move || {
-                // SAFETY: setns takes a namespace fd, open for the call, and a
-                // flag; it moves only this thread.
+                // It moves only this thread into the namespace.
+                // SAFETY: setns takes a namespace fd, open for the call, and a flag.
                 if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
                     let e = io::Error::last_os_error();
                     let _ = ready_tx.send(Err(format!("setns: {e}")));
@@ -235,8 +235,8 @@ impl Queue {
     }
 
     fn send(&self, m: &[u8]) -> io::Result<()> {
-        // SAFETY: sends `m.len()` bytes from `m` to the kernel (the socket's
-        // default destination).
+        // To the kernel: the socket's default destination.
+        // SAFETY: send reads `m.len()` bytes from `m`, which lives for the call.
         let n = unsafe { libc::send(self.fd.as_raw_fd(), m.as_ptr().cast(), m.len(), 0) };
         match n {
             n if n as usize == m.len() => Ok(()),

@@ -316,9 +316,9 @@ impl Lane {
             let range = Range::new(seg, t.offset, n as u64);
             let added = match dir {
                 Direction::Write => {
-                    // SAFETY: `IoBuf` promises `bytes_init()` initialised bytes
-                    // at `stable_ptr()` (all `n` of them: `qualifies`), and
-                    // nothing else reaches the buffer while this call holds it.
+                    // All `n` bytes are initialised (`qualifies`), and nothing
+                    // else reaches the buffer while this call holds it.
+                    // SAFETY: `IoBuf` promises `bytes_init()` initialised bytes at `stable_ptr()`.
                     let src = unsafe { std::slice::from_raw_parts(t.buf.stable_ptr(), n) };
                     copy.extend_from_slice(src);
                     batch.write(copy.slice(0..n), range)
@@ -473,9 +473,9 @@ async fn open(net: &Engine, key: &LaneKey) -> Option<RemoteSegment> {
 /// Copies a completed read's bytes into the caller's buffer.
 fn copy_out<B: IoBufMut>(copy: &Copied, to: &mut B) {
     let n = copy.bytes_init().min(to.bytes_total());
-    // SAFETY: the copy holds `n` initialised bytes at its `stable_ptr`; `to`
-    // promises `bytes_total()` writable bytes at `stable_mut_ptr` and is held
-    // by this call alone; the two never overlap (the copy is the lane's).
+    // The copy holds `n` initialised bytes at its `stable_ptr`; `to` is held
+    // by this call alone, and the two never overlap (the copy is the lane's).
+    // SAFETY: `to` promises `bytes_total()` (>= n) writable bytes at `stable_mut_ptr`.
     unsafe {
         std::ptr::copy_nonoverlapping(copy.stable_ptr(), to.stable_mut_ptr(), n);
         to.set_init(n);

@@ -346,9 +346,6 @@ impl SyncEngine {
         tasks: Vec<(Direction, SyncTask<B>)>,
         opts: BatchOptions,
     ) -> Result<SyncOutcome<B>, SyncError> {
-        if self.jobs.is_none() {
-            return Err(SyncError::Stopped);
-        }
         let (tasks, opts) = match self.lanes.run(tasks, opts) {
             Ok(answer) => return answer,
             Err(back) => back,

@@ -14,10 +14,10 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use quiesce::batch::{Batch, BatchOptions, RemoteRange, Tcp};
+use quiesce::batch::{Batch, BatchOptions, RemoteRange, Submitted, Tcp};
 use quiesce::runtime::heap::Heap;
 use quiesce::runtime::shard::Shards;
-use quiesce::runtime::Runtime;
+use quiesce::runtime::{IoBufMut, Runtime};
 use quiesce::target_child::TargetChild;
 use quiesce::transports::{AlignedBuf, Engine, EngineConfig, RemoteSegment, Token};
 
@@ -40,9 +40,9 @@ async fn open(
     Ok((e, kv))
 }
 
-/// One batch writing `src` at `at`; whether it completed.
-async fn write_one(kv: &RemoteSegment, src: AlignedBuf, at: u64) -> (bool, AlignedBuf) {
-    let n = src.len() as u64;
+/// A batch of one write of all of `src` at `at`, submitted (in flight).
+fn submit_write<B: IoBufMut>(kv: &RemoteSegment, src: B, at: u64) -> Submitted<B> {
+    let n = src.bytes_init() as u64;
     let mut b = Batch::new(
         Tcp,
         BatchOptions::default().deadline(Duration::from_secs(60)),
@@ -50,7 +50,12 @@ async fn write_one(kv: &RemoteSegment, src: AlignedBuf, at: u64) -> (bool, Align
     b.write(src, RemoteRange::new(kv, at, n))
         .map_err(|r| r.reason)
         .expect("a valid task");
-    let q = b.submit().await.quiesced().await;
+    b.submit()
+}
+
+/// One batch writing `src` at `at`; whether it completed.
+async fn write_one(kv: &RemoteSegment, src: AlignedBuf, at: u64) -> (bool, AlignedBuf) {
+    let q = submit_write(kv, src, at).await.quiesced().await;
     let ok = q.all_completed();
     (ok, q.into_buffers().pop().expect("its buffer"))
 }
@@ -81,11 +86,7 @@ pub fn scale() -> Result<bool, Box<dyn std::error::Error>> {
         let t0 = Instant::now();
         let mut flying = Vec::with_capacity(IN_FLIGHT);
         for (i, src) in sources.into_iter().enumerate() {
-            let mut b = Batch::new(Tcp, BatchOptions::default().deadline(Duration::from_secs(60)));
-            b.write(src, RemoteRange::new(&kv, (i * SMALL) as u64, SMALL as u64))
-        .map_err(|r| r.reason)
-        .expect("a valid task");
-            flying.push(b.submit());
+            flying.push(submit_write(&kv, src, (i * SMALL) as u64));
         }
         // Nothing was awaited yet: every batch is in flight.
         let h1 = Heap::now();
@@ -123,12 +124,7 @@ pub fn scale() -> Result<bool, Box<dyn std::error::Error>> {
             let t = Instant::now();
             let mut flying = Vec::with_capacity(CONCURRENT);
             for (i, src) in srcs.into_iter().enumerate() {
-                let mut b =
-                    Batch::new(Tcp, BatchOptions::default().deadline(Duration::from_secs(60)));
-                b.write(src, RemoteRange::new(&kv, (i * BIG) as u64, BIG as u64))
-                    .map_err(|r| r.reason)
-                    .expect("a valid task");
-                flying.push(b.submit());
+                flying.push(submit_write(&kv, src, (i * BIG) as u64));
             }
             let (mut back, mut completed) = (Vec::with_capacity(CONCURRENT), 0);
             for s in flying {
