@@ -129,8 +129,8 @@ pub async fn write_round<S: Seg, B: Buf>(
     let time_to_safe = t0.elapsed();
     let (kind, q) = resolve(outcome).await;
     let mut bufs = q.into_buffers();
-    let mut src = bufs.pop().expect("the large buffer");
-    let probe = bufs.pop().expect("the probe");
+    let mut src = bufs.next_back().expect("the large buffer");
+    let probe = bufs.next_back().expect("the probe");
     // The caller reuses its buffer at once, as a serving runtime would.
     src.fill(POST_OUTCOME);
     sleep(settle).await;
@@ -177,8 +177,8 @@ pub async fn read_round<S: Seg, B: Buf>(
     let time_to_safe = t0.elapsed();
     let (kind, q) = resolve(outcome).await;
     let mut bufs = q.into_buffers();
-    let mut dst = bufs.pop().expect("the large buffer");
-    let probe = bufs.pop().expect("the probe");
+    let mut dst = bufs.next_back().expect("the large buffer");
+    let probe = bufs.next_back().expect("the probe");
     dst.fill(POST_OUTCOME);
     sleep(settle).await;
     // Remote data landing in the buffer after the outcome would overwrite the marker.
@@ -228,7 +228,7 @@ pub async fn count_remote<S: Seg, B: Buf>(seg: &S, len: u64, b: u8, scratch: B) 
             "reading the destination back failed: {:?}",
             q.tasks()
         );
-        buf = q.into_buffers().pop().unwrap();
+        buf = q.into_buffers().next_back().unwrap();
         n += buf[..l as usize].iter().filter(|&&x| x == b).count();
         off += l;
     }

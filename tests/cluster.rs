@@ -391,8 +391,7 @@ fn partitions_mid_write_and_mid_read() {
                     );
                     cut[write as usize] += 1;
                     outcome_max = outcome_max.max(took);
-                    let mut bufs = q.into_buffers();
-                    let mut mine = bufs.pop().expect("the batch's buffer");
+                    let mut mine = q.into_buffers().next_back().expect("the batch's buffer");
                     if write {
                         t.revoke("kv").unwrap();
                     } else {

@@ -111,7 +111,7 @@ fn deadline_with_the_target_stopped_then_resumed() {
         );
         let q = outcome.quiesced().await;
         assert!(!q.all_completed());
-        let mut src = q.into_buffers().pop().unwrap();
+        let mut src = q.into_buffers().next_back().unwrap();
         src.fill(POST_OUTCOME);
         t.signal(libc::SIGCONT).unwrap();
         time::sleep(Duration::from_millis(100)).await;

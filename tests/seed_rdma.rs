@@ -162,7 +162,7 @@ fn deadline_fences_a_64m_write_and_nothing_lands_after_the_outcome() {
             "{:?}",
             q.tasks()
         );
-        let mut src = q.into_buffers().pop().unwrap();
+        let mut src = q.into_buffers().next_back().unwrap();
         src.fill(POST_OUTCOME);
         time::sleep(Duration::from_millis(200)).await;
         let (n, _) = count_remote(&i.remote.kv, BIG as u64, POST_OUTCOME, scratch).await;

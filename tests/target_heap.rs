@@ -47,7 +47,7 @@ fn a_warm_target_allocates_nothing_per_write_or_read() {
                     .unwrap();
                     let q = b.submit().await.quiesced().await;
                     assert!(q.all_completed(), "{:?}", q.tasks());
-                    buf = q.into_buffers().pop().unwrap();
+                    buf = q.into_buffers().next_back().unwrap();
                 }
                 buf
             })

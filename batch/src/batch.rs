@@ -7,7 +7,7 @@ use quiesce_runtime::{IoBuf, IoBufMut};
 
 use crate::options::BatchOptions;
 use crate::outcome::{DriverFuture, Handoff, Submitted};
-use crate::run::{Driver, Task, TaskState, TransferFuture};
+use crate::run::{Boxed, Driver, Reads, Start, Task, TaskState, Tasks, TransferFuture, Writes};
 use crate::transport::Transport;
 
 /// Why a task was not added. The buffer comes back untouched.
@@ -55,8 +55,13 @@ pub enum BatchError {
 pub struct Batch<T: Transport, B> {
     transport: T,
     opts: BatchOptions,
-    tasks: Vec<Task<T, B>>,
+    tasks: Tasks<T, B>,
     id: u64,
+    /// How [`submit`](Self::submit) starts the driver, chosen as tasks are
+    /// added: a one-task batch's driver keeps that task's transfer future in
+    /// its own state ([`Writes`] or [`Reads`]: no allocation per transfer);
+    /// a larger batch's are boxed ([`Boxed`]).
+    start: fn(Batch<T, B>) -> Submitted<B>,
 }
 
 fn launch_write<T: Transport, B: IoBuf>(
@@ -85,8 +90,9 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
         Batch {
             transport,
             opts,
-            tasks: Vec::new(),
+            tasks: Tasks::new(),
             id: IDS.fetch_add(1, Ordering::Relaxed),
+            start: Self::submit_with::<Boxed>,
         }
     }
 
@@ -129,10 +135,17 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
         if let Err(reason) = self.check(src.bytes_init() as u64, &to, true) {
             return Err(Rejected { reason, buf: src });
         }
-        Ok(self.push(launch_write::<T, B>, to, src))
+        let i = self.push(launch_write::<T, B>, to, src);
+        if i == 0 {
+            self.start = Self::submit_with::<Writes>;
+        }
+        Ok(i)
     }
 
     fn push(&mut self, launch: crate::run::Launch<T, B>, target: T::Target, buf: B) -> usize {
+        if self.tasks.len() == 1 {
+            self.start = Self::submit_with::<Boxed>;
+        }
         self.tasks.push(Task {
             launch,
             target,
@@ -149,6 +162,11 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
     /// [`Outcome`](crate::Outcome) once every task has quiesced (or the fence
     /// ran out of grace).
     pub fn submit(self) -> Submitted<B> {
+        (self.start)(self)
+    }
+
+    /// Submits with the first task's transfer started by `K`.
+    fn submit_with<K: Start<T, B> + 'static>(self) -> Submitted<B> {
         let shared = Rc::new(Handoff::default());
         let driver = Driver::new(
             self.transport,
@@ -157,7 +175,10 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             shared.clone(),
             self.id,
         );
-        let mut driver: DriverFuture = Box::pin(driver.run());
+        // Written straight into its box: the future holds the first
+        // transfer's state too (some 2 KiB), which a move would copy.
+        let mut driver: DriverFuture =
+            Box::into_pin(Box::write(Box::new_uninit(), driver.run::<K>()) as Box<_>);
         // Start the transfers now. Wake-ups before the first poll of the
         // `Submitted` need no waker: that poll polls the driver again,
         // which registers the caller's.
@@ -180,6 +201,10 @@ impl<T: Transport, B: IoBufMut> Batch<T, B> {
         if let Err(reason) = self.check(dst.bytes_total() as u64, &from, false) {
             return Err(Rejected { reason, buf: dst });
         }
-        Ok(self.push(launch_read::<T, B>, from, dst))
+        let i = self.push(launch_read::<T, B>, from, dst);
+        if i == 0 {
+            self.start = Self::submit_with::<Reads>;
+        }
+        Ok(i)
     }
 }

@@ -29,7 +29,9 @@ mod transport;
 
 pub use batch::{Batch, BatchError, Rejected};
 pub use options::{BatchOptions, FailurePolicy, RetryPolicy};
-pub use outcome::{Outcome, Quiesced, RemoteState, Submitted, TaskReport, TaskStatus, Ticket};
+pub use outcome::{
+    Buffers, Outcome, Quiesced, RemoteState, Submitted, TaskReport, TaskStatus, Ticket,
+};
 pub use transport::{
     FencePeer, Key, OneSided, PeerKey, Range, Rdma, RdmaPeerKey, RdmaRange, RemoteRange, Segments,
     Tcp, Transport,

@@ -10,6 +10,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use quiesce_transports::TransferError;
+use smallvec::SmallVec;
 
 /// How one task ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,8 +67,10 @@ pub struct TaskReport {
 /// The quiescent result of a batch: reports and the buffers.
 #[derive(Debug)]
 pub struct Quiesced<B> {
-    pub(crate) tasks: Vec<TaskReport>,
-    pub(crate) buffers: Vec<B>,
+    /// Held inline for a one-task batch, as are the buffers: a small batch's
+    /// outcome allocates nothing.
+    pub(crate) tasks: SmallVec<[TaskReport; 1]>,
+    pub(crate) buffers: SmallVec<[B; 1]>,
     pub(crate) fence_time: Option<Duration>,
     pub(crate) elapsed: Duration,
 }
@@ -104,14 +107,15 @@ impl<B> Quiesced<B> {
         &mut self.buffers
     }
 
-    /// Takes the buffers.
-    pub fn into_buffers(self) -> Vec<B> {
-        self.buffers
+    /// Takes the buffers, in task order (`.collect()` them for a `Vec`; a
+    /// one-task batch's comes out without an allocation).
+    pub fn into_buffers(self) -> Buffers<B> {
+        Buffers(self.buffers.into_iter())
     }
 
     /// Takes the reports and the buffers, both in task order.
     pub fn into_parts(self) -> (Vec<TaskReport>, Vec<B>) {
-        (self.tasks, self.buffers)
+        (self.tasks.into_vec(), self.buffers.into_vec())
     }
 
     /// How long the fence took (from starting it to quiescence), if the
@@ -134,6 +138,38 @@ impl<B> Quiesced<B> {
         } else {
             crate::SYNC_FAILED
         }
+    }
+}
+
+/// The buffers of a quiesced batch, in task order: an iterator that owns
+/// them ([`Quiesced::into_buffers`]).
+pub struct Buffers<B>(smallvec::IntoIter<[B; 1]>);
+
+impl<B> Iterator for Buffers<B> {
+    type Item = B;
+
+    fn next(&mut self) -> Option<B> {
+        self.0.next()
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.0.size_hint()
+    }
+}
+
+impl<B> DoubleEndedIterator for Buffers<B> {
+    fn next_back(&mut self) -> Option<B> {
+        self.0.next_back()
+    }
+}
+
+impl<B> ExactSizeIterator for Buffers<B> {}
+
+impl<B> std::iter::FusedIterator for Buffers<B> {}
+
+impl<B: std::fmt::Debug> std::fmt::Debug for Buffers<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Buffers").field(&self.0.as_slice()).finish()
     }
 }
 

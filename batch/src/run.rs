@@ -23,18 +23,22 @@ use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use quiesce_runtime::time::{sleep_until, Sleep};
-use quiesce_runtime::{spawn_local, JoinError, JoinHandle};
+use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinError, JoinHandle};
 use quiesce_transports::TransferError;
+use smallvec::SmallVec;
 
 use crate::options::{BatchOptions, FailurePolicy};
 use crate::outcome::{Handoff, Quiesced, RemoteState, TaskReport, TaskStatus};
 use crate::transport::Transport;
 
-pub(crate) type TransferFuture<B> = Pin<Box<dyn Future<Output = (Result<u64, TransferError>, B)>>>;
+/// What a transfer resolves to: its result and its buffer.
+pub(crate) type Transferred<B> = (Result<u64, TransferError>, B);
+
+pub(crate) type TransferFuture<B> = Pin<Box<dyn Future<Output = Transferred<B>>>>;
 
 /// Starts one transfer (a write or a read, chosen when the task was added).
 pub(crate) type Launch<T, B> = fn(&T, &<T as Transport>::Target, B, u64) -> TransferFuture<B>;
@@ -47,10 +51,70 @@ pub(crate) enum TaskState<B> {
 
 /// A transfer in flight.
 pub(crate) enum InFlight<B> {
+    /// The first task's: its future lives in the driver's own state (started
+    /// by the batch's [`Start`]), so a one-task batch allocates nothing per
+    /// transfer.
+    Held,
     /// Polled by the driver itself: small batches pay no task per transfer.
     Inline(TransferFuture<B>),
     /// A task of its own: in a large batch a wake-up polls one transfer, not all.
-    Spawned(JoinHandle<(Result<u64, TransferError>, B)>),
+    Spawned(JoinHandle<Transferred<B>>),
+}
+
+/// A batch's tasks: one is held inline (no allocation for a one-task batch).
+pub(crate) type Tasks<T, B> = SmallVec<[Task<T, B>; 1]>;
+
+/// Starts the first task's transfer, whose future the driver keeps in its
+/// own state: [`Writes`] and [`Reads`] call the transport directly, so the
+/// future is not boxed; [`Boxed`] goes through the task's [`Launch`], for
+/// batches of more than one task, whose directions may differ.
+pub(crate) trait Start<T: Transport, B> {
+    fn start(
+        transport: &T,
+        task: &Task<T, B>,
+        buf: B,
+        wire: u64,
+    ) -> impl Future<Output = Transferred<B>> + 'static;
+}
+
+/// The first task's transfer through its boxed [`Launch`].
+pub(crate) struct Boxed;
+/// The first (only) task is a write.
+pub(crate) struct Writes;
+/// The first (only) task is a read.
+pub(crate) struct Reads;
+
+impl<T: Transport, B: 'static> Start<T, B> for Boxed {
+    fn start(
+        transport: &T,
+        task: &Task<T, B>,
+        buf: B,
+        wire: u64,
+    ) -> impl Future<Output = Transferred<B>> + 'static {
+        (task.launch)(transport, &task.target, buf, wire)
+    }
+}
+
+impl<T: Transport, B: IoBuf> Start<T, B> for Writes {
+    fn start(
+        transport: &T,
+        task: &Task<T, B>,
+        buf: B,
+        wire: u64,
+    ) -> impl Future<Output = Transferred<B>> + 'static {
+        transport.write(&task.target, buf, wire)
+    }
+}
+
+impl<T: Transport, B: IoBufMut> Start<T, B> for Reads {
+    fn start(
+        transport: &T,
+        task: &Task<T, B>,
+        buf: B,
+        wire: u64,
+    ) -> impl Future<Output = Transferred<B>> + 'static {
+        transport.read(&task.target, buf, wire)
+    }
 }
 
 /// The first pause before a failed confirming fence goes again; it doubles
@@ -98,7 +162,7 @@ enum Event {
 pub(crate) struct Driver<T: Transport, B> {
     pub(crate) transport: T,
     pub(crate) opts: BatchOptions,
-    pub(crate) tasks: Vec<Task<T, B>>,
+    pub(crate) tasks: Tasks<T, B>,
     pub(crate) shared: Rc<Handoff<B>>,
     pub(crate) id: u64,
     started: Instant,
@@ -115,6 +179,21 @@ pub(crate) struct Driver<T: Transport, B> {
     deadline_sleep: Option<Sleep>,
 }
 
+/// Polls the first task's transfer held in the driver's state; empties the
+/// slot once it resolved.
+fn poll_held<B, F: Future<Output = Transferred<B>>>(
+    mut slot: Pin<&mut Option<F>>,
+    cx: &mut Context<'_>,
+) -> Poll<Transferred<B>> {
+    let fut = slot
+        .as_mut()
+        .as_pin_mut()
+        .expect("a held transfer is in the driver's slot");
+    let out = std::task::ready!(fut.poll(cx));
+    slot.set(None);
+    Poll::Ready(out)
+}
+
 fn next_wire_batch() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -125,7 +204,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     pub(crate) fn new(
         transport: T,
         opts: BatchOptions,
-        tasks: Vec<Task<T, B>>,
+        tasks: Tasks<T, B>,
         shared: Rc<Handoff<B>>,
         id: u64,
     ) -> Self {
@@ -148,7 +227,9 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         }
     }
 
-    pub(crate) async fn run(mut self) {
+    /// Drives the batch to its outcome; `K` starts the first task's
+    /// transfer, whose future lives here, pinned in this future's state.
+    pub(crate) async fn run<K: Start<T, B>>(mut self) {
         let span = tracing::info_span!(
             "batch",
             id = self.id,
@@ -161,10 +242,14 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         );
         let _e = span.enter();
         self.deadline_sleep = self.deadline.map(sleep_until);
+        let mut first = std::pin::pin!(None);
         loop {
             let wire = next_wire_batch();
+            if let Some(buf) = self.take_queued_first() {
+                first.set(Some(K::start(&self.transport, &self.tasks[0], buf, wire)));
+            }
             self.launch(wire);
-            self.wait_quiescent(wire).await;
+            self.wait_quiescent(wire, first.as_mut()).await;
             self.confirm_remote(wire).await;
             // Nothing of this wire batch moves any more: the peers it fenced
             // (the only ones that keep state for it) may forget it. No
@@ -201,9 +286,22 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         }
     }
 
+    /// Marks the first task in flight if it is queued, and hands out its
+    /// buffer for [`Start::start`].
+    fn take_queued_first(&mut self) -> Option<B> {
+        let t = self.tasks.first_mut()?;
+        if !matches!(t.state, TaskState::Queued) {
+            return None;
+        }
+        t.attempts += 1;
+        t.state = TaskState::InFlight(InFlight::Held);
+        Some(t.buf.take().expect("a queued task holds its buffer"))
+    }
+
+    /// Starts every other queued task's transfer.
     fn launch(&mut self, wire: u64) {
         let inline = self.tasks.len() <= INLINE_TASKS;
-        for t in self.tasks.iter_mut() {
+        for t in self.tasks.iter_mut().skip(1) {
             if !matches!(t.state, TaskState::Queued) {
                 continue;
             }
@@ -234,9 +332,13 @@ impl<T: Transport, B: 'static> Driver<T, B> {
 
     /// Waits until every task is terminal, fencing on FailFast failures,
     /// the deadline, or abandonment.
-    async fn wait_quiescent(&mut self, wire: u64) {
+    async fn wait_quiescent<F: Future<Output = Transferred<B>>>(
+        &mut self,
+        wire: u64,
+        mut first: Pin<&mut Option<F>>,
+    ) {
         while !self.all_terminal() {
-            match self.next_event().await {
+            match self.next_event(first.as_mut()).await {
                 Event::Progress => {
                     let failed = self
                         .tasks
@@ -413,7 +515,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     }
 
     /// Records finished transfers; otherwise waits for one, or a timer.
-    async fn next_event(&mut self) -> Event {
+    async fn next_event<F: Future<Output = Transferred<B>>>(
+        &mut self,
+        mut first: Pin<&mut Option<F>>,
+    ) -> Event {
         std::future::poll_fn(|cx| {
             let mut progress = false;
             for t in self.tasks.iter_mut() {
@@ -421,6 +526,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                     continue;
                 };
                 let (res, buf) = match f {
+                    InFlight::Held => match poll_held(first.as_mut(), cx) {
+                        Poll::Ready(out) => out,
+                        Poll::Pending => continue,
+                    },
                     InFlight::Inline(fut) => match fut.as_mut().poll(cx) {
                         Poll::Ready(out) => out,
                         Poll::Pending => continue,
@@ -534,8 +643,8 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     }
 
     fn finish(&mut self) -> Quiesced<B> {
-        let mut tasks = Vec::with_capacity(self.tasks.len());
-        let mut buffers = Vec::with_capacity(self.tasks.len());
+        let mut tasks = SmallVec::with_capacity(self.tasks.len());
+        let mut buffers = SmallVec::with_capacity(self.tasks.len());
         for t in self.tasks.drain(..) {
             let TaskState::Done(status) = t.state else {
                 unreachable!("finish before quiescence")

@@ -130,7 +130,7 @@ pub fn run(o: Options) -> Result<bool, Box<dyn std::error::Error>> {
                 .expect("a valid task");
             let q = b.submit().await.quiesced().await;
             assert!(!q.all_completed(), "the refused task fails");
-            bufs = Some(q.into_buffers());
+            bufs = Some(q.into_buffers().collect());
         }
         let batches = (Sample::take(&mut target).minus(&s0), start.elapsed());
         // 1b: what a fenced batch leaves at both ends — a fence-table entry

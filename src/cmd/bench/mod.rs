@@ -152,9 +152,10 @@ pub async fn batch_loop<S: Seg, B: Buf>(
         }
         let mut back = q.into_buffers();
         if ro.is_some() {
-            small = Some(back.remove(0));
+            small = back.next();
         }
-        bufs = back;
+        // Into the vector drained above: its room is still there.
+        bufs.extend(back);
         out.push(Sample {
             took,
             bytes: case.bytes(),

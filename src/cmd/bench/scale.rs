@@ -57,7 +57,7 @@ fn submit_write<B: IoBufMut>(kv: &RemoteSegment, src: B, at: u64) -> Submitted<B
 async fn write_one(kv: &RemoteSegment, src: AlignedBuf, at: u64) -> (bool, AlignedBuf) {
     let q = submit_write(kv, src, at).await.quiesced().await;
     let ok = q.all_completed();
-    (ok, q.into_buffers().pop().expect("its buffer"))
+    (ok, q.into_buffers().next_back().expect("its buffer"))
 }
 
 fn gbs(bytes: usize, d: Duration) -> f64 {
