@@ -8,7 +8,9 @@ use crate::buf::{BufResult, IoBuf, IoBufMut};
 use crate::context;
 use crate::driver::op::{Accept, BufPool, Connect, PollAdd, Recv, RecvMulti, Send, SendZc};
 use crate::driver::shared_fd::SharedFd;
-use crate::driver::socket::{current_is_epoll, set_nonblocking, tcp_socket, view};
+use crate::driver::socket::{
+    current_is_epoll, send_vectored_now, set_nonblocking, tcp_socket, view,
+};
 use crate::driver::Op;
 
 /// A listening TCP socket.
@@ -125,6 +127,21 @@ impl TcpStream {
     /// kernel's notification that it no longer references `buf`. A plain send on epoll.
     pub fn send_zc<B: IoBuf>(&self, buf: B) -> Op<SendZc<B>> {
         self.op(SendZc::new(self.fd.clone(), buf))
+    }
+
+    /// Sends what the socket takes of `bufs` now, with one non-blocking
+    /// `sendmsg(2)` and without the driver — if no send operation on the
+    /// socket is queued or in flight (`WouldBlock` otherwise: going first
+    /// would reorder the stream). The kernel copies the bytes before this
+    /// returns, so nothing holds them afterwards: they may be borrowed.
+    /// Returns the bytes sent, possibly fewer than given (`WouldBlock` when
+    /// the socket buffer is full). The caller orders its own sends: between
+    /// a partial send and the rest, nothing else may go on the socket.
+    pub fn try_send_vectored(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        if self.fd.sends_pending() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        send_vectored_now(&self.fd, bufs)
     }
 
     /// Sends all initialised bytes of `buf`.

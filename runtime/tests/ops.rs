@@ -356,9 +356,7 @@ fn a_read_into_a_slice_past_the_initialised_prefix_marks_nothing_it_did_not_writ
 #[test]
 fn a_small_send_never_overtakes_an_earlier_one() {
     rt().block_on(async {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut server, _) = l.accept().unwrap();
+        let (client, mut server) = loopback_pair();
         let s = TcpStream::from_std(client).unwrap();
         for round in 0..20 {
             let len = (64 << 10) + round;
@@ -383,9 +381,7 @@ fn a_small_send_alone_skips_the_ring() {
     let rt = rt();
     let uring = is_uring(&rt);
     rt.block_on(async {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut server, _) = l.accept().unwrap();
+        let (client, mut server) = loopback_pair();
         let s = TcpStream::from_std(client).unwrap();
         let before = stats().ops_submitted;
         let (r, _) = s.write(vec![7u8; 4096]).await;
@@ -400,5 +396,78 @@ fn a_small_send_alone_skips_the_ring() {
         let mut got = vec![0u8; 4096];
         server.read_exact(&mut got).unwrap();
         assert!(got.iter().all(|&c| c == 7));
+    });
+}
+
+/// A send that skips the driver (`try_send_vectored`) never overtakes a
+/// send operation that exists on the socket: while one does it answers
+/// `WouldBlock` and sends nothing.
+#[test]
+fn a_send_now_waits_behind_a_queued_send() {
+    rt().block_on(async {
+        let (client, mut server) = loopback_pair();
+        let s = TcpStream::from_std(client).unwrap();
+        let len = 64 << 10;
+        let first = s.write(vec![b'a'; len]);
+        let now = s.try_send_vectored(&[std::io::IoSlice::new(b"bb")]);
+        assert_eq!(
+            now.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::WouldBlock),
+            "a send skipped a queued one"
+        );
+        let (r, _) = first.await;
+        let n = r.unwrap();
+        assert_eq!(
+            s.try_send_vectored(&[std::io::IoSlice::new(b"bb")])
+                .unwrap(),
+            2
+        );
+        let mut got = vec![0u8; n + 2];
+        server.read_exact(&mut got).unwrap();
+        assert!(got[..n].iter().all(|&c| c == b'a'));
+        assert_eq!(&got[n..], b"bb");
+    });
+}
+
+/// `try_send_vectored` sends what the socket takes, in order across its
+/// slices, and says how much: against a peer that does not read, the
+/// counts add up to exactly the bytes that arrive once it does.
+#[test]
+fn a_send_now_reports_what_the_socket_took() {
+    rt().block_on(async {
+        let (client, mut server) = loopback_pair();
+        let s = TcpStream::from_std(client).unwrap();
+        let head = pattern(40, 1);
+        let body = pattern(16 << 10, 2);
+        let mut expected = Vec::new();
+        let mut partial = false;
+        for _ in 0..10_000 {
+            let n = match s
+                .try_send_vectored(&[std::io::IoSlice::new(&head), std::io::IoSlice::new(&body)])
+            {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("{e}"),
+            };
+            let whole: Vec<u8> = head.iter().chain(&body).copied().collect();
+            expected.extend_from_slice(&whole[..n]);
+            partial |= n < whole.len();
+            if n < whole.len() {
+                break;
+            }
+        }
+        assert!(partial || !expected.is_empty(), "nothing was sent");
+        let mut got = vec![0u8; expected.len()];
+        server.read_exact(&mut got).unwrap();
+        assert!(
+            got == expected,
+            "the stream does not hold what was reported sent"
+        );
+        server.set_nonblocking(true).unwrap();
+        let mut more = [0u8; 1];
+        assert!(
+            server.read(&mut more).is_err(),
+            "more arrived than was reported sent"
+        );
     });
 }

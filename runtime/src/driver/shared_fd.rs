@@ -67,6 +67,13 @@ impl SharedFd {
         }))
     }
 
+    /// Whether a send operation on the fd exists (queued, in flight, parked
+    /// or about to complete): a send that skips the driver now would
+    /// overtake it.
+    pub(crate) fn sends_pending(&self) -> bool {
+        self.0.senders.get() > 0
+    }
+
     /// Counts a send operation on the fd for as long as the guard lives.
     pub(crate) fn pending_send(&self) -> PendingSend {
         self.0.senders.set(self.0.senders.get() + 1);

@@ -52,6 +52,19 @@ pub(crate) fn is_pollable(fd: &impl AsRawFd) -> io::Result<bool> {
     Ok(fmt != libc::S_IFREG && fmt != libc::S_IFBLK && fmt != libc::S_IFDIR)
 }
 
+/// One non-blocking `sendmsg(2)` of `bufs` on `fd`, with no `SIGPIPE`: the
+/// kernel has copied whatever it reports sent before this returns.
+pub(crate) fn send_vectored_now(fd: &SharedFd, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: msghdr is plain old data; all-zero is valid (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = bufs.len() as _;
+    // SAFETY: `msg` names `bufs`, which live for the call (`IoSlice` is
+    // ABI-compatible with `iovec` on Unix); the kernel only reads them.
+    let n = cvt(unsafe { libc::sendmsg(fd.raw(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) })?;
+    Ok(n as usize)
+}
+
 /// True if the current runtime uses epoll.
 pub(crate) fn current_is_epoll() -> bool {
     context::with(|cx| matches!(*cx.driver.borrow(), Driver::Poll(_)))

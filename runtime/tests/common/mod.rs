@@ -118,3 +118,11 @@ pub fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> std::task::Poll
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     std::pin::Pin::new(fut).poll(&mut cx)
 }
+
+/// A connected loopback pair of std sockets: (client, server).
+pub fn loopback_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (server, _) = l.accept().unwrap();
+    (client, server)
+}

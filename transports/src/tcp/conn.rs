@@ -17,7 +17,7 @@ use quiesce_runtime::time::timeout;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
 use crate::control::auth::{random_bytes, SessionKey, Token};
-use crate::control::frame::{read_header, read_payload, send_frame};
+use crate::control::frame::{append_unsent, read_header, read_payload, send_frame, send_now};
 use crate::control::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, SegmentRef,
     HEADER_LEN, MAX_HANDSHAKE_PAYLOAD, VERSION,
@@ -511,14 +511,20 @@ impl Conn {
         r
     }
 
-    /// Sends `h` and `data` as one frame from the connection's pool of frame
+    /// Sends `h` and `data` as one frame (under the send guard): straight
+    /// from them when the socket takes them ([`send_now`]), and whatever it
+    /// did not take through the driver, from the connection's pool of frame
     /// buffers.
     async fn send_inline(&self, h: &Header, data: &[u8]) -> std::io::Result<()> {
+        let head = h.encode();
+        let sent = send_now(&self.stream, &head, data)?;
+        if sent == HEADER_LEN + data.len() {
+            return Ok(());
+        }
         let mut out = self.frames.borrow_mut().pop().unwrap_or_default();
         out.clear();
-        out.reserve(HEADER_LEN + data.len());
-        out.extend_from_slice(&h.encode());
-        out.extend_from_slice(data);
+        out.reserve(HEADER_LEN + data.len() - sent);
+        append_unsent(&mut out, &head, data, sent);
         let (res, out) = self.stream.write_all(out).await;
         if out.capacity() <= HEADER_LEN + INLINE_PAYLOAD {
             self.frames.borrow_mut().push(out);
