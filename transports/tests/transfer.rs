@@ -199,3 +199,55 @@ fn segment_memory_kinds_and_registration_errors() {
         );
     });
 }
+
+/// Writes sent while the target is frozen fill the connections' sockets:
+/// frames go partly straight to the kernel and the rest through the driver
+/// — a small write's from the frame pool, a 64 KiB write's as the rest of
+/// its lent part — and every write lands whole, where it was sent.
+#[test]
+fn writes_cut_by_a_full_socket_land_whole() {
+    const N: usize = 256;
+    const STRIDE: usize = 64 << 10;
+    let len = |i: usize| {
+        if i.is_multiple_of(2) {
+            STRIDE - i % 61
+        } else {
+            (16 << 10) - i % 61
+        }
+    };
+    let target = ShardTarget::start(
+        EngineConfig::default(),
+        &[("kv", SEG, Rights::READ | Rights::WRITE)],
+    );
+    let seg = target.seg("kv").clone();
+    let rt = Runtime::new().unwrap();
+    rt.block_on(async {
+        let engine = initiator();
+        let peer = engine.connect(target.addr).await.unwrap();
+        let kv = peer.open("kv", seg.token).await.unwrap();
+        // Made first: the writes must outrun the freeze.
+        let data: Vec<Vec<u8>> = (0..N).map(|i| pattern(len(i), i as u8)).collect();
+        target.stall(std::time::Duration::from_millis(300));
+        let handles: Vec<_> = data
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let kv = kv.clone();
+                quiesce_runtime::spawn_local(
+                    async move { kv.write((i * STRIDE) as u64, d, 1).await.0 },
+                )
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            assert_eq!(h.await.unwrap().unwrap(), len(i) as u64, "write {i}");
+        }
+        engine.shutdown();
+    });
+    for i in 0..N {
+        let want = pattern(len(i), i as u8);
+        assert!(
+            target.snapshot("kv", (i * STRIDE) as u64, want.len()) == want,
+            "write {i} landed wrong"
+        );
+    }
+}

@@ -17,10 +17,10 @@ use quiesce_runtime::time::timeout;
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
 use crate::control::auth::{random_bytes, SessionKey, Token};
-use crate::control::frame::{append_unsent, read_header, read_payload, send_frame, send_now};
+use crate::control::frame::{read_header, read_payload, send_frame};
 use crate::control::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, SegmentRef,
-    HEADER_LEN, MAX_HANDSHAKE_PAYLOAD, VERSION,
+    MAX_HANDSHAKE_PAYLOAD, VERSION,
 };
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
@@ -95,7 +95,7 @@ pub(crate) struct Conn {
     /// its first `Auth` (zeros for the connection that created it).
     join: [u8; 32],
     /// Frame buffers of small writes, reused (header and payload in one send).
-    frames: RefCell<Vec<Vec<u8>>>,
+    pub(super) frames: RefCell<Vec<Vec<u8>>>,
     /// Answered requests' result slots, for the next requests (see
     /// [`Conn::reply`]).
     replies: RefCell<Vec<Reply<Result<u64, TransferError>>>>,
@@ -470,11 +470,7 @@ impl Conn {
                 (self.send_inline(&h, bytes_of(&part)).await, Some(part))
             }
             Payload::Lent(part, zc) => {
-                let (res, part) = match self.stream.write_all(h.encode().to_vec()).await.0 {
-                    Err(e) => (Err(e), part),
-                    Ok(()) if zc => self.stream.write_all_zc(part).await,
-                    Ok(()) => self.stream.write_all(part).await,
-                };
+                let (res, part) = self.send_lent(&h, part, zc).await;
                 (res, Some(part))
             }
         };
@@ -509,27 +505,6 @@ impl Conn {
             }
         }
         r
-    }
-
-    /// Sends `h` and `data` as one frame (under the send guard): straight
-    /// from them when the socket takes them ([`send_now`]), and whatever it
-    /// did not take through the driver, from the connection's pool of frame
-    /// buffers.
-    async fn send_inline(&self, h: &Header, data: &[u8]) -> std::io::Result<()> {
-        let head = h.encode();
-        let sent = send_now(&self.stream, &head, data)?;
-        if sent == HEADER_LEN + data.len() {
-            return Ok(());
-        }
-        let mut out = self.frames.borrow_mut().pop().unwrap_or_default();
-        out.clear();
-        out.reserve(HEADER_LEN + data.len() - sent);
-        append_unsent(&mut out, &head, data, sent);
-        let (res, out) = self.stream.write_all(out).await;
-        if out.capacity() <= HEADER_LEN + INLINE_PAYLOAD {
-            self.frames.borrow_mut().push(out);
-        }
-        res
     }
 
     /// Reads `segment[offset..offset + part.len()]` into `part`.

@@ -6,5 +6,6 @@ pub(crate) mod conn;
 mod own_ids;
 pub(crate) mod peer;
 mod responses;
+mod send;
 pub(crate) mod serve;
 pub(crate) mod split;
