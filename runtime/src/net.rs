@@ -176,11 +176,28 @@ impl TcpStream {
     }
 
     /// Fills `buf` up to `bytes_total()`; `UnexpectedEof` if the peer closes first.
-    pub async fn read_exact<B: IoBufMut>(&self, mut buf: B) -> BufResult<(), B> {
+    pub async fn read_exact<B: IoBufMut>(&self, buf: B) -> BufResult<(), B> {
+        self.read_exact_with(buf, false).await
+    }
+
+    /// [`read_exact`](Self::read_exact) for bytes most likely in the socket
+    /// already (a payload right after its header): on io_uring each receive
+    /// first tries `recv(2)` at once instead of waiting for the next park.
+    pub async fn read_exact_expected<B: IoBufMut>(&self, buf: B) -> BufResult<(), B> {
+        self.read_exact_with(buf, true).await
+    }
+
+    async fn read_exact_with<B: IoBufMut>(&self, mut buf: B, expected: bool) -> BufResult<(), B> {
         let len = buf.bytes_total();
         let mut off = 0;
         while off < len {
-            let (res, slice) = self.read(buf.slice(off..len)).await;
+            let slice = buf.slice(off..len);
+            let op = if expected {
+                Recv::expecting(self.fd.clone(), slice)
+            } else {
+                Recv::new(self.fd.clone(), slice)
+            };
+            let (res, slice) = self.op(op).await;
             buf = slice.into_inner();
             match res {
                 Ok(0) => return (Err(io::ErrorKind::UnexpectedEof.into()), buf),

@@ -471,3 +471,40 @@ fn a_send_now_reports_what_the_socket_took() {
         );
     });
 }
+
+/// Bytes already in the socket are received at once by
+/// `read_exact_expected` (no SQE on io_uring); bytes that come later still
+/// arrive, through the ring.
+#[test]
+fn an_expected_receive_takes_what_is_there_and_waits_for_the_rest() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    rt.block_on(async {
+        let (client, mut server) = loopback_pair();
+        let s = TcpStream::from_std(client).unwrap();
+        server.write_all(&pattern(4096, 3)).unwrap();
+        // Let the bytes reach the receiving socket.
+        time::sleep(Duration::from_millis(20)).await;
+        let before = stats().ops_submitted;
+        let (r, got) = s.read_exact_expected(vec![0u8; 4096]).await;
+        r.unwrap();
+        assert!(got == pattern(4096, 3), "wrong bytes");
+        if uring {
+            assert_eq!(
+                stats().ops_submitted,
+                before,
+                "bytes already there went through the ring"
+            );
+        }
+        // Nothing there yet: the receive waits, then gets them.
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            server.write_all(&pattern(8192, 4)).unwrap();
+            server
+        });
+        let (r, got) = s.read_exact_expected(vec![0u8; 8192]).await;
+        r.unwrap();
+        assert!(got == pattern(8192, 4), "wrong late bytes");
+        drop(late.join().unwrap());
+    });
+}

@@ -158,7 +158,8 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                         dst: Some(dst),
                         result,
                     }) if dst.len() as u64 == h.length => {
-                        let (res, dst) = s.read_exact(dst).await;
+                        // The data follows its header: most likely there already.
+                        let (res, dst) = s.read_exact_expected(dst).await;
                         // The receive into the destination has been reaped: only
                         // now may the read report, whichever way it ended.
                         drop(dst);

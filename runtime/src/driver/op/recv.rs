@@ -12,14 +12,34 @@ use crate::driver::Interest;
 
 /// Receives into `buf` from its first byte up to `bytes_total()`; on success
 /// the first `n` bytes are marked initialised.
+///
+/// On io_uring a receive of bytes expected to be in the socket already (a
+/// payload right after its header: `TcpStream::read_exact_expected`) first
+/// tries a non-blocking `recv(2)` when it is created: the bytes are copied
+/// before the call returns, and the op is born finished without waiting for
+/// the next park. Nothing there (`EAGAIN`): through the ring.
 pub struct Recv<B> {
     fd: SharedFd,
     buf: B,
+    try_first: bool,
 }
 
 impl<B: IoBufMut> Recv<B> {
     pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
-        Recv { fd, buf }
+        Recv {
+            fd,
+            buf,
+            try_first: false,
+        }
+    }
+
+    /// A receive of bytes expected to be in the socket already (see the type).
+    pub(crate) fn expecting(fd: SharedFd, buf: B) -> Self {
+        Recv {
+            fd,
+            buf,
+            try_first: true,
+        }
     }
 
     fn target(&mut self) -> (*mut u8, usize) {
@@ -47,6 +67,16 @@ impl<B: IoBufMut> Operation for Recv<B> {
             unsafe { self.buf.set_init(n as usize) };
         }
         (res.map(|n| n as usize), self.buf)
+    }
+
+    fn try_first(&mut self) -> Option<io::Result<u32>> {
+        if !self.try_first {
+            return None;
+        }
+        match self.poll_try() {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+            res => Some(res),
+        }
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
