@@ -85,11 +85,28 @@ thread_local! {
 pub(crate) async fn send_frame(s: &TcpStream, h: &Header, payload: &[u8]) -> io::Result<()> {
     let head = h.encode();
     let sent = send_now(s, &head, payload)?;
-    if sent == HEADER_LEN + payload.len() {
+    send_unsent(s, &head, payload, sent).await
+}
+
+/// Sends through the driver what [`send_now`] left of `head` then
+/// `payload` after `sent` bytes, copied into a frame buffer.
+pub(crate) async fn send_unsent(
+    s: &TcpStream,
+    head: &[u8],
+    payload: &[u8],
+    sent: usize,
+) -> io::Result<()> {
+    let total = head.len() + payload.len();
+    if sent == total {
         return Ok(());
     }
-    let mut out = frame_buffer(HEADER_LEN + payload.len() - sent);
-    append_unsent(&mut out, &head, payload, sent);
+    let mut out = frame_buffer(total - sent);
+    if sent < head.len() {
+        out.extend_from_slice(&head[sent..]);
+        out.extend_from_slice(payload);
+    } else {
+        out.extend_from_slice(&payload[sent - head.len()..]);
+    }
     send_frame_buffer(s, out).await
 }
 
@@ -108,16 +125,6 @@ pub(crate) fn send_now(s: &TcpStream, head: &[u8], payload: &[u8]) -> io::Result
             Ok(0)
         }
         Err(e) => Err(e),
-    }
-}
-
-/// Appends what [`send_now`] left of `head` then `payload` after `sent` bytes.
-pub(crate) fn append_unsent(out: &mut Vec<u8>, head: &[u8], payload: &[u8], sent: usize) {
-    if sent < head.len() {
-        out.extend_from_slice(&head[sent..]);
-        out.extend_from_slice(payload);
-    } else {
-        out.extend_from_slice(&payload[sent - head.len()..]);
     }
 }
 

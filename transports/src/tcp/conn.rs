@@ -94,8 +94,6 @@ pub(crate) struct Conn {
     /// The proof of the session's key that a joining connection sends with
     /// its first `Auth` (zeros for the connection that created it).
     join: [u8; 32],
-    /// Frame buffers of small writes, reused (header and payload in one send).
-    pub(super) frames: RefCell<Vec<Vec<u8>>>,
     /// Answered requests' result slots, for the next requests (see
     /// [`Conn::reply`]).
     replies: RefCell<Vec<Reply<Result<u64, TransferError>>>>,
@@ -214,7 +212,6 @@ impl Conn {
             session,
             join,
             fenced: p.fenced.clone(),
-            frames: RefCell::default(),
             replies: RefCell::default(),
             on_close: RefCell::default(),
         });
@@ -464,11 +461,12 @@ impl Conn {
             return (Err(TransferError::Fenced), payload.into_part());
         }
         let (sent, part) = match payload {
-            Payload::Copied(data) => (self.send_inline(&h, data).await, None),
+            Payload::Copied(data) => (send_frame(&self.stream, &h, data).await, None),
             // Small: header and payload in one send.
-            Payload::Lent(part, _) if part.len() <= INLINE_PAYLOAD => {
-                (self.send_inline(&h, bytes_of(&part)).await, Some(part))
-            }
+            Payload::Lent(part, _) if part.len() <= INLINE_PAYLOAD => (
+                send_frame(&self.stream, &h, bytes_of(&part)).await,
+                Some(part),
+            ),
             Payload::Lent(part, zc) => {
                 let (res, part) = self.send_lent(&h, part, zc).await;
                 (res, Some(part))

@@ -4,9 +4,9 @@
 
 use quiesce_runtime::IoBuf;
 
-use crate::control::frame::{append_unsent, send_now};
+use crate::control::frame::{send_now, send_unsent};
 use crate::control::wire::{Header, HEADER_LEN};
-use crate::tcp::conn::{Conn, INLINE_PAYLOAD};
+use crate::tcp::conn::Conn;
 use crate::tcp::split::{bytes_of, Part};
 
 /// Lent payloads up to this size first try one `sendmsg(2)` with their
@@ -15,33 +15,12 @@ use crate::tcp::split::{bytes_of, Part};
 const DIRECT_PAYLOAD: usize = 64 * 1024;
 
 impl Conn {
-    /// Sends `h` and `data` as one frame (under the send guard): straight
-    /// from them when the socket takes them ([`send_now`]), and whatever it
-    /// did not take through the driver, from the connection's pool of frame
-    /// buffers.
-    pub(super) async fn send_inline(&self, h: &Header, data: &[u8]) -> std::io::Result<()> {
-        let head = h.encode();
-        let sent = send_now(&self.stream, &head, data)?;
-        if sent == HEADER_LEN + data.len() {
-            return Ok(());
-        }
-        let mut out = self.frames.borrow_mut().pop().unwrap_or_default();
-        out.clear();
-        out.reserve(HEADER_LEN + data.len() - sent);
-        append_unsent(&mut out, &head, data, sent);
-        let (res, out) = self.stream.write_all(out).await;
-        if out.capacity() <= HEADER_LEN + INLINE_PAYLOAD {
-            self.frames.borrow_mut().push(out);
-        }
-        res
-    }
-
     /// Sends `h` then the lent `part` (under the send guard): a part of up
     /// to [`DIRECT_PAYLOAD`] bytes, not zero-copy, goes with its header in
     /// one `sendmsg(2)` when the socket takes it ([`send_now`]: the kernel
     /// has copied the bytes when it returns); what it did not take — or a
     /// larger part, which always leaves the thread between slices — goes
-    /// through the driver, the header's rest from the frame pool and the
+    /// through the driver, the header's rest from a frame buffer and the
     /// part's rest lent to the send.
     pub(super) async fn send_lent<B: IoBuf>(
         &self,
@@ -59,12 +38,7 @@ impl Conn {
             }
         };
         if sent < HEADER_LEN {
-            let mut out = self.frames.borrow_mut().pop().unwrap_or_default();
-            out.clear();
-            out.extend_from_slice(&head[sent..]);
-            let (res, out) = self.stream.write_all(out).await;
-            self.frames.borrow_mut().push(out);
-            if let Err(e) = res {
+            if let Err(e) = send_unsent(&self.stream, &head, &[], sent).await {
                 return (Err(e), part);
             }
             return if zc {
