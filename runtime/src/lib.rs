@@ -11,6 +11,8 @@
 //! * **Timers** — [`time::sleep`], [`time::sleep_until`], [`time::timeout`].
 //! * **Completion sources** — [`source::register`] plugs a transport's own
 //!   completion queue (RDMA) into the reactor, busy-polled or fd-notified.
+//! * **Other processes** — [`process::PeerProcess`]: cross-memory attach
+//!   to a process of this host, and whether it has exited.
 //! * **Shards** — [`shard::Shards`]: N pinned runtimes, channels between them,
 //!   graceful shutdown that drains every runtime.
 //!
@@ -34,6 +36,7 @@ mod executor;
 pub mod fd;
 pub mod heap;
 pub mod net;
+pub mod process;
 mod runtime;
 pub mod shard;
 pub mod source;

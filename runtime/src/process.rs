@@ -1,0 +1,163 @@
+//! Another process on this host: its memory, reached with cross-memory
+//! attach (`process_vm_readv(2)` / `process_vm_writev(2)`), and whether it
+//! has exited, through a pidfd.
+//!
+//! The pidfd pins the process's identity: a pid reused after the process
+//! exited is never mistaken for it, and [`PeerProcess::exited`] turns true
+//! once it is gone — after which it reads and writes no memory, this
+//! process's included.
+//!
+//! The kernel checks every remote access (the caller needs ptrace access to
+//! the process, `PTRACE_MODE_ATTACH_REALCREDS`; an unmapped address fails
+//! with `EFAULT`), so a wrong remote address is an error, never undefined
+//! behaviour here. The local side is an owned buffer ([`IoBuf`] /
+//! [`IoBufMut`]), whose memory is valid for the call.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use crate::buf::{IoBuf, IoBufMut};
+
+/// A process of this host, held by a pidfd.
+#[derive(Debug)]
+pub struct PeerProcess {
+    pid: u32,
+    pidfd: OwnedFd,
+}
+
+impl PeerProcess {
+    /// Opens process `pid` (`pidfd_open(2)`).
+    pub fn open(pid: u32) -> io::Result<PeerProcess> {
+        let raw = i32::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1;
+        // no memory is passed.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the syscall returned a new descriptor that nothing else owns.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(PeerProcess { pid, pidfd })
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// True once the process has exited (its pidfd is readable).
+    pub fn exited(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, a zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP) != 0
+    }
+
+    /// Copies `len` bytes at the process's address `remote` into the first
+    /// bytes of `dst` (`len <= dst.bytes_total()`). Returns the bytes
+    /// copied: fewer than `len` only with an error after a partial copy.
+    pub fn read_into<B: IoBufMut>(
+        &self,
+        remote: u64,
+        dst: &mut B,
+        len: usize,
+    ) -> (usize, io::Result<()>) {
+        assert!(len <= dst.bytes_total(), "destination too small");
+        let base = dst.stable_mut_ptr();
+        self.copy(remote, len, |done, remote_iov| {
+            let local = libc::iovec {
+                iov_base: base.wrapping_add(done).cast(),
+                iov_len: len - done,
+            };
+            // SAFETY: `local` lies inside `dst`'s `bytes_total()` bytes, valid
+            // and writable while `dst` is mutably borrowed; the remote range is
+            // checked by the kernel.
+            unsafe { libc::process_vm_readv(self.pid as i32, &local, 1, remote_iov, 1, 0) }
+        })
+    }
+
+    /// Copies the initialised bytes of `src` to the process's address
+    /// `remote`. Returns the bytes copied, as [`read_into`](Self::read_into).
+    pub fn write_from<B: IoBuf>(&self, remote: u64, src: &B) -> (usize, io::Result<()>) {
+        let (base, len) = (src.stable_ptr(), src.bytes_init());
+        self.copy(remote, len, |done, remote_iov| {
+            let local = libc::iovec {
+                iov_base: base.wrapping_add(done) as *mut libc::c_void,
+                iov_len: len - done,
+            };
+            // SAFETY: `local` lies inside `src`'s initialised bytes, valid while
+            // `src` is borrowed, and is only read; the remote range is checked
+            // by the kernel.
+            unsafe { libc::process_vm_writev(self.pid as i32, &local, 1, remote_iov, 1, 0) }
+        })
+    }
+
+    /// Runs `call(done, remote iovec)` until `len` bytes moved (the kernel
+    /// may stop early at a page it cannot reach), an error, or no progress.
+    fn copy(
+        &self,
+        remote: u64,
+        len: usize,
+        mut call: impl FnMut(usize, &libc::iovec) -> isize,
+    ) -> (usize, io::Result<()>) {
+        let mut done = 0usize;
+        while done < len {
+            let remote_iov = libc::iovec {
+                iov_base: (remote as usize).wrapping_add(done) as *mut libc::c_void,
+                iov_len: len - done,
+            };
+            match call(done, &remote_iov) {
+                n if n > 0 => done += n as usize,
+                0 => return (done, Err(io::Error::from_raw_os_error(libc::EFAULT))),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return (done, Err(e));
+                    }
+                }
+            }
+        }
+        (done, Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_to_and_from_own_memory_and_refuses_bad_addresses() {
+        let me = PeerProcess::open(std::process::id()).unwrap();
+        assert!(!me.exited());
+        let src = vec![7u8; 100_000];
+        let mut dst = Vec::with_capacity(100_000);
+        let (n, r) = me.read_into(src.as_ptr() as u64, &mut dst, src.len());
+        assert_eq!((n, r.is_ok()), (100_000, true));
+        // SAFETY: the copy wrote all 100,000 bytes.
+        unsafe { dst.set_len(n) };
+        assert_eq!(dst, src);
+        let mut target = vec![0u8; 64];
+        let at = target.as_mut_ptr() as u64;
+        let (n, r) = me.write_from(at, &vec![9u8; 64]);
+        assert_eq!((n, r.is_ok()), (64, true));
+        assert!(
+            std::hint::black_box(&target).iter().all(|&b| b == 9),
+            "the write landed"
+        );
+        let (n, r) = me.read_into(8, &mut dst, 16);
+        assert_eq!(n, 0);
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EFAULT));
+    }
+
+    #[test]
+    fn an_exited_process_is_seen_as_exited() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let p = PeerProcess::open(child.id()).unwrap();
+        child.wait().unwrap();
+        assert!(p.exited());
+    }
+}
