@@ -58,6 +58,24 @@ pub struct EngineConfig {
     /// without fences does). `quiesce demo` uses it to show that quiesce's
     /// outcomes rest on the initiator's own quiescence, not only on the fence.
     pub ignore_fences: bool,
+    /// Whether a peer on this host is reached by cross-memory attach (the
+    /// local transport, `crate::local`) instead of moving bytes over TCP.
+    pub local: LocalMode,
+}
+
+/// Whether peers on this host are reached by cross-memory attach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LocalMode {
+    /// Attach to a peer on this host (a loopback or local address) when both
+    /// sides allow it and prove who they are; TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP only, in both roles: this engine neither attaches to peers nor
+    /// lets peers attach to it.
+    Off,
+    /// Initiator: attach or fail the connection (tests, benchmarks). A
+    /// target serves attach requests as with `Auto`.
+    Required,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +97,7 @@ impl Default for EngineConfig {
             max_connections_per_session: 64,
             stall_timeout: Some(Duration::from_secs(30)),
             ignore_fences: false,
+            local: LocalMode::Auto,
         }
     }
 }

@@ -233,6 +233,7 @@ impl Engine {
             zc_threshold: c.zc_threshold,
             connect_timeout: c.connect_timeout,
             stall_timeout: c.stall_timeout,
+            local: c.local,
         }
     }
 

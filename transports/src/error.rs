@@ -81,7 +81,8 @@ pub enum TransferError {
     ConnectTimeout,
     /// RDMA: the target's NIC refused the access (remote key, bounds or the
     /// memory region's access flags); nothing of this request landed past
-    /// the refusal, and the queue pair was reset.
+    /// the refusal, and the queue pair was reset. Local transport: the
+    /// target could not reach this process's memory, and stopped.
     #[error("remote access refused: {0}")]
     RemoteAccess(String),
     /// RDMA: the local buffer is not inside memory registered with the
@@ -111,6 +112,9 @@ impl TransferError {
             Status::Fenced => TransferError::Fenced,
             Status::FencedPartial => TransferError::FencedPartial { landed },
             Status::Revoked => TransferError::Revoked { landed },
+            Status::Unreachable => TransferError::RemoteAccess(format!(
+                "the target could not reach this process's memory after {landed} bytes"
+            )),
         })
     }
 

@@ -29,6 +29,7 @@ mod config;
 mod control;
 mod engine;
 mod error;
+mod local;
 mod lock;
 mod memory;
 pub mod rdma;
@@ -37,7 +38,7 @@ mod tcp;
 
 pub use control::wire;
 
-pub use config::EngineConfig;
+pub use config::{EngineConfig, LocalMode};
 pub use control::auth::{BadToken, Token};
 pub use control::revoke::RevokeError;
 pub use engine::{Engine, EngineStats, RegisterError};

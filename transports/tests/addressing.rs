@@ -14,7 +14,7 @@ fn target() -> ShardTarget {
     ShardTarget::start(
         EngineConfig {
             handshake_timeout: Duration::from_secs(5),
-            ..Default::default()
+            ..tcp()
         },
         &[
             ("a", 1 << 20, Rights::READ | Rights::WRITE),
@@ -32,7 +32,7 @@ fn an_address_inside_a_segment_opens_it_and_maps_to_its_offset() {
     let (a, b) = (t.seg("a").clone(), t.seg("b").clone());
     assert_ne!(a.base, 0);
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         for (seg, name) in [(&a, "a"), (&b, "b")] {
             for addr in [seg.base, seg.base + 4096, seg.base + seg.len - 1] {
@@ -60,7 +60,7 @@ fn addresses_outside_every_segment_and_wrong_tokens_are_refused_alike() {
     let t = target();
     let (a, b) = (t.seg("a").clone(), t.seg("b").clone());
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         let outside = [a.base + a.len, 1, u64::MAX]
             .into_iter()
@@ -105,7 +105,7 @@ fn tokens_derived_from_a_shared_secret_open_and_others_do_not() {
     assert_ne!(Token::derive(secret, "other"), derived);
     assert_ne!(Token::derive(b"another secret", "node"), derived);
     Runtime::new().unwrap().block_on(async {
-        let target = Engine::bind(EngineConfig::default()).unwrap();
+        let target = Engine::bind(tcp()).unwrap();
         let seg = target
             .register_with_token(
                 "0x1000",
@@ -114,7 +114,7 @@ fn tokens_derived_from_a_shared_secret_open_and_others_do_not() {
                 derived,
             )
             .unwrap();
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(target.local_addr()).await.unwrap();
         let wrong = Token::derive(b"another secret", "node");
         let r = peer.open_at(seg.base() + 100, wrong).await.err();
@@ -143,7 +143,7 @@ fn the_first_registered_segment_the_token_opens_opens_by_first() {
     let (a, b) = (t.seg("a").clone(), t.seg("b").clone());
     assert!(a.id < b.id, "a was registered first");
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         let r = peer.open_first(a.token).await.unwrap();
         assert_eq!(
@@ -157,7 +157,7 @@ fn the_first_registered_segment_the_token_opens_opens_by_first() {
     });
     assert!(t.deregister("a"));
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         let r = peer.open_first(a.token).await.err();
         assert!(matches!(r, Some(TransferError::OpenRefused(_))), "{r:?}");

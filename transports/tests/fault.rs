@@ -17,7 +17,7 @@ fn small_slices() -> EngineConfig {
     EngineConfig {
         slice_size: 64 << 10,
         connections_per_peer: 2,
-        ..Default::default()
+        ..tcp()
     }
 }
 
@@ -27,10 +27,7 @@ fn count(v: &[u8], b: u8) -> usize {
 
 #[test]
 fn fence_in_process_no_byte_lands_after_the_ack() {
-    let t = ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", BIG, Rights::READ | Rights::WRITE)],
-    );
+    let t = ShardTarget::start(tcp(), &[("kv", BIG, Rights::READ | Rights::WRITE)]);
     let token = t.seg("kv").token;
     let (res, landed_at_ack) = Runtime::new().unwrap().block_on(async {
         let e = Engine::bind(small_slices()).unwrap();
@@ -107,7 +104,7 @@ fn fence_on_a_stopped_then_resumed_target_process() {
             "{res:?}"
         );
         // Sample the target's memory (another batch, 1 MiB slices), wait, sample again.
-        let sampler = Engine::bind(EngineConfig::default()).unwrap();
+        let sampler = Engine::bind(tcp()).unwrap();
         let kv = sampler
             .connect(target.addr)
             .await
@@ -159,13 +156,10 @@ fn a_peer_killed_mid_transfer_fails_the_write_and_returns_the_buffer() {
 
 #[test]
 fn aborted_connections_reconnect_lazily() {
-    let t = ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", 1 << 20, Rights::READ | Rights::WRITE)],
-    );
+    let t = ShardTarget::start(tcp(), &[("kv", 1 << 20, Rights::READ | Rights::WRITE)]);
     let token = t.seg("kv").token;
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         let kv = peer.open("kv", token).await.unwrap();
         assert_eq!(kv.write(0, vec![1u8; 4096], 1).await.0.unwrap(), 4096);
@@ -249,7 +243,7 @@ fn garbage_from_a_target_fails_requests_without_panicking() {
         }
     });
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(addr).await.unwrap();
         assert_eq!(peer.node(), "liar");
         let err = peer

@@ -27,7 +27,7 @@ fn foreign_memory_comes_back_only_when_no_write_can_land() {
     let ptr = owned.as_mut_ptr();
     let released = Rc::new(Cell::new(false));
     Runtime::new().unwrap().block_on(async {
-        let engine = Engine::bind(EngineConfig::default()).unwrap();
+        let engine = Engine::bind(tcp()).unwrap();
         let r = released.clone();
         // `owned` is dropped after `block_on` returns, and the assertions
         // below check that `on_release` ran before.

@@ -16,7 +16,7 @@ fn honest_round_trip(addr: std::net::SocketAddr, token: Token, limit: Duration) 
         let work = async {
             let e = Engine::bind(EngineConfig {
                 connect_timeout: limit,
-                ..EngineConfig::default()
+                ..tcp()
             })
             .unwrap();
             let kv = e.connect(addr).await?.open("kv", token).await?;
@@ -58,10 +58,7 @@ fn after_fd_exhaustion_the_target_serves_again() {
 fn an_unauthenticated_fence_or_qp_connect_is_refused_and_stores_nothing() {
     use quiesce_transports::wire::{Header, Opcode, QpConnect, QpWire, Status};
     use quiesce_transports::Rights;
-    let t = ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", 4096, Rights::READ | Rights::WRITE)],
-    );
+    let t = ShardTarget::start(tcp(), &[("kv", 4096, Rights::READ | Rights::WRITE)]);
     let before = t.stats();
     let mut c = RawClient::connect(t.addr);
     c.send(
@@ -124,7 +121,7 @@ fn a_thousand_stalled_handshakes_are_closed_and_an_honest_client_is_served() {
     let cfg = EngineConfig {
         handshake_timeout: Duration::from_millis(1500),
         max_unauthenticated: 128,
-        ..EngineConfig::default()
+        ..tcp()
     };
     let t = ShardTarget::start(cfg, &[("kv", 65536, Rights::READ | Rights::WRITE)]);
     let mut flood = Vec::new();
@@ -169,7 +166,7 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
     use quiesce_transports::Rights;
     let cfg = EngineConfig {
         idle_timeout: Some(Duration::from_millis(300)),
-        ..EngineConfig::default()
+        ..tcp()
     };
     let t = ShardTarget::start(cfg, &[("kv", 65536, Rights::READ | Rights::WRITE)]);
     let mut c = RawClient::connect(t.addr);
@@ -205,7 +202,7 @@ fn fence_entries_go_when_no_connection_can_carry_the_batch() {
     use quiesce_transports::Rights;
     let cfg = EngineConfig {
         max_fenced_per_session: 3,
-        ..EngineConfig::default()
+        ..tcp()
     };
     let t = ShardTarget::start(cfg, &[("kv", 4096, Rights::READ | Rights::WRITE)]);
     let (id, token) = (t.seg("kv").id, t.seg("kv").token);
@@ -276,10 +273,7 @@ fn fence_entries_go_when_no_connection_can_carry_the_batch() {
 fn a_peer_cannot_join_or_fence_another_session() {
     use quiesce_transports::wire::{Header, Opcode, Status};
     use quiesce_transports::Rights;
-    let t = ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", 4096, Rights::READ | Rights::WRITE)],
-    );
+    let t = ShardTarget::start(tcp(), &[("kv", 4096, Rights::READ | Rights::WRITE)]);
     let (id, token) = (t.seg("kv").id, t.seg("kv").token);
     let mut a = RawClient::connect(t.addr);
     assert_eq!(a.auth_status(id, token), Status::Ok);
@@ -345,7 +339,7 @@ fn a_session_has_at_most_its_cap_of_connections() {
     use quiesce_transports::Rights;
     let cfg = EngineConfig {
         max_connections_per_session: 3,
-        ..EngineConfig::default()
+        ..tcp()
     };
     let t = ShardTarget::start(cfg, &[("kv", 4096, Rights::READ | Rights::WRITE)]);
     let (id, token) = (t.seg("kv").id, t.seg("kv").token);

@@ -16,7 +16,7 @@ const BIG: usize = 64 << 20;
 const PROMPT: Duration = Duration::from_secs(1);
 
 async fn open(addr: std::net::SocketAddr, token: quiesce_transports::Token) -> RemoteSegment {
-    let e = Engine::bind(EngineConfig::default()).unwrap();
+    let e = Engine::bind(tcp()).unwrap();
     let kv = e
         .connect(addr)
         .await
@@ -78,10 +78,7 @@ fn a_target_killed_mid_write_gives_an_outcome_within_a_second() {
 }
 
 fn shard_target() -> ShardTarget {
-    ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", BIG, Rights::READ | Rights::WRITE)],
-    )
+    ShardTarget::start(tcp(), &[("kv", BIG, Rights::READ | Rights::WRITE)])
 }
 
 /// 8 rounds of a 64 MiB read (or write) with `Peer::abort()` at 1-4 ms and
@@ -267,7 +264,7 @@ fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
     Runtime::new().unwrap().block_on(async {
         let cfg = EngineConfig {
             connect_timeout: Duration::from_millis(300),
-            ..EngineConfig::default()
+            ..tcp()
         };
         let e = Engine::bind(cfg).unwrap();
         let peer = e.connect(addr).await.unwrap();

@@ -20,7 +20,7 @@ fn target_with_handshake_timeout(handshake_timeout: Duration) -> ShardTarget {
         EngineConfig {
             max_frame: 1 << 20,
             handshake_timeout,
-            ..Default::default()
+            ..tcp()
         },
         &[
             ("kv", 1 << 20, Rights::READ | Rights::WRITE),
@@ -83,7 +83,7 @@ fn unauthorised_writes_are_forbidden_and_discarded() {
 fn a_wrong_token_is_refused() {
     let t = target();
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         // A wrong token and a name the target does not have are refused
         // alike: a refusal does not say whether a segment exists.
@@ -112,7 +112,7 @@ fn a_wrong_token_is_refused() {
 fn rights_are_enforced_by_the_target() {
     let t = target();
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         let ro = peer.open("ro", t.seg("ro").token).await.unwrap();
         let (res, buf) = ro.write(0, vec![5u8; 64], 1).await;
@@ -133,7 +133,7 @@ fn out_of_bounds_is_refused_locally_and_by_the_target() {
     let t = target();
     let (id, len) = (t.seg("kv").id, t.seg("kv").len);
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let kv = e
             .connect(t.addr)
             .await
@@ -183,7 +183,7 @@ fn unknown_segments_are_refused() {
     let t = target();
     let token = t.seg("kv").token;
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let kv = e
             .connect(t.addr)
             .await
@@ -335,7 +335,7 @@ fn unknown_peers_and_garbage_targets_are_typed_errors() {
         s.write_all(&[0xff; 64]).unwrap();
     });
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         assert!(matches!(
             e.connect(addr).await.err().unwrap(),
             TransferError::Handshake { .. }

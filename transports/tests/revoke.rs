@@ -16,10 +16,7 @@ const LEN: usize = 1 << 20;
 const HALF: usize = LEN / 2;
 
 fn target() -> ShardTarget {
-    ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", 4 * LEN, Rights::READ | Rights::WRITE)],
-    )
+    ShardTarget::start(tcp(), &[("kv", 4 * LEN, Rights::READ | Rights::WRITE)])
 }
 
 fn write_header(id: u64, task: u64, len: usize) -> Header {
@@ -37,7 +34,7 @@ fn write_header(id: u64, task: u64, len: usize) -> Header {
 fn newer_write(t: &ShardTarget) {
     let token = t.seg("kv").token;
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let kv = e
             .connect(t.addr)
             .await
@@ -144,7 +141,7 @@ fn the_initiator_sees_a_typed_revoked_error_and_open_regrants() {
     let t = target();
     let token = t.seg("kv").token;
     Runtime::new().unwrap().block_on(async {
-        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         let kv = peer.open("kv", token).await.unwrap();
         assert_eq!(kv.write(0, vec![1u8; 100], 1).await.0.unwrap(), 100);

@@ -12,7 +12,7 @@ const SEG: usize = 80 << 20;
 fn initiator() -> Engine {
     Engine::bind(EngineConfig {
         node: "initiator".into(),
-        ..Default::default()
+        ..tcp()
     })
     .unwrap()
 }
@@ -20,10 +20,7 @@ fn initiator() -> Engine {
 /// Writes `len` patterned bytes at `offset`, reads them back through the
 /// protocol, and returns what the target's memory holds there (in-process).
 fn round_trip_shards(len: usize) {
-    let target = ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", SEG, Rights::READ | Rights::WRITE)],
-    );
+    let target = ShardTarget::start(tcp(), &[("kv", SEG, Rights::READ | Rights::WRITE)]);
     let seg = target.seg("kv").clone();
     let offset = 4096 + 7; // deliberately unaligned
     let data = pattern(len, len as u8);
@@ -134,16 +131,13 @@ fn process_64_mib() {
 
 #[test]
 fn striping_uses_every_connection_and_region_leases_work() {
-    let target = ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", 16 << 20, Rights::READ | Rights::WRITE)],
-    );
+    let target = ShardTarget::start(tcp(), &[("kv", 16 << 20, Rights::READ | Rights::WRITE)]);
     let token = target.seg("kv").token;
     Runtime::new().unwrap().block_on(async {
         let cfg = EngineConfig {
             connections_per_peer: 4,
             slice_size: 256 << 10,
-            ..Default::default()
+            ..tcp()
         };
         let engine = Engine::bind(cfg).unwrap();
         let peer = engine.connect(target.addr).await.unwrap();
@@ -215,10 +209,7 @@ fn writes_cut_by_a_full_socket_land_whole() {
             (16 << 10) - i % 61
         }
     };
-    let target = ShardTarget::start(
-        EngineConfig::default(),
-        &[("kv", SEG, Rights::READ | Rights::WRITE)],
-    );
+    let target = ShardTarget::start(tcp(), &[("kv", SEG, Rights::READ | Rights::WRITE)]);
     let seg = target.seg("kv").clone();
     let rt = Runtime::new().unwrap();
     rt.block_on(async {

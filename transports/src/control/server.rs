@@ -41,7 +41,9 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) session: u64,
     /// How the connection enters its session once it authenticates.
     entry: SessionEntry,
-    nonce: [u8; 16],
+    /// This connection's nonce (the target's), which an initiator attaching
+    /// for the local transport shows in its memory.
+    pub(crate) nonce: [u8; 16],
     peer_nonce: [u8; 16],
     /// Segments whose token this connection proved, with the grant epoch
     /// current when it did (see `revoke.rs`).
@@ -54,6 +56,9 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) canceller: Option<quiesce_runtime::Canceller>,
     /// The last write's landing cell, reused when no parked receive holds it.
     pub(crate) landing: Option<std::rc::Rc<crate::tcp::serve::LandingCell>>,
+    /// The initiator's process, once the connection attached to it (the
+    /// local transport).
+    pub(crate) local: Option<crate::local::serve::Attached>,
 }
 
 /// How a connection enters its session.
@@ -219,6 +224,7 @@ async fn handshake<'a>(
         census,
         canceller: None,
         landing: None,
+        local: None,
     })
 }
 
@@ -342,6 +348,9 @@ async fn serve_inner(
             Opcode::Write => c.write(&h).await?,
             Opcode::Read => c.read(&h).await?,
             Opcode::QpConnect => c.qp_connect(&h).await?,
+            Opcode::LocalAttach => c.attach_local(&h).await?,
+            Opcode::WriteLocal => c.write_local(&h).await?,
+            Opcode::ReadLocal => c.read_local(&h).await?,
             Opcode::Fence => {
                 // RDMA: the responder accepts no further packet of any batch
                 // on this queue pair; the initiator builds a new one.

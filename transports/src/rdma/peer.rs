@@ -16,8 +16,9 @@ use crate::control::auth::Token;
 use crate::control::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 use crate::error::TransferError;
 use crate::lock::AsyncLock;
-use crate::tcp::peer::{check_range, descriptor_accessors, slices, Peer};
+use crate::tcp::peer::{check_range, descriptor_accessors, Peer};
 use crate::tcp::split::set_filled;
+use crate::tcp::split::slices;
 
 struct PeerState {
     local: Rc<LocalSide>,

@@ -56,9 +56,9 @@ impl<B> Payload<'_, B> {
 
 /// Holds the send half; if dropped before the frame was fully sent (its
 /// future was dropped mid-send), framing is lost and the connection dies.
-struct SendGuard<'a> {
+pub(crate) struct SendGuard<'a> {
     conn: &'a Conn,
-    complete: bool,
+    pub(crate) complete: bool,
     _lock: LockGuard<'a>,
 }
 
@@ -71,7 +71,7 @@ impl Drop for SendGuard<'_> {
 }
 
 impl Conn {
-    async fn send_guard(&self) -> SendGuard<'_> {
+    pub(crate) async fn send_guard(&self) -> SendGuard<'_> {
         let lock = self.send_lock.lock().await;
         SendGuard {
             conn: self,
@@ -83,12 +83,12 @@ impl Conn {
 
 /// One initiator connection.
 pub(crate) struct Conn {
-    pub(super) stream: TcpStream,
+    pub(crate) stream: TcpStream,
     send_lock: AsyncLock,
     pub(super) state: RefCell<State>,
     next_id: Cell<u64>,
     pub(crate) hello: HelloAck,
-    nonce: [u8; 16],
+    pub(crate) nonce: [u8; 16],
     /// The session the target put the connection in.
     session: u64,
     /// The proof of the session's key that a joining connection sends with
@@ -100,6 +100,9 @@ pub(crate) struct Conn {
     /// Run once when the connection ends (RDMA: reset the queue pair set up
     /// on it, whose peer may be gone with it).
     pub(super) on_close: RefCell<Vec<Box<dyn FnOnce()>>>,
+    /// Attached to the target's process: data moves by cross-memory
+    /// attach (`crate::local`).
+    pub(crate) local: Cell<bool>,
     /// Batches this initiator has fenced at the peer: their slices that
     /// have not started are answered `Fenced` locally, without being sent.
     fenced: LocalFences,
@@ -214,6 +217,7 @@ impl Conn {
             fenced: p.fenced.clone(),
             replies: RefCell::default(),
             on_close: RefCell::default(),
+            local: Cell::new(false),
         });
         // The reader holds the connection until the socket ends (kill/abort
         // shut it down), then fails whatever is pending.
@@ -234,7 +238,7 @@ impl Conn {
         }
     }
 
-    fn lost(&self) -> TransferError {
+    pub(crate) fn lost(&self) -> TransferError {
         TransferError::ConnectionLost(self.state.borrow().dead.clone().unwrap_or_default())
     }
 
@@ -273,7 +277,7 @@ impl Conn {
         true
     }
 
-    fn new_id(&self) -> u64 {
+    pub(crate) fn new_id(&self) -> u64 {
         let id = self.next_id.get();
         self.next_id.set(id + 1);
         id
@@ -483,7 +487,7 @@ impl Conn {
     }
 
     /// A result slot for a request: an answered one's, or a new one.
-    fn reply(&self) -> Reply<Result<u64, TransferError>> {
+    pub(crate) fn reply(&self) -> Reply<Result<u64, TransferError>> {
         self.replies.borrow_mut().pop().unwrap_or_else(slot)
     }
 
@@ -495,6 +499,13 @@ impl Conn {
         result: Reply<Result<u64, TransferError>>,
     ) -> Result<u64, TransferError> {
         let r = wait(&result).await;
+        self.recycle(result);
+        r
+    }
+
+    /// Keeps an answered request's slot for the next request if nothing
+    /// else holds it (the reader dropped its copy when it filled it).
+    pub(crate) fn recycle(&self, result: Reply<Result<u64, TransferError>>) {
         if Rc::strong_count(&result) == 1 {
             result.borrow_mut().clear();
             let mut spare = self.replies.borrow_mut();
@@ -502,7 +513,6 @@ impl Conn {
                 spare.push(result);
             }
         }
-        r
     }
 
     /// Reads `segment[offset..offset + part.len()]` into `part`.
@@ -554,7 +564,7 @@ impl Conn {
 
     /// True if `batch` was fenced by this initiator: request `id` is then
     /// dropped unsent (the send guard is released cleanly).
-    fn fenced_locally(&self, g: &mut SendGuard<'_>, id: u64, batch: u64) -> bool {
+    pub(crate) fn fenced_locally(&self, g: &mut SendGuard<'_>, id: u64, batch: u64) -> bool {
         if !self.fenced.borrow().contains(&batch) {
             return false;
         }
@@ -563,7 +573,7 @@ impl Conn {
         true
     }
 
-    fn register(&self, id: u64, p: Pending) -> Result<(), ()> {
+    pub(crate) fn register(&self, id: u64, p: Pending) -> Result<(), ()> {
         let mut st = self.state.borrow_mut();
         if st.dead.is_some() {
             return Err(());

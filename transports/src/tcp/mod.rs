@@ -5,7 +5,7 @@
 pub(crate) mod conn;
 mod own_ids;
 pub(crate) mod peer;
-mod responses;
+pub(crate) mod responses;
 mod send;
 pub(crate) mod serve;
 pub(crate) mod split;

@@ -8,14 +8,19 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use quiesce_runtime::time::timeout;
-use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinHandle};
+use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
+
+use quiesce_runtime::process::PeerProcess;
 
 use crate::control::auth::Token;
+use crate::control::wire::Opcode;
 use crate::control::wire::{Descriptor, SegmentRef, Status};
 use crate::error::TransferError;
+use crate::local::conn::attach_data;
+use crate::local::loan::{lend, Request};
 use crate::lock::AsyncLock;
 use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding, INLINE_PAYLOAD};
-use crate::tcp::split::{init_bytes, set_filled, Part, SplitBuf};
+use crate::tcp::split::{init_bytes, join_slices, set_filled, slices, Part, SplitBuf};
 
 /// How an initiator talks to peers.
 #[derive(Debug, Clone)]
@@ -27,6 +32,7 @@ pub(crate) struct PeerParams {
     pub(crate) zc_threshold: Option<usize>,
     pub(crate) connect_timeout: Duration,
     pub(crate) stall_timeout: Option<Duration>,
+    pub(crate) local: crate::LocalMode,
 }
 
 pub(crate) struct PeerInner {
@@ -42,6 +48,9 @@ pub(crate) struct PeerInner {
     /// Serialises reconnects, so concurrent slices open one connection.
     reconnect: AsyncLock,
     fenced: LocalFences,
+    /// The target's process, once a data connection attached to it (the
+    /// local transport).
+    target: RefCell<Option<Rc<PeerProcess>>>,
 }
 
 /// A connected remote engine. Cheap to clone.
@@ -78,6 +87,7 @@ impl Peer {
                 rr: Cell::new(0),
                 reconnect: AsyncLock::default(),
                 fenced,
+                target: RefCell::default(),
             }),
         })
     }
@@ -224,8 +234,28 @@ impl Peer {
                 return Err(e);
             }
         }
+        if i > 0 {
+            let p = &self.inner.params;
+            attach_data(&c, p.local, p.connect_timeout, &self.inner.target).await?;
+        }
         self.inner.conns.borrow_mut()[i] = Some(c.clone());
         Ok(c)
+    }
+
+    /// The target's process, if a connection attached to it.
+    pub(crate) fn target_process(&self) -> Option<Rc<PeerProcess>> {
+        self.inner.target.borrow().clone()
+    }
+
+    /// How long connecting (and a handshake step) may take.
+    pub(crate) fn connect_timeout(&self) -> Duration {
+        self.inner.params.connect_timeout
+    }
+
+    /// True if data connection traffic to this peer moves by cross-memory
+    /// attach.
+    pub fn is_local(&self) -> bool {
+        self.inner.target.borrow().is_some()
     }
 
     /// The control connection, reconnected (tokens re-proven) if it died.
@@ -359,68 +389,6 @@ pub(crate) fn check_range(offset: u64, len: u64, seg_len: u64) -> Result<(), Tra
     Ok(())
 }
 
-/// `(offset, len)` slices of `0..len`.
-pub(crate) fn slices(len: u64, slice: usize) -> impl Iterator<Item = (u64, u64)> {
-    let slice = slice.max(1) as u64;
-    (0..len.div_ceil(slice)).map(move |i| (i * slice, slice.min(len - i * slice)))
-}
-
-/// Folds slice results: bytes that landed, and the first error (`write`:
-/// the slices wrote to the target).
-async fn join_slices(
-    handles: Vec<JoinHandle<Result<u64, TransferError>>>,
-    write: bool,
-) -> Result<u64, TransferError> {
-    let mut total = 0;
-    let mut first_err = None;
-    for h in handles {
-        match h.await {
-            Ok(Ok(n)) => total += n,
-            Ok(Err(e)) => {
-                if let TransferError::FencedPartial { landed } | TransferError::Revoked { landed } =
-                    e
-                {
-                    total += landed;
-                }
-                keep_worst(&mut first_err, e);
-            }
-            Err(e) => keep_worst(&mut first_err, TransferError::ConnectionLost(e.to_string())),
-        }
-    }
-    // A fenced or revoked transfer reports every byte that landed, over all
-    // of its slices (the slices land in parallel: not necessarily a prefix).
-    match first_err {
-        None => Ok(total),
-        Some(TransferError::Fenced | TransferError::FencedPartial { .. }) if total > 0 => {
-            Err(TransferError::FencedPartial { landed: total })
-        }
-        Some(TransferError::Revoked { .. }) => Err(TransferError::Revoked { landed: total }),
-        // The segment went away (revoked and withdrawn) between a write's
-        // slices: those before it landed whole, those after found it gone.
-        // That is a revoke after `total` bytes, not a write that never
-        // landed. (A read so cut keeps its "no such segment".)
-        Some(TransferError::NoSuchSegment(_)) if write && total > 0 => {
-            Err(TransferError::Revoked { landed: total })
-        }
-        Some(e) => Err(e),
-    }
-}
-
-/// Keeps the first error, unless a later one left the target unsettled
-/// (a lost connection): the transfer's error must say so. Among settled
-/// errors a revoke wins: slices sent after it find the segment gone, and
-/// their "no such segment" would hide that bytes landed before the cut.
-fn keep_worst(kept: &mut Option<TransferError>, e: TransferError) {
-    let rank = |e: &TransferError| match e {
-        _ if !e.settles_remote() => 2,
-        TransferError::Revoked { .. } => 1,
-        _ => 0,
-    };
-    if kept.as_ref().is_none_or(|k| rank(&e) > rank(k)) {
-        *kept = Some(e);
-    }
-}
-
 /// The descriptor accessors of a remote segment handle (a `desc:
 /// Rc<Descriptor>` field): TCP's and RDMA's alike.
 macro_rules! descriptor_accessors {
@@ -518,6 +486,18 @@ impl RemoteSegment {
         check_range(offset, len, self.desc.len)
     }
 
+    /// A local request for `len` bytes at `offset`, at `at` in this process.
+    fn request(&self, op: Opcode, batch: u64, offset: u64, at: *const u8, len: u64) -> Request {
+        Request {
+            op,
+            batch,
+            segment: self.desc.id,
+            offset,
+            addr: at as u64,
+            len,
+        }
+    }
+
     /// The next data connection, round-robin.
     async fn next_conn(&self) -> Result<Rc<Conn>, TransferError> {
         let inner = &self.peer.inner;
@@ -548,6 +528,10 @@ impl RemoteSegment {
                 Ok(c) => c,
                 Err(e) => return (Err(e), src),
             };
+            if conn.is_local() {
+                let req = self.request(Opcode::WriteLocal, batch, offset, src.stable_ptr(), len);
+                return lend(&self.peer, conn, req, src).await;
+            }
             let res = conn
                 .write_copied(batch, self.desc.id, offset, init_bytes(&src))
                 .await;
@@ -557,10 +541,20 @@ impl RemoteSegment {
         let p = &self.peer.inner.params;
         let zc_threshold = p.zc_threshold;
         let seg = self.desc.id;
+        let this = self.clone();
         let res = self
-            .stripe(&shared, len, true, move |conn, off, part| async move {
-                let zc = zc_threshold.is_some_and(|t| part.len() >= t);
-                conn.write(batch, seg, offset + off, part, zc).await.0
+            .stripe(&shared, len, true, move |conn, off, part| {
+                let this = this.clone();
+                async move {
+                    if conn.is_local() {
+                        let at = part.stable_ptr();
+                        let n = part.len() as u64;
+                        let req = this.request(Opcode::WriteLocal, batch, offset + off, at, n);
+                        return lend(&this.peer, conn, req, part).await.0;
+                    }
+                    let zc = zc_threshold.is_some_and(|t| part.len() >= t);
+                    conn.write(batch, seg, offset + off, part, zc).await.0
+                }
             })
             .await;
         match shared.try_into_inner() {
@@ -591,9 +585,19 @@ impl RemoteSegment {
         }
         let shared = SplitBuf::destination(dst);
         let seg = self.desc.id;
+        let this = self.clone();
         let res = self
-            .stripe(&shared, len, false, move |conn, off, part| async move {
-                conn.read(batch, seg, offset + off, part).await
+            .stripe(&shared, len, false, move |conn, off, mut part| {
+                let this = this.clone();
+                async move {
+                    if conn.is_local() {
+                        let at = part.stable_mut_ptr();
+                        let n = part.len() as u64;
+                        let req = this.request(Opcode::ReadLocal, batch, offset + off, at, n);
+                        return lend(&this.peer, conn, req, part).await.0;
+                    }
+                    conn.read(batch, seg, offset + off, part).await
+                }
             })
             .await;
         let mut dst = match shared.try_into_inner() {

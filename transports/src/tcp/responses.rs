@@ -18,7 +18,7 @@ use crate::tcp::conn::Conn;
 use crate::tcp::split::Erased;
 
 /// A one-shot result slot with a waker.
-pub(super) struct Slot<T> {
+pub(crate) struct Slot<T> {
     value: Option<T>,
     waker: Option<Waker>,
 }
@@ -31,16 +31,16 @@ impl<T> Slot<T> {
     }
 }
 
-pub(super) type Reply<T> = Rc<RefCell<Slot<T>>>;
+pub(crate) type Reply<T> = Rc<RefCell<Slot<T>>>;
 
-pub(super) fn slot<T>() -> Reply<T> {
+pub(crate) fn slot<T>() -> Reply<T> {
     Rc::new(RefCell::new(Slot {
         value: None,
         waker: None,
     }))
 }
 
-pub(super) fn fill<T>(s: &Reply<T>, v: T) {
+pub(crate) fn fill<T>(s: &Reply<T>, v: T) {
     let w = {
         let mut s = s.borrow_mut();
         s.value = Some(v);
@@ -51,7 +51,7 @@ pub(super) fn fill<T>(s: &Reply<T>, v: T) {
     }
 }
 
-pub(super) async fn wait<T>(s: &Reply<T>) -> T {
+pub(crate) async fn wait<T>(s: &Reply<T>) -> T {
     std::future::poll_fn(|cx| {
         let mut s = s.borrow_mut();
         match s.value.take() {
@@ -65,7 +65,7 @@ pub(super) async fn wait<T>(s: &Reply<T>) -> T {
     .await
 }
 
-pub(super) enum Pending {
+pub(crate) enum Pending {
     Write(Reply<Result<u64, TransferError>>),
     Read {
         dst: Option<Erased>,

@@ -51,7 +51,7 @@ impl ServedConn<'_> {
     /// touch it: length within `1..=max`, batch not fenced, segment known,
     /// token proven, right granted, range inside the segment without
     /// overflow, and (writes) not revoked since the token was proven.
-    fn check(&self, h: &Header, need: Rights) -> Result<(Segment, u64), Status> {
+    pub(crate) fn check(&self, h: &Header, need: Rights) -> Result<(Segment, u64), Status> {
         if h.length == 0 || h.length > self.engine.config.max_frame {
             return Err(Status::BadFrame);
         }
@@ -80,7 +80,7 @@ impl ServedConn<'_> {
     }
 
     /// Answers a refused request; a refused write's payload goes to scratch.
-    async fn refuse(&self, h: &Header, st: Status, payload: u64) -> Result<(), Closed> {
+    pub(crate) async fn refuse(&self, h: &Header, st: Status, payload: u64) -> Result<(), Closed> {
         discard(self.s, payload).await?;
         let c = &self.engine.counters.rejected;
         c.set(c.get() + 1);

@@ -6,7 +6,9 @@
 use std::cell::UnsafeCell;
 use std::rc::Rc;
 
-use quiesce_runtime::{IoBuf, IoBufMut};
+use quiesce_runtime::{IoBuf, IoBufMut, JoinHandle};
+
+use crate::error::TransferError;
 
 struct Inner<B> {
     buf: UnsafeCell<B>,
@@ -166,4 +168,66 @@ pub(crate) fn set_filled<B: IoBufMut>(buf: &mut B, n: usize) {
     // SAFETY: callers pass the count of bytes that every part's read wrote,
     // which cover `0..n` contiguously.
     unsafe { buf.set_init(n) }
+}
+
+/// `(offset, len)` slices of `0..len`.
+pub(crate) fn slices(len: u64, slice: usize) -> impl Iterator<Item = (u64, u64)> {
+    let slice = slice.max(1) as u64;
+    (0..len.div_ceil(slice)).map(move |i| (i * slice, slice.min(len - i * slice)))
+}
+
+/// Folds slice results: bytes that landed, and the first error (`write`:
+/// the slices wrote to the target).
+pub(crate) async fn join_slices(
+    handles: Vec<JoinHandle<Result<u64, TransferError>>>,
+    write: bool,
+) -> Result<u64, TransferError> {
+    let mut total = 0;
+    let mut first_err = None;
+    for h in handles {
+        match h.await {
+            Ok(Ok(n)) => total += n,
+            Ok(Err(e)) => {
+                if let TransferError::FencedPartial { landed } | TransferError::Revoked { landed } =
+                    e
+                {
+                    total += landed;
+                }
+                keep_worst(&mut first_err, e);
+            }
+            Err(e) => keep_worst(&mut first_err, TransferError::ConnectionLost(e.to_string())),
+        }
+    }
+    // A fenced or revoked transfer reports every byte that landed, over all
+    // of its slices (the slices land in parallel: not necessarily a prefix).
+    match first_err {
+        None => Ok(total),
+        Some(TransferError::Fenced | TransferError::FencedPartial { .. }) if total > 0 => {
+            Err(TransferError::FencedPartial { landed: total })
+        }
+        Some(TransferError::Revoked { .. }) => Err(TransferError::Revoked { landed: total }),
+        // The segment went away (revoked and withdrawn) between a write's
+        // slices: those before it landed whole, those after found it gone.
+        // That is a revoke after `total` bytes, not a write that never
+        // landed. (A read so cut keeps its "no such segment".)
+        Some(TransferError::NoSuchSegment(_)) if write && total > 0 => {
+            Err(TransferError::Revoked { landed: total })
+        }
+        Some(e) => Err(e),
+    }
+}
+
+/// Keeps the first error, unless a later one left the target unsettled
+/// (a lost connection): the transfer's error must say so. Among settled
+/// errors a revoke wins: slices sent after it find the segment gone, and
+/// their "no such segment" would hide that bytes landed before the cut.
+fn keep_worst(kept: &mut Option<TransferError>, e: TransferError) {
+    let rank = |e: &TransferError| match e {
+        _ if !e.settles_remote() => 2,
+        TransferError::Revoked { .. } => 1,
+        _ => 0,
+    };
+    if kept.as_ref().is_none_or(|k| rank(&e) > rank(k)) {
+        *kept = Some(e);
+    }
 }

@@ -13,7 +13,16 @@ use quiesce_runtime::shard::{channel, Sender, Shards};
 use quiesce_transports::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, SegmentRef, HEADER_LEN, VERSION,
 };
-use quiesce_transports::{Engine, EngineConfig, Rights, Token};
+use quiesce_transports::{Engine, EngineConfig, LocalMode, Rights, Token};
+
+/// Settings for the TCP tests: the local transport off in both roles, so a
+/// target on loopback is reached over TCP (`local.rs` tests the other road).
+pub fn tcp() -> EngineConfig {
+    EngineConfig {
+        local: LocalMode::Off,
+        ..EngineConfig::default()
+    }
+}
 
 /// What a target says about one of its segments.
 #[derive(Debug, Clone)]

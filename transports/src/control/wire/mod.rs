@@ -14,7 +14,7 @@ pub use rdma::{QpAccept, QpConnect, QpWire, RemoteKey, MAX_QP_PAYLOAD};
 /// `b"QSCE"`, the first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"QSCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Size of the frame header.
 pub const HEADER_LEN: usize = 48;
 
@@ -35,6 +35,10 @@ pub enum Opcode {
     /// Target → initiator: the target's queue pair and the remote keys of
     /// the segments proven on this connection.
     QpAccept = 6,
+    /// Initiator → target, same host: attach this connection to the
+    /// initiator's process (payload: its pid, and the address of its nonce
+    /// in its memory), so the target moves data by cross-memory attach.
+    LocalAttach = 7,
     /// Initiator → target: `length` payload bytes to land at `segment[offset..]`.
     Write = 16,
     /// Initiator → target: send back `length` bytes of `segment[offset..]`.
@@ -46,6 +50,14 @@ pub enum Opcode {
     /// may forget the batch once every connection that could carry it said
     /// so or closed.
     Forget = 19,
+    /// Initiator → target, attached connection: copy `length` bytes from
+    /// the initiator's memory at the address in the 8-byte payload to
+    /// `segment[offset..]`.
+    WriteLocal = 20,
+    /// Initiator → target, attached connection: copy `length` bytes of
+    /// `segment[offset..]` to the initiator's memory at the address in the
+    /// 8-byte payload.
+    ReadLocal = 21,
     /// Target → initiator: the outcome of a write or read (`flags` = [`Status`]).
     Status = 32,
     /// Target → initiator: `length` bytes of a read follow.
@@ -63,10 +75,13 @@ impl Opcode {
             4 => Opcode::AuthAck,
             5 => Opcode::QpConnect,
             6 => Opcode::QpAccept,
+            7 => Opcode::LocalAttach,
             16 => Opcode::Write,
             17 => Opcode::Read,
             18 => Opcode::Fence,
             19 => Opcode::Forget,
+            20 => Opcode::WriteLocal,
+            21 => Opcode::ReadLocal,
             32 => Opcode::Status,
             33 => Opcode::ReadData,
             34 => Opcode::FenceAck,
@@ -97,6 +112,9 @@ pub enum Status {
     /// proved the token: nothing of the request lands after the revoke
     /// (`length` = bytes of a write's prefix that landed before it).
     Revoked = 7,
+    /// Local transport: the target could not reach the initiator's memory
+    /// (cross-memory attach failed); `length` = bytes moved before that.
+    Unreachable = 8,
 }
 
 impl Status {
@@ -111,6 +129,7 @@ impl Status {
             5 => Status::Fenced,
             6 => Status::FencedPartial,
             7 => Status::Revoked,
+            8 => Status::Unreachable,
             _ => return None,
         })
     }

@@ -1,0 +1,167 @@
+//! The initiator's side of the local transport on one connection:
+//! attaching it to the target's process, and requests that name this
+//! process's memory instead of carrying bytes.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use quiesce_runtime::process::PeerProcess;
+use quiesce_runtime::time::timeout;
+
+use crate::control::frame::send_frame;
+use crate::control::wire::{Header, Opcode};
+use crate::error::TransferError;
+use crate::local::loan::Request;
+use crate::local::{owner, ATTACH_PAYLOAD};
+use crate::tcp::conn::{Conn, SendGuard};
+use crate::tcp::responses::{wait, Pending, Reply};
+use crate::LocalMode;
+
+impl Conn {
+    /// True once the connection is attached: its data moves by
+    /// cross-memory attach.
+    pub(crate) fn is_local(&self) -> bool {
+        self.local.get()
+    }
+
+    /// Attaches the connection to this process for the local transport:
+    /// the target checks that we hold the connection and that it can read
+    /// our memory (our copy of its nonce); we check that the process it
+    /// names holds the other end. Returns that process.
+    pub(crate) async fn attach_local(&self) -> Result<PeerProcess, TransferError> {
+        let (local, remote) = (self.stream.local_addr()?, self.stream.peer_addr()?);
+        if !(local.ip() == remote.ip() || local.ip().is_loopback() && remote.ip().is_loopback()) {
+            return Err(refused("the peer is not on this host"));
+        }
+        let mut payload = [0u8; ATTACH_PAYLOAD];
+        payload[0..4].copy_from_slice(&std::process::id().to_le_bytes());
+        // The target's nonce, in this connection (alive as long as the
+        // connection, which outlives the request).
+        let probe = self.hello.nonce.as_ptr() as u64;
+        payload[4..12].copy_from_slice(&probe.to_le_bytes());
+        let h = Header {
+            length: ATTACH_PAYLOAD as u64,
+            ..Header::new(Opcode::LocalAttach)
+        };
+        let result = self.reply();
+        let g = self.send_guard().await;
+        self.request(g, h, &payload, &result).await?;
+        let sent = wait(&result).await;
+        let pid = match sent {
+            Ok(pid) => u32::try_from(pid).map_err(|_| refused("a pid out of range"))?,
+            Err(TransferError::Forbidden(_)) => return Err(refused("the target refused")),
+            Err(e) => return Err(e),
+        };
+        if !owner::holds_socket(pid, remote, local)? {
+            return Err(refused(
+                "the process the target named does not hold the connection",
+            ));
+        }
+        let process = PeerProcess::open(pid)?;
+        self.local.set(true);
+        Ok(process)
+    }
+
+    /// Sends `req` under the send guard `g`, its answer to fill `result`.
+    /// `Err`: nothing was sent (the connection was dead, or the batch was
+    /// fenced here). `Ok`: the answer, or the connection's end, fills
+    /// `result`. The request is registered before the first suspension.
+    pub(crate) async fn send_local(
+        &self,
+        g: SendGuard<'_>,
+        req: &Request,
+        result: &Reply<Result<u64, TransferError>>,
+    ) -> Result<(), TransferError> {
+        let h = Header {
+            batch: req.batch,
+            segment: req.segment,
+            offset: req.offset,
+            length: req.len,
+            ..Header::new(req.op)
+        };
+        self.request(g, h, &req.addr.to_le_bytes(), result).await
+    }
+
+    /// Sends `h` (its `task` set to a new request id) with `payload` under
+    /// `g`, its answer to fill `result`, as [`send_local`](Self::send_local).
+    async fn request(
+        &self,
+        mut g: SendGuard<'_>,
+        mut h: Header,
+        payload: &[u8],
+        result: &Reply<Result<u64, TransferError>>,
+    ) -> Result<(), TransferError> {
+        h.task = self.new_id();
+        if self
+            .register(h.task, Pending::Write(result.clone()))
+            .is_err()
+        {
+            g.complete = true;
+            return Err(self.lost());
+        }
+        if self.fenced_locally(&mut g, h.task, h.batch) {
+            return Err(TransferError::Fenced);
+        }
+        let sent = send_frame(&self.stream, &h, payload).await;
+        g.complete = sent.is_ok();
+        drop(g);
+        if let Err(e) = sent {
+            // The reader fills the slot once the connection has ended.
+            self.kill(&e.to_string());
+        }
+        Ok(())
+    }
+}
+
+/// Attaches data connection `c` for the local transport when `mode`
+/// allows it, the target's process going into `known`; a refusal leaves
+/// the connection on TCP (or, `Required`, fails it).
+pub(crate) async fn attach_data(
+    c: &Conn,
+    mode: LocalMode,
+    limit: Duration,
+    known: &RefCell<Option<Rc<PeerProcess>>>,
+) -> Result<(), TransferError> {
+    if mode == LocalMode::Off {
+        return Ok(());
+    }
+    let attached = match timeout(limit, c.attach_local()).await {
+        Ok(r) => r,
+        Err(_) => Err(TransferError::ConnectTimeout),
+    };
+    match attached {
+        Ok(process) => {
+            let mut known = known.borrow_mut();
+            match known.as_ref() {
+                // Loans wait on the process that holds the connections;
+                // another one while it lives would make that unsound.
+                Some(p) if p.pid() != process.pid() && !p.exited() => {
+                    c.kill("the target's process changed");
+                    return Err(TransferError::ConnectionLost(
+                        "the target's connections are held by different processes".into(),
+                    ));
+                }
+                Some(p) if p.pid() == process.pid() => {}
+                // The first attach, or a target that restarted.
+                _ => *known = Some(Rc::new(process)),
+            }
+            Ok(())
+        }
+        Err(e) if mode == LocalMode::Required => {
+            c.kill("the local transport is required and the attach failed");
+            Err(e)
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "staying on TCP");
+            Ok(())
+        }
+    }
+}
+
+fn refused(why: &str) -> TransferError {
+    TransferError::Handshake {
+        peer: "local attach".into(),
+        reason: why.into(),
+    }
+}

@@ -1,0 +1,179 @@
+//! The target's side of the local transport: `LocalAttach`, `WriteLocal`
+//! and `ReadLocal` on a connection the control server authenticated.
+
+use quiesce_runtime::process::PeerProcess;
+use quiesce_runtime::yield_now;
+
+use crate::control::frame::send_frame;
+use crate::control::revoke::LandingGuard;
+use crate::control::server::{reject, status_frame, Closed, ServedConn};
+use crate::control::wire::{Header, Status};
+use crate::local::{owner, ADDRESS_PAYLOAD, ATTACH_PAYLOAD, CHUNK};
+use crate::memory::Window;
+use crate::segment::Rights;
+use crate::LocalMode;
+
+/// What an attached connection holds: the initiator's process, and the
+/// buffer its requests' addresses are read into.
+pub(crate) struct Attached {
+    process: PeerProcess,
+    address: Option<Box<[u8]>>,
+}
+
+impl ServedConn<'_> {
+    /// Attaches the connection to the initiator's process if it proves it
+    /// holds this connection and we may reach its memory; answers `Status`:
+    /// `Ok` with this process's pid in `length`, or `Forbidden`.
+    pub(crate) async fn attach_local(&mut self, h: &Header) -> Result<(), Closed> {
+        if h.length != ATTACH_PAYLOAD as u64 {
+            return Err(reject(self.s, h, Status::BadFrame, "bad attach payload".into()).await);
+        }
+        let p = crate::control::frame::read_payload(self.s, ATTACH_PAYLOAD).await?;
+        let pid = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
+        let probe = u64::from_le_bytes(p[4..12].try_into().expect("8 bytes"));
+        let (st, me) = match self.verify(pid, probe) {
+            Ok(process) => {
+                self.local = Some(Attached {
+                    process,
+                    address: None,
+                });
+                (Status::Ok, std::process::id() as u64)
+            }
+            Err(why) => {
+                tracing::debug!(pid, why, "refused a local attach");
+                (Status::Forbidden, 0)
+            }
+        };
+        send_frame(self.s, &status_frame(h, st, me), &[]).await?;
+        Ok(())
+    }
+
+    fn verify(&self, pid: u32, probe: u64) -> Result<PeerProcess, String> {
+        if self.engine.config.local == LocalMode::Off {
+            return Err("the local transport is off".into());
+        }
+        let (mine, theirs) = (
+            self.s.local_addr().map_err(|e| e.to_string())?,
+            self.s.peer_addr().map_err(|e| e.to_string())?,
+        );
+        if !owner::holds_socket(pid, theirs, mine).map_err(|e| e.to_string())? {
+            return Err("that process does not hold this connection".into());
+        }
+        let process = PeerProcess::open(pid).map_err(|e| e.to_string())?;
+        let mut seen = Vec::with_capacity(16);
+        let (n, r) = process.read_into(probe, &mut seen, 16);
+        r.map_err(|e| format!("cannot read its memory: {e}"))?;
+        // SAFETY: the copy wrote `n` (16) bytes.
+        unsafe { seen.set_len(n) };
+        if seen != self.nonce {
+            return Err("its memory does not hold this connection's nonce".into());
+        }
+        Ok(process)
+    }
+
+    /// Reads a local request's address; `None` with the request refused
+    /// `Forbidden` when the connection is not attached.
+    async fn local_address(&mut self, h: &Header) -> Result<Option<u64>, Closed> {
+        let mut buf = match self.local.as_mut() {
+            Some(a) => a.address.take(),
+            None => None,
+        }
+        .unwrap_or_else(|| vec![0u8; ADDRESS_PAYLOAD].into_boxed_slice());
+        let (res, b) = self.s.read_exact(buf).await;
+        res?;
+        buf = b;
+        let addr = u64::from_le_bytes(buf[..].try_into().expect("8 bytes"));
+        match self.local.as_mut() {
+            Some(a) => {
+                a.address = Some(buf);
+                Ok(Some(addr))
+            }
+            None => {
+                self.refuse(h, Status::Forbidden, 0).await?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// `WriteLocal`: pulls `length` bytes from the initiator's `src` into
+    /// the segment, chunk by chunk, stopping at a fence or a revoke.
+    pub(crate) async fn write_local(&mut self, h: &Header) -> Result<(), Closed> {
+        let Some(src) = self.local_address(h).await? else {
+            return Ok(());
+        };
+        let (seg, epoch) = match self.check(h, Rights::WRITE) {
+            Ok(ok) => ok,
+            Err(st) => return self.refuse(h, st, 0).await,
+        };
+        let fence = self.engine.fences.begin_write(self.session, h.batch);
+        let grant = LandingGuard::begin(&seg, h.offset, h.length, epoch);
+        let process = &self.local.as_ref().expect("attached").process;
+        let (len, mut landed, mut unreachable) = (h.length, 0u64, false);
+        while landed < len && !fence.fenced() && !grant.revoked() {
+            let n = (len - landed).min(CHUNK as u64) as usize;
+            let mut w = Window::new(seg.inner.mem.clone(), (h.offset + landed) as usize, n);
+            let (got, r) = process.read_into(src.wrapping_add(landed), &mut w, n);
+            landed += got as u64;
+            if r.is_err() {
+                unreachable = true;
+                break;
+            }
+            if landed < len {
+                yield_now().await;
+            }
+        }
+        let revoked = landed < len && grant.revoked();
+        // No copy runs any more: a fence or revoke waiting for this write
+        // may resolve.
+        drop((grant, fence, seg));
+        let st = match (landed == len, unreachable, revoked, landed) {
+            (true, ..) => Status::Ok,
+            (_, true, ..) => Status::Unreachable,
+            (_, _, true, _) => Status::Revoked,
+            (.., 0) => Status::Fenced,
+            _ => Status::FencedPartial,
+        };
+        let c = &self.engine.counters;
+        c.bytes_landed.set(c.bytes_landed.get() + landed);
+        send_frame(self.s, &status_frame(h, st, landed), &[]).await?;
+        Ok(())
+    }
+
+    /// `ReadLocal`: pushes `length` bytes of the segment to the initiator's
+    /// `dst`, chunk by chunk; a fence of the batch stops it (it writes the
+    /// initiator's memory, so the fence must cover it).
+    pub(crate) async fn read_local(&mut self, h: &Header) -> Result<(), Closed> {
+        let Some(dst) = self.local_address(h).await? else {
+            return Ok(());
+        };
+        let seg = match self.check(h, Rights::READ) {
+            Ok((seg, _)) => seg,
+            Err(st) => return self.refuse(h, st, 0).await,
+        };
+        let fence = self.engine.fences.begin_write(self.session, h.batch);
+        let process = &self.local.as_ref().expect("attached").process;
+        let (len, mut moved, mut unreachable) = (h.length, 0u64, false);
+        while moved < len && !fence.fenced() {
+            let n = (len - moved).min(CHUNK as u64) as usize;
+            let w = Window::new(seg.inner.mem.clone(), (h.offset + moved) as usize, n);
+            let (put, r) = process.write_from(dst.wrapping_add(moved), &w);
+            moved += put as u64;
+            if r.is_err() {
+                unreachable = true;
+                break;
+            }
+            if moved < len {
+                yield_now().await;
+            }
+        }
+        drop((fence, seg));
+        let st = match (moved == len, unreachable, moved) {
+            (true, ..) => Status::Ok,
+            (_, true, _) => Status::Unreachable,
+            (.., 0) => Status::Fenced,
+            _ => Status::FencedPartial,
+        };
+        send_frame(self.s, &status_frame(h, st, moved), &[]).await?;
+        Ok(())
+    }
+}
