@@ -156,3 +156,55 @@ fn a_killed_target_ends_a_local_transfer_with_its_buffer() {
         assert!(started.elapsed() < Duration::from_secs(2));
     });
 }
+
+/// One request larger than a chunk: the target looks at the batch's fence
+/// before every chunk, so a fence stops the copy part-way, and once it is
+/// acknowledged no further byte lands.
+#[test]
+fn a_fence_stops_a_large_copy_between_chunks() {
+    const LEN: usize = 16 << 20;
+    let target = ShardTarget::start(
+        EngineConfig::default(),
+        &[("kv", LEN, Rights::READ | Rights::WRITE)],
+    );
+    let seg = target.seg("kv").clone();
+    Runtime::new().unwrap().block_on(async {
+        let engine = Engine::bind(EngineConfig {
+            local: LocalMode::Required,
+            slice_size: LEN,
+            connections_per_peer: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        let peer = engine.connect(target.addr).await.unwrap();
+        let kv = peer.open("kv", seg.token).await.unwrap();
+        let mut cut = 0;
+        for round in 0..8u64 {
+            let batch = 10 + round;
+            let w = spawn_local({
+                let kv = kv.clone();
+                async move { kv.write(0, vec![round as u8 + 1; LEN], batch).await }
+            });
+            time::sleep(Duration::from_micros(200)).await;
+            peer.fence(batch).await.unwrap();
+            let after = target.snapshot("kv", 0, LEN);
+            let (res, _) = w.await.unwrap();
+            let landed = match res {
+                Ok(n) => n,
+                Err(TransferError::FencedPartial { landed }) => landed,
+                Err(TransferError::Fenced) => 0,
+                Err(e) => panic!("round {round}: {e:?}"),
+            };
+            // Stopped mid-copy (not before it began, not after it ended).
+            cut += (landed > 0 && landed < LEN as u64) as u32;
+            eprintln!("round {round}: {landed} of {LEN} bytes landed before the fence");
+            time::sleep(Duration::from_millis(50)).await;
+            assert!(
+                target.snapshot("kv", 0, LEN) == after,
+                "round {round}: bytes landed after the fence was acknowledged"
+            );
+            peer.retire(batch);
+        }
+        assert!(cut > 0, "no fence stopped a copy in progress");
+    });
+}
