@@ -132,6 +132,14 @@ impl TargetChild {
     }
 }
 
+impl TargetChild {
+    /// Kills the target process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for TargetChild {
     fn drop(&mut self) {
         let _ = self.child.kill();

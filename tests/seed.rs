@@ -1,6 +1,7 @@
 //! The seed scenario over real TCP with the target in its own process, and
 //! its variants: the read mirror, a deadline with the target stopped, a
-//! dropped batch, FailFast against Drain.
+//! dropped batch, FailFast against Drain. TCP explicitly (the local
+//! transport is off): `seed_local.rs` runs them over cross-memory attach.
 
 use std::path::Path;
 use std::time::Duration;
@@ -15,7 +16,9 @@ use quiesce::scenario::{
 };
 use quiesce::stale::stale_bytes_round;
 use quiesce::target_child::TargetChild;
-use quiesce::transports::{AlignedBuf, Engine, EngineConfig, RemoteSegment, TransferError};
+use quiesce::transports::{
+    AlignedBuf, Engine, EngineConfig, LocalMode, RemoteSegment, TransferError,
+};
 
 const BIG: usize = 64 << 20;
 
@@ -26,8 +29,13 @@ fn spawn_target() -> Target {
 }
 
 async fn remote(t: &Target, refuse: &str) -> (Engine, Remote<RemoteSegment>) {
-    let e = Engine::bind(EngineConfig::default()).unwrap();
+    let e = Engine::bind(EngineConfig {
+        local: LocalMode::Off,
+        ..EngineConfig::default()
+    })
+    .unwrap();
     let peer = e.connect(t.addr).await.unwrap();
+    assert!(!peer.is_local());
     let r = Remote {
         kv: peer.open("kv", t.tokens["kv"]).await.unwrap(),
         refuse: peer.open(refuse, t.tokens[refuse]).await.unwrap(),
@@ -367,7 +375,9 @@ fn revoke_leaves_no_stale_byte_of_an_unconfirmed_batch() {
     Runtime::new().unwrap().block_on(async {
         let mut stale_rounds = 0;
         for round in 0..20 {
-            let r = stale_bytes_round(&mut t, BIG, true).await.unwrap();
+            let r = stale_bytes_round(&mut t, BIG, true, LocalMode::Off)
+                .await
+                .unwrap();
             let (confirmed, stale) = (r.a_confirmed, r.stale_bytes);
             assert!(
                 !confirmed,
@@ -388,7 +398,9 @@ fn without_revoke_the_outcome_says_the_target_did_not_confirm() {
     let mut t = spawn_target();
     Runtime::new().unwrap().block_on(async {
         for round in 0..3 {
-            let r = stale_bytes_round(&mut t, BIG, false).await.unwrap();
+            let r = stale_bytes_round(&mut t, BIG, false, LocalMode::Off)
+                .await
+                .unwrap();
             let (confirmed, stale) = (r.a_confirmed, r.stale_bytes);
             assert!(
                 !confirmed,

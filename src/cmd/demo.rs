@@ -9,7 +9,7 @@ use quiesce::scenario::{seed_options, write_round, Buf, Bufs, Kind, Remote, Roun
 use quiesce::stale::stale_bytes_round;
 use quiesce::target_child::TargetChild;
 use quiesce::transports::rdma::{RdmaConfig, RdmaEngine};
-use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Region};
+use quiesce::transports::{AlignedBuf, Engine, EngineConfig, LocalMode, Region};
 
 use super::bench::SegInfo;
 use super::early_return;
@@ -67,15 +67,22 @@ pub fn run(
         size >> 20
     );
     println!("then the returned source is overwritten and the destination checked for it.");
-    let (results, driver) = quiesce_rounds(&target, addr, rounds_n, size, rdma)?;
+    let (results, driver) = quiesce_rounds(&target, addr, rounds_n, size, rdma, LocalMode::Off)?;
     let corrupted = summarise(&results, driver);
     println!("corrupted: {corrupted}/{rounds_n}");
     if rdma {
         println!("(the early-return baseline and the stale-bytes scenario run over TCP only)");
         return Ok(corrupted == 0);
     }
+    // The same rounds over the local transport: the target copies from and
+    // to this process by cross-memory attach.
+    let (results, driver) =
+        quiesce_rounds(&target, addr, rounds_n, size, false, LocalMode::Required)?;
+    println!("the same rounds over the local transport (cross-memory attach, same host):");
+    let corrupted_local = summarise(&results, driver);
+    println!("corrupted: {corrupted_local}/{rounds_n}");
     drop(target);
-    let mut ok = corrupted == 0;
+    let mut ok = corrupted == 0 && corrupted_local == 0;
     // A target that applies everything: what the count measures when nothing
     // at the target discards a fenced batch's bytes.
     let open = TargetChild::spawn_with(&exe, size, false, &["--ignore-fences"])?;
@@ -96,7 +103,7 @@ pub fn run(
     // A fresh one of the same kind: the baseline left post-outcome bytes in
     // the first one's memory.
     let open = TargetChild::spawn_with(&exe, size, false, &["--ignore-fences"])?;
-    let (results, _) = quiesce_rounds(&open, open.addr, rounds_n, size, false)?;
+    let (results, _) = quiesce_rounds(&open, open.addr, rounds_n, size, false, LocalMode::Off)?;
     let own = results.iter().filter(|r| r.corrupted_bytes > 0).count();
     println!(
         "quiesce against that same target (it acknowledges fences without applying them): \
@@ -111,7 +118,7 @@ pub fn run(
     rt.block_on(async {
         for _ in 0..stale_rounds {
             for revoke in [false, true] {
-                let r = stale_bytes_round(&mut target, size, revoke).await?;
+                let r = stale_bytes_round(&mut target, size, revoke, LocalMode::Off).await?;
                 claimed += r.a_confirmed as u32;
                 beat_stop += r.a_completed as u32;
                 let stale = (r.stale_bytes > 0) as u32;
@@ -170,14 +177,16 @@ fn find(
     Ok(addr.expect("two paths looked up"))
 }
 
-/// quiesce's rounds against `target`, reached at `addr`; the results and
-/// the runtime's counters.
+/// quiesce's rounds against `target`, reached at `addr` (over RDMA, or TCP
+/// with the local transport as `local` says); the results and the
+/// runtime's counters.
 fn quiesce_rounds(
     target: &TargetChild,
     addr: SocketAddr,
     rounds_n: u32,
     size: usize,
     rdma: bool,
+    local: LocalMode,
 ) -> Result<(Vec<Round>, quiesce::runtime::Stats), Box<dyn std::error::Error>> {
     let rt = Runtime::new()?;
     rt.block_on(async {
@@ -202,6 +211,7 @@ fn quiesce_rounds(
         } else {
             let engine = Engine::bind(EngineConfig {
                 node: "quiesce-demo".into(),
+                local,
                 ..Default::default()
             })?;
             let peer = engine.connect(addr).await?;
