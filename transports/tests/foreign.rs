@@ -13,7 +13,7 @@ use common::*;
 use quiesce_runtime::time::sleep;
 use quiesce_runtime::Runtime;
 use quiesce_transports::wire::{Header, Opcode};
-use quiesce_transports::{Engine, EngineConfig, ForeignMemory, Rights};
+use quiesce_transports::{Engine, ForeignMemory, Rights};
 
 const LEN: usize = 1 << 20;
 

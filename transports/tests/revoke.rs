@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use quiesce_runtime::Runtime;
 use quiesce_transports::wire::{Header, Opcode, Status};
-use quiesce_transports::{Engine, EngineConfig, RevokeError, Rights, TransferError};
+use quiesce_transports::{Engine, RevokeError, Rights, TransferError};
 
 const LEN: usize = 1 << 20;
 const HALF: usize = LEN / 2;
