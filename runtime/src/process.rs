@@ -5,7 +5,9 @@
 //! The pidfd pins the process's identity: a pid reused after the process
 //! exited is never mistaken for it, and [`PeerProcess::exited`] turns true
 //! once it is gone — after which it reads and writes no memory, this
-//! process's included.
+//! process's included. Where `pidfd_open(2)` is missing (kernels before
+//! 5.3, valgrind) the process is known by its pid and its start time
+//! (`/proc/PID/stat`), which a reused pid does not share.
 //!
 //! The kernel checks every remote access (the caller needs ptrace access to
 //! the process, `PTRACE_MODE_ATTACH_REALCREDS`; an unmapped address fails
@@ -22,7 +24,28 @@ use crate::buf::{IoBuf, IoBufMut};
 #[derive(Debug)]
 pub struct PeerProcess {
     pid: u32,
-    pidfd: OwnedFd,
+    identity: Identity,
+}
+
+/// How the process is told apart from a later one with its pid.
+#[derive(Debug)]
+enum Identity {
+    Pidfd(OwnedFd),
+    /// Its start time, in clock ticks after boot.
+    Started(u64),
+}
+
+/// The state and start time of process `pid`, from `/proc/PID/stat`.
+fn stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command, which is in parentheses and may hold anything.
+    let rest = &text[text.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // state is field 3 of the whole line, starttime field 22.
+    Some((
+        fields.first()?.chars().next()?,
+        fields.get(19)?.parse().ok()?,
+    ))
 }
 
 impl PeerProcess {
@@ -32,12 +55,20 @@ impl PeerProcess {
         // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1;
         // no memory is passed.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: the syscall returned a new descriptor that nothing else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Ok(PeerProcess { pid, pidfd })
+        let identity = if fd >= 0 {
+            // SAFETY: the syscall returned a new descriptor nothing else owns.
+            Identity::Pidfd(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+        } else {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENOSYS) {
+                return Err(e);
+            }
+            match stat(pid) {
+                Some((_, started)) => Identity::Started(started),
+                None => return Err(io::Error::from_raw_os_error(libc::ESRCH)),
+            }
+        };
+        Ok(PeerProcess { pid, identity })
     }
 
     /// Its pid.
@@ -45,16 +76,25 @@ impl PeerProcess {
         self.pid
     }
 
-    /// True once the process has exited (its pidfd is readable).
+    /// True once the process has exited (its pidfd is readable; or it is
+    /// gone, a zombie, or another process with its pid).
     pub fn exited(&self) -> bool {
-        let mut p = libc::pollfd {
-            fd: self.pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, a zero timeout.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP) != 0
+        match &self.identity {
+            Identity::Pidfd(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, a zero timeout.
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                n > 0 && p.revents & (libc::POLLIN | libc::POLLHUP) != 0
+            }
+            Identity::Started(at) => match stat(self.pid) {
+                Some((state, started)) => started != *at || matches!(state, 'Z' | 'X'),
+                None => true,
+            },
+        }
     }
 
     /// Copies `len` bytes at the process's address `remote` into the first
@@ -151,6 +191,28 @@ mod tests {
         let (n, r) = me.read_into(8, &mut dst, 16);
         assert_eq!(n, 0);
         assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EFAULT));
+    }
+
+    #[test]
+    fn a_process_is_known_by_its_start_time_too() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let (_, started) = stat(child.id()).unwrap();
+        let p = PeerProcess {
+            pid: child.id(),
+            identity: Identity::Started(started),
+        };
+        assert!(!p.exited());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(p.exited());
+        let reused = PeerProcess {
+            pid: std::process::id(),
+            identity: Identity::Started(started.wrapping_add(1)),
+        };
+        assert!(reused.exited(), "another process with the pid is not it");
     }
 
     #[test]
