@@ -33,6 +33,12 @@ pub(crate) mod serve;
 /// speed, so a large copy never stalls the reactor for long.
 pub(crate) const CHUNK: usize = 1 << 20;
 
+/// An attached peer's transfers are sliced at least this large: one
+/// request per 16 MiB instead of per 1 MiB (the target still copies in
+/// [`CHUNK`]s, yielding between them), so a large transfer pays few round
+/// trips.
+pub(crate) const SLICE: usize = 16 << 20;
+
 /// Bytes of a `LocalAttach` payload: pid (4), address of the nonce (8).
 pub(crate) const ATTACH_PAYLOAD: usize = 12;
 

@@ -79,7 +79,8 @@ impl ServedConn<'_> {
             None => None,
         }
         .unwrap_or_else(|| vec![0u8; ADDRESS_PAYLOAD].into_boxed_slice());
-        let (res, b) = self.s.read_exact(buf).await;
+        // Sent with its header: most likely here already.
+        let (res, b) = self.s.read_exact_expected(buf).await;
         res?;
         buf = b;
         let addr = u64::from_le_bytes(buf[..].try_into().expect("8 bytes"));

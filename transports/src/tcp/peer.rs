@@ -460,14 +460,20 @@ impl RemoteSegment {
     {
         let inner = &self.peer.inner;
         let n = inner.params.connections.max(1);
-        if len <= inner.params.slice_size as u64 {
+        // Attached: the target copies a request in chunks of its own, so a
+        // slice needs no bound of a frame's and fewer round trips are better.
+        let slice_size = match self.peer.is_local() {
+            true => inner.params.slice_size.max(crate::local::SLICE),
+            false => inner.params.slice_size,
+        };
+        if len <= slice_size as u64 {
             // One slice: run it in place. If this future is dropped mid-send,
             // the connection's send guard kills the connection (framing is
             // lost) and the parked op keeps the part alive until reaped.
             let conn = self.next_conn().await?;
             return slice(conn, 0, shared.part(0, len as usize)).await;
         }
-        let handles: Vec<_> = slices(len, inner.params.slice_size)
+        let handles: Vec<_> = slices(len, slice_size)
             .map(|(off, l)| {
                 let i = inner.rr.get();
                 inner.rr.set(i.wrapping_add(1));
