@@ -105,8 +105,9 @@ enum Cmd {
         /// Driver for quiesce (io_uring or epoll).
         #[arg(long, default_value = "io_uring")]
         driver: String,
-        /// Without --compare: the initiator to run (quiesce, raw, tokio; rdma:
-        /// quiesce, or direct = the transport without the batch layer).
+        /// Without --compare: the initiator to run (quiesce = TCP, local =
+        /// quiesce's local transport, raw, tokio; rdma: quiesce, or direct =
+        /// the transport without the batch layer).
         #[arg(long = "impl", default_value = "quiesce")]
         initiator: String,
         /// quiesce: send slices of at least this size with SEND_ZC (io_uring).

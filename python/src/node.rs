@@ -14,7 +14,7 @@ use quiesce_batch::sync::{Direction, OpenedSegment, SyncEngine, SyncError, SyncO
 use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
-use quiesce_transports::{EngineConfig, Token};
+use quiesce_transports::{EngineConfig, LocalMode, Token};
 
 use crate::managed::ManagedBuffers;
 
@@ -139,6 +139,21 @@ pub(crate) fn secret(explicit: Option<&[u8]>, open_cluster: bool) -> Result<Vec<
     ))
 }
 
+/// Whether peers on this host are reached by cross-memory attach:
+/// `QUIESCE_LOCAL` = `auto` (the default), `off` (TCP only, both roles) or
+/// `required` (fail a connection that cannot attach).
+pub(crate) fn local_mode() -> LocalMode {
+    match std::env::var("QUIESCE_LOCAL").as_deref() {
+        Ok("off") => LocalMode::Off,
+        Ok("required") => LocalMode::Required,
+        Ok("auto") | Err(_) => LocalMode::Auto,
+        Ok(other) => {
+            eprintln!("quiesce: QUIESCE_LOCAL={other:?} is not auto, off or required; using auto");
+            LocalMode::Auto
+        }
+    }
+}
+
 /// How long the engine and its callers busy-poll before they block:
 /// `QUIESCE_SPIN_US` microseconds (0: never), else the sync engine's default.
 pub(crate) fn spin() -> Duration {
@@ -201,6 +216,7 @@ impl Node {
         let config = EngineConfig {
             node: local_hostname.to_string(),
             listen: listen_addr(local_hostname)?,
+            local: local_mode(),
             ..Default::default()
         };
         let engine = match fabric {

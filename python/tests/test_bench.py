@@ -6,7 +6,7 @@ import sys
 
 def test_bench_runs_and_counts_no_corruption():
     out = subprocess.run(
-        [sys.executable, "-m", "quiesce.bench", "--impl", "quiesce", "--iters", "20",
+        [sys.executable, "-m", "quiesce.bench", "--impl", "quiesce,quiesce-local", "--iters", "20",
          "--block", "10", "--rounds", "2", "--big", str(4 << 20)],
         capture_output=True,
         text=True,
@@ -14,7 +14,8 @@ def test_bench_runs_and_counts_no_corruption():
     )
     assert out.returncode == 0, out.stderr
     assert "== 4 KiB write" in out.stdout and "== 64 × 64 KiB batch" in out.stdout
-    assert "quiesce   corrupted 0/2" in out.stdout, out.stdout
+    assert "quiesce       corrupted 0/2" in out.stdout, out.stdout
+    assert "quiesce-local corrupted 0/2" in out.stdout, out.stdout
 
 
 def test_demo_runs_and_exits_zero():

@@ -6,6 +6,10 @@
 //! * Peers meet without a metadata server: a hello exchange carries node names
 //!   and segment descriptors, and an HMAC challenge–response proves a
 //!   segment's [`Token`] without sending it ([`wire`], `docs/PROTOCOL.md`).
+//! * A peer on this host is reached by cross-memory attach (the local
+//!   transport, [`LocalMode`]): the target copies each request's bytes from
+//!   or to the initiator's memory itself, and a lent buffer comes back only
+//!   once the target let go of it.
 //! * The target validates every request before touching memory, lands writes
 //!   straight in the segment, acknowledges after the last byte, and confirms
 //!   remote fences ([`Peer::fence`]) only once no byte of the batch can land.

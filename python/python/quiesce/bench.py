@@ -1,6 +1,6 @@
 """Side-by-side benchmark of quiesce's drop-in and Mooncake's TransferEngine.
 
-    python -m quiesce.bench [--rounds N] [--iters N] [--impl quiesce,mooncake]
+    python -m quiesce.bench [--rounds N] [--iters N] [--impl quiesce,quiesce-local,mooncake]
 
 Each implementation gets a target in its own process (this module with
 ``--serve``), both alive at once; the latency cases alternate between the
@@ -8,6 +8,10 @@ implementations every ``--block`` iterations so each pair of figures sees
 the same machine. Mooncake runs when ``mooncake.engine`` imports (PyPI:
 ``mooncake-transfer-engine-non-cuda``). Printed per case: t_min and p50
 (and p99) per implementation, and quiesce's speed-up (Mooncake ÷ quiesce).
+``quiesce`` is the drop-in over TCP (``QUIESCE_LOCAL=off``), as Mooncake's
+``"tcp"``; ``quiesce-local`` the same drop-in with its local transport
+required (the target copies by cross-memory attach; the default, ``auto``,
+picks it for a peer on this host).
 
 The seed scenario is the one quiesce exists for: a batch of [a 4 KiB write
 the target refuses (a range it registered, then withdrew), a valid 64 MiB
@@ -27,8 +31,12 @@ MiB = 1 << 20
 SECRET = "quiesce.bench: a secret only this benchmark's processes share"
 
 
+# The initiator's QUIESCE_LOCAL per implementation of quiesce.
+LOCAL = {"quiesce": "off", "quiesce-local": "required"}
+
+
 def load(impl):
-    if impl == "quiesce":
+    if impl in LOCAL:
         from quiesce.mooncake import TransferEngine
     else:
         from mooncake.engine import TransferEngine
@@ -63,7 +71,8 @@ class Side:
 
     def __init__(self, impl, big):
         self.impl = impl
-        env = dict(os.environ, QUIESCE_SECRET=SECRET)
+        # Targets serve both roads; each initiator picks its own below.
+        env = dict(os.environ, QUIESCE_SECRET=SECRET, QUIESCE_LOCAL="auto")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "quiesce.bench", "--serve", impl, "4096", str(big)],
             stdin=subprocess.PIPE,
@@ -77,6 +86,8 @@ class Side:
         self.session = f"127.0.0.1:{w[1]}"
         self.small, self.big = int(w[2]), int(w[3])
         os.environ["QUIESCE_SECRET"] = SECRET
+        if impl in LOCAL:
+            os.environ["QUIESCE_LOCAL"] = LOCAL[impl]
         self.engine = load(impl)()
         assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         self.bufs = []
@@ -163,7 +174,7 @@ def seed(side, rounds, big):
         codes[ret] = codes.get(ret, 0) + 1
         ms.append(us / 1000)
         side.ask(f"register {side.small} 4096")
-        if side.impl == "quiesce":
+        if side.impl in LOCAL:
             side.engine.wait_for_quiescence(30)
     return corrupted, codes, statistics.median(ms)
 
@@ -185,7 +196,7 @@ def main():
     a = ap.parse_args()
     if a.serve:
         return serve(a.serve[0], [int(s) for s in a.serve[1:]])
-    impls = a.impl.split(",") if a.impl else ["quiesce", "mooncake"]
+    impls = a.impl.split(",") if a.impl else ["quiesce", "quiesce-local", "mooncake"]
     available = []
     for i in impls:
         try:
@@ -206,17 +217,18 @@ def main():
                 extra = ""
                 if name == "64 MiB write":
                     extra = f"  ({a.big / (min(v) / 1e6) / 1e9:.2f} GB/s at t_min)"
-                print(f"   {impl:9} {fmt(v)}{extra}")
-            if "quiesce" in r and "mooncake" in r:
-                q, m = r["quiesce"], r["mooncake"]
-                print(
-                    f"   quiesce speed-up: t_min {min(m) / min(q):.2f}×, p50 "
-                    f"{statistics.median(m) / statistics.median(q):.2f}×"
-                )
+                print(f"   {impl:13} {fmt(v)}{extra}")
+            for mine in LOCAL:
+                if mine in r and "mooncake" in r:
+                    q, m = r[mine], r["mooncake"]
+                    print(
+                        f"   {mine} speed-up: t_min {min(m) / min(q):.2f}×, p50 "
+                        f"{statistics.median(m) / statistics.median(q):.2f}×"
+                    )
         print(f"== seed scenario ({a.rounds} rounds: [refused 4 KiB, valid {a.big >> 20} MiB], source overwritten on return)")
         for s in sides:
             c, codes, ms = seed(s, a.rounds, a.big)
-            print(f"   {s.impl:9} corrupted {c}/{a.rounds}  codes {codes}  returned after {ms:.1f} ms (p50)")
+            print(f"   {s.impl:13} corrupted {c}/{a.rounds}  codes {codes}  returned after {ms:.1f} ms (p50)")
     finally:
         for s in sides:
             s.close()

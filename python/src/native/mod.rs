@@ -23,7 +23,7 @@ use quiesce_directory::{Directory, DirectoryError, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
-use crate::node::{listen_addr, lock, secret, spin};
+use crate::node::{listen_addr, local_mode, lock, secret, spin};
 
 pub(crate) mod batch;
 pub(crate) mod error;
@@ -355,6 +355,7 @@ impl NativeEngine {
         let config = EngineConfig {
             node: listen.to_string(),
             listen: listen_addr(listen).map_err(|e| invalid(py, &e))?,
+            local: local_mode(),
             ..Default::default()
         };
         // An etcd entry must say where peers reach this engine.

@@ -160,7 +160,13 @@ fn start_thread_target(kv_len: usize) -> Endpoint {
 }
 
 const KV_LEN: usize = 96 << 20;
-const IMPLS: [Impl; 4] = [Impl::Raw, Impl::Tokio, Impl::Uring, Impl::Epoll];
+const IMPLS: [Impl; 5] = [
+    Impl::Raw,
+    Impl::Tokio,
+    Impl::Uring,
+    Impl::Epoll,
+    Impl::Local,
+];
 
 pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
     let cases = [

@@ -19,7 +19,7 @@ use hdrhistogram::Histogram;
 use quiesce::batch::{Batch, BatchOptions, FailurePolicy};
 use quiesce::runtime::DriverKind;
 use quiesce::scenario::{Buf, Seg};
-use quiesce::transports::Token;
+use quiesce::transports::{LocalMode, Token};
 
 /// A segment as a client needs it.
 #[derive(Debug, Clone, Copy)]
@@ -328,7 +328,12 @@ enum Impl {
     Tokio,
     Uring,
     Epoll,
-    Rdma { busy_poll: bool, direct: bool },
+    /// quiesce's local transport (cross-memory attach; io_uring).
+    Local,
+    Rdma {
+        busy_poll: bool,
+        direct: bool,
+    },
 }
 
 impl Impl {
@@ -338,6 +343,7 @@ impl Impl {
             Impl::Tokio => "tokio",
             Impl::Uring => "quiesce-io_uring",
             Impl::Epoll => "quiesce-epoll",
+            Impl::Local => "quiesce-local",
             Impl::Rdma { direct: false, .. } => "quiesce-rdma",
             Impl::Rdma { direct: true, .. } => "quiesce-rdma-direct",
         }
@@ -375,13 +381,17 @@ impl Client {
         Ok(match im {
             Impl::Raw => Client::Raw(raw::Raw::connect(t.addr, &t.kv, &t.ro)?),
             Impl::Tokio => Client::Tokio(tokio_client::Tokio::connect(t.addr, &t.kv, &t.ro)?),
-            Impl::Uring | Impl::Epoll => {
+            Impl::Uring | Impl::Epoll | Impl::Local => {
                 let driver = match im {
                     Impl::Epoll => DriverKind::Epoll,
                     _ => DriverKind::IoUring,
                 };
+                let local = match im {
+                    Impl::Local => LocalMode::Required,
+                    _ => LocalMode::Off,
+                };
                 Client::Quiesce(quiesce_client::Quiesce::connect(
-                    driver, t.addr, &t.kv, &t.ro, zc,
+                    driver, t.addr, &t.kv, &t.ro, zc, local,
                 )?)
             }
             Impl::Rdma { busy_poll, direct } => Client::Rdma {
@@ -521,7 +531,10 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         ("tokio", _) => Impl::Tokio,
         ("quiesce", DriverKind::Epoll) => Impl::Epoll,
         ("quiesce", _) => Impl::Uring,
-        (other, _) => return Err(format!("--impl {other:?}: one of quiesce, raw, tokio").into()),
+        ("local", _) => Impl::Local,
+        (other, _) => {
+            return Err(format!("--impl {other:?}: one of quiesce, local, raw, tokio").into())
+        }
     };
     let mut client = Client::connect(im, &Endpoint { addr, kv, ro }, a.zc_threshold)?;
     println!(

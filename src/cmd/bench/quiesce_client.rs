@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use quiesce::runtime::{DriverKind, Runtime};
-use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Peer, RemoteSegment};
+use quiesce::transports::{AlignedBuf, Engine, EngineConfig, LocalMode, Peer, RemoteSegment};
 
 use super::{Case, Sample, SegInfo};
 
@@ -29,12 +29,14 @@ impl Quiesce {
         kv: &SegInfo,
         ro: &SegInfo,
         zc_threshold: Option<usize>,
+        local: LocalMode,
     ) -> Result<Quiesce, Box<dyn std::error::Error>> {
         let rt = Runtime::builder().driver(driver).build()?;
         let (engine, peer, kvs) = rt.block_on(async {
             let engine = Engine::bind(EngineConfig {
                 node: "bench".into(),
                 zc_threshold,
+                local,
                 ..Default::default()
             })?;
             let peer = engine.connect(addr).await?;
