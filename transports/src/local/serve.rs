@@ -84,16 +84,25 @@ impl ServedConn<'_> {
         res?;
         buf = b;
         let addr = u64::from_le_bytes(buf[..].try_into().expect("8 bytes"));
-        match self.local.as_mut() {
+        let exited = match self.local.as_mut() {
             Some(a) => {
                 a.address = Some(buf);
-                Ok(Some(addr))
+                a.process.exited()
             }
             None => {
                 self.refuse(h, Status::Forbidden, 0).await?;
-                Ok(None)
+                return Ok(None);
             }
+        };
+        if exited {
+            // A request still queued from a process that is gone: its pid
+            // may name another process by now, whose memory is not ours to
+            // copy. (The copies go by pid; this look narrows the window to
+            // the microseconds before the syscall, far below pid reuse.)
+            self.refuse(h, Status::Unreachable, 0).await?;
+            return Ok(None);
         }
+        Ok(Some(addr))
     }
 
     /// `WriteLocal`: pulls `length` bytes from the initiator's `src` into
