@@ -98,6 +98,27 @@ pub struct Bufs<B> {
     pub scratch: B,
 }
 
+/// The scenario's batch: the 4 KiB `probe` into the refusing segment,
+/// then `src` over the start of `kv`.
+pub fn seed_batch<S: Seg, B: IoBuf>(
+    remote: &Remote<S>,
+    probe: B,
+    src: B,
+    opts: BatchOptions,
+) -> Batch<S::T, B> {
+    let size = src.bytes_init() as u64;
+    let mut batch = Batch::new(remote.kv.transport(), opts);
+    batch
+        .write(probe, remote.refuse.range(0, 4096))
+        .map_err(|r| r.reason)
+        .unwrap();
+    batch
+        .write(src, remote.kv.range(0, size))
+        .map_err(|r| r.reason)
+        .unwrap();
+    batch
+}
+
 /// Runs one write round.
 pub async fn write_round<S: Seg, B: Buf>(
     remote: &Remote<S>,
@@ -115,15 +136,7 @@ pub async fn write_round<S: Seg, B: Buf>(
     src.fill(pre);
     probe.fill(pre);
     let size = src.len() as u64;
-    let mut batch = Batch::new(remote.kv.transport(), opts);
-    batch
-        .write(probe, remote.refuse.range(0, 4096))
-        .map_err(|r| r.reason)
-        .unwrap();
-    batch
-        .write(src, remote.kv.range(0, size))
-        .map_err(|r| r.reason)
-        .unwrap();
+    let batch = seed_batch(remote, probe, src, opts);
     let t0 = Instant::now();
     let outcome = batch.submit().await;
     let time_to_safe = t0.elapsed();

@@ -12,7 +12,8 @@ use quiesce::batch::{
 };
 use quiesce::runtime::{spawn_local, time, Runtime};
 use quiesce::scenario::{
-    count_remote, read_round, seed_options, write_round, Bufs, Kind, Remote, POST_OUTCOME,
+    count_remote, read_round, seed_batch, seed_options, write_round, Bufs, Kind, Remote,
+    POST_OUTCOME,
 };
 use quiesce::stale::stale_bytes_round;
 use quiesce::target_child::TargetChild;
@@ -170,21 +171,12 @@ fn fail_fast_fences_the_rest_while_drain_lets_it_finish() {
     Runtime::new().unwrap().block_on(async {
         let (_e, r) = remote(&t, "ro").await;
         for policy in [FailurePolicy::FailFast, FailurePolicy::Drain] {
-            let mut batch = Batch::new(Tcp, BatchOptions::default().policy(policy));
-            batch
-                .write(
-                    AlignedBuf::from_slice(&[1u8; 4096]),
-                    RemoteRange::new(&r.refuse, 0, 4096),
-                )
-                .ok()
-                .unwrap();
-            batch
-                .write(
-                    AlignedBuf::from_slice(&vec![2u8; BIG]),
-                    RemoteRange::new(&r.kv, 0, BIG as u64),
-                )
-                .ok()
-                .unwrap();
+            let batch = seed_batch(
+                &r,
+                AlignedBuf::from_slice(&[1u8; 4096]),
+                AlignedBuf::from_slice(&vec![2u8; BIG]),
+                BatchOptions::default().policy(policy),
+            );
             let q = match batch.submit().await {
                 Outcome::Quiesced(q) => q,
                 Outcome::CompletionUnknown(_) => panic!("a live target answers the fence"),

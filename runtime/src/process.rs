@@ -52,8 +52,7 @@ impl PeerProcess {
     /// Opens process `pid` (`pidfd_open(2)`).
     pub fn open(pid: u32) -> io::Result<PeerProcess> {
         let raw = i32::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1;
-        // no memory is passed.
+        // SAFETY: pidfd_open takes a pid and flags, no memory, and returns a new fd or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
         let identity = if fd >= 0 {
             // SAFETY: the syscall returned a new descriptor nothing else owns.
@@ -107,50 +106,46 @@ impl PeerProcess {
         len: usize,
     ) -> (usize, io::Result<()>) {
         assert!(len <= dst.bytes_total(), "destination too small");
-        let base = dst.stable_mut_ptr();
-        self.copy(remote, len, |done, remote_iov| {
-            let local = libc::iovec {
-                iov_base: base.wrapping_add(done).cast(),
-                iov_len: len - done,
-            };
-            // SAFETY: `local` lies inside `dst`'s `bytes_total()` bytes, valid
-            // and writable while `dst` is mutably borrowed; the remote range is
-            // checked by the kernel.
-            unsafe { libc::process_vm_readv(self.pid as i32, &local, 1, remote_iov, 1, 0) }
-        })
+        let local = dst.stable_mut_ptr();
+        // SAFETY: `dst`'s first `len` bytes are valid and writable while it is mutably borrowed.
+        unsafe { self.copy(libc::process_vm_readv, local, remote, len) }
     }
 
     /// Copies the initialised bytes of `src` to the process's address
     /// `remote`. Returns the bytes copied, as [`read_into`](Self::read_into).
     pub fn write_from<B: IoBuf>(&self, remote: u64, src: &B) -> (usize, io::Result<()>) {
-        let (base, len) = (src.stable_ptr(), src.bytes_init());
-        self.copy(remote, len, |done, remote_iov| {
-            let local = libc::iovec {
-                iov_base: base.wrapping_add(done) as *mut libc::c_void,
-                iov_len: len - done,
-            };
-            // SAFETY: `local` lies inside `src`'s initialised bytes, valid while
-            // `src` is borrowed, and is only read; the remote range is checked
-            // by the kernel.
-            unsafe { libc::process_vm_writev(self.pid as i32, &local, 1, remote_iov, 1, 0) }
-        })
+        let (local, len) = (src.stable_ptr().cast_mut(), src.bytes_init());
+        // SAFETY: `src`'s initialised bytes are valid while it is borrowed, and the kernel only reads them.
+        unsafe { self.copy(libc::process_vm_writev, local, remote, len) }
     }
 
-    /// Runs `call(done, remote iovec)` until `len` bytes moved (the kernel
-    /// may stop early at a page it cannot reach), an error, or no progress.
-    fn copy(
+    /// Runs `call` (`process_vm_readv` or `process_vm_writev`) until `len`
+    /// bytes moved (the kernel may stop early at a page it cannot reach),
+    /// an error, or no progress.
+    ///
+    /// # Safety
+    /// `local` must be valid for `len` bytes for the whole call — writable
+    /// when `call` writes it — and the remote side is the kernel's to check.
+    unsafe fn copy(
         &self,
+        call: VmCopy,
+        local: *mut u8,
         remote: u64,
         len: usize,
-        mut call: impl FnMut(usize, &libc::iovec) -> isize,
     ) -> (usize, io::Result<()>) {
         let mut done = 0usize;
         while done < len {
+            let local_iov = libc::iovec {
+                iov_base: local.wrapping_add(done).cast(),
+                iov_len: len - done,
+            };
             let remote_iov = libc::iovec {
                 iov_base: (remote as usize).wrapping_add(done) as *mut libc::c_void,
                 iov_len: len - done,
             };
-            match call(done, &remote_iov) {
+            // SAFETY: `local_iov` lies in the `len` bytes the caller vouches for; the kernel checks `remote_iov`.
+            let n = unsafe { call(self.pid as i32, &local_iov, 1, &remote_iov, 1, 0) };
+            match n {
                 n if n > 0 => done += n as usize,
                 0 => return (done, Err(io::Error::from_raw_os_error(libc::EFAULT))),
                 _ => {
@@ -164,6 +159,16 @@ impl PeerProcess {
         (done, Ok(()))
     }
 }
+
+/// `process_vm_readv(2)` and `process_vm_writev(2)` share this signature.
+type VmCopy = unsafe extern "C" fn(
+    libc::pid_t,
+    *const libc::iovec,
+    libc::c_ulong,
+    *const libc::iovec,
+    libc::c_ulong,
+    libc::c_ulong,
+) -> libc::ssize_t;
 
 #[cfg(test)]
 mod tests {

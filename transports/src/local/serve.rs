@@ -11,7 +11,17 @@ use crate::control::wire::{Header, Status};
 use crate::local::{owner, ADDRESS_PAYLOAD, ATTACH_PAYLOAD, CHUNK};
 use crate::memory::Window;
 use crate::segment::Rights;
+use crate::tcp::serve::cut_short;
 use crate::LocalMode;
+
+/// Which way a local request's bytes go.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// `WriteLocal`: from the initiator's memory into the segment.
+    Pull,
+    /// `ReadLocal`: from the segment into the initiator's memory.
+    Push,
+}
 
 /// What an attached connection holds: the initiator's process, and the
 /// buffer its requests' addresses are read into.
@@ -60,11 +70,9 @@ impl ServedConn<'_> {
             return Err("that process does not hold this connection".into());
         }
         let process = PeerProcess::open(pid).map_err(|e| e.to_string())?;
-        let mut seen = Vec::with_capacity(16);
-        let (n, r) = process.read_into(probe, &mut seen, 16);
+        let mut seen = vec![0u8; 16];
+        let (_, r) = process.read_into(probe, &mut seen, 16);
         r.map_err(|e| format!("cannot read its memory: {e}"))?;
-        // SAFETY: the copy wrote `n` (16) bytes.
-        unsafe { seen.set_len(n) };
         if seen != self.nonce {
             return Err("its memory does not hold this connection's nonce".into());
         }
@@ -105,69 +113,46 @@ impl ServedConn<'_> {
         Ok(Some(addr))
     }
 
-    /// `WriteLocal`: pulls `length` bytes from the initiator's `src` into
+    /// `WriteLocal`: pulls `length` bytes from the initiator's memory into
     /// the segment, chunk by chunk, stopping at a fence or a revoke.
     pub(crate) async fn write_local(&mut self, h: &Header) -> Result<(), Closed> {
-        let Some(src) = self.local_address(h).await? else {
+        self.copy_local(h, Way::Pull).await
+    }
+
+    /// `ReadLocal`: pushes `length` bytes of the segment to the initiator's
+    /// memory, chunk by chunk; a fence of the batch stops it (it writes the
+    /// initiator's memory, so the fence must cover it).
+    pub(crate) async fn read_local(&mut self, h: &Header) -> Result<(), Closed> {
+        self.copy_local(h, Way::Push).await
+    }
+
+    async fn copy_local(&mut self, h: &Header, way: Way) -> Result<(), Closed> {
+        let Some(at) = self.local_address(h).await? else {
             return Ok(());
         };
-        let (seg, epoch) = match self.check(h, Rights::WRITE) {
+        let need = match way {
+            Way::Pull => Rights::WRITE,
+            Way::Push => Rights::READ,
+        };
+        let (seg, epoch) = match self.check(h, need) {
             Ok(ok) => ok,
             Err(st) => return self.refuse(h, st, 0).await,
         };
         let fence = self.engine.fences.begin_write(self.session, h.batch);
-        let grant = LandingGuard::begin(&seg, h.offset, h.length, epoch);
-        let process = &self.local.as_ref().expect("attached").process;
-        let (len, mut landed, mut unreachable) = (h.length, 0u64, false);
-        while landed < len && !fence.fenced() && !grant.revoked() {
-            let n = (len - landed).min(CHUNK as u64) as usize;
-            let mut w = Window::new(seg.inner.mem.clone(), (h.offset + landed) as usize, n);
-            let (got, r) = process.read_into(src.wrapping_add(landed), &mut w, n);
-            landed += got as u64;
-            if r.is_err() {
-                unreachable = true;
-                break;
-            }
-            if landed < len {
-                yield_now().await;
-            }
-        }
-        let revoked = landed < len && grant.revoked();
-        // No copy runs any more: a fence or revoke waiting for this write
-        // may resolve.
-        drop((grant, fence, seg));
-        let st = match (landed == len, unreachable, revoked, landed) {
-            (true, ..) => Status::Ok,
-            (_, true, ..) => Status::Unreachable,
-            (_, _, true, _) => Status::Revoked,
-            (.., 0) => Status::Fenced,
-            _ => Status::FencedPartial,
-        };
-        let c = &self.engine.counters;
-        c.bytes_landed.set(c.bytes_landed.get() + landed);
-        send_frame(self.s, &status_frame(h, st, landed), &[]).await?;
-        Ok(())
-    }
-
-    /// `ReadLocal`: pushes `length` bytes of the segment to the initiator's
-    /// `dst`, chunk by chunk; a fence of the batch stops it (it writes the
-    /// initiator's memory, so the fence must cover it).
-    pub(crate) async fn read_local(&mut self, h: &Header) -> Result<(), Closed> {
-        let Some(dst) = self.local_address(h).await? else {
-            return Ok(());
-        };
-        let seg = match self.check(h, Rights::READ) {
-            Ok((seg, _)) => seg,
-            Err(st) => return self.refuse(h, st, 0).await,
-        };
-        let fence = self.engine.fences.begin_write(self.session, h.batch);
+        // Only what lands in the segment answers to its grants.
+        let grant =
+            (way == Way::Pull).then(|| LandingGuard::begin(&seg, h.offset, h.length, epoch));
+        let revoked = || grant.as_ref().is_some_and(LandingGuard::revoked);
         let process = &self.local.as_ref().expect("attached").process;
         let (len, mut moved, mut unreachable) = (h.length, 0u64, false);
-        while moved < len && !fence.fenced() {
+        while moved < len && !fence.fenced() && !revoked() {
             let n = (len - moved).min(CHUNK as u64) as usize;
-            let w = Window::new(seg.inner.mem.clone(), (h.offset + moved) as usize, n);
-            let (put, r) = process.write_from(dst.wrapping_add(moved), &w);
-            moved += put as u64;
+            let mut w = Window::new(seg.inner.mem.clone(), (h.offset + moved) as usize, n);
+            let (done, r) = match way {
+                Way::Pull => process.read_into(at.wrapping_add(moved), &mut w, n),
+                Way::Push => process.write_from(at.wrapping_add(moved), &w),
+            };
+            moved += done as u64;
             if r.is_err() {
                 unreachable = true;
                 break;
@@ -176,13 +161,19 @@ impl ServedConn<'_> {
                 yield_now().await;
             }
         }
-        drop((fence, seg));
-        let st = match (moved == len, unreachable, moved) {
-            (true, ..) => Status::Ok,
-            (_, true, _) => Status::Unreachable,
-            (.., 0) => Status::Fenced,
-            _ => Status::FencedPartial,
+        let cut_by_revoke = moved < len && revoked();
+        // No copy runs any more: a fence or revoke waiting for this request
+        // may resolve.
+        drop((grant, fence, seg));
+        let st = match (moved == len, unreachable) {
+            (true, _) => Status::Ok,
+            (false, true) => Status::Unreachable,
+            (false, false) => cut_short(cut_by_revoke, moved),
         };
+        if way == Way::Pull {
+            let c = &self.engine.counters;
+            c.bytes_landed.set(c.bytes_landed.get() + moved);
+        }
         send_frame(self.s, &status_frame(h, st, moved), &[]).await?;
         Ok(())
     }

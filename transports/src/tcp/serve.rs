@@ -46,6 +46,15 @@ impl LandingCell {
     }
 }
 
+/// The status of a request a revoke or a fence cut after `landed` bytes.
+pub(crate) fn cut_short(revoked: bool, landed: u64) -> Status {
+    match (revoked, landed) {
+        (true, _) => Status::Revoked,
+        (false, 0) => Status::Fenced,
+        (false, _) => Status::FencedPartial,
+    }
+}
+
 impl ServedConn<'_> {
     /// The segment and this connection's grant epoch, if the request may
     /// touch it: length within `1..=max`, batch not fenced, segment known,
@@ -160,11 +169,7 @@ impl ServedConn<'_> {
             // Fenced or revoked mid-way: the rest goes to scratch memory, not
             // the segment.
             discard(self.s, len - landed).await?;
-            match (revoked, landed) {
-                (true, _) => Status::Revoked,
-                (false, 0) => Status::Fenced,
-                (false, _) => Status::FencedPartial,
-            }
+            cut_short(revoked, landed)
         };
         let c = &self.engine.counters;
         c.bytes_landed.set(c.bytes_landed.get() + landed);
