@@ -295,6 +295,19 @@ fn turn(cx: &Context) {
     } else {
         until_next_timer(cx)
     };
+    if timeout != Some(Duration::ZERO) && !cx.spin.is_zero() {
+        timeout = if spin(cx, timeout) {
+            Some(Duration::ZERO)
+        } else {
+            // The spin used part of the wait: the nearest timer is that much
+            // closer now.
+            until_next_timer(cx)
+        };
+    }
+    // Sources are armed only right before the reactor blocks, after any
+    // spin: an armed source asks its peer for a notification (an RDMA CQ
+    // event, a doorbell rung by another process), which a spinning
+    // reactor does not need.
     if timeout != Some(Duration::ZERO) {
         match source::arm_all(cx) {
             Ok(0) => {}
@@ -304,15 +317,6 @@ fn turn(cx: &Context) {
                 timeout = Some(Duration::ZERO);
             }
         }
-    }
-    if timeout != Some(Duration::ZERO) && !cx.spin.is_zero() {
-        timeout = if spin(cx, timeout) {
-            Some(Duration::ZERO)
-        } else {
-            // The spin used part of the wait: the nearest timer is that much
-            // closer now.
-            until_next_timer(cx)
-        };
     }
     let parking = timeout != Some(Duration::ZERO);
     if parking && !cx.unparker.prepare_park() {

@@ -103,3 +103,72 @@ fn a_timer_is_not_late_by_the_spin() {
         assert!(took < Duration::from_millis(180), "fired after {took:?}");
     });
 }
+
+/// A source that counts the times the reactor armed it, and has work once
+/// `ready` is set.
+struct Counted {
+    bell: quiesce_runtime::shm::Doorbell,
+    ready: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    arms: std::rc::Rc<std::cell::Cell<u32>>,
+    waker: std::rc::Rc<std::cell::RefCell<Option<std::task::Waker>>>,
+}
+
+impl quiesce_runtime::source::CompletionSource for Counted {
+    fn poll(&mut self) -> usize {
+        use std::sync::atomic::Ordering;
+        if !self.ready.swap(false, Ordering::AcqRel) {
+            return 0;
+        }
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+        1
+    }
+    fn notify_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.bell.fd())
+    }
+    fn arm(&mut self) -> usize {
+        self.arms.set(self.arms.get() + 1);
+        self.poll()
+    }
+    fn notified(&mut self) {
+        self.bell.quiet();
+    }
+}
+
+/// Arming asks the source's peer for a notification (a doorbell it must
+/// ring, a CQ event): a reactor that finds the work while it spins must not
+/// have asked for one.
+#[test]
+fn a_spinning_reactor_arms_its_sources_only_when_it_blocks() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    spinning(Duration::from_secs(2)).block_on(async {
+        let ready = Arc::new(AtomicBool::new(false));
+        let arms = std::rc::Rc::new(std::cell::Cell::new(0));
+        let waker = std::rc::Rc::new(std::cell::RefCell::new(None));
+        let _h = quiesce_runtime::source::register(Counted {
+            bell: quiesce_runtime::shm::Doorbell::new().unwrap(),
+            ready: ready.clone(),
+            arms: arms.clone(),
+            waker: waker.clone(),
+        });
+        let set = ready.clone();
+        let th = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            set.store(true, Ordering::Release);
+        });
+        let mut woken = false;
+        std::future::poll_fn(|cx| {
+            if woken {
+                return std::task::Poll::Ready(());
+            }
+            woken = true;
+            *waker.borrow_mut() = Some(cx.waker().clone());
+            std::task::Poll::Pending
+        })
+        .await;
+        th.join().unwrap();
+        assert_eq!(arms.get(), 0, "armed while spinning");
+    });
+}
