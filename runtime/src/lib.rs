@@ -12,7 +12,9 @@
 //! * **Completion sources** — [`source::register`] plugs a transport's own
 //!   completion queue (RDMA) into the reactor, busy-polled or fd-notified.
 //! * **Other processes** — [`process::PeerProcess`]: cross-memory attach
-//!   to a process of this host, and whether it has exited.
+//!   to a process of this host, and whether it has exited;
+//!   [`shm::SharedMemory`] and [`shm::Doorbell`]: memory shared with it,
+//!   and the eventfds that wake it.
 //! * **Shards** — [`shard::Shards`]: N pinned runtimes, channels between them,
 //!   graceful shutdown that drains every runtime.
 //!
@@ -39,6 +41,7 @@ pub mod net;
 pub mod process;
 mod runtime;
 pub mod shard;
+pub mod shm;
 pub mod source;
 mod stats;
 pub mod time;

@@ -96,6 +96,24 @@ impl PeerProcess {
         }
     }
 
+    /// A duplicate of the process's file descriptor `fd`
+    /// (`pidfd_getfd(2)`: the same ptrace access as the copies). Only a
+    /// process held by a pidfd can be asked: by pid alone, another process
+    /// could have taken its place.
+    pub fn take_fd(&self, fd: i32) -> io::Result<OwnedFd> {
+        let Identity::Pidfd(pidfd) = &self.identity else {
+            return Err(io::ErrorKind::Unsupported.into());
+        };
+        // SAFETY: pidfd_getfd takes a pidfd, a number and flags, no memory,
+        // and returns a new fd or -1.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the syscall returned a new descriptor nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(raw as i32) })
+    }
+
     /// Copies `len` bytes at the process's address `remote` into the first
     /// bytes of `dst` (`len <= dst.bytes_total()`). Returns the bytes
     /// copied: fewer than `len` only with an error after a partial copy.
@@ -173,6 +191,7 @@ type VmCopy = unsafe extern "C" fn(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
 
     #[test]
     fn copies_to_and_from_own_memory_and_refuses_bad_addresses() {
@@ -218,6 +237,30 @@ mod tests {
             identity: Identity::Started(started.wrapping_add(1)),
         };
         assert!(reused.exited(), "another process with the pid is not it");
+    }
+
+    #[test]
+    fn a_file_descriptor_is_taken_only_through_a_pidfd() {
+        let me = PeerProcess::open(std::process::id()).unwrap();
+        let (r, w) = {
+            let mut fds = [0; 2];
+            // SAFETY: `fds` has room for the two new descriptors.
+            assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+            // SAFETY: pipe returned two new descriptors nothing else owns.
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+        };
+        let w2 = me.take_fd(w.as_raw_fd()).unwrap();
+        assert_ne!(w2.as_raw_fd(), w.as_raw_fd());
+        drop(w);
+        std::fs::File::from(w2).write_all(b"x").unwrap();
+        let mut got = [0u8; 1];
+        std::fs::File::from(r).read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"x");
+        let by_pid = PeerProcess {
+            pid: std::process::id(),
+            identity: Identity::Started(0),
+        };
+        assert!(by_pid.take_fd(0).is_err());
     }
 
     #[test]
