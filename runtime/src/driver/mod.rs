@@ -131,6 +131,20 @@ impl Driver {
         }
     }
 
+    /// Takes back the (emptied) list of ready sources that
+    /// [`take_events`](Self::take_events) handed out, to fill again
+    /// without allocating.
+    pub(crate) fn keep_source_list(&mut self, list: Vec<u64>) {
+        debug_assert!(list.is_empty());
+        let events = match self {
+            Driver::Uring(u) => &mut u.events,
+            Driver::Poll(p) => &mut p.events,
+        };
+        if events.sources_ready.capacity() == 0 {
+            events.sources_ready = list;
+        }
+    }
+
     /// Watches `fd` for readability on behalf of completion source `token`
     /// (one shot: re-armed by the source loop after each report).
     pub(crate) fn watch_source(
