@@ -61,6 +61,13 @@ pub struct EngineConfig {
     /// Whether a peer on this host is reached by cross-memory attach (the
     /// local transport, `crate::local`) instead of moving bytes over TCP.
     pub local: LocalMode,
+    /// Initiator, local transport: an attached connection's small requests
+    /// (writes and reads of up to 16 KiB) go through a mailbox in memory
+    /// shared with the target (`crate::local::mailbox`) rather than the
+    /// socket, so neither side needs a syscall for them while its reactor
+    /// spins. On by default; a target that cannot take the mailbox leaves
+    /// them on the socket.
+    pub mailbox: bool,
 }
 
 /// Whether peers on this host are reached by cross-memory attach.
@@ -98,6 +105,7 @@ impl Default for EngineConfig {
             stall_timeout: Some(Duration::from_secs(30)),
             ignore_fences: false,
             local: LocalMode::Auto,
+            mailbox: true,
         }
     }
 }

@@ -53,6 +53,9 @@ pub struct EngineStats {
     pub fence_entries: u64,
     /// Connections closed at once because every slot was authenticated.
     pub refused: u64,
+    /// Requests served from attached initiators' mailboxes (shared memory)
+    /// rather than read from a socket.
+    pub mailbox_requests: u64,
 }
 
 /// A transfer engine on the current shard. Cheap to clone. When the last
@@ -234,6 +237,7 @@ impl Engine {
             connect_timeout: c.connect_timeout,
             stall_timeout: c.stall_timeout,
             local: c.local,
+            mailbox: c.mailbox,
         }
     }
 
@@ -254,6 +258,7 @@ impl Engine {
             sessions: self.inner.live_sessions() as u64,
             fence_entries: self.inner.fences.len() as u64,
             refused: c.refused.get(),
+            mailbox_requests: c.mailbox_requests.get(),
         }
     }
 

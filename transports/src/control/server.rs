@@ -59,6 +59,9 @@ pub(crate) struct ServedConn<'a> {
     /// The initiator's process, once the connection attached to it (the
     /// local transport).
     pub(crate) local: Option<crate::local::serve::Attached>,
+    /// The mailbox the attached initiator shares with us, if any: small
+    /// requests and their answers in shared memory.
+    pub(crate) inbox: Option<crate::local::inbox::Inbox>,
 }
 
 /// How a connection enters its session.
@@ -225,6 +228,7 @@ async fn handshake<'a>(
         canceller: None,
         landing: None,
         local: None,
+        inbox: None,
     })
 }
 
@@ -340,15 +344,23 @@ async fn serve_inner(
     // One header buffer for every frame of the connection.
     let mut headers = HeaderReader::default();
     loop {
-        let Some(h) = next_header(s, idle(engine, headers.read(s)).await?).await? else {
+        let read = match c.inbox.is_some() {
+            true => c.next_frame(headers.read(s)).await?,
+            false => idle(engine, headers.read(s)).await?,
+        };
+        let Some(h) = next_header(s, read).await? else {
             return Ok(());
         };
+        // The mailbox's requests published before this frame was sent go
+        // first: the two are one stream (local/mailbox.rs).
+        c.serve_inbox()?;
         match h.op {
             Opcode::Auth => c.auth(&h).await?,
             Opcode::Write => c.write(&h).await?,
             Opcode::Read => c.read(&h).await?,
             Opcode::QpConnect => c.qp_connect(&h).await?,
             Opcode::LocalAttach => c.attach_local(&h).await?,
+            Opcode::LocalMailbox => c.open_mailbox(&h).await?,
             Opcode::WriteLocal => c.write_local(&h).await?,
             Opcode::ReadLocal => c.read_local(&h).await?,
             Opcode::Fence => {

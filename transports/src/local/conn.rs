@@ -4,7 +4,6 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::Duration;
 
 use quiesce_runtime::process::PeerProcess;
 use quiesce_runtime::time::timeout;
@@ -13,8 +12,11 @@ use crate::control::frame::send_frame;
 use crate::control::wire::{Header, Opcode};
 use crate::error::TransferError;
 use crate::local::loan::Request;
+use crate::local::mailbox::{Mailbox, MAILBOX_PAYLOAD};
+use crate::local::outbox::Outbox;
 use crate::local::{owner, ATTACH_PAYLOAD};
 use crate::tcp::conn::{Conn, SendGuard};
+use crate::tcp::peer::PeerParams;
 use crate::tcp::responses::{wait, Pending, Reply};
 use crate::LocalMode;
 
@@ -61,6 +63,25 @@ impl Conn {
         let process = PeerProcess::open(pid)?;
         self.local.set(true);
         Ok(process)
+    }
+
+    /// Offers the target a mailbox for this connection's small requests
+    /// (`crate::local::mailbox`); they go through it once the target took
+    /// it. `Err`: the target refused (or the connection died): they stay on
+    /// the socket.
+    pub(crate) async fn open_mailbox(self: &Rc<Self>) -> Result<(), TransferError> {
+        let mb = Mailbox::create()?;
+        let h = Header {
+            length: MAILBOX_PAYLOAD as u64,
+            ..Header::new(Opcode::LocalMailbox)
+        };
+        let result = self.reply();
+        let g = self.send_guard().await;
+        // `mb` holds the files open until the target has taken them.
+        self.request(g, h, &mb.payload(), &result).await?;
+        wait(&result).await?;
+        let _ = self.outbox.set(Outbox::new(mb, self));
+        Ok(())
     }
 
     /// Sends `req` under the send guard `g`, its answer to fill `result`.
@@ -114,15 +135,16 @@ impl Conn {
     }
 }
 
-/// Attaches data connection `c` for the local transport when `mode`
-/// allows it, the target's process going into `known`; a refusal leaves
-/// the connection on TCP (or, `Required`, fails it).
+/// Attaches data connection `c` for the local transport when `p.local`
+/// allows it, the target's process going into `known`, and offers the
+/// target a mailbox when `p.mailbox` says so; a refusal leaves the
+/// connection on TCP (or, `Required`, fails it).
 pub(crate) async fn attach_data(
-    c: &Conn,
-    mode: LocalMode,
-    limit: Duration,
+    c: &Rc<Conn>,
+    p: &PeerParams,
     known: &RefCell<Option<Rc<PeerProcess>>>,
 ) -> Result<(), TransferError> {
+    let (mode, limit) = (p.local, p.connect_timeout);
     if mode == LocalMode::Off {
         return Ok(());
     }
@@ -132,19 +154,31 @@ pub(crate) async fn attach_data(
     };
     match attached {
         Ok(process) => {
-            let mut known = known.borrow_mut();
-            match known.as_ref() {
-                // Loans wait on the process that holds the connections;
-                // another one while it lives would make that unsound.
-                Some(p) if p.pid() != process.pid() && !p.exited() => {
-                    c.kill("the target's process changed");
-                    return Err(TransferError::ConnectionLost(
-                        "the target's connections are held by different processes".into(),
-                    ));
+            {
+                let mut known = known.borrow_mut();
+                match known.as_ref() {
+                    // Loans wait on the process that holds the connections;
+                    // another one while it lives would make that unsound.
+                    Some(p) if p.pid() != process.pid() && !p.exited() => {
+                        c.kill("the target's process changed");
+                        return Err(TransferError::ConnectionLost(
+                            "the target's connections are held by different processes".into(),
+                        ));
+                    }
+                    Some(p) if p.pid() == process.pid() => {}
+                    // The first attach, or a target that restarted.
+                    _ => *known = Some(Rc::new(process)),
                 }
-                Some(p) if p.pid() == process.pid() => {}
-                // The first attach, or a target that restarted.
-                _ => *known = Some(Rc::new(process)),
+            }
+            if p.mailbox {
+                match timeout(limit, c.open_mailbox()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(error = %e, "small requests stay on the socket"),
+                    Err(_) => {
+                        c.kill("no answer to the mailbox offer within the connect timeout");
+                        return Err(TransferError::ConnectTimeout);
+                    }
+                }
             }
             Ok(())
         }

@@ -19,12 +19,21 @@
 //! target therefore holds a buffer; the batch's deadline turns that into
 //! `CompletionUnknown`, never into a buffer handed back on a guess.
 //!
+//! **Small requests skip the socket.** An attached connection also gets a
+//! [`mailbox`] in shared memory: writes and reads of up to 16 KiB are
+//! copied through its slots, and served by the target before the next
+//! frame it reads from the socket — one stream, with no syscall on either
+//! side while the reactors spin.
+//!
 //! **Who is attached is proven, not claimed**: a pid is accepted only if
 //! that process holds this very connection's socket ([`owner`]) and its
 //! memory holds this connection's nonce at the address it named.
 
 pub(crate) mod conn;
+pub(crate) mod inbox;
 pub(crate) mod loan;
+pub(crate) mod mailbox;
+pub(crate) mod outbox;
 pub(crate) mod owner;
 pub(crate) mod serve;
 

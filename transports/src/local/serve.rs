@@ -30,6 +30,13 @@ pub(crate) struct Attached {
     address: Option<Box<[u8]>>,
 }
 
+impl Attached {
+    /// The initiator's process.
+    pub(crate) fn process(&self) -> &PeerProcess {
+        &self.process
+    }
+}
+
 impl ServedConn<'_> {
     /// Attaches the connection to the initiator's process if it proves it
     /// holds this connection and we may reach its memory; answers `Status`:

@@ -103,6 +103,9 @@ pub(crate) struct Conn {
     /// Attached to the target's process: data moves by cross-memory
     /// attach (`crate::local`).
     pub(crate) local: Cell<bool>,
+    /// The mailbox its small requests go through, once the target took it
+    /// (`crate::local::mailbox`).
+    pub(crate) outbox: std::cell::OnceCell<crate::local::outbox::Outbox>,
     /// Batches this initiator has fenced at the peer: their slices that
     /// have not started are answered `Fenced` locally, without being sent.
     fenced: LocalFences,
@@ -218,6 +221,7 @@ impl Conn {
             replies: RefCell::default(),
             on_close: RefCell::default(),
             local: Cell::new(false),
+            outbox: std::cell::OnceCell::new(),
         });
         // The reader holds the connection until the socket ends (kill/abort
         // shut it down), then fails whatever is pending.
@@ -494,7 +498,7 @@ impl Conn {
     /// Waits for the answer in `result`, then keeps the slot for the next
     /// request if nothing else holds it (the reader dropped its copy when it
     /// filled it).
-    async fn answer(
+    pub(crate) async fn answer(
         &self,
         result: Reply<Result<u64, TransferError>>,
     ) -> Result<u64, TransferError> {

@@ -18,6 +18,7 @@ use crate::control::wire::{Descriptor, SegmentRef, Status};
 use crate::error::TransferError;
 use crate::local::conn::attach_data;
 use crate::local::loan::{lend, Request};
+use crate::local::mailbox::SLOT_DATA;
 use crate::lock::AsyncLock;
 use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding, INLINE_PAYLOAD};
 use crate::tcp::split::{init_bytes, join_slices, set_filled, slices, Part, SplitBuf};
@@ -33,6 +34,8 @@ pub(crate) struct PeerParams {
     pub(crate) connect_timeout: Duration,
     pub(crate) stall_timeout: Option<Duration>,
     pub(crate) local: crate::LocalMode,
+    /// Offer attached connections a mailbox for small requests.
+    pub(crate) mailbox: bool,
 }
 
 pub(crate) struct PeerInner {
@@ -236,7 +239,7 @@ impl Peer {
         }
         if i > 0 {
             let p = &self.inner.params;
-            attach_data(&c, p.local, p.connect_timeout, &self.inner.target).await?;
+            attach_data(&c, p, &self.inner.target).await?;
         }
         self.inner.conns.borrow_mut()[i] = Some(c.clone());
         Ok(c)
@@ -534,6 +537,12 @@ impl RemoteSegment {
                 Ok(c) => c,
                 Err(e) => return (Err(e), src),
             };
+            if conn.has_outbox() {
+                let res = conn
+                    .write_mailbox(batch, self.desc.id, offset, init_bytes(&src))
+                    .await;
+                return (res, src);
+            }
             if conn.is_local() {
                 let req = self.request(Opcode::WriteLocal, batch, offset, src.stable_ptr(), len);
                 return lend(&self.peer, conn, req, src).await;
@@ -596,6 +605,9 @@ impl RemoteSegment {
             .stripe(&shared, len, false, move |conn, off, mut part| {
                 let this = this.clone();
                 async move {
+                    if conn.has_outbox() && part.len() <= SLOT_DATA {
+                        return conn.read_mailbox(batch, seg, offset + off, part).await;
+                    }
                     if conn.is_local() {
                         let at = part.stable_mut_ptr();
                         let n = part.len() as u64;

@@ -83,6 +83,50 @@ pub(super) struct State {
     pub(super) qp_accepts: VecDeque<Reply<Result<QpAccept, TransferError>>>,
 }
 
+impl Conn {
+    /// Settles request `id` (to `segment`) with the target's verdict `st`,
+    /// `applied` bytes, when the answer came another way than the socket (a
+    /// mailbox); a read that succeeded gets its bytes through `copy` first.
+    /// An id no longer pending (the connection died meanwhile) is ignored.
+    pub(crate) fn settle(
+        &self,
+        id: u64,
+        segment: u64,
+        st: Status,
+        applied: u64,
+        copy: impl FnOnce(&mut Erased),
+    ) {
+        let p = self.state.borrow_mut().pending.remove(&id);
+        let res = match TransferError::from_status(st, segment, applied) {
+            None => Ok(applied),
+            Some(e) => Err(e),
+        };
+        match p {
+            Some(Pending::Write(r)) => fill(&r, res),
+            Some(Pending::Read {
+                dst: Some(mut dst),
+                result,
+            }) if res.is_ok() => {
+                if applied != dst.len() as u64 {
+                    fill(
+                        &result,
+                        Err(TransferError::BadFrame(
+                            "read data of the wrong length".into(),
+                        )),
+                    );
+                    self.kill("read data of the wrong length");
+                    return;
+                }
+                copy(&mut dst);
+                drop(dst);
+                fill(&result, res);
+            }
+            Some(Pending::Read { result, .. }) => fill(&result, res),
+            None => {}
+        }
+    }
+}
+
 /// Matches responses to requests until the connection ends; then fails
 /// whatever is still pending.
 pub(super) async fn read_loop(conn: Rc<Conn>) {

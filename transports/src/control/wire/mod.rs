@@ -14,7 +14,7 @@ pub use rdma::{QpAccept, QpConnect, QpWire, RemoteKey, MAX_QP_PAYLOAD};
 /// `b"QSCE"`, the first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"QSCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Size of the frame header.
 pub const HEADER_LEN: usize = 48;
 
@@ -39,6 +39,11 @@ pub enum Opcode {
     /// initiator's process (payload: its pid, and the address of its nonce
     /// in its memory), so the target moves data by cross-memory attach.
     LocalAttach = 7,
+    /// Initiator → target, attached connection: serve small requests of
+    /// this connection from a mailbox in shared memory (payload: the fd
+    /// numbers of its memory and doorbells in the initiator's process, and
+    /// its slot count).
+    LocalMailbox = 8,
     /// Initiator → target: `length` payload bytes to land at `segment[offset..]`.
     Write = 16,
     /// Initiator → target: send back `length` bytes of `segment[offset..]`.
@@ -76,6 +81,7 @@ impl Opcode {
             5 => Opcode::QpConnect,
             6 => Opcode::QpAccept,
             7 => Opcode::LocalAttach,
+            8 => Opcode::LocalMailbox,
             16 => Opcode::Write,
             17 => Opcode::Read,
             18 => Opcode::Fence,

@@ -1,0 +1,250 @@
+//! The mailbox of an attached connection: small requests and their
+//! answers through memory the two processes share, instead of through the
+//! socket (DESIGN.md §16.5, PROTOCOL.md §4.7).
+//!
+//! The initiator makes the mailbox — a sealed memfd and two doorbells
+//! (eventfds) — and names their fd numbers in `LocalMailbox`; the target
+//! takes the files from the initiator's process with `pidfd_getfd(2)` (the
+//! ptrace access its copies need anyway) and maps the memory. From then on
+//! a write or read of up to [`SLOT_DATA`] bytes on that connection goes
+//! into a slot of the mailbox's ring, and its answer comes back in the same
+//! slot:
+//!
+//! * A write's bytes are **copied into the slot** and the target copies
+//!   them from there into its segment, after the checks a TCP `Write` gets.
+//!   A read's bytes come back in the slot and the initiator copies them out.
+//!   So the caller's buffer is never reachable by the other process — as
+//!   over TCP, where the kernel holds a copy — and it comes back with the
+//!   request's answer, or at once when the connection dies: nothing to lend.
+//! * **One stream with the socket.** Requests are published under the
+//!   connection's send lock, and the target serves every published request
+//!   before it acts on the next frame it reads from the socket. Whatever
+//!   the protocol says about the order of a connection's frames (a `Fence`
+//!   or `Forget` after a batch's requests) holds for its mailbox too, and a
+//!   fence marks the batch so that a request read from a mailbox after it
+//!   is refused, as one read from the socket is.
+//! * **Wake-ups only for a sleeper.** A reactor about to block sets its
+//!   `asleep` word (the source's `arm`); the other side, after publishing,
+//!   rings that side's doorbell only if the word is set (a Dekker pair:
+//!   each side stores, fences, then loads the other's word). A spinning
+//!   reactor finds the work without any syscall on either side.
+//!
+//! The target trusts nothing in the mapping: it keeps its own count of
+//! requests served, refuses a request count that runs ahead of the ring,
+//! checks every request as if it came from the socket, and copies a slot's
+//! bytes out before using them.
+
+use std::io;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+
+use quiesce_runtime::process::PeerProcess;
+use quiesce_runtime::shm::{Doorbell, SharedMemory};
+
+/// Requests in flight on one mailbox at most.
+pub(crate) const SLOTS: u64 = 32;
+
+/// Bytes of a request that fit in a slot: a write's payload or a read's
+/// data. Larger requests take the socket (`WriteLocal`/`ReadLocal`).
+pub(crate) const SLOT_DATA: usize = 16 * 1024;
+
+/// Bytes of a `LocalMailbox` payload: the fd numbers of the memory and of
+/// the two doorbells (to the target, to the initiator), and the slot count.
+pub(crate) const MAILBOX_PAYLOAD: usize = 16;
+
+/// Words of the ring's head, each on its own cache line.
+const SUBMITTED: usize = 0;
+const SERVED: usize = 64;
+const TARGET_ASLEEP: usize = 128;
+const INITIATOR_ASLEEP: usize = 192;
+/// Where slot 0 starts.
+const RING: usize = 256;
+/// A slot: eight words, then the data.
+const SLOT_HEAD: usize = 64;
+const STRIDE: usize = SLOT_HEAD + SLOT_DATA;
+
+/// The words of a slot. The initiator writes the request's; the target
+/// writes `STATUS` and `APPLIED`.
+#[derive(Clone, Copy)]
+#[repr(usize)]
+pub(crate) enum Word {
+    /// [`Kind`] as a number.
+    Kind = 0,
+    /// The request's id, echoed for the initiator's own check.
+    Task = 8,
+    Batch = 16,
+    Segment = 24,
+    Offset = 32,
+    Length = 40,
+    /// The target's [`Status`](crate::control::wire::Status).
+    Status = 48,
+    /// Bytes written, or read into the slot.
+    Applied = 56,
+}
+
+/// What a slot asks for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Kind {
+    /// Copy the slot's data into the segment.
+    Write = 1,
+    /// Copy the segment's bytes into the slot.
+    Read = 2,
+}
+
+impl Kind {
+    pub(crate) fn from_word(w: u64) -> Option<Kind> {
+        match w {
+            1 => Some(Kind::Write),
+            2 => Some(Kind::Read),
+            _ => None,
+        }
+    }
+}
+
+/// Which end of the mailbox.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum End {
+    Initiator,
+    Target,
+}
+
+/// The bytes of a mailbox of `slots` slots.
+pub(crate) fn size(slots: u64) -> usize {
+    RING + slots as usize * STRIDE
+}
+
+/// One mailbox, as either end maps it.
+pub(crate) struct Mailbox {
+    mem: SharedMemory,
+    /// Rung by the initiator when the target sleeps.
+    to_target: Doorbell,
+    /// Rung by the target when the initiator sleeps.
+    to_initiator: Doorbell,
+}
+
+impl Mailbox {
+    /// The initiator's new mailbox.
+    pub(crate) fn create() -> io::Result<Mailbox> {
+        Ok(Mailbox {
+            mem: SharedMemory::create("quiesce-mailbox", size(SLOTS))?,
+            to_target: Doorbell::new()?,
+            to_initiator: Doorbell::new()?,
+        })
+    }
+
+    /// The `LocalMailbox` payload that shares this mailbox.
+    pub(crate) fn payload(&self) -> [u8; MAILBOX_PAYLOAD] {
+        let mut p = [0u8; MAILBOX_PAYLOAD];
+        let fds = [self.mem.fd(), self.to_target.fd(), self.to_initiator.fd()];
+        for (i, fd) in fds.into_iter().enumerate() {
+            p[i * 4..i * 4 + 4].copy_from_slice(&(fd as u32).to_le_bytes());
+        }
+        p[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
+        p
+    }
+
+    /// The target's end of the mailbox that `initiator` named in `payload`.
+    pub(crate) fn open(initiator: &PeerProcess, payload: &[u8]) -> io::Result<Mailbox> {
+        let field = |i: usize| u32::from_le_bytes(payload[i * 4..i * 4 + 4].try_into().unwrap());
+        if payload.len() != MAILBOX_PAYLOAD || field(3) as u64 != SLOTS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a mailbox must have {SLOTS} slots"),
+            ));
+        }
+        let take = |i: usize| {
+            let fd = i32::try_from(field(i)).map_err(|_| io::ErrorKind::InvalidData)?;
+            initiator.take_fd(fd)
+        };
+        Ok(Mailbox {
+            mem: SharedMemory::open(take(0)?, size(SLOTS))?,
+            to_target: Doorbell::open(take(1)?)?,
+            to_initiator: Doorbell::open(take(2)?)?,
+        })
+    }
+
+    /// Requests the initiator has published.
+    pub(crate) fn submitted(&self) -> u64 {
+        self.mem.word(SUBMITTED).load(Ordering::Acquire)
+    }
+
+    /// Requests the target has answered.
+    pub(crate) fn served(&self) -> u64 {
+        self.mem.word(SERVED).load(Ordering::Acquire)
+    }
+
+    /// The initiator publishes requests up to `n` (their slots written).
+    pub(crate) fn set_submitted(&self, n: u64) {
+        self.mem.word(SUBMITTED).store(n, Ordering::Release);
+    }
+
+    /// The target publishes answers up to `n` (their slots written).
+    pub(crate) fn set_served(&self, n: u64) {
+        self.mem.word(SERVED).store(n, Ordering::Release);
+    }
+
+    /// Word `w` of request `seq`'s slot.
+    pub(crate) fn word(&self, seq: u64, w: Word) -> &AtomicU64 {
+        self.mem.word(slot(seq) + w as usize)
+    }
+
+    /// The memory, and where request `seq`'s data lies in it.
+    pub(crate) fn data(&self, seq: u64) -> (&SharedMemory, usize) {
+        (&self.mem, slot(seq) + SLOT_HEAD)
+    }
+
+    fn asleep(&self, end: End) -> &AtomicU64 {
+        self.mem.word(match end {
+            End::Initiator => INITIATOR_ASLEEP,
+            End::Target => TARGET_ASLEEP,
+        })
+    }
+
+    fn bell(&self, end: End) -> &Doorbell {
+        match end {
+            End::Initiator => &self.to_initiator,
+            End::Target => &self.to_target,
+        }
+    }
+
+    /// After publishing: rings `end`'s doorbell if it is asleep (or about
+    /// to be: it drains once more after saying so).
+    pub(crate) fn wake(&self, end: End) {
+        // Pairs with the fence in `sleep`: either `end` sees what was just
+        // published, or this sees its word set.
+        fence(Ordering::SeqCst);
+        let w = self.asleep(end);
+        if w.load(Ordering::Relaxed) != 0 && w.swap(0, Ordering::AcqRel) != 0 {
+            self.bell(end).ring();
+        }
+    }
+
+    /// `end` is about to block: the other side must ring. The caller drains
+    /// once more after this.
+    pub(crate) fn sleep(&self, end: End) {
+        self.asleep(end).store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// `end` is awake: no need to ring it.
+    pub(crate) fn awake(&self, end: End) {
+        let w = self.asleep(end);
+        if w.load(Ordering::Relaxed) != 0 {
+            w.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// `end`'s doorbell fd, for its reactor to watch.
+    pub(crate) fn bell_fd(&self, end: End) -> std::os::fd::RawFd {
+        self.bell(end).fd()
+    }
+
+    /// Quiets `end`'s doorbell after it rang.
+    pub(crate) fn quiet(&self, end: End) {
+        self.bell(end).quiet();
+    }
+}
+
+/// Where request `seq`'s slot starts.
+fn slot(seq: u64) -> usize {
+    RING + (seq % SLOTS) as usize * STRIDE
+}

@@ -1,0 +1,387 @@
+//! The local transport's mailbox: an attached connection's small requests
+//! and their answers through shared memory (DESIGN.md §16.5, PROTOCOL.md
+//! §4.7), with the target's checks, and a hostile mailbox closing only its
+//! own connection.
+
+mod common;
+
+use std::io::Read;
+use std::os::fd::FromRawFd;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::*;
+use quiesce_runtime::shm::{Doorbell, SharedMemory};
+use quiesce_runtime::Runtime;
+use quiesce_transports::wire::{Header, Opcode, Status};
+use quiesce_transports::{Engine, EngineConfig, LocalMode, Rights, TransferError};
+
+fn initiator(mailbox: bool) -> Engine {
+    Engine::bind(EngineConfig {
+        node: "initiator".into(),
+        local: LocalMode::Required,
+        mailbox,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+const RW: Rights = Rights::READ.union(Rights::WRITE);
+
+#[test]
+fn small_requests_go_through_the_mailbox_and_large_ones_through_the_socket() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let seg = target.seg("kv").clone();
+    Runtime::new().unwrap().block_on(async {
+        let engine = initiator(true);
+        let kv = engine
+            .connect(target.addr)
+            .await
+            .unwrap()
+            .open("kv", seg.token)
+            .await
+            .unwrap();
+        let mut offset = 5u64;
+        // (bytes, requests the mailbox serves for its write and read)
+        for (i, (len, via)) in [(1usize, 2), (4096, 2), (16 << 10, 2), ((16 << 10) + 1, 0)]
+            .into_iter()
+            .enumerate()
+        {
+            let before = target.stats().mailbox_requests;
+            let data = pattern(len, i as u8 + 1);
+            let (res, src) = kv.write(offset, data.clone(), 1).await;
+            assert_eq!(res.unwrap(), len as u64);
+            assert_eq!(src, data, "the source comes back untouched");
+            assert!(
+                target.snapshot("kv", offset, len) == data,
+                "{len}: target memory"
+            );
+            let (res, dst) = kv.read(offset, len as u64, vec![0u8; len], 2).await;
+            assert_eq!(res.unwrap(), len as u64);
+            assert!(dst == data, "{len} bytes read back differ");
+            assert_eq!(
+                target.stats().mailbox_requests - before,
+                via,
+                "{len}-byte requests through the mailbox"
+            );
+            offset += len as u64;
+        }
+        // The target's own checks hold for the mailbox: a revoked range
+        // takes nothing, and says so.
+        target.revoke("kv", 0..4096).unwrap();
+        let before = target.stats();
+        let (res, _) = kv.write(0, vec![7u8; 64], 3).await;
+        assert!(
+            matches!(res, Err(TransferError::Revoked { landed: 0 })),
+            "{res:?}"
+        );
+        let after = target.stats();
+        assert_eq!(after.mailbox_requests, before.mailbox_requests + 1);
+        assert_eq!(
+            after.bytes_landed, before.bytes_landed,
+            "a revoked write landed"
+        );
+        assert!(target.snapshot("kv", 0, 64).iter().all(|&b| b != 7));
+        engine.shutdown();
+    });
+}
+
+#[test]
+fn without_the_mailbox_small_requests_take_the_socket() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let seg = target.seg("kv").clone();
+    Runtime::new().unwrap().block_on(async {
+        let engine = initiator(false);
+        let peer = engine.connect(target.addr).await.unwrap();
+        let kv = peer.open("kv", seg.token).await.unwrap();
+        assert!(peer.is_local());
+        let (res, _) = kv.write(0, pattern(4096, 1), 1).await;
+        assert_eq!(res.unwrap(), 4096);
+        let (res, dst) = kv.read(0, 4096, vec![0u8; 4096], 2).await;
+        assert_eq!(res.unwrap(), 4096);
+        assert_eq!(dst, pattern(4096, 1));
+        engine.shutdown();
+    });
+    assert_eq!(target.stats().mailbox_requests, 0);
+}
+
+/// The mailbox layout of PROTOCOL.md §4.7.
+const SLOTS: usize = 32;
+const SLOT_DATA: usize = 16 << 10;
+const RING: usize = 256;
+const STRIDE: usize = 64 + SLOT_DATA;
+const SIZE: usize = RING + SLOTS * STRIDE;
+
+/// A mailbox made by hand, published over a raw connection.
+struct HandMailbox {
+    mem: SharedMemory,
+    to_target: Doorbell,
+    _to_initiator: Doorbell,
+    next: u64,
+}
+
+impl HandMailbox {
+    /// Publishes one request (`kind` 1 write, 2 read) and waits for its
+    /// answer: (status, applied).
+    fn request(
+        &mut self,
+        kind: u64,
+        segment: u64,
+        offset: u64,
+        data: &[u8],
+        len: u64,
+    ) -> (u64, u64) {
+        let slot = RING + (self.next as usize % SLOTS) * STRIDE;
+        for (i, v) in [kind, self.next + 100, 1, segment, offset, len]
+            .into_iter()
+            .enumerate()
+        {
+            self.mem.word(slot + 8 * i).store(v, Ordering::Relaxed);
+        }
+        self.mem.copy_from_slice(slot + 64, data);
+        self.publish(self.next + 1);
+        self.wait_served(self.next + 1);
+        self.next += 1;
+        (
+            self.mem.word(slot + 48).load(Ordering::Relaxed),
+            self.mem.word(slot + 56).load(Ordering::Relaxed),
+        )
+    }
+
+    fn publish(&self, submitted: u64) {
+        self.mem.word(0).store(submitted, Ordering::Release);
+        self.to_target.ring();
+    }
+
+    fn wait_served(&self, n: u64) {
+        let t0 = Instant::now();
+        while self.mem.word(64).load(Ordering::Acquire) < n {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the target never answered"
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+/// Attaches `c` to this process and offers a mailbox of `mem` and two
+/// doorbells; returns the target's verdict.
+fn offer(c: &mut RawClient, mem: &SharedMemory, to_target: i32, to_initiator: i32) -> Status {
+    let mut attach = [0u8; 12];
+    attach[0..4].copy_from_slice(&std::process::id().to_le_bytes());
+    attach[4..12].copy_from_slice(&(c.ack.nonce.as_ptr() as u64).to_le_bytes());
+    c.send(
+        &Header {
+            length: 12,
+            ..Header::new(Opcode::LocalAttach)
+        },
+        &attach,
+    );
+    let h = c.recv().expect("an attach answer");
+    assert_eq!(h.status(), Ok(Status::Ok), "the attach was refused");
+    let mut p = [0u8; 16];
+    for (i, v) in [mem.fd(), to_target, to_initiator, SLOTS as i32]
+        .into_iter()
+        .enumerate()
+    {
+        p[i * 4..i * 4 + 4].copy_from_slice(&(v as u32).to_le_bytes());
+    }
+    c.send(
+        &Header {
+            length: 16,
+            ..Header::new(Opcode::LocalMailbox)
+        },
+        &p,
+    );
+    c.recv().expect("a mailbox answer").status().unwrap()
+}
+
+#[test]
+fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
+    let target = ShardTarget::start(
+        EngineConfig::default(),
+        &[("kv", 1 << 20, RW), ("other", 4096, RW)],
+    );
+    let kv = target.seg("kv").clone();
+    let connect = || {
+        let mut c = RawClient::connect(target.addr);
+        assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+        c
+    };
+    // Memory the initiator could still shrink under the target's mapping,
+    // or a "doorbell" that is a memfd, is refused.
+    let unsealed = {
+        // SAFETY: a NUL-terminated name; returns a new fd or -1.
+        let raw = unsafe { libc::memfd_create(c"loose".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: a new fd nothing else owns; ftruncate is a plain syscall.
+        unsafe {
+            assert_eq!(libc::ftruncate(raw, SIZE as libc::off_t), 0);
+            std::os::fd::OwnedFd::from_raw_fd(raw)
+        }
+    };
+    let bell = Doorbell::new().unwrap();
+    let mem = SharedMemory::create("hand", SIZE).unwrap();
+    {
+        use std::os::fd::AsRawFd;
+        let mut c = connect();
+        let fake = SharedMemory::create("fake", SIZE).unwrap();
+        // A fake sealed mapping passes as memory but not as a doorbell.
+        assert_eq!(
+            offer(&mut c, &fake, fake.fd(), bell.fd()),
+            Status::Forbidden
+        );
+        let mut c = connect();
+        // The unsealed file, offered as the memory.
+        let mut p = [0u8; 16];
+        for (i, v) in [unsealed.as_raw_fd(), bell.fd(), bell.fd(), SLOTS as i32]
+            .into_iter()
+            .enumerate()
+        {
+            p[i * 4..i * 4 + 4].copy_from_slice(&(v as u32).to_le_bytes());
+        }
+        let mut attach = [0u8; 12];
+        attach[0..4].copy_from_slice(&std::process::id().to_le_bytes());
+        attach[4..12].copy_from_slice(&(c.ack.nonce.as_ptr() as u64).to_le_bytes());
+        c.send(
+            &Header {
+                length: 12,
+                ..Header::new(Opcode::LocalAttach)
+            },
+            &attach,
+        );
+        assert_eq!(c.recv().unwrap().status(), Ok(Status::Ok));
+        c.send(
+            &Header {
+                length: 16,
+                ..Header::new(Opcode::LocalMailbox)
+            },
+            &p,
+        );
+        assert_eq!(c.recv().unwrap().status(), Ok(Status::Forbidden));
+    }
+    // A good mailbox: every request is checked as if it came from the socket.
+    let mut c = connect();
+    let to_target = Doorbell::new().unwrap();
+    let to_initiator = Doorbell::new().unwrap();
+    assert_eq!(
+        offer(&mut c, &mem, to_target.fd(), to_initiator.fd()),
+        Status::Ok
+    );
+    let mut hand = HandMailbox {
+        mem,
+        to_target,
+        _to_initiator: to_initiator,
+        next: 0,
+    };
+    let other = target.seg("other").clone();
+    let before = target.stats();
+    let cases: [(u64, u64, u64, u64, Status); 5] = [
+        // kind, segment, offset, length: verdict
+        (1, kv.id, 100, 4096, Status::Ok),
+        (9, kv.id, 0, 16, Status::BadFrame),
+        (1, kv.id, 0, SLOT_DATA as u64 + 1, Status::BadFrame),
+        (1, other.id, 0, 16, Status::Forbidden),
+        (1, kv.id, (1 << 20) - 8, 16, Status::OutOfBounds),
+    ];
+    for (kind, seg, off, len, want) in cases {
+        let data = pattern(len.min(SLOT_DATA as u64) as usize, 5);
+        let (st, applied) = hand.request(kind, seg, off, &data, len);
+        assert_eq!(
+            (st, applied),
+            (want as u64, if want == Status::Ok { len } else { 0 })
+        );
+    }
+    assert!(target.snapshot("kv", 100, 4096) == pattern(4096, 5));
+    let after = target.stats();
+    assert_eq!(
+        after.bytes_landed - before.bytes_landed,
+        4096,
+        "only the valid write landed"
+    );
+    assert_eq!(after.rejected - before.rejected, 4);
+    // A read comes back in the slot.
+    let (st, applied) = hand.request(2, kv.id, 100, &[], 4096);
+    assert_eq!((st, applied), (0, 4096));
+    let mut back = vec![0u8; 4096];
+    let slot = RING + ((hand.next - 1) as usize % SLOTS) * STRIDE;
+    hand.mem.copy_into(slot + 64, &mut back, 4096);
+    assert!(back == pattern(4096, 5));
+    // More requests published than the ring has slots: the connection is
+    // closed, the requests unserved.
+    let served = hand.next;
+    hand.publish(served + SLOTS as u64 + 1);
+    let mut rest = Vec::new();
+    assert!(
+        c.s.read_to_end(&mut rest).is_ok(),
+        "the connection stayed open"
+    );
+    assert_eq!(
+        hand.mem.word(64).load(Ordering::Acquire),
+        served,
+        "served past the ring"
+    );
+    // Everyone else is served as before.
+    Runtime::new().unwrap().block_on(async {
+        let engine = initiator(true);
+        let peer = engine.connect(target.addr).await.unwrap();
+        let kv = peer.open("kv", kv.token).await.unwrap();
+        let (res, _) = kv.write(0, pattern(512, 9), 9).await;
+        assert_eq!(res.unwrap(), 512);
+        engine.shutdown();
+    });
+}
+
+/// The mailbox and the socket are one stream: a request published before
+/// a frame was sent is served before the target acts on the frame. Here
+/// the request is published without ringing (the target sleeps, so only
+/// the frame wakes it) and the frame is a fence of the request's batch:
+/// served after the fence, the write would be refused.
+#[test]
+fn a_request_published_before_a_frame_is_served_before_it() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let kv = target.seg("kv").clone();
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let (to_target, to_initiator) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
+    let mem = SharedMemory::create("hand", SIZE).unwrap();
+    assert_eq!(
+        offer(&mut c, &mem, to_target.fd(), to_initiator.fd()),
+        Status::Ok
+    );
+    let hand = HandMailbox {
+        mem,
+        to_target,
+        _to_initiator: to_initiator,
+        next: 0,
+    };
+    for round in 0..5u64 {
+        // Let the target's reactor go to sleep.
+        std::thread::sleep(Duration::from_millis(20));
+        let batch = 1 + round;
+        let slot = RING + (round as usize % SLOTS) * STRIDE;
+        for (i, v) in [1, round + 1, batch, kv.id, 0, 512].into_iter().enumerate() {
+            hand.mem.word(slot + 8 * i).store(v, Ordering::Relaxed);
+        }
+        hand.mem
+            .copy_from_slice(slot + 64, &pattern(512, round as u8));
+        hand.mem.word(0).store(round + 1, Ordering::Release);
+        c.send(
+            &Header {
+                batch,
+                ..Header::new(Opcode::Fence)
+            },
+            &[],
+        );
+        let h = c.recv().expect("a fence ack");
+        assert_eq!(h.op, Opcode::FenceAck);
+        hand.wait_served(round + 1);
+        assert_eq!(
+            hand.mem.word(slot + 48).load(Ordering::Relaxed),
+            Status::Ok as u64,
+            "round {round}: the request was served after the fence that followed it"
+        );
+        assert!(target.snapshot("kv", 0, 512) == pattern(512, round as u8));
+    }
+}
