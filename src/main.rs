@@ -106,8 +106,10 @@ enum Cmd {
         #[arg(long, default_value = "io_uring")]
         driver: String,
         /// Without --compare: the initiator to run (quiesce = TCP, local =
-        /// quiesce's local transport, raw, tokio; rdma: quiesce, or direct =
-        /// the transport without the batch layer).
+        /// quiesce's local transport, local-socket = the same with small
+        /// requests on the socket rather than the shared-memory mailbox,
+        /// raw, tokio; rdma: quiesce, or direct = the transport without the
+        /// batch layer).
         #[arg(long = "impl", default_value = "quiesce")]
         initiator: String,
         /// quiesce: send slices of at least this size with SEND_ZC (io_uring).
@@ -127,6 +129,10 @@ enum Cmd {
         /// The target's node name in --directory.
         #[arg(long, requires = "directory")]
         peer: Option<String>,
+        /// quiesce's initiators (and --compare's target) busy-poll this
+        /// many µs before their reactor blocks; raw and tokio block.
+        #[arg(long, default_value_t = 0)]
+        spin_us: u64,
     },
     /// Serve segments `kv` (read-write, --size bytes), `ro` and `wo` to peers.
     Target {
@@ -156,6 +162,10 @@ enum Cmd {
         /// a whole transfer as one frame: `bench --compare` serves 128M).
         #[arg(long, default_value = "16M", value_parser = parse_size)]
         max_frame: usize,
+        /// Busy-poll this many µs before the reactor blocks (a core spins
+        /// while requests keep coming; 0: block at once).
+        #[arg(long, default_value_t = 0)]
+        spin_us: u64,
     },
 }
 
@@ -212,8 +222,10 @@ fn main() -> ExitCode {
             directory,
             node,
             max_frame,
+            spin_us,
         } => cmd::target::run(cmd::target::Options {
             max_frame: max_frame as u64,
+            spin: std::time::Duration::from_micros(spin_us),
             listen,
             size,
             watch_stdin: !no_stdin,
@@ -242,6 +254,7 @@ fn main() -> ExitCode {
             no_instructions,
             directory,
             peer,
+            spin_us,
         } => {
             let connect = match (directory, peer) {
                 (Some(url), Some(peer)) => match resolve(&url, &peer) {
@@ -276,6 +289,7 @@ fn main() -> ExitCode {
                 zc_threshold,
                 same_process,
                 instructions: !no_instructions,
+                spin: std::time::Duration::from_micros(spin_us),
             })
         }
     };

@@ -28,6 +28,8 @@ pub struct Options {
     pub max_frame: u64,
     /// Publish the endpoint and segments in this directory, as this node.
     pub directory: Option<(String, String)>,
+    /// How long the reactor busy-polls before it blocks.
+    pub spin: std::time::Duration,
 }
 
 /// Serves `kv` (`size` bytes, read-write), `ro` (read-only) and `wo`
@@ -48,6 +50,7 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
         ignore_fences,
         max_frame,
         directory,
+        spin,
     } = o;
     let published = match &directory {
         Some((url, node)) => {
@@ -62,7 +65,7 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
         }
         None => None,
     };
-    let rt = Runtime::new()?;
+    let rt = Runtime::builder().spin(spin).build()?;
     rt.block_on(async move {
         let config = EngineConfig {
             node: "quiesce-target".into(),

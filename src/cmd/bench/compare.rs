@@ -44,13 +44,14 @@ impl Worker {
         im: Impl,
         t: Endpoint,
         zc: Option<usize>,
+        spin: Duration,
     ) -> Result<Worker, Box<dyn std::error::Error>> {
         let (jobs, job_rx) = mpsc::channel::<(Case, usize)>();
         let (done_tx, done) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(format!("bench-{}", im.name()))
             .spawn(move || {
-                let mut client = match Client::connect(im, &t, zc) {
+                let mut client = match Client::connect(im, &t, zc, spin) {
                     Ok(c) => c,
                     Err(e) => {
                         let _ = done_tx.send(Err(format!("{}: connect: {e}", im.name())));
@@ -160,12 +161,13 @@ fn start_thread_target(kv_len: usize) -> Endpoint {
 }
 
 const KV_LEN: usize = 96 << 20;
-const IMPLS: [Impl; 5] = [
+const IMPLS: [Impl; 6] = [
     Impl::Raw,
     Impl::Tokio,
     Impl::Uring,
     Impl::Epoll,
     Impl::Local,
+    Impl::LocalSocket,
 ];
 
 pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
@@ -196,7 +198,13 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         (Target::Thread, start_thread_target(KV_LEN))
     } else {
         // Raw and tokio send a 64 MiB write as one frame.
-        let c = TargetChild::spawn_with(&exe, KV_LEN, false, &["--max-frame", "128M"])?;
+        let spin = a.spin.as_micros().to_string();
+        let c = TargetChild::spawn_with(
+            &exe,
+            KV_LEN,
+            false,
+            &["--max-frame", "128M", "--spin-us", &spin],
+        )?;
         let seg = |n: &str| SegInfo {
             id: c.ids[n],
             token: c.tokens[n],
@@ -218,7 +226,7 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
     };
     let workers = IMPLS
         .iter()
-        .map(|im| Worker::start(*im, t, a.zc_threshold))
+        .map(|im| Worker::start(*im, t, a.zc_threshold, a.spin))
         .collect::<Result<Vec<_>, _>>()?;
     println!(
         "quiesce bench --compare: target on {} ({}{}); {} × the default iterations per case, \

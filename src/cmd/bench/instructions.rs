@@ -58,6 +58,7 @@ fn total(
         Impl::Uring => ("quiesce", "io_uring"),
         Impl::Epoll => ("quiesce", "epoll"),
         Impl::Local => ("local", "io_uring"),
+        Impl::LocalSocket => ("local-socket", "io_uring"),
         Impl::Rdma { .. } => return Err("callgrind runs count the TCP initiators".into()),
     };
     let (op, size) = match case {

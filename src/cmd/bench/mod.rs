@@ -328,8 +328,11 @@ enum Impl {
     Tokio,
     Uring,
     Epoll,
-    /// quiesce's local transport (cross-memory attach; io_uring).
+    /// quiesce's local transport (cross-memory attach, small requests
+    /// through the shared-memory mailbox; io_uring).
     Local,
+    /// The local transport with small requests on the socket.
+    LocalSocket,
     Rdma {
         busy_poll: bool,
         direct: bool,
@@ -344,6 +347,7 @@ impl Impl {
             Impl::Uring => "quiesce-io_uring",
             Impl::Epoll => "quiesce-epoll",
             Impl::Local => "quiesce-local",
+            Impl::LocalSocket => "quiesce-local-socket",
             Impl::Rdma { direct: false, .. } => "quiesce-rdma",
             Impl::Rdma { direct: true, .. } => "quiesce-rdma-direct",
         }
@@ -377,21 +381,28 @@ impl Client {
         im: Impl,
         t: &Endpoint,
         zc: Option<usize>,
+        spin: Duration,
     ) -> Result<Client, Box<dyn std::error::Error>> {
         Ok(match im {
             Impl::Raw => Client::Raw(raw::Raw::connect(t.addr, &t.kv, &t.ro)?),
             Impl::Tokio => Client::Tokio(tokio_client::Tokio::connect(t.addr, &t.kv, &t.ro)?),
-            Impl::Uring | Impl::Epoll | Impl::Local => {
+            Impl::Uring | Impl::Epoll | Impl::Local | Impl::LocalSocket => {
                 let driver = match im {
                     Impl::Epoll => DriverKind::Epoll,
                     _ => DriverKind::IoUring,
                 };
                 let local = match im {
-                    Impl::Local => LocalMode::Required,
+                    Impl::Local | Impl::LocalSocket => LocalMode::Required,
                     _ => LocalMode::Off,
                 };
+                let knobs = quiesce_client::Knobs {
+                    zc_threshold: zc,
+                    local,
+                    mailbox: im != Impl::LocalSocket,
+                    spin,
+                };
                 Client::Quiesce(quiesce_client::Quiesce::connect(
-                    driver, t.addr, &t.kv, &t.ro, zc, local,
+                    driver, t.addr, &t.kv, &t.ro, knobs,
                 )?)
             }
             Impl::Rdma { busy_poll, direct } => Client::Rdma {
@@ -457,6 +468,9 @@ pub struct BenchArgs {
     pub same_process: bool,
     /// `--compare`: count instructions per iteration under callgrind.
     pub instructions: bool,
+    /// How long quiesce's reactors (initiators, and `--compare`'s target)
+    /// busy-poll before they block.
+    pub spin: Duration,
 }
 
 pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
@@ -532,11 +546,15 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         ("quiesce", DriverKind::Epoll) => Impl::Epoll,
         ("quiesce", _) => Impl::Uring,
         ("local", _) => Impl::Local,
+        ("local-socket", _) => Impl::LocalSocket,
         (other, _) => {
-            return Err(format!("--impl {other:?}: one of quiesce, local, raw, tokio").into())
+            return Err(format!(
+                "--impl {other:?}: one of quiesce, local, local-socket, raw, tokio"
+            )
+            .into())
         }
     };
-    let mut client = Client::connect(im, &Endpoint { addr, kv, ro }, a.zc_threshold)?;
+    let mut client = Client::connect(im, &Endpoint { addr, kv, ro }, a.zc_threshold, a.spin)?;
     println!(
         "{:>10} {:>8} {:>10} {:>12} {:>10} {:>10} {:>11} {:>10} {:>10} {:>11}",
         "#bytes",

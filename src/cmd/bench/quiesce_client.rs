@@ -1,6 +1,7 @@
 //! quiesce itself, through the batch API a user calls.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use quiesce::runtime::{DriverKind, Runtime};
 use quiesce::transports::{AlignedBuf, Engine, EngineConfig, LocalMode, Peer, RemoteSegment};
@@ -20,6 +21,17 @@ pub struct Quiesce {
     rt: Runtime,
 }
 
+/// How a quiesce initiator is set up.
+pub struct Knobs {
+    /// Slices of at least this size go with SEND_ZC.
+    pub zc_threshold: Option<usize>,
+    pub local: LocalMode,
+    /// Small local requests through the shared-memory mailbox.
+    pub mailbox: bool,
+    /// How long the reactor busy-polls before it blocks.
+    pub spin: Duration,
+}
+
 impl Quiesce {
     /// Builds a runtime on `driver`, binds an engine, connects and opens
     /// the segments.
@@ -28,15 +40,15 @@ impl Quiesce {
         addr: SocketAddr,
         kv: &SegInfo,
         ro: &SegInfo,
-        zc_threshold: Option<usize>,
-        local: LocalMode,
+        k: Knobs,
     ) -> Result<Quiesce, Box<dyn std::error::Error>> {
-        let rt = Runtime::builder().driver(driver).build()?;
+        let rt = Runtime::builder().driver(driver).spin(k.spin).build()?;
         let (engine, peer, kvs) = rt.block_on(async {
             let engine = Engine::bind(EngineConfig {
                 node: "bench".into(),
-                zc_threshold,
-                local,
+                zc_threshold: k.zc_threshold,
+                local: k.local,
+                mailbox: k.mailbox,
                 ..Default::default()
             })?;
             let peer = engine.connect(addr).await?;
