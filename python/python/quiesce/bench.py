@@ -1,17 +1,23 @@
 """Side-by-side benchmark of quiesce's drop-in and Mooncake's TransferEngine.
 
-    python -m quiesce.bench [--rounds N] [--iters N] [--impl quiesce,quiesce-local,mooncake]
+    python -m quiesce.bench [--rounds N] [--iters N] [--impl quiesce,quiesce-local,mooncake,nixl]
 
 Each implementation gets a target in its own process (this module with
-``--serve``), both alive at once; the latency cases alternate between the
+``--serve``), all alive at once; the latency cases alternate between the
 implementations every ``--block`` iterations so each pair of figures sees
-the same machine. Mooncake runs when ``mooncake.engine`` imports (PyPI:
+the same machine. NIXL runs after the others, alone: its progress threads
+busy-poll and would take the cores from them. Mooncake runs when ``mooncake.engine`` imports (PyPI:
 ``mooncake-transfer-engine-non-cuda``). Printed per case: t_min and p50
 (and p99) per implementation, and quiesce's speed-up (Mooncake ÷ quiesce).
 ``quiesce`` is the drop-in over TCP (``QUIESCE_LOCAL=off``), as Mooncake's
 ``"tcp"``; ``quiesce-local`` the same drop-in with its local transport
 required (the target copies by cross-memory attach; the default, ``auto``,
-picks it for a peer on this host).
+picks it for a peer on this host). ``nixl`` runs when ``nixl._api``
+imports (PyPI: ``pip install --no-deps nixl-cu12==1.5.1 numpy``; its
+``torch`` requirement is for tensors, which this benchmark does not use):
+NIXL 1.5.1 over UCX, which on one host writes by cross-memory attach
+without the target's involvement; each transfer's handle is made once and
+re-posted, polled to ``DONE`` as NIXL's callers do.
 
 The seed scenario is the one quiesce exists for: a batch of [a 4 KiB write
 the target refuses (a range it registered, then withdrew), a valid 64 MiB
@@ -38,20 +44,61 @@ LOCAL = {"quiesce": "off", "quiesce-local": "required"}
 def load(impl):
     if impl in LOCAL:
         from quiesce.mooncake import TransferEngine
+    elif impl == "nixl":
+        from nixl._api import nixl_agent
+
+        return nixl_agent
     else:
         from mooncake.engine import TransferEngine
     return TransferEngine
 
 
+class Nixl:
+    """NIXL behind the two calls the benchmark makes. A transfer's handle
+    is made once per (sources, destinations, lengths) and re-posted; each
+    post is polled until ``DONE``."""
+
+    def __init__(self, remote_metadata):
+        from nixl._api import nixl_agent
+
+        self.agent = nixl_agent(f"bench-{os.getpid()}")
+        self.remote = self.agent.add_remote_agent(remote_metadata)
+        self.handles = {}
+
+    def register_memory(self, addr, n):
+        self.agent.register_memory([(addr, n, 0, "")], "DRAM")
+        return 0
+
+    def batch_transfer_sync_write(self, _session, srcs, dsts, lens):
+        key = (tuple(srcs), tuple(dsts), tuple(lens))
+        h = self.handles.get(key)
+        if h is None:
+            local = self.agent.get_xfer_descs([(s, n, 0) for s, n in zip(srcs, lens)], "DRAM")
+            remote = self.agent.get_xfer_descs([(d, n, 0) for d, n in zip(dsts, lens)], "DRAM")
+            h = self.handles[key] = self.agent.initialize_xfer("WRITE", local, remote, self.remote)
+        st = self.agent.transfer(h)
+        while st == "PROC":
+            st = self.agent.check_xfer_state(h)
+        return 0 if st == "DONE" else -1
+
+    def transfer_sync_write(self, session, src, dst, n):
+        return self.batch_transfer_sync_write(session, [src], [dst], [n])
+
+
 def serve(impl, sizes):
     """The target role: registers one buffer per size, answers commands."""
-    engine = load(impl)()
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     bufs = [ctypes.create_string_buffer(s) for s in sizes]
     addrs = [ctypes.addressof(b) for b in bufs]
-    for a, s in zip(addrs, sizes):
-        assert engine.register_memory(a, s) == 0
-    print("ready", engine.get_rpc_port(), *addrs, flush=True)
+    if impl == "nixl":
+        engine = load(impl)("bench-target")
+        engine.register_memory([(a, s, 0, "") for a, s in zip(addrs, sizes)], "DRAM")
+        print("ready", engine.get_agent_metadata().hex(), *addrs, flush=True)
+    else:
+        engine = load(impl)()
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        for a, s in zip(addrs, sizes):
+            assert engine.register_memory(a, s) == 0
+        print("ready", engine.get_rpc_port(), *addrs, flush=True)
     for line in sys.stdin:
         w = line.split()
         if w[0] == "fill":
@@ -81,16 +128,25 @@ class Side:
             text=True,
             env=env,
         )
-        w = self.proc.stdout.readline().split()
+        # A library may log to stdout before the target says it is ready.
+        w = []
+        for line in self.proc.stdout:
+            w = line.split()
+            if w and w[0] == "ready":
+                break
         assert w and w[0] == "ready", f"{impl} target did not start"
-        self.session = f"127.0.0.1:{w[1]}"
         self.small, self.big = int(w[2]), int(w[3])
+        self.bufs = []
+        if impl == "nixl":
+            self.session = None
+            self.engine = Nixl(bytes.fromhex(w[1]))
+            return
+        self.session = f"127.0.0.1:{w[1]}"
         os.environ["QUIESCE_SECRET"] = SECRET
         if impl in LOCAL:
             os.environ["QUIESCE_LOCAL"] = LOCAL[impl]
         self.engine = load(impl)()
         assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-        self.bufs = []
 
     def buffer(self, n, byte=0):
         b = ctypes.create_string_buffer(n)
@@ -196,7 +252,7 @@ def main():
     a = ap.parse_args()
     if a.serve:
         return serve(a.serve[0], [int(s) for s in a.serve[1:]])
-    impls = a.impl.split(",") if a.impl else ["quiesce", "quiesce-local", "mooncake"]
+    impls = a.impl.split(",") if a.impl else ["quiesce", "quiesce-local", "mooncake", "nixl"]
     available = []
     for i in impls:
         try:
@@ -204,35 +260,56 @@ def main():
             available.append(i)
         except ImportError:
             print(f"{i}: not installed, skipped")
-    sides = [Side(i, a.big) for i in available]
-    try:
-        results = {}
-        for name, size in [("4 KiB write", 4096), ("64 KiB write", 64 << 10)]:
-            results[name] = latency(sides, size, a.iters, a.block)
-        results["64 × 64 KiB batch"] = batch64(sides, max(a.iters // 10, 20), max(a.block // 10, 5))
-        results["64 MiB write"] = latency(sides, a.big, 20, 5)
-        for name, r in results.items():
-            print(f"== {name}")
-            for impl, v in r.items():
-                extra = ""
-                if name == "64 MiB write":
-                    extra = f"  ({a.big / (min(v) / 1e6) / 1e9:.2f} GB/s at t_min)"
-                print(f"   {impl:13} {fmt(v)}{extra}")
-            for mine in LOCAL:
-                if mine in r and "mooncake" in r:
-                    q, m = r[mine], r["mooncake"]
+    # NIXL's progress threads (its target's and its initiator's) busy-poll
+    # for as long as its agents live, which on a small machine takes the
+    # cores from whatever runs beside them: it runs in a phase of its own,
+    # after the others' targets are gone.
+    phases = [[i for i in available if i != "nixl"], [i for i in available if i == "nixl"]]
+    results, seeds = {}, []
+    for phase in filter(None, phases):
+        sides = [Side(i, a.big) for i in phase]
+        try:
+            measure(sides, a, results)
+            for s in sides:
+                if s.impl == "nixl":
+                    # NIXL reports DONE for a write into a deregistered range:
+                    # the scenario's refused write cannot be made.
+                    seeds.append(f"   {s.impl:13} not run: a write NIXL's target refuses cannot be made")
+                    continue
+                c, codes, ms = seed(s, a.rounds, a.big)
+                seeds.append(
+                    f"   {s.impl:13} corrupted {c}/{a.rounds}  codes {codes}  returned after {ms:.1f} ms (p50)"
+                )
+        finally:
+            for s in sides:
+                s.close()
+    for name, r in results.items():
+        print(f"== {name}")
+        for impl, v in r.items():
+            extra = ""
+            if name == "64 MiB write":
+                extra = f"  ({a.big / (min(v) / 1e6) / 1e9:.2f} GB/s at t_min)"
+            print(f"   {impl:13} {fmt(v)}{extra}")
+        for mine in LOCAL:
+            for other in ("mooncake", "nixl"):
+                if mine in r and other in r:
+                    q, m = r[mine], r[other]
                     print(
-                        f"   {mine} speed-up: t_min {min(m) / min(q):.2f}×, p50 "
-                        f"{statistics.median(m) / statistics.median(q):.2f}×"
+                        f"   {mine} vs {other}: t_min {min(m) / min(q):.2f}×, p50 "
+                        f"{statistics.median(m) / statistics.median(q):.2f}× (>1: quiesce faster)"
                     )
-        print(f"== seed scenario ({a.rounds} rounds: [refused 4 KiB, valid {a.big >> 20} MiB], source overwritten on return)")
-        for s in sides:
-            c, codes, ms = seed(s, a.rounds, a.big)
-            print(f"   {s.impl:13} corrupted {c}/{a.rounds}  codes {codes}  returned after {ms:.1f} ms (p50)")
-    finally:
-        for s in sides:
-            s.close()
+    print(f"== seed scenario ({a.rounds} rounds: [refused 4 KiB, valid {a.big >> 20} MiB], source overwritten on return)")
+    print("\n".join(seeds))
 
+
+def measure(sides, a, results):
+    """Every case for `sides`, interleaved among them; into `results`."""
+    for name, size in [("4 KiB write", 4096), ("64 KiB write", 64 << 10)]:
+        results.setdefault(name, {}).update(latency(sides, size, a.iters, a.block))
+    results.setdefault("64 × 64 KiB batch", {}).update(
+        batch64(sides, max(a.iters // 10, 20), max(a.block // 10, 5))
+    )
+    results.setdefault("64 MiB write", {}).update(latency(sides, a.big, 20, 5))
 
 if __name__ == "__main__":
     main()
