@@ -62,7 +62,7 @@ pub struct EngineConfig {
     /// local transport, `crate::local`) instead of moving bytes over TCP.
     pub local: LocalMode,
     /// Initiator, local transport: an attached connection's small requests
-    /// (writes and reads of up to 16 KiB) go through a mailbox in memory
+    /// (writes and reads of up to 64 KiB) go through a mailbox in memory
     /// shared with the target (`crate::local::mailbox`) rather than the
     /// socket, so neither side needs a syscall for them while its reactor
     /// spins. On by default; a target that cannot take the mailbox leaves

@@ -43,9 +43,15 @@ fn small_requests_go_through_the_mailbox_and_large_ones_through_the_socket() {
             .unwrap();
         let mut offset = 5u64;
         // (bytes, requests the mailbox serves for its write and read)
-        for (i, (len, via)) in [(1usize, 2), (4096, 2), (16 << 10, 2), ((16 << 10) + 1, 0)]
-            .into_iter()
-            .enumerate()
+        for (i, (len, via)) in [
+            (1usize, 2),
+            (4096, 2),
+            (16 << 10, 2),
+            (64 << 10, 2),
+            ((64 << 10) + 1, 0),
+        ]
+        .into_iter()
+        .enumerate()
         {
             let before = target.stats().mailbox_requests;
             let data = pattern(len, i as u8 + 1);
@@ -107,7 +113,7 @@ fn without_the_mailbox_small_requests_take_the_socket() {
 
 /// The mailbox layout of PROTOCOL.md §4.7.
 const SLOTS: usize = 32;
-const SLOT_DATA: usize = 16 << 10;
+const SLOT_DATA: usize = 64 << 10;
 const RING: usize = 256;
 const STRIDE: usize = 64 + SLOT_DATA;
 const SIZE: usize = RING + SLOTS * STRIDE;

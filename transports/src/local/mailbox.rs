@@ -45,7 +45,7 @@ pub(crate) const SLOTS: u64 = 32;
 
 /// Bytes of a request that fit in a slot: a write's payload or a read's
 /// data. Larger requests take the socket (`WriteLocal`/`ReadLocal`).
-pub(crate) const SLOT_DATA: usize = 16 * 1024;
+pub(crate) const SLOT_DATA: usize = 64 * 1024;
 
 /// Bytes of a `LocalMailbox` payload: the fd numbers of the memory and of
 /// the two doorbells (to the target, to the initiator), and the slot count.

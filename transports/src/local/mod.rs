@@ -20,7 +20,7 @@
 //! `CompletionUnknown`, never into a buffer handed back on a guess.
 //!
 //! **Small requests skip the socket.** An attached connection also gets a
-//! [`mailbox`] in shared memory: writes and reads of up to 16 KiB are
+//! [`mailbox`] in shared memory: writes and reads of up to 64 KiB are
 //! copied through its slots, and served by the target before the next
 //! frame it reads from the socket — one stream, with no syscall on either
 //! side while the reactors spin.

@@ -21,7 +21,7 @@ use crate::local::loan::{lend, Request};
 use crate::local::mailbox::SLOT_DATA;
 use crate::lock::AsyncLock;
 use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding, INLINE_PAYLOAD};
-use crate::tcp::split::{init_bytes, join_slices, set_filled, slices, Part, SplitBuf};
+use crate::tcp::split::{bytes_of, init_bytes, join_slices, set_filled, slices, Part, SplitBuf};
 
 /// How an initiator talks to peers.
 #[derive(Debug, Clone)]
@@ -561,6 +561,10 @@ impl RemoteSegment {
             .stripe(&shared, len, true, move |conn, off, part| {
                 let this = this.clone();
                 async move {
+                    if conn.has_outbox() && part.len() <= SLOT_DATA {
+                        let data = bytes_of(&part);
+                        return conn.write_mailbox(batch, seg, offset + off, data).await;
+                    }
                     if conn.is_local() {
                         let at = part.stable_ptr();
                         let n = part.len() as u64;
