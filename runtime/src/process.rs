@@ -104,8 +104,7 @@ impl PeerProcess {
         let Identity::Pidfd(pidfd) = &self.identity else {
             return Err(io::ErrorKind::Unsupported.into());
         };
-        // SAFETY: pidfd_getfd takes a pidfd, a number and flags, no memory,
-        // and returns a new fd or -1.
+        // SAFETY: pidfd_getfd takes a pidfd, a number and flags, no memory, and returns a new fd or -1.
         let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
         if raw < 0 {
             return Err(io::Error::last_os_error());

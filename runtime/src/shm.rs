@@ -37,8 +37,7 @@ pub struct SharedMemory {
     fd: OwnedFd,
 }
 
-// SAFETY: the mapping is plain memory reached only through atomics and
-// bounds-checked copies; it may move to another thread with its fd.
+// SAFETY: plain memory reached only through atomics and bounds-checked copies; it may move to another thread with its fd.
 unsafe impl Send for SharedMemory {}
 
 impl SharedMemory {
@@ -142,10 +141,9 @@ impl SharedMemory {
             offset.is_multiple_of(8) && offset.checked_add(8).is_some_and(|e| e <= self.len),
             "a shared word out of place"
         );
-        // SAFETY: aligned (the mapping is page-aligned, the offset a
-        // multiple of 8) and inside the mapping, which lives as long as
-        // `self`; every access to it is atomic, the other process's too
-        // (it runs this code).
+        // The other process reaches the word only atomically too (it runs
+        // this code).
+        // SAFETY: aligned (page-aligned mapping, offset a multiple of 8) and inside the mapping, which lives as long as `self`.
         unsafe { &*self.ptr.as_ptr().add(offset).cast::<AtomicU64>() }
     }
 
@@ -156,11 +154,8 @@ impl SharedMemory {
     pub fn copy_into<B: IoBufMut>(&self, offset: usize, dst: &mut B, len: usize) {
         self.check(offset, len);
         assert!(len <= dst.bytes_total(), "destination too small");
-        // SAFETY: the source lies inside the mapping (checked), the
-        // destination's first `len` bytes are writable while it is borrowed,
-        // and the two never overlap (one is this mapping, the other an
-        // owned buffer). A peer writing the source meanwhile changes only
-        // which bytes arrive.
+        // A peer writing the source meanwhile changes only which bytes arrive.
+        // SAFETY: the source is inside the mapping (checked); `dst`'s first `len` bytes are writable while it is borrowed, and an owned buffer never overlaps the mapping.
         unsafe {
             std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), dst.stable_mut_ptr(), len)
         };
@@ -171,13 +166,8 @@ impl SharedMemory {
     /// # Panics
     /// If they do not fit inside the mapping there.
     pub fn copy_from<B: IoBuf>(&self, offset: usize, src: &B) {
-        let len = src.bytes_init();
-        self.check(offset, len);
-        // SAFETY: the destination lies inside the mapping (checked) and the
-        // source's initialised bytes are readable while it is borrowed.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.stable_ptr(), self.ptr.as_ptr().add(offset), len)
-        };
+        // SAFETY: `src`'s initialised bytes are readable while it is borrowed.
+        unsafe { self.write_raw(offset, src.stable_ptr(), src.bytes_init()) };
     }
 
     /// Copies `src` to `offset`.
@@ -185,13 +175,19 @@ impl SharedMemory {
     /// # Panics
     /// If it does not fit inside the mapping there.
     pub fn copy_from_slice(&self, offset: usize, src: &[u8]) {
-        self.check(offset, src.len());
-        // SAFETY: the destination lies inside the mapping (checked); `src`
-        // is a live slice, which the mapping cannot overlap (no reference
-        // into it is ever handed out).
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
-        };
+        // SAFETY: a live slice is readable for its length.
+        unsafe { self.write_raw(offset, src.as_ptr(), src.len()) };
+    }
+
+    /// Copies `len` bytes from `src` to `offset`.
+    ///
+    /// # Safety
+    /// `src` must be readable for `len` bytes during the call.
+    unsafe fn write_raw(&self, offset: usize, src: *const u8, len: usize) {
+        self.check(offset, len);
+        // No reference into the mapping is ever handed out, so `src` (the caller's) cannot overlap it.
+        // SAFETY: the destination is inside the mapping (checked); the caller vouches for `src`.
+        unsafe { std::ptr::copy_nonoverlapping(src, self.ptr.as_ptr().add(offset), len) };
     }
 
     fn check(&self, offset: usize, len: usize) {
@@ -204,8 +200,7 @@ impl SharedMemory {
 
 impl Drop for SharedMemory {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once; nothing borrows
-        // it any more (`word` borrows `self`).
+        // SAFETY: the mapping made in `map`, unmapped once; nothing borrows it any more (`word` borrows `self`).
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
@@ -234,9 +229,8 @@ impl Doorbell {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: eventfd returned a new descriptor nothing else owns.
-        Ok(Doorbell {
-            fd: unsafe { OwnedFd::from_raw_fd(raw) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        Ok(Doorbell { fd })
     }
 
     /// Takes `fd`, another process's doorbell, if it is a non-blocking
@@ -258,8 +252,8 @@ impl Doorbell {
     /// Rings it: the watching reactor wakes.
     pub fn ring(&self) {
         let one = 1u64;
-        // SAFETY: writes 8 bytes from a live u64. It fails only if the
-        // counter is saturated, when the bell is ringing anyway.
+        // It fails only if the counter is saturated, when the bell is ringing anyway.
+        // SAFETY: writes 8 bytes from a live u64.
         let _ = unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 

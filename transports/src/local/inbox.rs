@@ -110,11 +110,11 @@ impl ServedConn<'_> {
     /// Serves up to [`SLOTS`] requests published in the mailbox; returns how
     /// many. Call before acting on any frame read from the socket: the
     /// requests published before it was sent go first.
-    pub(crate) fn serve_inbox(&mut self) -> Result<u64, Closed> {
+    pub(crate) fn serve_inbox(&self) -> Result<u64, Closed> {
         let Some(inbox) = &self.inbox else {
             return Ok(0);
         };
-        let mb = inbox.mb.clone();
+        let mb = &inbox.mb;
         let (start, end) = (inbox.served.get(), mb.submitted());
         let waiting = end.wrapping_sub(start);
         if waiting > SLOTS {
@@ -123,7 +123,7 @@ impl ServedConn<'_> {
             )));
         }
         for seq in start..end {
-            let (st, applied) = self.serve_slot(&mb, seq);
+            let (st, applied) = self.serve_slot(mb, seq);
             mb.word(seq, Word::Status)
                 .store(st as u64, Ordering::Relaxed);
             mb.word(seq, Word::Applied)
@@ -136,9 +136,7 @@ impl ServedConn<'_> {
         if end != start {
             let c = &self.engine.counters.mailbox_requests;
             c.set(c.get() + waiting);
-            if let Some(inbox) = &self.inbox {
-                inbox.served.set(end);
-            }
+            inbox.served.set(end);
             mb.set_served(end);
             mb.wake(End::Initiator);
         }
