@@ -82,27 +82,42 @@ fn fence_on_a_stopped_then_resumed_target_process() {
         let e = Engine::bind(small_slices()).unwrap();
         let peer = e.connect(target.addr).await.unwrap();
         let kv = peer.open("kv", token).await.unwrap();
-        let kv2 = kv.clone();
-        let w = spawn_local(async move { kv2.write(0, vec![0xcd; BIG], 11).await });
-        time::sleep(Duration::from_millis(5)).await;
-        target.signal(libc::SIGSTOP);
-        let p2 = peer.clone();
-        let fence = spawn_local(async move { p2.fence(11).await });
-        time::sleep(Duration::from_millis(100)).await;
-        assert!(
-            !fence.is_finished(),
-            "a stopped target cannot confirm a fence"
-        );
-        target.signal(libc::SIGCONT);
-        fence.await.unwrap().expect("fence confirmed");
-        let (res, _) = w.await.unwrap();
-        assert!(
-            matches!(
-                res,
-                Err(TransferError::Fenced) | Err(TransferError::FencedPartial { .. })
-            ),
-            "{res:?}"
-        );
+        // On a loaded machine (tests in parallel on two cores) this thread
+        // can lose the CPU for longer than the whole write takes, so a round
+        // whose write finished before the stop tested nothing: go again with
+        // a new batch and an earlier stop.
+        // Each round writes its own byte, so a finished round's bytes are
+        // not counted as the fenced one's.
+        let (mut batch, mut byte) = (11, 0xcd);
+        for round in 0.. {
+            assert!(round < 8, "every write finished before the target stopped");
+            let kv2 = kv.clone();
+            let w = spawn_local(async move { kv2.write(0, vec![byte; BIG], batch).await });
+            time::sleep(Duration::from_micros(5000 >> round)).await;
+            target.signal(libc::SIGSTOP);
+            let p2 = peer.clone();
+            let fence = spawn_local(async move { p2.fence(batch).await });
+            time::sleep(Duration::from_millis(100)).await;
+            assert!(
+                !fence.is_finished(),
+                "a stopped target cannot confirm a fence"
+            );
+            target.signal(libc::SIGCONT);
+            fence.await.unwrap().expect("fence confirmed");
+            let (res, _) = w.await.unwrap();
+            if res == Ok(BIG as u64) {
+                (batch, byte) = (batch + 1, byte + 1);
+                continue;
+            }
+            assert!(
+                matches!(
+                    res,
+                    Err(TransferError::Fenced) | Err(TransferError::FencedPartial { .. })
+                ),
+                "{res:?}"
+            );
+            break;
+        }
         // Sample the target's memory (another batch, 1 MiB slices), wait, sample again.
         let sampler = Engine::bind(tcp()).unwrap();
         let kv = sampler
@@ -112,17 +127,17 @@ fn fence_on_a_stopped_then_resumed_target_process() {
             .open("kv", token)
             .await
             .unwrap();
-        let (r, first) = kv.read(0, BIG as u64, Vec::with_capacity(BIG), 12).await;
+        let (r, first) = kv.read(0, BIG as u64, Vec::with_capacity(BIG), 1012).await;
         r.unwrap();
         time::sleep(Duration::from_millis(300)).await;
-        let (r, second) = kv.read(0, BIG as u64, Vec::with_capacity(BIG), 13).await;
+        let (r, second) = kv.read(0, BIG as u64, Vec::with_capacity(BIG), 1013).await;
         r.unwrap();
-        let (a, b) = (count(&first, 0xcd), count(&second, 0xcd));
+        let (a, b) = (count(&first, byte), count(&second, byte));
         assert!(a < BIG, "the fence came after the whole write");
         assert_eq!(a, b, "bytes landed after the fence was confirmed");
         // A fenced batch stays fenced: new writes of it are refused.
         let kv = peer.open("kv", token).await.unwrap();
-        let (res, _) = kv.write(0, vec![1u8; 16], 11).await;
+        let (res, _) = kv.write(0, vec![1u8; 16], batch).await;
         assert_eq!(res.unwrap_err(), TransferError::Fenced);
     });
 }
