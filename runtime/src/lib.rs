@@ -47,7 +47,6 @@ mod stats;
 pub mod time;
 
 pub use buf::{BufResult, IoBuf, IoBufMut, Slice};
-pub use driver::op::{BufPool, PooledBuf};
 pub use driver::{Canceller, DriverKind, Op};
 pub use executor::{spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle};
 pub use runtime::{BuildError, Builder, Runtime, Undrained};

@@ -6,7 +6,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use crate::buf::{BufResult, IoBuf, IoBufMut};
 use crate::context;
-use crate::driver::op::{Accept, BufPool, Connect, PollAdd, Recv, RecvMulti, Send, SendZc};
+use crate::driver::op::{Accept, Connect, PollAdd, Recv, Send, SendZc};
 use crate::driver::shared_fd::SharedFd;
 use crate::driver::socket::{
     current_is_epoll, send_vectored_now, set_nonblocking, tcp_socket, view,
@@ -207,11 +207,6 @@ impl TcpStream {
             }
         }
         (Ok(()), buf)
-    }
-
-    /// A multishot receive into buffers of `pool`.
-    pub fn recv_multishot(&self, pool: &BufPool) -> RecvMulti {
-        RecvMulti::new(self.fd.clone(), pool)
     }
 
     /// Waits until the socket is readable (`POLL_ADD`); returns the events.

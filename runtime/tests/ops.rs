@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use quiesce_runtime::fd::Fd;
 use quiesce_runtime::net::{TcpListener, TcpStream};
-use quiesce_runtime::{spawn_local, stats, time, BufPool, IoBuf};
+use quiesce_runtime::{spawn_local, stats, time, IoBuf};
 
 #[test]
 fn accept_connect_send_recv() {
@@ -69,62 +69,6 @@ fn send_zc_returns_the_buffer_after_the_notification() {
         let (r, got) = reader.await.unwrap();
         r.unwrap();
         assert_eq!(got, buf);
-    });
-}
-
-#[test]
-fn recv_multishot_yields_each_message_then_eof() {
-    rt().block_on(async {
-        let (a, b) = pair().await;
-        let pool = BufPool::new(8, 4096).unwrap();
-        let mut stream = b.recv_multishot(&pool);
-        let mut total = Vec::new();
-        for i in 0..5u8 {
-            let (r, _) = a.write_all(vec![i; 100]).await;
-            r.unwrap();
-            let got = stream.next().await.unwrap().unwrap();
-            total.extend_from_slice(&got);
-        }
-        drop(a);
-        while let Some(r) = stream.next().await {
-            total.extend_from_slice(&r.unwrap());
-        }
-        let expect: Vec<u8> = (0..5u8).flat_map(|i| vec![i; 100]).collect();
-        assert_eq!(total, expect);
-    });
-}
-
-#[test]
-fn recv_multishot_reports_enobufs_and_recovers() {
-    rt().block_on(async {
-        let (a, b) = pair().await;
-        let pool = BufPool::new(2, 64).unwrap();
-        let mut stream = b.recv_multishot(&pool);
-        let mut held = Vec::new();
-        for i in 0..2u8 {
-            a.write_all(vec![i; 10]).await.0.unwrap();
-            held.push(stream.next().await.unwrap().unwrap());
-        }
-        a.write_all(vec![9u8; 10]).await.0.unwrap();
-        let err = stream.next().await.unwrap().unwrap_err();
-        assert_eq!(err.raw_os_error(), Some(libc::ENOBUFS));
-        drop(held);
-        let got = stream.next().await.unwrap().unwrap();
-        assert_eq!(&got[..], &[9u8; 10]);
-    });
-}
-
-#[test]
-fn pooled_buffers_are_recycled() {
-    rt().block_on(async {
-        let (a, b) = pair().await;
-        let pool = BufPool::new(2, 16).unwrap();
-        let mut stream = b.recv_multishot(&pool);
-        for i in 0..20u8 {
-            a.write_all(vec![i; 16]).await.0.unwrap();
-            let got = stream.next().await.unwrap().unwrap();
-            assert_eq!(&got[..], &[i; 16]);
-        }
     });
 }
 

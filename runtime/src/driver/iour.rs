@@ -54,7 +54,6 @@ pub(crate) struct Uring {
     defer_taskrun: bool,
     wake_fd: RawFd,
     wake_armed: bool,
-    next_bgid: u16,
     pub(crate) events: ParkEvents,
     /// Completions being dispatched (kept for its capacity).
     reaped: Vec<cqueue::Entry>,
@@ -104,7 +103,6 @@ impl Uring {
             defer_taskrun: cfg.defer_taskrun,
             wake_fd,
             wake_armed: false,
-            next_bgid: 0,
             events: ParkEvents::default(),
             reaped: Vec::with_capacity(256),
         })
@@ -189,34 +187,8 @@ impl Uring {
                 }
                 None
             }
-            Lifecycle::Ignored(_) | Lifecycle::Multi { .. } => {
-                unreachable!("poll_op on a parked or multishot op")
-            }
-        }
-    }
-
-    /// Polls a multishot op: the next queued CQE and whether it was the last.
-    pub(crate) fn poll_multi(&mut self, token: u64, waker: &Waker) -> Option<(i32, u32, bool)> {
-        let slot = self.slot(token).expect("polled multishot op has a slot");
-        let Lifecycle::Multi {
-            queue,
-            waker: w,
-            done,
-        } = &mut slot.life
-        else {
-            unreachable!("poll_multi on a one-shot op")
-        };
-        match queue.pop_front() {
-            Some((res, flags)) => {
-                let last = queue.is_empty() && *done;
-                if last {
-                    self.remove(token);
-                }
-                Some((res, flags, last))
-            }
-            None => {
-                *w = Some(waker.clone());
-                None
+            Lifecycle::Ignored(_) => {
+                unreachable!("poll_op on a parked op")
             }
         }
     }
@@ -227,7 +199,7 @@ impl Uring {
     pub(crate) fn park_op(
         &mut self,
         token: u64,
-        mut op: Box<dyn Parked>,
+        op: Box<dyn Parked>,
         counters: &Counters,
     ) -> Option<Box<dyn Parked>> {
         let slot = self.slot(token).expect("dropped op has a slot");
@@ -235,16 +207,6 @@ impl Uring {
             Lifecycle::Completed { more: false, .. } => {
                 self.remove(token);
                 return Some(op);
-            }
-            Lifecycle::Multi { queue, done, .. } => {
-                for (res, flags) in queue.drain(..) {
-                    op.cqe(res, flags);
-                }
-                if *done {
-                    self.remove(token);
-                    return Some(op);
-                }
-                true
             }
             // Only the zero-copy notification is outstanding: nothing to cancel.
             Lifecycle::Completed { more: true, .. } => false,
@@ -285,28 +247,6 @@ impl Uring {
     pub(crate) fn unwatch_source(&mut self, token: u64, counters: &Counters) {
         let e = opcode::PollRemove::new(SOURCE_TAG | token).build();
         self.push(&e.user_data(CANCEL_TOKEN), counters);
-    }
-
-    /// Registers a provided-buffer ring; returns its buffer group id.
-    pub(crate) fn register_buf_ring(
-        &mut self,
-        ring: *mut types::BufRingEntry,
-        count: u16,
-    ) -> io::Result<u16> {
-        let bgid = self.next_bgid;
-        self.next_bgid = self.next_bgid.wrapping_add(1);
-        // SAFETY: `ring` points to `count` zeroed, page-aligned entries that the pool
-        // keeps alive until it calls unregister_buf_ring (or the ring is destroyed).
-        unsafe {
-            self.ring
-                .submitter()
-                .register_buf_ring_with_flags(ring as u64, count, bgid, 0)
-        }?;
-        Ok(bgid)
-    }
-
-    pub(crate) fn unregister_buf_ring(&mut self, bgid: u16) -> io::Result<()> {
-        self.ring.submitter().unregister_buf_ring(bgid)
     }
 
     /// Flushes SQEs, waits up to `timeout` for a completion, reaps all.
@@ -456,13 +396,6 @@ impl Uring {
                         self.events.released.push(op);
                     }
                     Counters::bump(&counters.parked_released);
-                }
-            }
-            Lifecycle::Multi { queue, waker, done } => {
-                queue.push_back((res, flags));
-                *done = last;
-                if let Some(w) = waker.take() {
-                    w.wake();
                 }
             }
         }

@@ -12,7 +12,6 @@
 //! future releases its buffers at once.
 
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -42,13 +41,6 @@ pub(crate) enum Lifecycle {
         more: bool,
         waker: Option<Waker>,
     },
-    /// A multishot op: CQEs are queued for the stream; `done` once the final
-    /// one (without `IORING_CQE_F_MORE`) arrived.
-    Multi {
-        queue: VecDeque<(i32, u32)>,
-        waker: Option<Waker>,
-        done: bool,
-    },
 }
 
 impl Lifecycle {
@@ -57,14 +49,14 @@ impl Lifecycle {
         match self {
             Lifecycle::Submitted | Lifecycle::Waiting(_) | Lifecycle::Ignored(_) => true,
             Lifecycle::Completed { more, .. } => *more,
-            Lifecycle::Multi { done, .. } => !*done,
         }
     }
 }
 
 /// An operation whose future is gone, parked in the driver until it drains.
 pub(crate) trait Parked {
-    /// Sees every CQE that arrives while parked (to recycle provided buffers).
+    /// Sees every CQE that arrives while parked (an accept closes the fd it
+    /// got for nobody).
     fn cqe(&mut self, res: i32, flags: u32);
 }
 
