@@ -1,9 +1,13 @@
 //! A FIFO async mutex for one thread's tasks (no data inside: it orders
-//! critical sections such as "send one frame" or "reconnect slot i").
+//! critical sections such as "send one frame"), and the gate built on it
+//! that serialises setting something up — a connection, a queue pair.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
+use std::future::Future;
 use std::task::{Poll, Waker};
+
+use crate::error::TransferError;
 
 /// The lock.
 #[derive(Default)]
@@ -40,5 +44,47 @@ impl Drop for LockGuard<'_> {
         // future was dropped must not swallow the hand-over).
         let waiters = std::mem::take(&mut *self.lock.waiters.borrow_mut());
         waiters.into_iter().for_each(Waker::wake);
+    }
+}
+
+/// Serialises attempts to set something up, and hands a failed attempt's
+/// error to everyone who waited behind it: they asked while it was being
+/// tried, so its answer is theirs. Without that, N transfers to a peer that
+/// stopped answering fail one connect timeout after another, N in a row.
+#[derive(Default)]
+pub(crate) struct SetupGate {
+    lock: AsyncLock,
+    /// Attempts finished.
+    attempts: Cell<u64>,
+    /// The last attempt's error, if it failed.
+    failure: RefCell<Option<TransferError>>,
+}
+
+impl SetupGate {
+    /// Once the gate is ours: what `ready` finds set up already, else the
+    /// error of an attempt that finished failing while we waited, else the
+    /// result of a new `attempt`.
+    pub(crate) async fn run<T, F>(
+        &self,
+        ready: impl Fn() -> Option<T>,
+        attempt: impl FnOnce() -> F,
+    ) -> Result<T, TransferError>
+    where
+        F: Future<Output = Result<T, TransferError>>,
+    {
+        let seen = self.attempts.get();
+        let _g = self.lock.lock().await;
+        if let Some(t) = ready() {
+            return Ok(t);
+        }
+        if self.attempts.get() != seen {
+            if let Some(e) = self.failure.borrow().clone() {
+                return Err(e);
+            }
+        }
+        let res = attempt().await;
+        self.attempts.set(self.attempts.get() + 1);
+        *self.failure.borrow_mut() = res.as_ref().err().cloned();
+        res
     }
 }

@@ -275,3 +275,37 @@ fn garbage_from_a_target_fails_requests_without_panicking() {
         );
     });
 }
+
+/// Slices that queued behind a reconnect share its failure instead of each
+/// trying again: 64 slices to a peer that stopped answering fail after about
+/// one connect timeout, not 64 of them one after another.
+#[test]
+fn slices_waiting_on_a_failed_reconnect_fail_with_it() {
+    let target = TargetProcess::spawn(&["--segment", "kv:4194304:rw"]);
+    let token = target.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let cfg = EngineConfig {
+            connect_timeout: Duration::from_millis(200),
+            ..small_slices()
+        };
+        let e = Engine::bind(cfg).unwrap();
+        let peer = e.connect(target.addr).await.unwrap();
+        let kv = peer.open("kv", token).await.unwrap();
+        peer.abort();
+        target.signal(libc::SIGSTOP);
+        let started = std::time::Instant::now();
+        // 4 MiB in 64 KiB slices: 64 slices, each needing a connection.
+        let (res, buf) = kv.write(0, vec![3u8; 4 << 20], 21).await;
+        let took = started.elapsed();
+        target.signal(libc::SIGCONT);
+        assert!(
+            matches!(res, Err(TransferError::ConnectionLost(_))),
+            "{res:?}"
+        );
+        assert_eq!(buf.len(), 4 << 20, "the source comes back");
+        assert!(
+            took < Duration::from_secs(3),
+            "the write failed after {took:?}: its slices retried the reconnect one by one"
+        );
+    });
+}

@@ -15,7 +15,7 @@ use super::verbs::{Access, WorkRequest};
 use crate::control::auth::Token;
 use crate::control::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 use crate::error::TransferError;
-use crate::lock::AsyncLock;
+use crate::lock::SetupGate;
 use crate::tcp::peer::{check_range, descriptor_accessors, Peer};
 use crate::tcp::split::set_filled;
 use crate::tcp::split::slices;
@@ -25,7 +25,8 @@ struct PeerState {
     tcp: Peer,
     link: RefCell<Option<Rc<Link>>>,
     keys: RefCell<HashMap<u64, RemoteKey>>,
-    setup: AsyncLock,
+    /// Serialises link set-up; who waited behind a failed one fails with it.
+    setup: SetupGate,
 }
 
 /// A connected remote RDMA engine. Cheap to clone.
@@ -42,7 +43,7 @@ impl RdmaPeer {
                 tcp,
                 link: RefCell::default(),
                 keys: RefCell::default(),
-                setup: AsyncLock::default(),
+                setup: SetupGate::default(),
             }),
         }
     }
@@ -129,10 +130,14 @@ impl RdmaPeer {
         if let Some(l) = self.usable_link() {
             return Ok(l);
         }
-        let _g = self.inner.setup.lock().await;
-        if let Some(l) = self.usable_link() {
-            return Ok(l);
-        }
+        self.inner
+            .setup
+            .run(|| self.usable_link(), || self.new_link())
+            .await
+    }
+
+    /// Sets a new link up (under the setup gate).
+    async fn new_link(&self) -> Result<Rc<Link>, TransferError> {
         let conn = self.inner.tcp.control().await?;
         let node = &self.inner.local.node;
         let qp = node

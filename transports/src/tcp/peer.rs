@@ -19,7 +19,7 @@ use crate::error::TransferError;
 use crate::local::conn::attach_data;
 use crate::local::loan::{lend, Request};
 use crate::local::mailbox::SLOT_DATA;
-use crate::lock::AsyncLock;
+use crate::lock::SetupGate;
 use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding, INLINE_PAYLOAD};
 use crate::tcp::split::{bytes_of, init_bytes, join_slices, set_filled, slices, Part, SplitBuf};
 
@@ -48,8 +48,9 @@ pub(crate) struct PeerInner {
     /// Tokens proven so far, replayed (by id) on every new connection.
     opened: RefCell<BTreeMap<u64, Token>>,
     rr: Cell<usize>,
-    /// Serialises reconnects, so concurrent slices open one connection.
-    reconnect: AsyncLock,
+    /// Serialises reconnects, so concurrent slices open one connection, and
+    /// fails those that waited behind a failed one with its error.
+    reconnect: SetupGate,
     fenced: LocalFences,
     /// The target's process, once a data connection attached to it (the
     /// local transport).
@@ -88,7 +89,7 @@ impl Peer {
                 session,
                 opened: RefCell::default(),
                 rr: Cell::new(0),
-                reconnect: AsyncLock::default(),
+                reconnect: SetupGate::default(),
                 fenced,
                 target: RefCell::default(),
             }),
@@ -190,10 +191,14 @@ impl Peer {
         if let Some(c) = self.live(i) {
             return Ok(c);
         }
-        let _g = self.inner.reconnect.lock().await;
-        if let Some(c) = self.live(i) {
-            return Ok(c);
-        }
+        self.inner
+            .reconnect
+            .run(|| self.live(i), || self.reconnect(i))
+            .await
+    }
+
+    /// Opens connection `i` again (under the reconnect lock).
+    async fn reconnect(&self, i: usize) -> Result<Rc<Conn>, TransferError> {
         let c = Conn::connect(
             self.inner.addr,
             &conn_params(&self.inner.params, &self.inner.fenced, &self.inner.session),
