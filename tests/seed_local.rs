@@ -106,7 +106,7 @@ fn a_deadline_with_the_target_stopped_keeps_the_buffer_until_it_let_go() {
         let mut round = 0;
         let outcome = loop {
             assert!(round < 8, "every write finished before the target stopped");
-            let mut batch = Batch::new(Tcp, opts.clone());
+            let mut batch = Batch::new(Tcp, opts);
             batch
                 .write(
                     AlignedBuf::from_slice(&vec![7u8; BIG]),
