@@ -106,17 +106,32 @@ pub fn seed_batch<S: Seg, B: IoBuf>(
     src: B,
     opts: BatchOptions,
 ) -> Batch<S::T, B> {
-    let size = src.bytes_init() as u64;
     let mut batch = Batch::new(remote.kv.transport(), opts);
     batch
         .write(probe, remote.refuse.range(0, 4096))
         .map_err(|r| r.reason)
         .unwrap();
+    write_over_kv(&mut batch, remote, src);
+    batch
+}
+
+/// A batch of one write: all of `src` over the start of `kv`.
+pub fn one_write<S: Seg, B: IoBuf>(
+    remote: &Remote<S>,
+    src: B,
+    opts: BatchOptions,
+) -> Batch<S::T, B> {
+    let mut batch = Batch::new(remote.kv.transport(), opts);
+    write_over_kv(&mut batch, remote, src);
+    batch
+}
+
+fn write_over_kv<S: Seg, B: IoBuf>(batch: &mut Batch<S::T, B>, remote: &Remote<S>, src: B) {
+    let size = src.bytes_init() as u64;
     batch
         .write(src, remote.kv.range(0, size))
         .map_err(|r| r.reason)
         .unwrap();
-    batch
 }
 
 /// Runs one write round.

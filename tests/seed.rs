@@ -12,7 +12,7 @@ use quiesce::batch::{
 };
 use quiesce::runtime::{spawn_local, time, Runtime};
 use quiesce::scenario::{
-    count_remote, read_round, seed_batch, seed_options, write_round, Bufs, Kind, Remote,
+    count_remote, one_write, read_round, seed_batch, seed_options, write_round, Bufs, Kind, Remote,
     POST_OUTCOME,
 };
 use quiesce::stale::stale_bytes_round;
@@ -101,14 +101,7 @@ fn deadline_with_the_target_stopped_then_resumed() {
             .policy(FailurePolicy::FailFast)
             .deadline(Duration::from_millis(30))
             .fence_grace(Duration::from_millis(200));
-        let mut batch = Batch::new(Tcp, opts);
-        batch
-            .write(
-                AlignedBuf::from_slice(&vec![7u8; BIG]),
-                RemoteRange::new(&r.kv, 0, BIG as u64),
-            )
-            .ok()
-            .unwrap();
+        let batch = one_write(&r, AlignedBuf::from_slice(&vec![7u8; BIG]), opts);
         let sub = batch.submit();
         time::sleep(Duration::from_millis(3)).await;
         t.signal(libc::SIGSTOP).unwrap();
@@ -315,11 +308,7 @@ async fn torn_down_write(t: &Target, r: &Remote<RemoteSegment>, stop: bool) -> Q
         let opts = BatchOptions::default()
             .retry(1, Duration::from_millis(1))
             .fence_grace(Duration::from_millis(150));
-        let mut batch = Batch::new(Tcp, opts);
-        batch
-            .write(vec![6u8; BIG], RemoteRange::new(&r.kv, 0, BIG as u64))
-            .ok()
-            .unwrap();
+        let batch = one_write(r, vec![6u8; BIG], opts);
         let sub = spawn_local(batch.submit());
         time::sleep(Duration::from_micros(if round == 0 {
             500_000
@@ -439,11 +428,7 @@ fn a_fence_lost_with_the_teardown_is_sent_again_and_confirms() {
             .policy(FailurePolicy::FailFast)
             .deadline(Duration::from_millis(10))
             .fence_grace(Duration::from_millis(400));
-        let mut batch = Batch::new(Tcp, opts);
-        batch
-            .write(vec![8u8; BIG], RemoteRange::new(&r.kv, 0, BIG as u64))
-            .ok()
-            .unwrap();
+        let batch = one_write(&r, vec![8u8; BIG], opts);
         let sub = batch.submit();
         time::sleep(Duration::from_millis(3)).await;
         t.signal(libc::SIGSTOP).unwrap();

@@ -12,7 +12,7 @@ use quiesce::batch::{
 };
 use quiesce::runtime::{spawn_local, time, Runtime};
 use quiesce::scenario::{
-    count_remote, read_round, seed_batch, seed_options, write_round, Bufs, Kind, Remote,
+    count_remote, one_write, read_round, seed_batch, seed_options, write_round, Bufs, Kind, Remote,
     POST_OUTCOME,
 };
 use quiesce::stale::stale_bytes_round;
@@ -106,14 +106,7 @@ fn a_deadline_with_the_target_stopped_keeps_the_buffer_until_it_let_go() {
         let mut round = 0;
         let outcome = loop {
             assert!(round < 8, "every write finished before the target stopped");
-            let mut batch = Batch::new(Tcp, opts);
-            batch
-                .write(
-                    AlignedBuf::from_slice(&vec![7u8; BIG]),
-                    RemoteRange::new(&r.kv, 0, BIG as u64),
-                )
-                .ok()
-                .unwrap();
+            let batch = one_write(&r, AlignedBuf::from_slice(&vec![7u8; BIG]), opts);
             let sub = batch.submit();
             time::sleep(Duration::from_micros(3000 >> round)).await;
             t.signal(libc::SIGSTOP).unwrap();
@@ -208,11 +201,7 @@ fn a_retry_goes_out_only_after_the_target_let_go_of_the_torn_down_attempt() {
         let opts = BatchOptions::default()
             .retry(1, Duration::from_millis(1))
             .fence_grace(Duration::from_millis(150));
-        let mut batch = Batch::new(Tcp, opts);
-        batch
-            .write(vec![6u8; BIG], RemoteRange::new(&r.kv, 0, BIG as u64))
-            .ok()
-            .unwrap();
+        let batch = one_write(&r, vec![6u8; BIG], opts);
         let sub = spawn_local(batch.submit());
         time::sleep(Duration::from_millis(3)).await;
         r.kv.peer().abort();
