@@ -310,26 +310,12 @@ async fn torn_down_write(t: &Target, r: &Remote<RemoteSegment>, stop: bool) -> Q
             .fence_grace(Duration::from_millis(150));
         let batch = one_write(r, vec![6u8; BIG], opts);
         let sub = spawn_local(batch.submit());
-        time::sleep(Duration::from_micros(if round == 0 {
-            500_000
-        } else {
-            3000 >> round
-        }))
-        .await;
-        eprintln!(
-            "round {round} stop {stop} at {:?}",
-            std::time::SystemTime::now()
-        );
+        time::sleep(Duration::from_micros(3000 >> round)).await;
         if stop {
             t.signal(libc::SIGSTOP).unwrap();
         }
         r.kv.peer().abort();
         let q = sub.await.unwrap().quiesced().await;
-        eprintln!(
-            "round {round} q {:?} at {:?}",
-            q.tasks(),
-            std::time::SystemTime::now()
-        );
         if stop {
             t.signal(libc::SIGCONT).unwrap();
             if q.tasks()[0].status == TaskStatus::Completed && q.tasks()[0].attempts == 1 {
