@@ -13,8 +13,9 @@ busy-poll and would take the cores from them. Mooncake runs when ``mooncake.engi
 ``"tcp"``; ``quiesce-local`` the same drop-in with its local transport
 required (the target copies by cross-memory attach; the default, ``auto``,
 picks it for a peer on this host). ``nixl`` runs when ``nixl._api``
-imports (PyPI: ``pip install --no-deps nixl-cu12==1.5.1 numpy``; its
-``torch`` requirement is for tensors, which this benchmark does not use):
+imports (PyPI: ``pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1
+numpy``; its ``torch`` requirement is for tensors, which this benchmark
+does not use):
 NIXL 1.5.1 over UCX, which on one host writes by cross-memory attach
 without the target's involvement; each transfer's handle is made once and
 re-posted, polled to ``DONE`` as NIXL's callers do.
@@ -310,6 +311,7 @@ def measure(sides, a, results):
         batch64(sides, max(a.iters // 10, 20), max(a.block // 10, 5))
     )
     results.setdefault("64 MiB write", {}).update(latency(sides, a.big, 20, 5))
+
 
 if __name__ == "__main__":
     main()

@@ -197,7 +197,7 @@ impl Peer {
             .await
     }
 
-    /// Opens connection `i` again (under the reconnect lock).
+    /// Opens connection `i` again (through the reconnect gate).
     async fn reconnect(&self, i: usize) -> Result<Rc<Conn>, TransferError> {
         let c = Conn::connect(
             self.inner.addr,
