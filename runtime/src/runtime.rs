@@ -6,6 +6,7 @@ use std::future::Future;
 use std::io;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context as TaskCx, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -196,8 +197,10 @@ impl Builder {
             spin: self.spin,
             closed: Cell::new(false),
         };
+        let main = TaskWaker::new(MAIN_TASK, cx.unparker.clone());
         Ok(Runtime {
             cx: Rc::new(cx),
+            main,
             drain_timeout: self.drain_timeout,
             shut: false,
         })
@@ -210,6 +213,10 @@ impl Builder {
 /// kernel has returned all of their buffers (see [`Builder::drain_timeout`]).
 pub struct Runtime {
     cx: Rc<Context>,
+    /// The waker of [`block_on`](Self::block_on)'s future, made once: a
+    /// call whose future kept no clone of it reuses it (no allocation per
+    /// call).
+    main: Arc<TaskWaker>,
     drain_timeout: Duration,
     /// `close` ran (by `shutdown`, then not again by `Drop`).
     shut: bool,
@@ -254,7 +261,13 @@ impl Runtime {
         let _enter = context::enter(self.cx.clone());
         let cx = &*self.cx;
         let mut fut = std::pin::pin!(fut);
-        let main = TaskWaker::new(MAIN_TASK, cx.unparker.clone());
+        // A clone kept by an earlier call's future would wake this one's:
+        // harmless (a spurious poll), but a fresh waker keeps each call's
+        // wake-ups its own.
+        let main = match Arc::strong_count(&self.main) {
+            1 => self.main.clone(),
+            _ => TaskWaker::new(MAIN_TASK, cx.unparker.clone()),
+        };
         let waker = Waker::from(main.clone());
         main.queued.store(true, Ordering::Relaxed);
         cx.ready.borrow_mut().push_back(MAIN_TASK);

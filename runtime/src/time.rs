@@ -154,6 +154,18 @@ impl Future for Sleep {
     type Output = ();
 
     fn poll(mut self: Pin<&mut Self>, tcx: &mut TaskCx<'_>) -> Poll<()> {
+        // Registered and still armed: the reactor has not fired it (firing
+        // disarms it), so it wakes this task when due; no clock read.
+        if let Some((cx, k)) = &self.key {
+            let mut t = cx.timers.borrow_mut();
+            if t.is_armed(*k) {
+                let w = &mut t.armed[k.slot].waker;
+                if !w.will_wake(tcx.waker()) {
+                    *w = tcx.waker().clone();
+                }
+                return Poll::Pending;
+            }
+        }
         if Instant::now() >= self.deadline {
             self.unregister();
             return Poll::Ready(());
