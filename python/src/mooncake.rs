@@ -98,14 +98,14 @@ impl TransferEngine {
         py: Python<'_>,
         target: &str,
         dir: Direction,
-        buffers: Vec<usize>,
-        peer_addresses: Vec<usize>,
-        lengths: Vec<usize>,
+        buffers: &[usize],
+        peer_addresses: &[usize],
+        lengths: &[usize],
     ) -> i32 {
         let Some(node) = self.node() else {
             return complain("transfer: the engine is not initialised");
         };
-        py.detach(|| node.run(target, dir, &buffers, &peer_addresses, &lengths))
+        py.detach(|| node.run(target, dir, buffers, peer_addresses, lengths))
     }
 
     fn not_ready(&self) -> Option<Arc<Node>> {
@@ -121,14 +121,14 @@ impl TransferEngine {
         py: Python<'_>,
         target: &str,
         dir: Direction,
-        buffers: Vec<usize>,
-        peer_addresses: Vec<usize>,
-        lengths: Vec<usize>,
+        buffers: &[usize],
+        peer_addresses: &[usize],
+        lengths: &[usize],
     ) -> u64 {
         let Some(node) = self.not_ready() else {
             return 0;
         };
-        py.detach(|| node.submit(target, dir, &buffers, &peer_addresses, &lengths))
+        py.detach(|| node.submit(target, dir, buffers, peer_addresses, lengths))
     }
 }
 
@@ -289,8 +289,8 @@ impl TransferEngine {
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
-        let (b, a, l) = (vec![buffer], vec![peer_buffer_address], vec![length]);
-        self.sync(py, target_hostname, Direction::Write, b, a, l)
+        let (b, a, l) = ([buffer], [peer_buffer_address], [length]);
+        self.sync(py, target_hostname, Direction::Write, &b, &a, &l)
     }
 
     /// Reads `length` bytes at the peer's `peer_buffer_address` into
@@ -306,8 +306,8 @@ impl TransferEngine {
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
-        let (b, a, l) = (vec![buffer], vec![peer_buffer_address], vec![length]);
-        self.sync(py, target_hostname, Direction::Read, b, a, l)
+        let (b, a, l) = ([buffer], [peer_buffer_address], [length]);
+        self.sync(py, target_hostname, Direction::Read, &b, &a, &l)
     }
 
     /// One transfer in direction `opcode` (`TransferOpcode` or 0/1).
@@ -328,8 +328,8 @@ impl TransferEngine {
         let _ = transport_hint;
         refuse_notify(notify)?;
         let dir = direction(opcode)?;
-        let (b, a, l) = (vec![buffer], vec![peer_buffer_address], vec![length]);
-        Ok(self.sync(py, target_hostname, dir, b, a, l))
+        let (b, a, l) = ([buffer], [peer_buffer_address], [length]);
+        Ok(self.sync(py, target_hostname, dir, &b, &a, &l))
     }
 
     /// One batch of writes: it resolves only once every write in it has
@@ -346,7 +346,7 @@ impl TransferEngine {
     ) -> i32 {
         let _ = transport_hint;
         let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
-        self.sync(py, target_hostname, Direction::Write, b, a, l)
+        self.sync(py, target_hostname, Direction::Write, &b, &a, &l)
     }
 
     /// One batch of reads.
@@ -362,7 +362,7 @@ impl TransferEngine {
     ) -> i32 {
         let _ = transport_hint;
         let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
-        self.sync(py, target_hostname, Direction::Read, b, a, l)
+        self.sync(py, target_hostname, Direction::Read, &b, &a, &l)
     }
 
     /// One batch in direction `opcode`.
@@ -383,7 +383,7 @@ impl TransferEngine {
         refuse_notify(notify)?;
         let dir = direction(opcode)?;
         let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
-        Ok(self.sync(py, target_hostname, dir, b, a, l))
+        Ok(self.sync(py, target_hostname, dir, &b, &a, &l))
     }
 
     /// Starts a batch in direction `opcode` and returns its id at once (0:
@@ -404,7 +404,7 @@ impl TransferEngine {
         let _ = transport_hint;
         let dir = direction(opcode)?;
         let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
-        Ok(self.submit(py, target_hostname, dir, b, a, l))
+        Ok(self.submit(py, target_hostname, dir, &b, &a, &l))
     }
 
     /// `batch_transfer_async` of writes.
@@ -420,7 +420,7 @@ impl TransferEngine {
     ) -> u64 {
         let _ = transport_hint;
         let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
-        self.submit(py, target_hostname, Direction::Write, b, a, l)
+        self.submit(py, target_hostname, Direction::Write, &b, &a, &l)
     }
 
     /// `batch_transfer_async` of reads.
@@ -436,7 +436,7 @@ impl TransferEngine {
     ) -> u64 {
         let _ = transport_hint;
         let (b, a, l) = (buffers, peer_buffer_addresses, lengths);
-        self.submit(py, target_hostname, Direction::Read, b, a, l)
+        self.submit(py, target_hostname, Direction::Read, &b, &a, &l)
     }
 
     /// Waits for every batch in `batch_ids`: 0 if all completed, -1 if any
@@ -463,8 +463,8 @@ impl TransferEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        let (b, a, l) = (vec![buffer], vec![peer_buffer_address], vec![length]);
-        match self.submit(py, target_hostname, Direction::Write, b, a, l) {
+        let (b, a, l) = ([buffer], [peer_buffer_address], [length]);
+        match self.submit(py, target_hostname, Direction::Write, &b, &a, &l) {
             0 => -1,
             id => id as i64,
         }

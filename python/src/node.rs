@@ -15,6 +15,7 @@ use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_O
 use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, LocalMode, Token};
+use smallvec::SmallVec;
 
 use crate::managed::ManagedBuffers;
 
@@ -61,7 +62,7 @@ struct Outstanding {
     outcome: Option<mpsc::Receiver<SyncOutcome<RawBuf>>>,
     target: String,
     peer: SocketAddr,
-    used: Vec<u32>,
+    used: SmallVec<[u32; 4]>,
 }
 
 /// How an asynchronous batch stands.
@@ -77,8 +78,11 @@ pub(crate) enum Progress {
 /// What one call's tasks became.
 struct Prepared {
     peer: SocketAddr,
-    tasks: Vec<SyncTask<RawBuf>>,
-    used: Vec<u32>,
+    /// Paired with their direction as the sync engine takes them (no
+    /// second vector to pair them there).
+    tasks: Vec<(Direction, SyncTask<RawBuf>)>,
+    /// The segments the tasks use (inline for a few: no allocation).
+    used: SmallVec<[u32; 4]>,
 }
 
 pub(crate) struct Node {
@@ -357,6 +361,7 @@ impl Node {
     fn prepare(
         &self,
         target: &str,
+        dir: Direction,
         buffers: &[usize],
         peer_addresses: &[usize],
         lengths: &[usize],
@@ -372,11 +377,11 @@ impl Node {
         }
         let peer = self.peer(target)?;
         let mut tasks = Vec::with_capacity(buffers.len());
-        let mut used = Vec::with_capacity(buffers.len());
+        let mut used = SmallVec::with_capacity(buffers.len());
         for ((&buf, &at), &len) in buffers.iter().zip(peer_addresses).zip(lengths) {
             let seg = self.segment(peer, at as u64, len as u64)?;
             used.push(seg.segment);
-            tasks.push(SyncTask {
+            let task = SyncTask {
                 segment: seg.segment,
                 offset: at as u64 - seg.base,
                 // SAFETY: Mooncake's contract, which this API keeps: the
@@ -384,7 +389,8 @@ impl Node {
                 // returns 0 or -1, or, after -2, until wait_for_quiescence()
                 // says the batch drained.
                 buf: unsafe { RawBuf::new(buf as *mut u8, len) },
-            });
+            };
+            tasks.push((dir, task));
         }
         Ok(Prepared { peer, tasks, used })
     }
@@ -399,11 +405,11 @@ impl Node {
         peer_addresses: &[usize],
         lengths: &[usize],
     ) -> i32 {
-        let p = match self.prepare(target, buffers, peer_addresses, lengths) {
+        let p = match self.prepare(target, dir, buffers, peer_addresses, lengths) {
             Ok(p) => p,
             Err(e) => return complain(&format!("transfer: {e}")),
         };
-        match self.engine().batch(dir, p.tasks, self.options) {
+        match self.engine().run(p.tasks, self.options) {
             Ok(out) => self.settle(target, p.peer, &p.used, out),
             Err(e) => complain(&format!("transfer: {e}")),
         }
@@ -418,15 +424,19 @@ impl Node {
         peer_addresses: &[usize],
         lengths: &[usize],
     ) -> u64 {
-        let p = match self.prepare(target, buffers, peer_addresses, lengths) {
+        let p = match self.prepare(target, dir, buffers, peer_addresses, lengths) {
             Ok(p) => p,
             Err(e) => {
                 complain(&format!("transfer: {e}"));
                 return 0;
             }
         };
-        match self.engine().submit(dir, p.tasks, self.options) {
-            Ok(outcome) => {
+        let (tx, outcome) = mpsc::channel();
+        let done = move |out| {
+            let _ = tx.send(out);
+        };
+        match self.engine().submit_with(p.tasks, self.options, done) {
+            Ok(()) => {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let o = Outstanding {
                     outcome: Some(outcome),
