@@ -30,7 +30,6 @@
 //! engine stopped, until the thread's next lane call.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -39,6 +38,7 @@ use std::time::{Duration, Instant};
 use quiesce_runtime::time::timeout;
 use quiesce_runtime::{Handle, IoBuf, IoBufMut, Runtime, Slice};
 use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Token};
+use smallvec::SmallVec;
 
 use super::{Direction, SyncError, SyncOutcome, SyncTask};
 use crate::transport::Range;
@@ -221,7 +221,7 @@ impl Lanes {
             engine: self.id,
             stopped: self.stopped.clone(),
             net: Some(engine),
-            opened: HashMap::new(),
+            opened: Vec::new(),
             spare: Vec::new(),
             last: Instant::now(),
             rt,
@@ -261,8 +261,9 @@ struct Lane {
     stopped: Arc<AtomicBool>,
     /// The lane's initiator; `None` only while dropping.
     net: Option<Engine>,
-    /// What this lane knows of each of the engine's handles.
-    opened: HashMap<u32, LaneSegment>,
+    /// What this lane knows of each of the engine's handles, by handle
+    /// (the engine numbers them densely from 0, as `Lanes::keys` does).
+    opened: Vec<Option<LaneSegment>>,
     /// Copy buffers kept for the next call.
     spare: Vec<Vec<u8>>,
     /// When the last batch on this lane ended.
@@ -295,19 +296,18 @@ impl Lane {
         keys: &Mutex<Vec<Option<LaneKey>>>,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
-        let started = Instant::now();
-        let segs = self.segments(&tasks, keys, opts.deadline);
+        let (segs, spent) = self.segments(&tasks, keys, opts.deadline);
         // What the lane spent opening counts against the deadline, here or
         // on the engine's thread.
         let opts = BatchOptions {
-            deadline: opts.deadline.map(|d| d.saturating_sub(started.elapsed())),
+            deadline: opts.deadline.map(|d| d.saturating_sub(spent)),
             ..opts
         };
         let Some(segs) = segs else {
             return Err((tasks, opts));
         };
         let mut batch = Batch::new(Tcp, opts);
-        let mut dirs = Vec::with_capacity(tasks.len());
+        let mut dirs: SmallVec<[Direction; 4]> = SmallVec::with_capacity(tasks.len());
         let mut originals = Vec::with_capacity(tasks.len());
         for ((dir, t), seg) in tasks.into_iter().zip(&segs) {
             let n = t.buf.bytes_total();
@@ -347,7 +347,8 @@ impl Lane {
             Outcome::Quiesced(q) => {
                 let code = q.sync_code();
                 let remote_confirmed = q.remote_confirmed();
-                let (mut tasks, copies) = q.into_parts();
+                let mut tasks = q.tasks().to_vec();
+                let copies: SmallVec<[Copied; 4]> = q.into_buffers().collect();
                 for (((dir, report), copy), orig) in dirs
                     .iter()
                     .zip(&mut tasks)
@@ -400,41 +401,30 @@ impl Lane {
     /// opened here as the engine opened it, or not in time. An open may
     /// take [`OPEN_SHARE`] of the batch's deadline at most, leaving the
     /// rest for the batch; one that runs out is not tried again for
-    /// [`OPEN_BACKOFF`].
+    /// [`OPEN_BACKOFF`]. Also the time spent opening (the clock is not read
+    /// when every segment was open already).
     fn segments<B>(
         &mut self,
         tasks: &[(Direction, SyncTask<B>)],
         keys: &Mutex<Vec<Option<LaneKey>>>,
         deadline: Option<Duration>,
-    ) -> Option<Vec<RemoteSegment>> {
-        let mut out = Vec::with_capacity(tasks.len());
+    ) -> (Option<SmallVec<[RemoteSegment; 4]>>, Duration) {
+        let mut out = SmallVec::with_capacity(tasks.len());
+        // Time spent opening, read from the clock only when one is opened.
+        let mut spent = Duration::ZERO;
         for (_, t) in tasks {
-            let seg = match self.opened.get(&t.segment).cloned() {
+            let known = self.opened.get(t.segment as usize).cloned().flatten();
+            let seg = match known {
                 Some(LaneSegment::Open(s)) => s,
-                Some(LaneSegment::Refused) => return None,
-                Some(LaneSegment::Slow(until)) if Instant::now() < until => return None,
+                Some(LaneSegment::Refused) => return (None, spent),
+                Some(LaneSegment::Slow(until)) if Instant::now() < until => return (None, spent),
                 Some(LaneSegment::Slow(_)) | None => {
-                    // Not on TCP, or not a handle of this engine: the
-                    // engine's thread answers it.
-                    let key = {
-                        let all = keys.lock().unwrap_or_else(|e| e.into_inner());
-                        all.get(t.segment as usize).cloned().flatten()?
-                    };
-                    let net = self.net.clone()?;
-                    let opening = open(&net, &key);
-                    let opened = match deadline {
-                        Some(d) => self.rt.block_on(timeout(d / OPEN_SHARE, opening)).ok(),
-                        None => Some(self.rt.block_on(opening)),
-                    };
-                    let state = match opened {
-                        Some(Some(s)) => LaneSegment::Open(s),
-                        Some(None) => LaneSegment::Refused,
-                        None => LaneSegment::Slow(Instant::now() + OPEN_BACKOFF),
-                    };
-                    self.opened.insert(t.segment, state.clone());
+                    let started = Instant::now();
+                    let state = self.open_here(t.segment, keys, deadline);
+                    spent += started.elapsed();
                     match state {
-                        LaneSegment::Open(s) => s,
-                        _ => return None,
+                        Some(LaneSegment::Open(s)) => s,
+                        _ => return (None, spent),
                     }
                 }
             };
@@ -446,10 +436,42 @@ impl Lane {
         if self.last.elapsed() >= AWAY {
             self.rt.block_on(quiesce_runtime::yield_now());
         }
-        Some(out)
+        (Some(out), spent)
     }
 
-    fn keep_spares(&mut self, copies: Vec<Copied>) {
+    /// Opens the engine's handle `handle` on this lane as `keys` says the
+    /// engine opened it, and records how that went; `None` if it is not a
+    /// TCP handle of this engine (the engine's thread answers it).
+    fn open_here(
+        &mut self,
+        handle: u32,
+        keys: &Mutex<Vec<Option<LaneKey>>>,
+        deadline: Option<Duration>,
+    ) -> Option<LaneSegment> {
+        let key = {
+            let all = keys.lock().unwrap_or_else(|e| e.into_inner());
+            all.get(handle as usize).cloned().flatten()?
+        };
+        let net = self.net.clone()?;
+        let opening = open(&net, &key);
+        let opened = match deadline {
+            Some(d) => self.rt.block_on(timeout(d / OPEN_SHARE, opening)).ok(),
+            None => Some(self.rt.block_on(opening)),
+        };
+        let state = match opened {
+            Some(Some(s)) => LaneSegment::Open(s),
+            Some(None) => LaneSegment::Refused,
+            None => LaneSegment::Slow(Instant::now() + OPEN_BACKOFF),
+        };
+        let h = handle as usize;
+        if self.opened.len() <= h {
+            self.opened.resize(h + 1, None);
+        }
+        self.opened[h] = Some(state.clone());
+        Some(state)
+    }
+
+    fn keep_spares(&mut self, copies: impl IntoIterator<Item = Copied>) {
         for c in copies {
             let c = c.into_inner();
             if self.spare.len() < SPARE_BUFFERS && c.capacity() <= SPARE_MAX {
