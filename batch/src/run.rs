@@ -229,60 +229,75 @@ impl<T: Transport, B: 'static> Driver<T, B> {
 
     /// Drives the batch to its outcome; `K` starts the first task's
     /// transfer, whose future lives here, pinned in this future's state.
-    pub(crate) async fn run<K: Start<T, B>>(mut self) {
-        let span = tracing::info_span!(
-            "batch",
-            id = self.id,
-            tasks = self.tasks.len(),
-            bytes = self
-                .tasks
-                .iter()
-                .map(|t| self.transport.len(&t.target))
-                .sum::<u64>()
-        );
-        let _e = span.enter();
-        self.deadline_sleep = self.deadline.map(sleep_until);
-        let mut first = std::pin::pin!(None);
-        loop {
-            let wire = next_wire_batch();
-            if let Some(buf) = self.take_queued_first() {
-                first.set(Some(K::start(&self.transport, &self.tasks[0], buf, wire)));
-            }
-            self.launch(wire);
-            self.wait_quiescent(wire, first.as_mut()).await;
-            self.confirm_remote(wire).await;
-            // Nothing of this wire batch moves any more: the peers it fenced
-            // (the only ones that keep state for it) may forget it. No
-            // allocation on the common path, a batch that never fenced.
-            if let Some(fences) = &self.fences {
-                for p in fences.borrow().keys() {
-                    self.transport.retire(p, wire);
+    ///
+    /// A plain `fn` returning an `async move` block rather than an `async
+    /// fn`: an `async fn`'s `mut self` is moved into a second copy of the
+    /// driver inside its future (both kept, ~450 bytes), where the block
+    /// uses the one it captured.
+    pub(crate) fn run<K: Start<T, B>>(mut self) -> impl Future<Output = ()> {
+        async move {
+            let span = tracing::info_span!(
+                "batch",
+                id = self.id,
+                tasks = self.tasks.len(),
+                bytes = self
+                    .tasks
+                    .iter()
+                    .map(|t| self.transport.len(&t.target))
+                    .sum::<u64>()
+            );
+            let _e = span.enter();
+            self.deadline_sleep = self.deadline.map(sleep_until);
+            let mut first = std::pin::pin!(None);
+            loop {
+                let wire = next_wire_batch();
+                if let Some(buf) = self.take_queued_first() {
+                    first.set(Some(K::start(&self.transport, &self.tasks[0], buf, wire)));
+                }
+                self.launch(wire);
+                self.wait_quiescent(wire, first.as_mut()).await;
+                if self
+                    .tasks
+                    .iter()
+                    .any(|t| t.remote == RemoteState::Unconfirmed)
+                {
+                    // Rare (a lost connection): boxed, so that its state does
+                    // not sit in every batch's future.
+                    Box::pin(self.confirm_remote(wire)).await;
+                }
+                // Nothing of this wire batch moves any more: the peers it fenced
+                // (the only ones that keep state for it) may forget it. No
+                // allocation on the common path, a batch that never fenced.
+                if let Some(fences) = &self.fences {
+                    for p in fences.borrow().keys() {
+                        self.transport.retire(p, wire);
+                    }
+                }
+                if !self.retry().await {
+                    break;
                 }
             }
-            if !self.retry().await {
-                break;
+            let q = self.finish();
+            let outcome = if q.all_completed() {
+                "completed"
+            } else {
+                "failed"
+            };
+            tracing::info!(
+                outcome,
+                unknown_first = self.shared.unknown.get(),
+                fence_us = q.fence_time.map(|d| d.as_micros() as u64),
+                elapsed_us = q.elapsed.as_micros() as u64,
+                "batch quiesced"
+            );
+            self.shared.finished.set(true);
+            if self.shared.abandoned.get() {
+                tracing::info!("abandoned batch drained; releasing its buffers");
+                drop(q);
+            } else {
+                *self.shared.final_result.borrow_mut() = Some(q);
+                self.shared.wake_waiter();
             }
-        }
-        let q = self.finish();
-        let outcome = if q.all_completed() {
-            "completed"
-        } else {
-            "failed"
-        };
-        tracing::info!(
-            outcome,
-            unknown_first = self.shared.unknown.get(),
-            fence_us = q.fence_time.map(|d| d.as_micros() as u64),
-            elapsed_us = q.elapsed.as_micros() as u64,
-            "batch quiesced"
-        );
-        self.shared.finished.set(true);
-        if self.shared.abandoned.get() {
-            tracing::info!("abandoned batch drained; releasing its buffers");
-            drop(q);
-        } else {
-            *self.shared.final_result.borrow_mut() = Some(q);
-            self.shared.wake_waiter();
         }
     }
 

@@ -85,7 +85,12 @@ thread_local! {
 pub(crate) async fn send_frame(s: &TcpStream, h: &Header, payload: &[u8]) -> io::Result<()> {
     let head = h.encode();
     let sent = send_now(s, &head, payload)?;
-    send_unsent(s, &head, payload, sent).await
+    if sent == head.len() + payload.len() {
+        return Ok(());
+    }
+    // A full socket (rare): boxed, so the driver's send state is not part of
+    // every frame's future.
+    Box::pin(send_unsent(s, &head, payload, sent)).await
 }
 
 /// Sends through the driver what [`send_now`] left of `head` then

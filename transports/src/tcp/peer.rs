@@ -191,10 +191,14 @@ impl Peer {
         if let Some(c) = self.live(i) {
             return Ok(c);
         }
-        self.inner
-            .reconnect
-            .run(|| self.live(i), || self.reconnect(i))
-            .await
+        // Rare: boxed, so the handshake's state is not part of every
+        // transfer's future (a one-task batch holds that future inline).
+        Box::pin(
+            self.inner
+                .reconnect
+                .run(|| self.live(i), || self.reconnect(i)),
+        )
+        .await
     }
 
     /// Opens connection `i` again (through the reconnect gate).
@@ -550,13 +554,30 @@ impl RemoteSegment {
             }
             if conn.is_local() {
                 let req = self.request(Opcode::WriteLocal, batch, offset, src.stable_ptr(), len);
-                return lend(&self.peer, conn, req, src).await;
+                // Boxed (the local transport without a mailbox): its state
+                // stays out of the small TCP write's future.
+                return Box::pin(lend(&self.peer, conn, req, src)).await;
             }
             let res = conn
                 .write_copied(batch, self.desc.id, offset, init_bytes(&src))
                 .await;
             return (res, src);
         }
+        // Larger writes are boxed: a one-task batch holds its transfer's
+        // future inline, and the striped path's state is twice the small
+        // path's (one allocation beside a send of more than 16 KiB).
+        Box::pin(self.write_striped(offset, src, len, batch)).await
+    }
+
+    /// [`write`](Self::write) of more than [`INLINE_PAYLOAD`] bytes: sliced
+    /// and striped over the data connections.
+    async fn write_striped<B: IoBuf>(
+        &self,
+        offset: u64,
+        src: B,
+        len: u64,
+        batch: u64,
+    ) -> (Result<u64, TransferError>, B) {
         let shared = SplitBuf::source(src);
         let p = &self.peer.inner.params;
         let zc_threshold = p.zc_threshold;
