@@ -118,6 +118,13 @@ impl TcpStream {
         self.op(Recv::new(self.fd.clone(), buf))
     }
 
+    /// [`read`](Self::read) of bytes most likely in the socket already (a
+    /// payload right after its header): on io_uring it tries `recv(2)` at
+    /// once and goes to the ring only if the socket is empty.
+    pub fn read_expected<B: IoBufMut>(&self, buf: B) -> Op<Recv<B>> {
+        self.op(Recv::expecting(self.fd.clone(), buf))
+    }
+
     /// Sends the initialised bytes of `buf`; may send fewer.
     pub fn write<B: IoBuf>(&self, buf: B) -> Op<Send<B>> {
         self.op(Send::new(self.fd.clone(), buf))

@@ -133,7 +133,13 @@ impl ServedConn<'_> {
                 (len - landed) as usize,
             )
             .keeping(landing.clone());
-            let mut op = self.s.read(window);
+            // The payload follows its header: its first receive tries the
+            // socket at once (a small write lands in the turn that read the
+            // header, not after another park); the rest takes the ring.
+            let mut op = match landed {
+                0 => self.s.read_expected(window),
+                _ => self.s.read(window),
+            };
             let canceller = match &self.canceller {
                 Some(c) => op.canceller_reusing(c),
                 None => self.canceller.insert(op.canceller()).clone(),
