@@ -102,7 +102,7 @@ impl<T: Transport, B: IoBuf> Start<T, B> for Writes {
         buf: B,
         wire: u64,
     ) -> impl Future<Output = Transferred<B>> + 'static {
-        transport.write(&task.target, buf, wire)
+        transport.write_held(&task.target, buf, wire)
     }
 }
 
@@ -234,6 +234,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     /// fn`: an `async fn`'s `mut self` is moved into a second copy of the
     /// driver inside its future (both kept, ~450 bytes), where the block
     /// uses the one it captured.
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
     pub(crate) fn run<K: Start<T, B>>(mut self) -> impl Future<Output = ()> {
         async move {
             let span = tracing::info_span!(

@@ -33,6 +33,20 @@ pub trait Transport: Clone + 'static {
         batch: u64,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static;
 
+    /// [`write`](Self::write) for a future the batch's driver keeps in its
+    /// own state (a one-task batch's, which is not boxed on its own): a
+    /// transport may box there what a small write does not need, so that
+    /// the driver's allocation stays small. Where the future is boxed
+    /// anyway (a task of a larger batch), [`write`](Self::write) is used.
+    fn write_held<B: IoBuf>(
+        &self,
+        target: &Self::Target,
+        src: B,
+        batch: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
+        self.write(target, src, batch)
+    }
+
     /// Reads `target` into the first bytes of `dst`.
     fn read<B: IoBufMut>(
         &self,
@@ -74,6 +88,16 @@ pub trait OneSided: Clone + 'static {
         src: B,
         batch: u64,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)>;
+    /// [`write_at`](Self::write_at) for a future kept unboxed in the
+    /// driver's state ([`Transport::write_held`]).
+    fn write_held_at<B: IoBuf>(
+        &self,
+        offset: u64,
+        src: B,
+        batch: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> {
+        self.write_at(offset, src, batch)
+    }
     /// Reads `len` bytes at `offset` into `dst`.
     fn read_at<B: IoBufMut>(
         &self,
@@ -97,7 +121,7 @@ pub trait FencePeer: Clone + 'static {
 }
 
 macro_rules! one_sided {
-    ($seg:ty, $peer:ty) => {
+    ($seg:ty, $peer:ty $(, held: $held:ident)?) => {
         impl OneSided for $seg {
             type Peer = $peer;
             fn peer(&self) -> &$peer {
@@ -111,6 +135,14 @@ macro_rules! one_sided {
             ) -> impl Future<Output = (Result<u64, TransferError>, B)> {
                 <$seg>::write(self, offset, src, batch)
             }
+            $(fn write_held_at<B: IoBuf>(
+                &self,
+                offset: u64,
+                src: B,
+                batch: u64,
+            ) -> impl Future<Output = (Result<u64, TransferError>, B)> {
+                <$seg>::$held(self, offset, src, batch)
+            })?
             fn read_at<B: IoBufMut>(
                 &self,
                 offset: u64,
@@ -139,7 +171,7 @@ macro_rules! one_sided {
     };
 }
 
-one_sided!(RemoteSegment, Peer);
+one_sided!(RemoteSegment, Peer, held: write_held);
 one_sided!(RdmaSegment, RdmaPeer);
 
 /// A range of a remote segment.
@@ -248,6 +280,16 @@ impl<S: OneSided> Transport for Segments<S> {
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
         let t = t.clone();
         async move { t.segment.write_at(t.offset, src, batch).await }
+    }
+
+    fn write_held<B: IoBuf>(
+        &self,
+        t: &Range<S>,
+        src: B,
+        batch: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
+        let t = t.clone();
+        async move { t.segment.write_held_at(t.offset, src, batch).await }
     }
 
     fn read<B: IoBufMut>(

@@ -49,4 +49,5 @@ pub use engine::{Engine, EngineStats, RegisterError};
 pub use error::TransferError;
 pub use memory::{AlignedBuf, ForeignMemory, Lease, LeaseError, Region};
 pub use segment::{Rights, Segment, SegmentMemory};
-pub use tcp::peer::{Peer, RemoteSegment};
+pub use tcp::peer::Peer;
+pub use tcp::segment::RemoteSegment;

@@ -16,7 +16,8 @@ use crate::control::auth::Token;
 use crate::control::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 use crate::error::TransferError;
 use crate::lock::SetupGate;
-use crate::tcp::peer::{check_range, descriptor_accessors, Peer};
+use crate::tcp::peer::Peer;
+use crate::tcp::segment::{check_range, descriptor_accessors};
 use crate::tcp::split::set_filled;
 use crate::tcp::split::slices;
 

@@ -6,6 +6,7 @@ pub(crate) mod conn;
 mod own_ids;
 pub(crate) mod peer;
 pub(crate) mod responses;
+pub(crate) mod segment;
 mod send;
 pub(crate) mod serve;
 pub(crate) mod split;

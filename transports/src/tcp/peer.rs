@@ -1,5 +1,6 @@
-//! A remote engine as seen by the initiator: its connections, its segments,
-//! and transfers sliced over and striped across the connections.
+//! A remote engine as seen by the initiator: its connections (reopened when
+//! they die, tokens re-proven) and the segments it opens there
+//! ([`RemoteSegment`](crate::tcp::segment::RemoteSegment) moves the data).
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -7,21 +8,18 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
+use quiesce_runtime::spawn_local;
 use quiesce_runtime::time::timeout;
-use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
 use quiesce_runtime::process::PeerProcess;
 
 use crate::control::auth::Token;
-use crate::control::wire::Opcode;
 use crate::control::wire::{Descriptor, SegmentRef, Status};
 use crate::error::TransferError;
 use crate::local::conn::attach_data;
-use crate::local::loan::{lend, Request};
-use crate::local::mailbox::SLOT_DATA;
 use crate::lock::SetupGate;
-use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding, INLINE_PAYLOAD};
-use crate::tcp::split::{bytes_of, init_bytes, join_slices, set_filled, slices, Part, SplitBuf};
+use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding};
+use crate::tcp::segment::RemoteSegment;
 
 /// How an initiator talks to peers.
 #[derive(Debug, Clone)]
@@ -40,14 +38,15 @@ pub(crate) struct PeerParams {
 
 pub(crate) struct PeerInner {
     addr: SocketAddr,
-    params: PeerParams,
+    pub(crate) params: PeerParams,
     conns: RefCell<Vec<Option<Rc<Conn>>>>,
     node: String,
     /// The session the target bound this peer's connections to.
     session: SessionBinding,
     /// Tokens proven so far, replayed (by id) on every new connection.
     opened: RefCell<BTreeMap<u64, Token>>,
-    rr: Cell<usize>,
+    /// Round-robin turn over the data connections.
+    pub(crate) rr: Cell<usize>,
     /// Serialises reconnects, so concurrent slices open one connection, and
     /// fails those that waited behind a failed one with its error.
     reconnect: SetupGate,
@@ -60,7 +59,7 @@ pub(crate) struct PeerInner {
 /// A connected remote engine. Cheap to clone.
 #[derive(Clone)]
 pub struct Peer {
-    inner: Rc<PeerInner>,
+    pub(crate) inner: Rc<PeerInner>,
 }
 
 impl Peer {
@@ -187,7 +186,7 @@ impl Peer {
     }
 
     /// Connection `i`, reconnecting (and re-proving tokens) if it died.
-    async fn conn(&self, i: usize) -> Result<Rc<Conn>, TransferError> {
+    pub(crate) async fn conn(&self, i: usize) -> Result<Rc<Conn>, TransferError> {
         if let Some(c) = self.live(i) {
             return Ok(c);
         }
@@ -375,286 +374,4 @@ fn check_auth(ids: &[u64], results: &[(Status, Option<Descriptor>)]) -> Result<(
         }
     }
     Ok(())
-}
-
-/// A segment of a peer that this initiator has opened.
-#[derive(Clone)]
-pub struct RemoteSegment {
-    peer: Peer,
-    /// Shared: a segment handle is cloned per transfer.
-    desc: Rc<Descriptor>,
-}
-
-/// A transfer of `len` bytes at `offset` of a segment of `seg_len` bytes:
-/// not empty, and inside without overflow.
-pub(crate) fn check_range(offset: u64, len: u64, seg_len: u64) -> Result<(), TransferError> {
-    if len == 0 {
-        return Err(TransferError::BadLength("zero-length transfer"));
-    }
-    if offset.checked_add(len).is_none_or(|e| e > seg_len) {
-        return Err(TransferError::OutOfBounds {
-            offset,
-            len,
-            seg_len,
-        });
-    }
-    Ok(())
-}
-
-/// The descriptor accessors of a remote segment handle (a `desc:
-/// Rc<Descriptor>` field): TCP's and RDMA's alike.
-macro_rules! descriptor_accessors {
-    () => {
-        /// The segment's id at the peer.
-        pub fn id(&self) -> u64 {
-            self.desc.id
-        }
-
-        /// Its length.
-        pub fn len(&self) -> u64 {
-            self.desc.len
-        }
-
-        /// True for an empty segment.
-        pub fn is_empty(&self) -> bool {
-            self.desc.len == 0
-        }
-
-        /// Its name.
-        pub fn name(&self) -> &str {
-            &self.desc.name
-        }
-
-        /// The target's virtual address of its first byte: the offset of a
-        /// peer address `a` in it is `a - base()`.
-        pub fn base(&self) -> u64 {
-            self.desc.base
-        }
-
-        /// What the peer advertised. The target enforces it: in its request
-        /// checks over TCP, with its memory region's access flags (its NIC)
-        /// over RDMA.
-        pub fn rights(&self) -> crate::segment::Rights {
-            self.desc.rights
-        }
-    };
-}
-pub(crate) use descriptor_accessors;
-
-impl RemoteSegment {
-    descriptor_accessors!();
-
-    /// What the target told about it when it was opened.
-    pub(crate) fn descriptor(&self) -> &Rc<Descriptor> {
-        &self.desc
-    }
-
-    /// The peer it lives on.
-    pub fn peer(&self) -> &Peer {
-        &self.peer
-    }
-
-    /// Cuts `0..len` of `shared` into slices, runs `slice(conn, offset, part)`
-    /// for each on the data connections round-robin (each slice a task of its
-    /// own, so it finishes even if the caller's future is dropped; a single
-    /// slice runs in place), and folds the results once every slice has answered.
-    async fn stripe<B, F, Fut>(
-        &self,
-        shared: &SplitBuf<B>,
-        len: u64,
-        write: bool,
-        slice: F,
-    ) -> Result<u64, TransferError>
-    where
-        B: IoBuf,
-        F: Fn(Rc<Conn>, u64, Part<B>) -> Fut + Clone + 'static,
-        Fut: std::future::Future<Output = Result<u64, TransferError>> + 'static,
-    {
-        let inner = &self.peer.inner;
-        let n = inner.params.connections.max(1);
-        // Attached: the target copies a request in chunks of its own, so a
-        // slice needs no bound of a frame's and fewer round trips are better.
-        let slice_size = match self.peer.is_local() {
-            true => inner.params.slice_size.max(crate::local::SLICE),
-            false => inner.params.slice_size,
-        };
-        if len <= slice_size as u64 {
-            // One slice: run it in place. If this future is dropped mid-send,
-            // the connection's send guard kills the connection (framing is
-            // lost) and the parked op keeps the part alive until reaped.
-            let conn = self.next_conn().await?;
-            return slice(conn, 0, shared.part(0, len as usize)).await;
-        }
-        let handles: Vec<_> = slices(len, slice_size)
-            .map(|(off, l)| {
-                let i = inner.rr.get();
-                inner.rr.set(i.wrapping_add(1));
-                let part = shared.part(off as usize, l as usize);
-                let (peer, slice) = (self.peer.clone(), slice.clone());
-                spawn_local(async move {
-                    let conn = peer.conn(1 + i % n).await?;
-                    slice(conn, off, part).await
-                })
-            })
-            .collect();
-        join_slices(handles, write).await
-    }
-
-    fn check(&self, offset: u64, len: u64) -> Result<(), TransferError> {
-        check_range(offset, len, self.desc.len)
-    }
-
-    /// A local request for `len` bytes at `offset`, at `at` in this process.
-    fn request(&self, op: Opcode, batch: u64, offset: u64, at: *const u8, len: u64) -> Request {
-        Request {
-            op,
-            batch,
-            segment: self.desc.id,
-            offset,
-            addr: at as u64,
-            len,
-        }
-    }
-
-    /// The next data connection, round-robin.
-    async fn next_conn(&self) -> Result<Rc<Conn>, TransferError> {
-        let inner = &self.peer.inner;
-        let i = inner.rr.get();
-        inner.rr.set(i.wrapping_add(1));
-        self.peer
-            .conn(1 + i % inner.params.connections.max(1))
-            .await
-    }
-
-    /// Writes the initialised bytes of `src` to `offset`, sliced and striped
-    /// over the peer's connections. Resolves when every slice has its answer
-    /// and every local operation has returned its part of `src`.
-    pub async fn write<B: IoBuf>(
-        &self,
-        offset: u64,
-        src: B,
-        batch: u64,
-    ) -> (Result<u64, TransferError>, B) {
-        let len = src.bytes_init() as u64;
-        if let Err(e) = self.check(offset, len) {
-            return (Err(e), src);
-        }
-        if len <= INLINE_PAYLOAD as u64 {
-            // Copied into the frame: nothing of `src` is lent, so nothing
-            // needs to share it (no `SplitBuf`).
-            let conn = match self.next_conn().await {
-                Ok(c) => c,
-                Err(e) => return (Err(e), src),
-            };
-            if conn.has_outbox() {
-                let res = conn
-                    .write_mailbox(batch, self.desc.id, offset, init_bytes(&src))
-                    .await;
-                return (res, src);
-            }
-            if conn.is_local() {
-                let req = self.request(Opcode::WriteLocal, batch, offset, src.stable_ptr(), len);
-                // Boxed (the local transport without a mailbox): its state
-                // stays out of the small TCP write's future.
-                return Box::pin(lend(&self.peer, conn, req, src)).await;
-            }
-            let res = conn
-                .write_copied(batch, self.desc.id, offset, init_bytes(&src))
-                .await;
-            return (res, src);
-        }
-        // Larger writes are boxed: a one-task batch holds its transfer's
-        // future inline, and the striped path's state is twice the small
-        // path's (one allocation beside a send of more than 16 KiB).
-        Box::pin(self.write_striped(offset, src, len, batch)).await
-    }
-
-    /// [`write`](Self::write) of more than [`INLINE_PAYLOAD`] bytes: sliced
-    /// and striped over the data connections.
-    async fn write_striped<B: IoBuf>(
-        &self,
-        offset: u64,
-        src: B,
-        len: u64,
-        batch: u64,
-    ) -> (Result<u64, TransferError>, B) {
-        let shared = SplitBuf::source(src);
-        let p = &self.peer.inner.params;
-        let zc_threshold = p.zc_threshold;
-        let seg = self.desc.id;
-        let this = self.clone();
-        let res = self
-            .stripe(&shared, len, true, move |conn, off, part| {
-                let this = this.clone();
-                async move {
-                    if conn.has_outbox() && part.len() <= SLOT_DATA {
-                        let data = bytes_of(&part);
-                        return conn.write_mailbox(batch, seg, offset + off, data).await;
-                    }
-                    if conn.is_local() {
-                        let at = part.stable_ptr();
-                        let n = part.len() as u64;
-                        let req = this.request(Opcode::WriteLocal, batch, offset + off, at, n);
-                        return lend(&this.peer, conn, req, part).await.0;
-                    }
-                    let zc = zc_threshold.is_some_and(|t| part.len() >= t);
-                    conn.write(batch, seg, offset + off, part, zc).await.0
-                }
-            })
-            .await;
-        match shared.try_into_inner() {
-            Ok(src) => (res, src),
-            Err(_) => unreachable!("every slice returned its part"),
-        }
-    }
-
-    /// Reads `len` bytes at `offset` into `dst[..len]` (`len <=
-    /// dst.bytes_total()`), sliced and striped like [`write`](Self::write).
-    pub async fn read<B: IoBufMut>(
-        &self,
-        offset: u64,
-        len: u64,
-        dst: B,
-        batch: u64,
-    ) -> (Result<u64, TransferError>, B) {
-        if let Err(e) = self.check(offset, len) {
-            return (Err(e), dst);
-        }
-        if len > dst.bytes_total() as u64 {
-            return (
-                Err(TransferError::BadLength(
-                    "destination smaller than the range",
-                )),
-                dst,
-            );
-        }
-        let shared = SplitBuf::destination(dst);
-        let seg = self.desc.id;
-        let this = self.clone();
-        let res = self
-            .stripe(&shared, len, false, move |conn, off, mut part| {
-                let this = this.clone();
-                async move {
-                    if conn.has_outbox() && part.len() <= SLOT_DATA {
-                        return conn.read_mailbox(batch, seg, offset + off, part).await;
-                    }
-                    if conn.is_local() {
-                        let at = part.stable_mut_ptr();
-                        let n = part.len() as u64;
-                        let req = this.request(Opcode::ReadLocal, batch, offset + off, at, n);
-                        return lend(&this.peer, conn, req, part).await.0;
-                    }
-                    conn.read(batch, seg, offset + off, part).await
-                }
-            })
-            .await;
-        let mut dst = match shared.try_into_inner() {
-            Ok(dst) => dst,
-            Err(_) => unreachable!("every slice returned its part"),
-        };
-        if res.is_ok() {
-            set_filled(&mut dst, len as usize);
-        }
-        (res, dst)
-    }
 }
