@@ -183,9 +183,9 @@ impl RemoteSegment {
     }
 
     /// [`write`](Self::write) for a future kept unboxed (a one-task batch's
-    /// driver holds it in its own state): a write of more than
-    /// [`INLINE_PAYLOAD`] bytes is boxed here, so that the small path's
-    /// state alone sizes the driver (the striped path's is twice it).
+    /// driver holds it in its own state): a write of more than 16 KiB (what
+    /// goes in one frame) is boxed here, so that the small path's state
+    /// alone sizes the driver (the striped path's is twice it).
     pub async fn write_held<B: IoBuf>(
         &self,
         offset: u64,
