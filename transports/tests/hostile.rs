@@ -192,6 +192,49 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
     assert_eq!(t.snapshot("kv", 0, 4), vec![6u8; 4]);
 }
 
+/// The idle limit counts from the start of each wait for a frame, not from
+/// the connection's first one: a connection that writes every 100 ms keeps
+/// its 300 ms limit for 1.2 s (the target's one timer, armed for an earlier
+/// wait, is pushed on, never taken for this wait's), and then, silent, is
+/// closed after the limit.
+#[test]
+fn a_connection_that_keeps_sending_is_never_idle() {
+    use quiesce_transports::wire::{Header, Opcode, Status};
+    use quiesce_transports::Rights;
+    let cfg = EngineConfig {
+        idle_timeout: Some(Duration::from_millis(300)),
+        ..tcp()
+    };
+    let t = ShardTarget::start(cfg, &[("kv", 65536, Rights::READ | Rights::WRITE)]);
+    let mut c = RawClient::connect(t.addr);
+    let id = t.seg("kv").id;
+    c.auth(id, t.seg("kv").token);
+    for i in 0..12u64 {
+        std::thread::sleep(Duration::from_millis(100));
+        let h = Header {
+            batch: 1 + i,
+            task: i,
+            segment: id,
+            offset: 0,
+            length: 8,
+            ..Header::new(Opcode::Write)
+        };
+        c.send(&h, &[i as u8; 8]);
+        let ans = c
+            .recv()
+            .unwrap_or_else(|| panic!("closed as idle after {} ms of writes", 100 * (i + 1)));
+        assert_eq!(ans.op, Opcode::Status, "{ans:?}");
+        assert_eq!(ans.status(), Ok(Status::Ok), "{ans:?}");
+    }
+    let t0 = Instant::now();
+    assert!(c.recv().is_none(), "a silent connection is closed");
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(3),
+        "closed {waited:?} after the last frame"
+    );
+}
+
 /// A fenced batch's entry stays while a connection of its session that
 /// could still carry a frame of it is open and has not said `Forget`, and
 /// goes once the last one does (or closes); a session that piles up fenced

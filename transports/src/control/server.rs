@@ -6,7 +6,6 @@
 //! [`QpPlane`](crate::control::QpPlane).
 
 use std::cell::Cell;
-use std::collections::HashMap;
 use std::io;
 use std::rc::Rc;
 use std::time::Instant;
@@ -21,6 +20,7 @@ use crate::control::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, SegmentRef,
     Status, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
 };
+use crate::tcp::own_ids::OwnIdMap;
 
 /// Why a connection was closed by the target.
 #[derive(Debug)]
@@ -47,7 +47,7 @@ pub(crate) struct ServedConn<'a> {
     peer_nonce: [u8; 16],
     /// Segments whose token this connection proved, with the grant epoch
     /// current when it did (see `revoke.rs`).
-    pub(crate) authorised: HashMap<u64, u64>,
+    pub(crate) authorised: OwnIdMap<u64>,
     /// What the RDMA plane serves this connection (its protection domain,
     /// queue pair and keys), from its first `QpConnect`.
     served: Option<Box<dyn crate::control::ServedLink>>,
@@ -222,7 +222,7 @@ async fn handshake<'a>(
         entry,
         nonce,
         peer_nonce: hello.nonce,
-        authorised: HashMap::new(),
+        authorised: OwnIdMap::default(),
         served: None,
         census,
         canceller: None,
@@ -241,29 +241,53 @@ fn unknown_segment_token() -> crate::control::auth::Token {
     T.with(|t| *t)
 }
 
-/// Reads the next frame of an authenticated connection, closing it once it
-/// has been idle for the engine's idle timeout.
-async fn idle<T>(
-    engine: &Target,
-    f: impl std::future::Future<Output = io::Result<T>>,
-) -> Result<T, Closed> {
-    match engine.config.idle_timeout {
-        // `time::timeout` without its box: this runs once per frame.
-        Some(d) => {
-            use std::future::Future as _;
-            let mut f = std::pin::pin!(f);
-            let mut limit = quiesce_runtime::time::sleep(d);
-            std::future::poll_fn(|cx| {
-                if let std::task::Poll::Ready(r) = f.as_mut().poll(cx) {
-                    return std::task::Poll::Ready(r.map_err(Closed::Io));
+/// The idle timeout of an authenticated connection: a wait for its next
+/// frame that lasts the engine's idle timeout closes it. One timer serves
+/// the connection's life — re-arming one per frame cost a timer insert and
+/// removal and two clock reads on every request. Each wait notes when it
+/// began; the timer, armed for an earlier wait, is pushed to this wait's
+/// start + the limit when it fires early, so the limit is exact and the
+/// timer fires at most about once per limit.
+struct IdleLimit {
+    limit: Option<std::time::Duration>,
+    timer: Option<quiesce_runtime::time::Sleep>,
+}
+
+impl IdleLimit {
+    fn new(limit: Option<std::time::Duration>) -> IdleLimit {
+        IdleLimit { limit, timer: None }
+    }
+
+    /// Reads the next frame with `f`, or closes the connection once the
+    /// wait has lasted the limit.
+    async fn wait<T>(
+        &mut self,
+        f: impl std::future::Future<Output = io::Result<T>>,
+    ) -> Result<T, Closed> {
+        use std::future::Future as _;
+        use std::task::Poll;
+        let Some(d) = self.limit else {
+            return f.await.map_err(Closed::Io);
+        };
+        let due = Instant::now() + d;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| quiesce_runtime::time::sleep_until(due));
+        let mut f = std::pin::pin!(f);
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(r) = f.as_mut().poll(cx) {
+                return Poll::Ready(r.map_err(Closed::Io));
+            }
+            while std::pin::Pin::new(&mut *timer).poll(cx).is_ready() {
+                if Instant::now() >= due {
+                    return Poll::Ready(Err(Closed::Protocol(format!("idle for {d:?}"))));
                 }
-                std::pin::Pin::new(&mut limit)
-                    .poll(cx)
-                    .map(|()| Err(Closed::Protocol(format!("idle for {d:?}"))))
-            })
-            .await
-        }
-        None => f.await.map_err(Closed::Io),
+                // Armed for an earlier wait: this one began later.
+                timer.reset(due);
+            }
+            Poll::Pending
+        })
+        .await
     }
 }
 
@@ -343,10 +367,11 @@ async fn serve_inner(
     };
     // One header buffer for every frame of the connection.
     let mut headers = HeaderReader::default();
+    let mut idle = IdleLimit::new(engine.config.idle_timeout);
     loop {
         let read = match c.inbox.is_some() {
             true => c.next_frame(headers.read(s)).await?,
-            false => idle(engine, headers.read(s)).await?,
+            false => idle.wait(headers.read(s)).await?,
         };
         let Some(h) = next_header(s, read).await? else {
             return Ok(());

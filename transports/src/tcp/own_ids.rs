@@ -1,8 +1,11 @@
-//! Maps keyed by ids the initiator hands out itself — request ids and wire
-//! batch ids, sequential and never chosen by a peer. SipHash's resistance to
-//! chosen keys buys nothing there and costs ~50 instructions per lookup, three
-//! lookups per request; a multiplicative hash spreads sequential ids over
-//! both the bucket bits and the tag bits. Never for keys a peer picks.
+//! Maps keyed by ids this process hands out itself — the initiator's
+//! request ids and wire batch ids, the target's segment ids — sequential
+//! and never chosen by a peer. SipHash's resistance to chosen keys buys
+//! nothing there and costs ~50–200 instructions per lookup, several lookups
+//! per request; a multiplicative hash spreads sequential ids over both the
+//! bucket bits and the tag bits. A peer may *look up* any key (a miss costs
+//! one probe sequence); only keys a peer could *insert* need SipHash, so
+//! never for keys a peer picks.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -29,10 +32,10 @@ impl Hasher for OwnIdHasher {
     }
 }
 
-/// A map keyed by the initiator's own ids.
+/// A map keyed by this process's own ids.
 pub(crate) type OwnIdMap<V> = HashMap<u64, V, BuildHasherDefault<OwnIdHasher>>;
 
-/// A set of the initiator's own ids.
+/// A set of this process's own ids.
 pub(crate) type OwnIdSet = HashSet<u64, BuildHasherDefault<OwnIdHasher>>;
 
 #[cfg(test)]
