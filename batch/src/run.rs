@@ -257,11 +257,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 }
                 self.launch(wire);
                 self.wait_quiescent(wire, first.as_mut()).await;
-                if self
-                    .tasks
-                    .iter()
-                    .any(|t| t.remote == RemoteState::Unconfirmed)
-                {
+                if self.unconfirmed().next().is_some() {
                     // Rare (a lost connection): boxed, so that its state does
                     // not sit in every batch's future.
                     Box::pin(self.confirm_remote(wire)).await;
@@ -452,6 +448,13 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         });
     }
 
+    /// The tasks that ended without their target's answer.
+    fn unconfirmed(&self) -> impl Iterator<Item = &Task<T, B>> {
+        self.tasks
+            .iter()
+            .filter(|t| t.remote == RemoteState::Unconfirmed)
+    }
+
     /// After local quiescence: every task that ended without its target's
     /// answer (a lost or torn-down connection) is confirmed only by an
     /// acknowledged fence of this wire batch at its peer. Fences those peers
@@ -460,14 +463,9 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     /// task's [`RemoteState`].
     async fn confirm_remote(&mut self, wire: u64) {
         let lost: HashSet<T::Peer> = self
-            .tasks
-            .iter()
-            .filter(|t| t.remote == RemoteState::Unconfirmed)
+            .unconfirmed()
             .map(|t| self.transport.peer(&t.target))
             .collect();
-        if lost.is_empty() {
-            return;
-        }
         // A fence that failed (its control connection went down with the
         // teardown at half grace, or the peer is unreachable) goes again on
         // a fresh connection — and again, backing off, while the grace
@@ -517,11 +515,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 t.remote = RemoteState::Fenced;
             }
         }
-        let unconfirmed = self
-            .tasks
-            .iter()
-            .filter(|t| t.remote == RemoteState::Unconfirmed)
-            .count();
+        let unconfirmed = self.unconfirmed().count();
         if unconfirmed > 0 {
             tracing::warn!(
                 unconfirmed,
@@ -617,11 +611,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         }
         // A retry rewrites what the old attempt may still deliver: only once
         // every target confirmed that nothing more of it lands.
-        if self
-            .tasks
-            .iter()
-            .any(|t| t.remote == RemoteState::Unconfirmed)
-        {
+        if self.unconfirmed().next().is_some() {
             tracing::warn!("not retrying: a target did not confirm the failed attempt");
             return false;
         }

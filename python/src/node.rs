@@ -434,12 +434,8 @@ impl Node {
                 return 0;
             }
         };
-        let (tx, outcome) = mpsc::channel();
-        let done = move |out| {
-            let _ = tx.send(out);
-        };
-        match self.engine().submit_with(p.tasks, self.options, done) {
-            Ok(()) => {
+        match self.engine().submit_each(p.tasks, self.options) {
+            Ok(outcome) => {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let o = Outstanding {
                     outcome: Some(outcome),

@@ -158,11 +158,9 @@ fn a_thousand_stalled_handshakes_are_closed_and_an_honest_client_is_served() {
     drop(flood);
 }
 
-/// An authenticated connection that stays silent past the idle timeout is
-/// closed by the target; an initiator whose connections were closed that
-/// way reconnects on its next transfer.
-#[test]
-fn idle_connections_are_closed_and_the_initiator_reconnects() {
+/// A target with a 300 ms idle timeout and a 64 KiB segment `kv`, and a
+/// raw connection that proved its token.
+fn idle_target() -> (ShardTarget, RawClient) {
     use quiesce_transports::Rights;
     let cfg = EngineConfig {
         idle_timeout: Some(Duration::from_millis(300)),
@@ -171,6 +169,15 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
     let t = ShardTarget::start(cfg, &[("kv", 65536, Rights::READ | Rights::WRITE)]);
     let mut c = RawClient::connect(t.addr);
     c.auth(t.seg("kv").id, t.seg("kv").token);
+    (t, c)
+}
+
+/// An authenticated connection that stays silent past the idle timeout is
+/// closed by the target; an initiator whose connections were closed that
+/// way reconnects on its next transfer.
+#[test]
+fn idle_connections_are_closed_and_the_initiator_reconnects() {
+    let (t, mut c) = idle_target();
     let t0 = Instant::now();
     assert!(c.recv().is_none(), "an idle connection is closed");
     assert!(
@@ -200,15 +207,8 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
 #[test]
 fn a_connection_that_keeps_sending_is_never_idle() {
     use quiesce_transports::wire::{Header, Opcode, Status};
-    use quiesce_transports::Rights;
-    let cfg = EngineConfig {
-        idle_timeout: Some(Duration::from_millis(300)),
-        ..tcp()
-    };
-    let t = ShardTarget::start(cfg, &[("kv", 65536, Rights::READ | Rights::WRITE)]);
-    let mut c = RawClient::connect(t.addr);
+    let (t, mut c) = idle_target();
     let id = t.seg("kv").id;
-    c.auth(id, t.seg("kv").token);
     for i in 0..12u64 {
         std::thread::sleep(Duration::from_millis(100));
         let h = Header {

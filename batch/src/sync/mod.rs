@@ -370,8 +370,17 @@ impl SyncEngine {
         tasks: Vec<SyncTask<B>>,
         opts: BatchOptions,
     ) -> Result<mpsc::Receiver<SyncOutcome<B>>, SyncError> {
+        self.submit_each(tasks.into_iter().map(|t| (dir, t)).collect(), opts)
+    }
+
+    /// [`submit`](Self::submit) of a batch whose tasks each move their own
+    /// way.
+    pub fn submit_each<B: IoBufMut + Send>(
+        &self,
+        tasks: Vec<(Direction, SyncTask<B>)>,
+        opts: BatchOptions,
+    ) -> Result<mpsc::Receiver<SyncOutcome<B>>, SyncError> {
         let (out_tx, out_rx) = mpsc::channel();
-        let tasks = tasks.into_iter().map(|t| (dir, t)).collect();
         self.submit_with(tasks, opts, move |out| {
             let _ = out_tx.send(out);
         })?;

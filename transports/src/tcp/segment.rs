@@ -173,11 +173,11 @@ impl RemoteSegment {
         batch: u64,
     ) -> (Result<u64, TransferError>, B) {
         let len = src.bytes_init() as u64;
-        if let Err(e) = self.check(offset, len) {
-            return (Err(e), src);
-        }
         if len <= INLINE_PAYLOAD as u64 {
             return self.write_small(offset, src, batch).await;
+        }
+        if let Err(e) = self.check(offset, len) {
+            return (Err(e), src);
         }
         self.write_striped(offset, src, len, batch).await
     }
@@ -192,25 +192,25 @@ impl RemoteSegment {
         src: B,
         batch: u64,
     ) -> (Result<u64, TransferError>, B) {
-        let len = src.bytes_init() as u64;
-        if let Err(e) = self.check(offset, len) {
-            return (Err(e), src);
-        }
-        if len <= INLINE_PAYLOAD as u64 {
+        if src.bytes_init() <= INLINE_PAYLOAD {
             return self.write_small(offset, src, batch).await;
         }
-        Box::pin(self.write_striped(offset, src, len, batch)).await
+        Box::pin(self.write(offset, src, batch)).await
     }
 
-    /// A checked write of at most [`INLINE_PAYLOAD`] bytes: copied into the
-    /// frame (or the mailbox), so nothing of `src` is lent and nothing needs
-    /// to share it (no `SplitBuf`).
+    /// A write of at most [`INLINE_PAYLOAD`] bytes, checked here: copied
+    /// into the frame (or the mailbox), so nothing of `src` is lent and
+    /// nothing needs to share it (no `SplitBuf`).
     async fn write_small<B: IoBuf>(
         &self,
         offset: u64,
         src: B,
         batch: u64,
     ) -> (Result<u64, TransferError>, B) {
+        let len = src.bytes_init() as u64;
+        if let Err(e) = self.check(offset, len) {
+            return (Err(e), src);
+        }
         let conn = match self.next_conn().await {
             Ok(c) => c,
             Err(e) => return (Err(e), src),
@@ -222,7 +222,6 @@ impl RemoteSegment {
             return (res, src);
         }
         if conn.is_local() {
-            let len = src.bytes_init() as u64;
             let req = self.request(Opcode::WriteLocal, batch, offset, src.stable_ptr(), len);
             // Boxed (the local transport without a mailbox): its state
             // stays out of the small TCP write's future.
