@@ -17,7 +17,7 @@ use crate::control::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 use crate::error::TransferError;
 use crate::lock::SetupGate;
 use crate::tcp::peer::Peer;
-use crate::tcp::segment::{check_range, descriptor_accessors};
+use crate::tcp::segment::{check_range, check_read, descriptor_accessors};
 use crate::tcp::split::set_filled;
 use crate::tcp::split::slices;
 
@@ -359,16 +359,8 @@ impl RdmaSegment {
         mut dst: B,
         batch: u64,
     ) -> (Result<u64, TransferError>, B) {
-        if let Err(e) = self.check(offset, len) {
+        if let Err(e) = check_read(offset, len, self.desc.len, dst.bytes_total()) {
             return (Err(e), dst);
-        }
-        if len > dst.bytes_total() as u64 {
-            return (
-                Err(TransferError::BadLength(
-                    "destination smaller than the range",
-                )),
-                dst,
-            );
         }
         let addr = dst.stable_mut_ptr() as u64;
         let (res, mut dst) = self

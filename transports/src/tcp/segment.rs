@@ -38,6 +38,23 @@ pub(crate) fn check_range(offset: u64, len: u64, seg_len: u64) -> Result<(), Tra
     Ok(())
 }
 
+/// A read's checks: [`check_range`], and a destination of `dst_total` bytes
+/// that holds the range.
+pub(crate) fn check_read(
+    offset: u64,
+    len: u64,
+    seg_len: u64,
+    dst_total: usize,
+) -> Result<(), TransferError> {
+    check_range(offset, len, seg_len)?;
+    if len > dst_total as u64 {
+        return Err(TransferError::BadLength(
+            "destination smaller than the range",
+        ));
+    }
+    Ok(())
+}
+
 /// The descriptor accessors of a remote segment handle (a `desc:
 /// Rc<Descriptor>` field): TCP's and RDMA's alike.
 macro_rules! descriptor_accessors {
@@ -281,16 +298,8 @@ impl RemoteSegment {
         dst: B,
         batch: u64,
     ) -> (Result<u64, TransferError>, B) {
-        if let Err(e) = self.check(offset, len) {
+        if let Err(e) = check_read(offset, len, self.desc.len, dst.bytes_total()) {
             return (Err(e), dst);
-        }
-        if len > dst.bytes_total() as u64 {
-            return (
-                Err(TransferError::BadLength(
-                    "destination smaller than the range",
-                )),
-                dst,
-            );
         }
         let shared = SplitBuf::destination(dst);
         let seg = self.desc.id;
