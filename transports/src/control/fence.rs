@@ -61,6 +61,16 @@ impl Entries {
         self.index.get(key).map(|&i| &self.states[i])
     }
 
+    fn get_mut(&mut self, key: &Key) -> Option<&mut BatchState> {
+        self.index.get(key).map(|&i| &mut self.states[i])
+    }
+
+    /// Removes the entry of `key`, at `slot`.
+    fn remove(&mut self, key: &Key, slot: usize) -> BatchState {
+        self.index.remove(key);
+        self.states.remove(slot)
+    }
+
     /// The entry of `key`, made by `new` if there is none.
     fn slot_or_insert_with(&mut self, key: Key, new: impl FnOnce() -> BatchState) -> usize {
         match self.index.entry(key) {
@@ -145,8 +155,7 @@ impl FenceTable {
     pub(crate) async fn quiet(&self, session: u64, batch: u64) {
         std::future::poll_fn(|cx| {
             let mut t = self.inner.borrow_mut();
-            let Entries { index, states } = &mut *t;
-            match index.get(&(session, batch)).map(|&i| &mut states[i]) {
+            match t.get_mut(&(session, batch)) {
                 Some(st) if !st.writes.is_empty() => {
                     st.waiters.push(cx.waker().clone());
                     Poll::Pending
@@ -234,8 +243,7 @@ impl Drop for WriteGuard {
                 Vec::new()
             };
             if !st.needed() {
-                t.index.remove(&self.key);
-                let st = t.states.remove(self.entry);
+                let st = t.remove(&self.key, self.entry);
                 let mut spare = self.table.spare.borrow_mut();
                 if spare.len() < SPARE_SLABS {
                     spare.push(st.writes);
