@@ -1,5 +1,7 @@
 //! Building and submitting a batch.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Waker};
 
@@ -175,15 +177,14 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             shared.clone(),
             self.id,
         );
-        // Written straight into its box: the future holds the first
-        // transfer's state too (1.7 KiB for a small TCP write), which a move would copy.
-        let mut driver: DriverFuture =
-            Box::into_pin(Box::write(Box::new_uninit(), driver.run::<K>()) as Box<_>);
+        // The future holds the first transfer's state too (1.7 KiB for a
+        // small TCP write): past glibc's per-thread cache, so its block is
+        // recycled rather than allocated per batch, and built in it.
+        let mut driver = DriverFuture::new_with(|| driver.run::<K>());
         // Start the transfers now. Wake-ups before the first poll of the
         // `Submitted` need no waker: that poll polls the driver again,
         // which registers the caller's.
-        let finished = driver
-            .as_mut()
+        let finished = Pin::new(&mut driver)
             .poll(&mut Context::from_waker(Waker::noop()))
             .is_ready();
         Submitted {

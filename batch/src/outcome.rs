@@ -267,8 +267,9 @@ pub struct Submitted<B> {
     pub(crate) runtime: Option<quiesce_runtime::Handle>,
 }
 
-/// The batch driver's future.
-pub(crate) type DriverFuture = Pin<Box<dyn Future<Output = ()>>>;
+/// The batch driver's future: boxed, in a block that the thread's next
+/// batch of the same shape reuses (no `malloc`/`free` per batch).
+pub(crate) type DriverFuture = quiesce_runtime::recycle::RecycledFuture;
 
 /// Lets `driver` run on, as a task of the runtime the batch was submitted
 /// on, without the `Submitted` that polled it (wherever that is dropped).
@@ -291,7 +292,7 @@ impl<B> Future for Submitted<B> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome<B>> {
         if let Some(d) = self.driver.as_mut() {
-            if d.as_mut().poll(cx).is_ready() {
+            if Pin::new(d).poll(cx).is_ready() {
                 self.driver = None;
             }
         }

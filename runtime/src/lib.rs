@@ -15,6 +15,8 @@
 //!   to a process of this host, and whether it has exited;
 //!   [`shm::SharedMemory`] and [`shm::Doorbell`]: memory shared with it,
 //!   and the eventfds that wake it.
+//! * **Recycled futures** — [`recycle::RecycledFuture`]: a boxed future
+//!   whose heap block the thread's next future of its size reuses.
 //! * **Shards** — [`shard::Shards`]: N pinned runtimes, channels between them,
 //!   graceful shutdown that drains every runtime.
 //!
@@ -39,6 +41,7 @@ pub mod fd;
 pub mod heap;
 pub mod net;
 pub mod process;
+pub mod recycle;
 mod runtime;
 pub mod shard;
 pub mod shm;
