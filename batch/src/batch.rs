@@ -72,7 +72,7 @@ fn launch_write<T: Transport, B: IoBuf>(
     buf: B,
     wire: u64,
 ) -> TransferFuture<B> {
-    Box::pin(t.write(target, buf, wire))
+    TransferFuture::new_with(|| t.write(target, buf, wire))
 }
 
 fn launch_read<T: Transport, B: IoBufMut>(
@@ -81,7 +81,7 @@ fn launch_read<T: Transport, B: IoBufMut>(
     buf: B,
     wire: u64,
 ) -> TransferFuture<B> {
-    Box::pin(t.read(target, buf, wire))
+    TransferFuture::new_with(|| t.read(target, buf, wire))
 }
 
 impl<T: Transport, B: IoBuf> Batch<T, B> {

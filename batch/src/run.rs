@@ -38,7 +38,9 @@ use crate::transport::Transport;
 /// What a transfer resolves to: its result and its buffer.
 pub(crate) type Transferred<B> = (Result<u64, TransferError>, B);
 
-pub(crate) type TransferFuture<B> = Pin<Box<dyn Future<Output = Transferred<B>>>>;
+/// A boxed transfer of a batch of several tasks, in a block that the
+/// thread's next transfer of the same shape reuses.
+pub(crate) type TransferFuture<B> = quiesce_runtime::recycle::RecycledFuture<Transferred<B>>;
 
 /// Starts one transfer (a write or a read, chosen when the task was added).
 pub(crate) type Launch<T, B> = fn(&T, &<T as Transport>::Target, B, u64) -> TransferFuture<B>;
@@ -540,7 +542,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                         Poll::Ready(out) => out,
                         Poll::Pending => continue,
                     },
-                    InFlight::Inline(fut) => match fut.as_mut().poll(cx) {
+                    InFlight::Inline(fut) => match Pin::new(fut).poll(cx) {
                         Poll::Ready(out) => out,
                         Poll::Pending => continue,
                     },

@@ -13,6 +13,7 @@ use std::task::{Context as TaskCx, Poll, Wake, Waker};
 
 use crate::context;
 use crate::driver::Unparker;
+use crate::recycle::RecycledFuture;
 
 /// Task id of the future given to `block_on`.
 pub(crate) const MAIN_TASK: u64 = u64::MAX;
@@ -23,7 +24,10 @@ pub(crate) const OP_BUDGET: u32 = 128;
 /// A spawned task: its future, and the waker that queues it again.
 pub(crate) struct Task {
     pub(crate) gen: u32,
-    pub(crate) fut: Option<Pin<Box<dyn Future<Output = ()>>>>,
+    /// Boxed in recycled blocks (the harness, and the user's future inside
+    /// it): a batch of 64 tasks spawns a task per transfer, which would
+    /// overflow glibc's per-thread cache (7 blocks a size) every batch.
+    pub(crate) fut: Option<RecycledFuture>,
     pub(crate) waker: Arc<TaskWaker>,
 }
 
@@ -124,13 +128,13 @@ impl<T> Future for JoinHandle<T> {
 
 /// The future actually stored for a task: runs the user's future, and
 /// publishes its output to the `JoinHandle`.
-struct Harness<F: Future> {
-    fut: Option<Pin<Box<F>>>,
-    state: Rc<RefCell<JoinState<F::Output>>>,
+struct Harness<T> {
+    fut: Option<RecycledFuture<T>>,
+    state: Rc<RefCell<JoinState<T>>>,
 }
 
-impl<F: Future> Harness<F> {
-    fn finish(&mut self, out: Result<F::Output, JoinError>) {
+impl<T> Harness<T> {
+    fn finish(&mut self, out: Result<T, JoinError>) {
         self.fut = None;
         let mut st = self.state.borrow_mut();
         if let Err(JoinError::Panicked(_)) = &out {
@@ -145,11 +149,11 @@ impl<F: Future> Harness<F> {
     }
 }
 
-impl<F: Future> Future for Harness<F> {
+impl<T> Future for Harness<T> {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<()> {
-        // Harness is Unpin: the user future is boxed.
+        // Harness is Unpin: the user future is boxed (recycled block).
         let this = self.get_mut();
         let aborted = {
             let mut st = this.state.borrow_mut();
@@ -167,7 +171,7 @@ impl<F: Future> Future for Harness<F> {
         let Some(fut) = this.fut.as_mut() else {
             return Poll::Ready(());
         };
-        match std::panic::catch_unwind(AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(fut).poll(cx))) {
             Ok(Poll::Pending) => Poll::Pending,
             Ok(Poll::Ready(v)) => {
                 this.finish(Ok(v));
@@ -181,7 +185,7 @@ impl<F: Future> Future for Harness<F> {
     }
 }
 
-impl<F: Future> Drop for Harness<F> {
+impl<T> Drop for Harness<T> {
     fn drop(&mut self) {
         if self.fut.take().is_some() {
             // Dropped by a shutting-down runtime before it finished.
@@ -232,7 +236,7 @@ where
         task_waker: None,
     }));
     let harness = Harness {
-        fut: Some(Box::pin(fut)),
+        fut: Some(RecycledFuture::new_with(|| fut)),
         state: state.clone(),
     };
     let mut tasks = cx.tasks.borrow_mut();
@@ -244,7 +248,7 @@ where
     waker.queued.store(true, Ordering::Relaxed);
     entry.insert(Task {
         gen,
-        fut: Some(Box::pin(harness)),
+        fut: Some(RecycledFuture::new_with(|| harness)),
         waker,
     });
     cx.ready.borrow_mut().push_back(id);
@@ -300,7 +304,7 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
     let w = Waker::from(waker);
     let mut tcx = TaskCx::from_waker(&w);
     cx.budget.set(OP_BUDGET);
-    let done = fut.as_mut().poll(&mut tcx).is_ready();
+    let done = Pin::new(&mut fut).poll(&mut tcx).is_ready();
     cx.counters.polls.set(cx.counters.polls.get() + 1);
     if done {
         cx.tasks.borrow_mut().remove(key);

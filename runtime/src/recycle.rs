@@ -28,47 +28,76 @@ use std::pin::Pin;
 use std::ptr::NonNull;
 use std::task::{Context, Poll};
 
-/// Most blocks a thread keeps for reuse.
-const FREE_BLOCKS: usize = 8;
+/// Most layouts a thread keeps blocks of.
+const CLASSES: usize = 8;
+/// Most blocks of one layout a thread keeps.
+const PER_CLASS: usize = 64;
+/// Most bytes a thread keeps in all.
+const KEPT_BYTES: usize = 256 << 10;
 /// The largest block a thread keeps (larger ones go back at once).
 const MAX_BLOCK: usize = 16 << 10;
 
 /// A thread's free blocks, by layout.
 struct FreeBlocks {
-    blocks: Vec<(Layout, NonNull<u8>)>,
+    classes: Vec<(Layout, Vec<NonNull<u8>>)>,
+    bytes: usize,
 }
 
 impl FreeBlocks {
     fn take(&mut self, layout: Layout) -> Option<NonNull<u8>> {
-        let i = self.blocks.iter().position(|(l, _)| *l == layout)?;
-        Some(self.blocks.swap_remove(i).1)
+        let (_, blocks) = self.classes.iter_mut().find(|(l, _)| *l == layout)?;
+        let b = blocks.pop()?;
+        self.bytes -= layout.size();
+        Some(b)
     }
 
     /// Keeps `block` if there is room; hands it back otherwise.
     fn keep(&mut self, layout: Layout, block: NonNull<u8>) -> Result<(), NonNull<u8>> {
-        if self.blocks.len() >= FREE_BLOCKS || layout.size() > MAX_BLOCK {
+        if layout.size() > MAX_BLOCK || self.bytes + layout.size() > KEPT_BYTES {
             return Err(block);
         }
-        if self.blocks.capacity() == 0 {
-            self.blocks.reserve_exact(FREE_BLOCKS);
+        let i = match self.classes.iter().position(|(l, _)| *l == layout) {
+            Some(i) => i,
+            None if self.classes.len() < CLASSES => {
+                self.classes.push((layout, Vec::new()));
+                self.classes.len() - 1
+            }
+            // A layout no longer in use gives its place up: the classes
+            // follow what the thread allocates now, not what it did first.
+            None => match self.classes.iter().position(|(_, b)| b.is_empty()) {
+                Some(i) => {
+                    self.classes[i].0 = layout;
+                    i
+                }
+                None => return Err(block),
+            },
+        };
+        let blocks = &mut self.classes[i].1;
+        if blocks.len() >= PER_CLASS {
+            return Err(block);
         }
-        self.blocks.push((layout, block));
+        blocks.push(block);
+        self.bytes += layout.size();
         Ok(())
     }
 }
 
 impl Drop for FreeBlocks {
     fn drop(&mut self) {
-        for (layout, block) in self.blocks.drain(..) {
-            // SAFETY: a kept block was allocated with `layout` and nothing
-            // else owns it (module invariant).
-            unsafe { dealloc(block.as_ptr(), layout) };
+        for (layout, blocks) in self.classes.drain(..) {
+            for block in blocks {
+                // SAFETY: a kept block was allocated with `layout` and nothing
+                // else owns it (module invariant).
+                unsafe { dealloc(block.as_ptr(), layout) };
+            }
         }
     }
 }
 
 thread_local! {
-    static FREE: RefCell<FreeBlocks> = const { RefCell::new(FreeBlocks { blocks: Vec::new() }) };
+    static FREE: RefCell<FreeBlocks> = const {
+        RefCell::new(FreeBlocks { classes: Vec::new(), bytes: 0 })
+    };
 }
 
 /// A block of `layout` (non-zero size): a kept one, or a new one.
@@ -99,16 +128,16 @@ fn release(layout: Layout, block: NonNull<u8>) {
     }
 }
 
-/// A `!Send` boxed future (`Pin<Box<dyn Future<Output = ()>>>`) whose heap
+/// A `!Send` boxed future (`Pin<Box<dyn Future<Output = T>>>`) whose heap
 /// block is reused by the thread's next future of the same layout.
-pub struct RecycledFuture {
-    fut: NonNull<dyn Future<Output = ()>>,
+pub struct RecycledFuture<T = ()> {
+    fut: NonNull<dyn Future<Output = T>>,
 }
 
-impl RecycledFuture {
+impl<T> RecycledFuture<T> {
     /// Moves `fut` into a block of its size (a reused one if the thread has
     /// one).
-    pub fn new<F: Future<Output = ()> + 'static>(fut: F) -> RecycledFuture {
+    pub fn new<F: Future<Output = T> + 'static>(fut: F) -> RecycledFuture<T> {
         Self::new_with(|| fut)
     }
 
@@ -116,7 +145,9 @@ impl RecycledFuture {
     /// taken first, so a large future (an `async` block's whole state) is
     /// built in place rather than on the stack and copied.
     #[inline(always)]
-    pub fn new_with<F: Future<Output = ()> + 'static>(make: impl FnOnce() -> F) -> RecycledFuture {
+    pub fn new_with<F: Future<Output = T> + 'static>(
+        make: impl FnOnce() -> F,
+    ) -> RecycledFuture<T> {
         let layout = Layout::new::<F>();
         let p = if layout.size() == 0 {
             // Nothing to allocate: a dangling, aligned pointer is a valid
@@ -131,22 +162,22 @@ impl RecycledFuture {
         RecycledFuture { fut: p }
     }
 
-    fn pinned(&mut self) -> Pin<&mut (dyn Future<Output = ()> + 'static)> {
+    fn pinned(&mut self) -> Pin<&mut (dyn Future<Output = T> + 'static)> {
         // SAFETY: the future is live and owned by `self` (`&mut self` is the
         // only access), and it never moves before its drop in place.
         unsafe { Pin::new_unchecked(self.fut.as_mut()) }
     }
 }
 
-impl Future for RecycledFuture {
-    type Output = ();
+impl<T> Future for RecycledFuture<T> {
+    type Output = T;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         self.pinned().poll(cx)
     }
 }
 
-impl Drop for RecycledFuture {
+impl<T> Drop for RecycledFuture<T> {
     fn drop(&mut self) {
         // SAFETY: the future is live and owned by `self`; its layout is read
         // before it is dropped.
@@ -160,7 +191,7 @@ impl Drop for RecycledFuture {
     }
 }
 
-impl std::fmt::Debug for RecycledFuture {
+impl<T> std::fmt::Debug for RecycledFuture<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("RecycledFuture")
     }
@@ -202,7 +233,7 @@ mod tests {
         })
     }
 
-    fn addr(f: &RecycledFuture) -> usize {
+    fn addr<T>(f: &RecycledFuture<T>) -> usize {
         f.fut.cast::<u8>().as_ptr() as usize
     }
 
@@ -234,7 +265,7 @@ mod tests {
         let (polls, drops) = (Rc::default(), Rc::default());
         // A free block of the layout first: it may serve one of them only.
         drop(make::<2048>(&polls, &drops));
-        let live: Vec<_> = (0..FREE_BLOCKS + 4)
+        let live: Vec<_> = (0..PER_CLASS + 4)
             .map(|_| make::<2048>(&polls, &drops))
             .collect();
         let mut seen: Vec<usize> = live.iter().map(addr).collect();
@@ -242,12 +273,47 @@ mod tests {
         seen.dedup();
         assert_eq!(
             seen.len(),
-            FREE_BLOCKS + 4,
+            PER_CLASS + 4,
             "every live future has its own block"
         );
         drop(live);
-        assert_eq!(drops.get() as usize, FREE_BLOCKS + 5);
-        FREE.with(|f| assert!(f.borrow().blocks.len() <= FREE_BLOCKS));
+        assert_eq!(drops.get() as usize, PER_CLASS + 5);
+        FREE.with(|f| {
+            let f = f.borrow();
+            assert!(f.classes.iter().all(|(_, b)| b.len() <= PER_CLASS));
+            assert!(f.bytes <= KEPT_BYTES);
+        });
+    }
+
+    #[test]
+    fn an_emptied_class_gives_its_place_to_a_new_layout() {
+        let mut f = FreeBlocks {
+            classes: Vec::new(),
+            bytes: 0,
+        };
+        // Fill every class with one block, then empty the first.
+        let layouts: Vec<Layout> = (1..=CLASSES)
+            .map(|i| Layout::from_size_align(i * 64, 8).unwrap())
+            .collect();
+        for &l in &layouts {
+            f.keep(l, block(l)).unwrap();
+        }
+        let extra = Layout::from_size_align(4096, 8).unwrap();
+        let b = block(extra);
+        let b = f.keep(extra, b).expect_err("no class is free");
+        // SAFETY: `b` came back unkept; it was allocated with `extra`.
+        unsafe { dealloc(b.as_ptr(), extra) };
+        let first = f.take(layouts[0]).unwrap();
+        // SAFETY: taken from the list, allocated with `layouts[0]`.
+        unsafe { dealloc(first.as_ptr(), layouts[0]) };
+        let b = block(extra);
+        f.keep(extra, b)
+            .expect("the emptied class takes the new layout");
+        assert_eq!(f.take(extra), Some(b));
+        assert_eq!(f.take(layouts[0]), None);
+        // SAFETY: taken from the list, allocated with `extra`.
+        unsafe { dealloc(b.as_ptr(), extra) };
+        drop(f);
     }
 
     struct Done;
@@ -256,6 +322,15 @@ mod tests {
         fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
             Poll::Ready(())
         }
+    }
+
+    #[test]
+    fn the_output_comes_out_of_the_block() {
+        let mut f = RecycledFuture::new(async { vec![1u8, 2, 3] });
+        let Poll::Ready(v) = Pin::new(&mut f).poll(&mut Context::from_waker(Waker::noop())) else {
+            panic!("an async block without awaits is ready at once");
+        };
+        assert_eq!(v, [1, 2, 3]);
     }
 
     #[test]
