@@ -28,6 +28,9 @@ pub(crate) struct Context {
     /// Tasks ready to be polled, by task id.
     pub(crate) ready: RefCell<VecDeque<u64>>,
     pub(crate) tasks: RefCell<Slab<Task>>,
+    /// Wakers of finished tasks that nothing else held, for the next spawns
+    /// (a 64-task batch spawns 64 tasks: one `Arc` fewer each).
+    pub(crate) spare_wakers: RefCell<Vec<std::sync::Arc<crate::executor::TaskWaker>>>,
     pub(crate) timers: RefCell<Timers>,
     pub(crate) sources: RefCell<Sources>,
     /// Cross-thread wake plumbing.

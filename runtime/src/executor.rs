@@ -244,7 +244,15 @@ where
     let key = entry.key() as u64;
     let gen = cx.counters.next_gen();
     let id = (u64::from(gen) << 32) | key;
-    let waker = TaskWaker::new(id, cx.unparker.clone());
+    let spare = cx.spare_wakers.borrow_mut().pop();
+    let waker = match spare {
+        Some(mut w) => {
+            let tw = Arc::get_mut(&mut w).expect("a spare waker is held by nothing else");
+            tw.id = id;
+            w
+        }
+        None => TaskWaker::new(id, cx.unparker.clone()),
+    };
     waker.queued.store(true, Ordering::Relaxed);
     entry.insert(Task {
         gen,
@@ -307,10 +315,28 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
     let done = Pin::new(&mut fut).poll(&mut tcx).is_ready();
     cx.counters.polls.set(cx.counters.polls.get() + 1);
     if done {
-        cx.tasks.borrow_mut().remove(key);
+        let t = cx.tasks.borrow_mut().remove(key);
         drop(fut);
+        drop(w);
+        keep_waker(cx, t.waker);
     } else if let Some(t) = cx.tasks.borrow_mut().get_mut(key) {
         t.fut = Some(fut);
+    }
+}
+
+/// Most spare wakers a runtime keeps.
+const SPARE_WAKERS: usize = 64;
+
+/// Keeps a finished task's waker for the next spawn if nothing else holds
+/// it (no clone of it is left anywhere, so no wake can reach its next task
+/// by mistake); drops it otherwise.
+fn keep_waker(cx: &context::Context, mut waker: Arc<TaskWaker>) {
+    if Arc::get_mut(&mut waker).is_none() {
+        return;
+    }
+    let mut spare = cx.spare_wakers.borrow_mut();
+    if spare.len() < SPARE_WAKERS {
+        spare.push(waker);
     }
 }
 

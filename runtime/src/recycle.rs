@@ -30,8 +30,10 @@ use std::task::{Context, Poll};
 
 /// Most layouts a thread keeps blocks of.
 const CLASSES: usize = 8;
-/// Most blocks of one layout a thread keeps.
-const PER_CLASS: usize = 64;
+/// Most blocks of one layout a thread keeps: a 64-task batch's worth of
+/// two kinds (a spawned transfer's harness and the future in it may share a
+/// layout).
+const PER_CLASS: usize = 128;
 /// Most bytes a thread keeps in all.
 const KEPT_BYTES: usize = 256 << 10;
 /// The largest block a thread keeps (larger ones go back at once).

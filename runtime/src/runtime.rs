@@ -187,6 +187,7 @@ impl Builder {
             driver: RefCell::new(driver),
             ready: RefCell::new(VecDeque::with_capacity(64)),
             tasks: RefCell::new(Slab::new()),
+            spare_wakers: RefCell::new(Vec::new()),
             timers: RefCell::new(Timers::default()),
             sources: RefCell::new(Sources::default()),
             unparker,

@@ -210,3 +210,36 @@ fn a_yielding_task_runs_once_per_reactor_turn() {
         spinner.abort();
     });
 }
+
+#[test]
+fn a_finished_task_kept_waker_never_polls_a_later_task() {
+    use std::cell::RefCell;
+    use std::task::{Poll, Waker};
+    rt().block_on(async {
+        // A finishes with a clone of its waker kept outside it.
+        let kept: Rc<RefCell<Option<Waker>>> = Rc::default();
+        let k = kept.clone();
+        spawn_local(std::future::poll_fn(move |cx| {
+            *k.borrow_mut() = Some(cx.waker().clone());
+            Poll::Ready(())
+        }))
+        .await
+        .unwrap();
+        // B is spawned after it, and pends forever.
+        let polls = Rc::new(Cell::new(0u32));
+        let p = polls.clone();
+        let b = spawn_local(std::future::poll_fn(move |_| {
+            p.set(p.get() + 1);
+            Poll::<()>::Pending
+        }));
+        yield_now().await;
+        yield_now().await;
+        assert_eq!(polls.get(), 1, "B polled once, at its spawn");
+        // Waking A's old waker must not reach B.
+        kept.borrow_mut().take().unwrap().wake();
+        yield_now().await;
+        yield_now().await;
+        assert_eq!(polls.get(), 1, "A's waker polled B");
+        b.abort();
+    });
+}
