@@ -181,15 +181,19 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
         // small TCP write): past glibc's per-thread cache, so its block is
         // recycled rather than allocated per batch, and built in it.
         let mut driver = DriverFuture::new_with(|| driver.run::<K>());
-        // Start the transfers now. Wake-ups before the first poll of the
-        // `Submitted` need no waker: that poll polls the driver again,
-        // which registers the caller's.
+        // Start the transfers now, with the waker of the task submitting
+        // (the one that will most likely await it). Outside a task, or if
+        // another task polls the `Submitted` first, that first poll polls
+        // the driver again, which registers the right waker.
+        let submitting = quiesce_runtime::TaskPoll::current();
+        let waker = submitting.as_ref().map_or(Waker::noop(), |p| p.waker());
         let finished = Pin::new(&mut driver)
-            .poll(&mut Context::from_waker(Waker::noop()))
+            .poll(&mut Context::from_waker(waker))
             .is_ready();
         Submitted {
             shared,
             done: false,
+            submitting,
             driver: (!finished).then_some(driver),
             runtime: quiesce_runtime::Handle::try_current(),
         }

@@ -258,6 +258,9 @@ impl<B> Handoff<B> {
 pub struct Submitted<B> {
     pub(crate) shared: Rc<Handoff<B>>,
     pub(crate) done: bool,
+    /// The task poll in which `submit` polled the driver (with that task's
+    /// waker); taken by the first poll of this future.
+    pub(crate) submitting: Option<quiesce_runtime::TaskPoll>,
     /// The batch driver, polled in place by this future (no task of its
     /// own, no cross-task wake per batch). It moves into a task of its own
     /// when the batch must go on without this future: when it is dropped in
@@ -291,7 +294,15 @@ impl<B> Future for Submitted<B> {
     type Output = Outcome<B>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome<B>> {
-        if let Some(d) = self.driver.as_mut() {
+        // Right after `submit`, in the same poll of the same task, with
+        // nothing having woken it since: the driver, polled at submit with
+        // this task's waker, can have made no progress, and its wakers are
+        // this task's already. (Awaited later, or elsewhere, it is polled.)
+        let unchanged = self
+            .submitting
+            .take()
+            .is_some_and(|p| p.unwoken() && p.wakes(cx.waker()));
+        if let (false, Some(d)) = (unchanged, self.driver.as_mut()) {
             if Pin::new(d).poll(cx).is_ready() {
                 self.driver = None;
             }

@@ -30,7 +30,14 @@ pub(crate) struct Context {
     pub(crate) tasks: RefCell<Slab<Task>>,
     /// Wakers of finished tasks that nothing else held, for the next spawns
     /// (a 64-task batch spawns 64 tasks: one `Arc` fewer each).
-    pub(crate) spare_wakers: RefCell<Vec<std::sync::Arc<crate::executor::TaskWaker>>>,
+    pub(crate) spare_wakers: RefCell<Vec<Arc<crate::executor::TaskWaker>>>,
+    /// The task whose poll is in progress (`TaskPoll`), and how many task
+    /// polls this runtime has begun (so a poll in progress is known by its
+    /// number).
+    pub(crate) polling: Cell<Option<u64>>,
+    pub(crate) poll_seq: Cell<u64>,
+    /// `block_on`'s own task's waker, while `block_on` runs.
+    pub(crate) main_task: RefCell<Option<Arc<crate::executor::TaskWaker>>>,
     pub(crate) timers: RefCell<Timers>,
     pub(crate) sources: RefCell<Sources>,
     /// Cross-thread wake plumbing.

@@ -312,7 +312,9 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
     let w = Waker::from(waker);
     let mut tcx = TaskCx::from_waker(&w);
     cx.budget.set(OP_BUDGET);
+    begin_poll(cx, id);
     let done = Pin::new(&mut fut).poll(&mut tcx).is_ready();
+    cx.polling.set(None);
     cx.counters.polls.set(cx.counters.polls.get() + 1);
     if done {
         let t = cx.tasks.borrow_mut().remove(key);
@@ -321,6 +323,85 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
         keep_waker(cx, t.waker);
     } else if let Some(t) = cx.tasks.borrow_mut().get_mut(key) {
         t.fut = Some(fut);
+    }
+}
+
+/// Marks the start of a poll of task `id` (see [`TaskPoll`]).
+pub(crate) fn begin_poll(cx: &context::Context, id: u64) {
+    cx.poll_seq.set(cx.poll_seq.get().wrapping_add(1));
+    cx.polling.set(Some(id));
+}
+
+/// One poll of one task, in progress on this thread: lets code that runs
+/// inside it learn the task's waker, and later whether that same poll is
+/// still going on with nothing having woken the task since it began.
+///
+/// A future that polls inner futures eagerly when it is *made* (a batch
+/// starts its transfers in `submit`) can poll them with the task's own
+/// waker; if its first poll comes while [`unwoken`](Self::unwoken) holds,
+/// nothing they wait for can have happened (any event would have woken the
+/// task), so polling them again would only find them pending.
+pub struct TaskPoll {
+    seq: u64,
+    task: Arc<TaskWaker>,
+    waker: Waker,
+}
+
+impl TaskPoll {
+    /// The task poll in progress on this thread, if a task of a quiesce
+    /// runtime (or `block_on`'s own future) is being polled.
+    pub fn current() -> Option<TaskPoll> {
+        context::try_with(|cx| {
+            let cx = cx?;
+            let id = cx.polling.get()?;
+            let task = if id == MAIN_TASK {
+                cx.main_task.borrow().clone()?
+            } else {
+                let tasks = cx.tasks.borrow();
+                let t = tasks.get((id & 0xffff_ffff) as usize)?;
+                if u64::from(t.gen) != id >> 32 {
+                    return None;
+                }
+                t.waker.clone()
+            };
+            Some(TaskPoll {
+                seq: cx.poll_seq.get(),
+                waker: Waker::from(task.clone()),
+                task,
+            })
+        })
+    }
+
+    /// The polled task's waker.
+    pub fn waker(&self) -> &Waker {
+        &self.waker
+    }
+
+    /// True if `w` wakes this poll's task. (Not `Waker::will_wake`: two
+    /// wakers made from the same task's handle in different codegen units
+    /// may carry different vtable addresses.)
+    pub fn wakes(&self, w: &Waker) -> bool {
+        std::ptr::eq(w.data(), Arc::as_ptr(&self.task).cast())
+    }
+
+    /// True while the same poll of the same task goes on and nothing has
+    /// woken the task since that poll began.
+    pub fn unwoken(&self) -> bool {
+        let same_poll = context::try_with(|cx| {
+            cx.is_some_and(|cx| {
+                cx.poll_seq.get() == self.seq && cx.polling.get() == Some(self.task.id)
+            })
+        });
+        same_poll && !self.task.queued.load(Ordering::Acquire)
+    }
+}
+
+impl std::fmt::Debug for TaskPoll {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskPoll")
+            .field("task", &self.task.id)
+            .field("seq", &self.seq)
+            .finish()
     }
 }
 

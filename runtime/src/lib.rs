@@ -51,7 +51,9 @@ pub mod time;
 
 pub use buf::{BufResult, IoBuf, IoBufMut, Slice};
 pub use driver::{Canceller, DriverKind, Op};
-pub use executor::{spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle};
+pub use executor::{
+    spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle, TaskPoll,
+};
 pub use runtime::{BuildError, Builder, Runtime, Undrained};
 pub use stats::{stats, try_stats, Stats};
 

@@ -188,6 +188,9 @@ impl Builder {
             ready: RefCell::new(VecDeque::with_capacity(64)),
             tasks: RefCell::new(Slab::new()),
             spare_wakers: RefCell::new(Vec::new()),
+            polling: Cell::new(None),
+            poll_seq: Cell::new(0),
+            main_task: RefCell::new(None),
             timers: RefCell::new(Timers::default()),
             sources: RefCell::new(Sources::default()),
             unparker,
@@ -271,6 +274,7 @@ impl Runtime {
         };
         let waker = Waker::from(main.clone());
         main.queued.store(true, Ordering::Relaxed);
+        *cx.main_task.borrow_mut() = Some(main.clone());
         cx.ready.borrow_mut().push_back(MAIN_TASK);
         loop {
             cx.unparker.drain_into(&mut cx.ready.borrow_mut());
@@ -281,7 +285,12 @@ impl Runtime {
                 if id == MAIN_TASK {
                     main.queued.store(false, Ordering::Release);
                     cx.budget.set(OP_BUDGET);
-                    if let Poll::Ready(v) = fut.as_mut().poll(&mut TaskCx::from_waker(&waker)) {
+                    executor::begin_poll(cx, MAIN_TASK);
+                    let polled = fut.as_mut().poll(&mut TaskCx::from_waker(&waker));
+                    cx.polling.set(None);
+                    if let Poll::Ready(v) = polled {
+                        // So that the next call finds `main` unshared.
+                        cx.main_task.borrow_mut().take();
                         return v;
                     }
                 } else {
