@@ -4,7 +4,7 @@
 //! A batch's driver future lives in a box of its own for the batch's whole
 //! life: 1.7 KiB for a one-task TCP write, past the largest block glibc's
 //! per-thread cache (tcache, ≤ 1,032 bytes) keeps, so every batch paid a
-//! `malloc` and a `free` through the arena's bins — ~400 instructions of a
+//! `malloc` and a `free` through the arena's bins — ~360 instructions of a
 //! 4 KiB write's ~6,800 (docs/BENCHMARKS.md). A [`RecycledFuture`] puts its
 //! block on its thread's short free list when it is dropped, and the next
 //! one of the same layout takes it back: a batch after the first allocates
@@ -17,9 +17,16 @@
 //!   [`new`](RecycledFuture::new) until its drop, which drops the future in
 //!   place, then frees or keeps the block. The future never moves (the
 //!   handle is a pointer), so polling it pinned is sound.
-//! * A free list holds at most [`FREE_BLOCKS`] blocks of at most
-//!   [`MAX_BLOCK`] bytes; a block dropped on another thread, or while the
-//!   thread's locals are torn down, goes back to the allocator.
+//! * A thread keeps blocks of at most 8 layouts, at most 128 of each and
+//!   256 KiB in all, none larger than 16 KiB; a layout whose blocks are all
+//!   in use again gives its place to a new one. A block dropped on another
+//!   thread, or while the thread's locals are torn down, goes back to the
+//!   allocator.
+//!
+//! A batch of many tasks boxes each transfer's future too (~1.2 KiB for a
+//! TCP write) and spawns a task per transfer: with 64 of them alive at once
+//! glibc's tcache (7 blocks a size) overflows even for small sizes, so the
+//! executor's tasks and the futures in them are recycled as well.
 
 use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
 use std::cell::RefCell;
