@@ -12,7 +12,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use quiesce_batch::sim::{Sim, SimBuf, SimConfig, SimTarget};
-use quiesce_batch::{Batch, BatchOptions, Submitted};
+use quiesce_batch::{Batch, BatchOptions, Outcome, Submitted};
 use quiesce_runtime::time::{sleep, timeout};
 use quiesce_runtime::Runtime;
 
@@ -40,6 +40,16 @@ fn one_write(sim: &Sim, id: usize) -> Submitted<SimBuf> {
     batch.submit()
 }
 
+/// Awaits `sub` (5 s at most) and checks that its write completed.
+async fn completes(sub: impl Future<Output = Outcome<SimBuf>>) {
+    let q = timeout(Duration::from_secs(5), sub)
+        .await
+        .expect("the batch resolved")
+        .quiesced()
+        .await;
+    assert!(q.all_completed(), "{:?}", q.tasks());
+}
+
 #[test]
 fn a_batch_awaited_after_its_task_slept_still_resolves() {
     let rt = Runtime::new().unwrap();
@@ -50,12 +60,7 @@ fn a_batch_awaited_after_its_task_slept_still_resolves() {
             // The task is woken (the transfers' turns) and polled again
             // while the batch is not awaited.
             sleep(Duration::from_millis(5)).await;
-            let q = timeout(Duration::from_secs(5), sub)
-                .await
-                .expect("the batch resolved")
-                .quiesced()
-                .await;
-            assert!(q.all_completed(), "{:?}", q.tasks());
+            completes(sub).await;
         }
     });
 }
@@ -109,12 +114,7 @@ fn a_batch_polled_at_once_through_a_waker_of_its_own_still_resolves() {
                 }),
                 first: true,
             };
-            let q = timeout(Duration::from_secs(5), sub)
-                .await
-                .expect("the batch resolved")
-                .quiesced()
-                .await;
-            assert!(q.all_completed(), "{:?}", q.tasks());
+            completes(sub).await;
         }
     });
 }
@@ -125,12 +125,7 @@ fn a_batch_awaited_at_once_resolves_and_spawned_ones_too() {
     rt.block_on(async {
         let sim = sim();
         for id in 0..20 {
-            let q = timeout(Duration::from_secs(5), one_write(&sim, id))
-                .await
-                .expect("the batch resolved")
-                .quiesced()
-                .await;
-            assert!(q.all_completed(), "{:?}", q.tasks());
+            completes(one_write(&sim, id)).await;
             // Submitted in one task, awaited in another.
             let sub = one_write(&sim, 100 + id);
             let h = quiesce_runtime::spawn_local(async move {
