@@ -312,9 +312,9 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
     let w = Waker::from(waker);
     let mut tcx = TaskCx::from_waker(&w);
     cx.budget.set(OP_BUDGET);
-    begin_poll(cx, id);
+    let polling = begin_poll(cx, id);
     let done = Pin::new(&mut fut).poll(&mut tcx).is_ready();
-    cx.polling.set(None);
+    drop(polling);
     cx.counters.polls.set(cx.counters.polls.get() + 1);
     if done {
         let t = cx.tasks.borrow_mut().remove(key);
@@ -326,10 +326,21 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
     }
 }
 
-/// Marks the start of a poll of task `id` (see [`TaskPoll`]).
-pub(crate) fn begin_poll(cx: &context::Context, id: u64) {
+/// Marks the start of a poll of task `id` (see [`TaskPoll`]); the poll
+/// ends when the guard is dropped, unwinding included.
+pub(crate) fn begin_poll(cx: &context::Context, id: u64) -> Polling<'_> {
     cx.poll_seq.set(cx.poll_seq.get().wrapping_add(1));
     cx.polling.set(Some(id));
+    Polling(cx)
+}
+
+/// A task poll in progress; clears `Context::polling` when dropped.
+pub(crate) struct Polling<'a>(&'a context::Context);
+
+impl Drop for Polling<'_> {
+    fn drop(&mut self) {
+        self.0.polling.set(None);
+    }
 }
 
 /// One poll of one task, in progress on this thread: lets code that runs
@@ -387,9 +398,13 @@ impl TaskPoll {
     /// True while the same poll of the same task goes on and nothing has
     /// woken the task since that poll began.
     pub fn unwoken(&self) -> bool {
+        // Same runtime (task ids and poll numbers are per runtime), same
+        // poll, same task.
         let same_poll = context::try_with(|cx| {
             cx.is_some_and(|cx| {
-                cx.poll_seq.get() == self.seq && cx.polling.get() == Some(self.task.id)
+                cx.id == self.task.unparker.runtime_id
+                    && cx.poll_seq.get() == self.seq
+                    && cx.polling.get() == Some(self.task.id)
             })
         });
         same_poll && !self.task.queued.load(Ordering::Acquire)

@@ -19,9 +19,10 @@
 //!   handle is a pointer), so polling it pinned is sound.
 //! * A thread keeps blocks of at most 8 layouts, at most 128 of each and
 //!   256 KiB in all, none larger than 16 KiB; a layout whose blocks are all
-//!   in use again gives its place to a new one. A block dropped on another
-//!   thread, or while the thread's locals are torn down, goes back to the
-//!   allocator.
+//!   in use again gives its place to a new one. A block dropped while the
+//!   thread's locals are torn down goes back to the allocator. (A
+//!   [`RecycledFuture`] is `!Send`: it is dropped on the thread that made
+//!   it.)
 //!
 //! A batch of many tasks boxes each transfer's future too (~1.2 KiB for a
 //! TCP write) and spawns a task per transfer: with 64 of them alive at once

@@ -285,9 +285,9 @@ impl Runtime {
                 if id == MAIN_TASK {
                     main.queued.store(false, Ordering::Release);
                     cx.budget.set(OP_BUDGET);
-                    executor::begin_poll(cx, MAIN_TASK);
+                    let polling = executor::begin_poll(cx, MAIN_TASK);
                     let polled = fut.as_mut().poll(&mut TaskCx::from_waker(&waker));
-                    cx.polling.set(None);
+                    drop(polling);
                     if let Poll::Ready(v) = polled {
                         // So that the next call finds `main` unshared.
                         cx.main_task.borrow_mut().take();

@@ -243,3 +243,29 @@ fn a_finished_task_kept_waker_never_polls_a_later_task() {
         b.abort();
     });
 }
+
+#[test]
+fn a_task_poll_is_unwoken_only_in_its_own_poll_of_its_own_runtime() {
+    use quiesce_runtime::TaskPoll;
+    let (a, b) = (rt(), rt());
+    let p = a.block_on(async {
+        let p = TaskPoll::current().expect("inside block_on's poll");
+        assert!(p.unwoken(), "nothing woke the task yet");
+        assert!(
+            p.wakes(&std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await)
+        );
+        p
+    });
+    assert!(!p.unwoken(), "outside any poll");
+    // Another runtime's first poll has the same task id and poll number.
+    b.block_on(async { assert!(!p.unwoken(), "a poll of another runtime") });
+    a.block_on(async {
+        let p = TaskPoll::current().unwrap();
+        yield_now().await;
+        assert!(!p.unwoken(), "a later poll of the same task");
+        let q = TaskPoll::current().unwrap();
+        let w = std::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
+        w.wake_by_ref();
+        assert!(!q.unwoken(), "the task was woken during this poll");
+    });
+}
