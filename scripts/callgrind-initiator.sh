@@ -39,14 +39,7 @@ b=$(ir "$n2")
 echo "initiator ($driver): $(( (b - a) / (n2 - n1) )) instructions per 4 KiB $op ($n1 → $n2: $a → $b)"
 if [ "${ANNOTATE:-0}" = 1 ]; then
     cp "$dir/cg.$n2" /tmp/callgrind-initiator.out
-    # Per function: (Ir(N2) − Ir(N1)) / (N2 − N1), the largest first.
-    for n in "$n1" "$n2"; do
-        callgrind_annotate --inclusive=no --show-percs=no --auto=no --threshold=100 "$dir/cg.$n" \
-            | awk '$1 ~ /^[0-9,]+$/ && $2 !~ /^=>/ { ir=$1; gsub(",", "", ir); $1=""; print ir "\t" $0 }' \
-            >"$dir/fn.$n"
-    done
-    awk -F'\t' -v d=$((n2 - n1)) 'NR == FNR { a[$2] = $1; next } { printf "%8.1f %s\n", ($1 - a[$2]) / d, $2 }' \
-        "$dir/fn.$n1" "$dir/fn.$n2" | sort -rn | head -"${TOP:-60}" || true
+    scripts/callgrind-per-fn.sh "$n1" "$dir/cg.$n1" "$n2" "$dir/cg.$n2" "${TOP:-60}"
     echo "(the $n2-write run kept as /tmp/callgrind-initiator.out)"
 fi
 exec {keep}>&-

@@ -236,14 +236,14 @@ where
         task_waker: None,
     }));
     let harness = Harness {
-        fut: Some(RecycledFuture::new_with(|| fut)),
+        fut: Some(RecycledFuture::new(fut)),
         state: state.clone(),
     };
     let mut tasks = cx.tasks.borrow_mut();
     let entry = tasks.vacant_entry();
-    let key = entry.key() as u64;
+    let key = entry.key();
     let gen = cx.counters.next_gen();
-    let id = (u64::from(gen) << 32) | key;
+    let id = task_id(key, gen);
     let spare = cx.spare_wakers.borrow_mut().pop();
     let waker = match spare {
         Some(mut w) => {
@@ -256,7 +256,7 @@ where
     waker.queued.store(true, Ordering::Relaxed);
     entry.insert(Task {
         gen,
-        fut: Some(RecycledFuture::new_with(|| harness)),
+        fut: Some(RecycledFuture::new(harness)),
         waker,
     });
     cx.ready.borrow_mut().push_back(id);
@@ -296,8 +296,7 @@ impl Handle {
 
 /// Polls the task with id `id` once, if it still exists.
 pub(crate) fn run_task(cx: &context::Context, id: u64) {
-    let key = (id & 0xffff_ffff) as usize;
-    let gen = (id >> 32) as u32;
+    let (key, gen) = task_slot(id);
     let (mut fut, waker) = {
         let mut tasks = cx.tasks.borrow_mut();
         match tasks.get_mut(key) {
@@ -324,6 +323,18 @@ pub(crate) fn run_task(cx: &context::Context, id: u64) {
     } else if let Some(t) = cx.tasks.borrow_mut().get_mut(key) {
         t.fut = Some(fut);
     }
+}
+
+/// A spawned task's id: its generation over its slot in the task slab, so
+/// a stale id (a wake for a task that finished) never reaches the slot's
+/// next task.
+fn task_id(key: usize, gen: u32) -> u64 {
+    (u64::from(gen) << 32) | key as u64
+}
+
+/// The slot and generation of a spawned task's id.
+fn task_slot(id: u64) -> (usize, u32) {
+    ((id & 0xffff_ffff) as usize, (id >> 32) as u32)
 }
 
 /// Marks the start of a poll of task `id` (see [`TaskPoll`]); the poll
@@ -368,11 +379,9 @@ impl TaskPoll {
             let task = if id == MAIN_TASK {
                 cx.main_task.borrow().clone()?
             } else {
+                let (key, gen) = task_slot(id);
                 let tasks = cx.tasks.borrow();
-                let t = tasks.get((id & 0xffff_ffff) as usize)?;
-                if u64::from(t.gen) != id >> 32 {
-                    return None;
-                }
+                let t = tasks.get(key).filter(|t| t.gen == gen)?;
                 t.waker.clone()
             };
             Some(TaskPoll {
