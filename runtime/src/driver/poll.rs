@@ -33,7 +33,11 @@ struct IoSlot {
 pub(crate) struct Poller {
     poll: Poll,
     mio_events: Events,
-    fds: HashMap<RawFd, usize>,
+    /// Each registered fd's slot in `io`, indexed by the fd itself: the
+    /// kernel hands out the lowest free numbers, so this stays as long as
+    /// the highest fd open, and finding an fd's waiters hashes nothing
+    /// (every op that would block looks it up).
+    fds: Vec<Option<usize>>,
     io: Slab<IoSlot>,
     /// fds of completion sources, by source token.
     sources: HashMap<u64, RawFd>,
@@ -48,7 +52,7 @@ impl Poller {
         Ok(Poller {
             poll,
             mio_events: Events::with_capacity(1024),
-            fds: HashMap::new(),
+            fds: Vec::new(),
             io: Slab::new(),
             sources: HashMap::new(),
             events: ParkEvents::default(),
@@ -65,8 +69,10 @@ impl Poller {
 
     /// Leaves `waker` on `fd` until the fd is ready for `interest`.
     pub(crate) fn wait(&mut self, fd: RawFd, interest: Interest, waker: &Waker) -> io::Result<()> {
-        let key = match self.fds.get(&fd) {
-            Some(&k) => k,
+        let at = usize::try_from(fd)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a negative fd"))?;
+        let key = match self.fds.get(at).copied().flatten() {
+            Some(k) => k,
             None => {
                 let entry = self.io.vacant_entry();
                 let key = entry.key();
@@ -80,7 +86,10 @@ impl Poller {
                     readers: Vec::new(),
                     writers: Vec::new(),
                 });
-                self.fds.insert(fd, key);
+                if self.fds.len() <= at {
+                    self.fds.resize(at + 1, None);
+                }
+                self.fds[at] = Some(key);
                 key
             }
         };
@@ -97,7 +106,11 @@ impl Poller {
 
     /// Deregisters `fd` (its owner is about to close it); wakes its waiters.
     pub(crate) fn forget(&mut self, fd: RawFd) {
-        if let Some(key) = self.fds.remove(&fd) {
+        let taken = usize::try_from(fd)
+            .ok()
+            .and_then(|at| self.fds.get_mut(at))
+            .and_then(Option::take);
+        if let Some(key) = taken {
             let slot = self.io.remove(key);
             let _ = self.poll.registry().deregister(&mut SourceFd(&slot.fd));
             for w in slot.readers.into_iter().chain(slot.writers) {
