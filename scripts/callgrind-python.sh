@@ -3,7 +3,8 @@
 # (docs/BENCHMARKS.md): the Mooncake drop-in over TCP (its caller lane)
 # against a target process, the initiator under callgrind for N1 and N2
 # calls; prints (Ir(N2) − Ir(N1)) / (N2 − N1), the interpreter's share
-# included, and with ANNOTATE=1 the largest functions of that difference.
+# included, and with ANNOTATE=1 the largest functions of that difference
+# (the N2 run kept as /tmp/callgrind-python.out, for callgrind_annotate).
 # QUIESCE_DRIVER=epoll and QUIESCE_SPIN_US=0: no idle spinning is counted
 # (under valgrind the io_uring reactor stalls); PYTHONHASHSEED=0: the same
 # interpreter work in both runs.
@@ -37,5 +38,7 @@ a=$(ir "$n1")
 b=$(ir "$n2")
 echo "python initiator: $(( (b - a) / (n2 - n1) )) instructions per 4 KiB transfer_sync_write ($n1 → $n2 calls: $a → $b)"
 if [ "${ANNOTATE:-0}" = 1 ]; then
+    cp "$dir/cg.$n2" /tmp/callgrind-python.out
     scripts/callgrind-per-fn.sh "$n1" "$dir/cg.$n1" "$n2" "$dir/cg.$n2" "${TOP:-40}"
+    echo "(the $n2-call run kept as /tmp/callgrind-python.out)"
 fi

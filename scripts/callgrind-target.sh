@@ -3,6 +3,8 @@
 # `quiesce target` under callgrind (epoll: under valgrind the io_uring
 # target stalls) twice, driven by a native initiator with N1 and N2 writes,
 # and prints (Ir(N2) − Ir(N1)) / (N2 − N1), which leaves start-up out.
+# With ANNOTATE=1 it also prints the per-function difference and keeps the
+# N2 run as /tmp/callgrind-target.out.
 # Usage: scripts/callgrind-target.sh [N1 N2] (default 1000 6000; release
 # build of the `quiesce` binary first).
 set -euo pipefail
@@ -32,3 +34,8 @@ ir() {
 a=$(ir "$n1")
 b=$(ir "$n2")
 echo "target: $(( (b - a) / (n2 - n1) )) instructions per 4 KiB write ($n1 → $n2 writes: $a → $b)"
+if [ "${ANNOTATE:-0}" = 1 ]; then
+    cp "$dir/cg.$n2" /tmp/callgrind-target.out
+    scripts/callgrind-per-fn.sh "$n1" "$dir/cg.$n1" "$n2" "$dir/cg.$n2" "${TOP:-60}"
+    echo "(the $n2-write run kept as /tmp/callgrind-target.out)"
+fi

@@ -15,15 +15,20 @@
 //! frames.
 //!
 //! Keys are chosen by peers, so the index keeps std's keyed SipHash; a
-//! landing write's guard holds its entry's slot instead of its key, so only
-//! finding an entry and removing it hash (DESIGN §11, target data path).
+//! landing write's guard holds its entry's slot and its key's hash, and
+//! the table remembers the last key it hashed, so a write hashes once: when
+//! its request is checked (`is_fenced`), not again when it registers or when
+//! its guard removes the entry (DESIGN §11, target data path).
 
-use std::cell::RefCell;
-use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet};
+use std::cell::{Cell, RefCell};
+use std::collections::hash_map::RandomState;
+use std::collections::HashSet;
+use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 
+use hashbrown::hash_table::Entry;
+use hashbrown::HashTable;
 use quiesce_runtime::Canceller;
 use slab::Slab;
 
@@ -46,46 +51,90 @@ impl BatchState {
     }
 }
 
+/// One entry of the index: a key, its hash (kept, so that neither growing
+/// the index nor a guard's removal hashes it again) and its slot in
+/// `states`.
+struct Indexed {
+    hash: u64,
+    key: Key,
+    slot: usize,
+}
+
 /// The entries and their index. Invariant: `index` and `states` name the
 /// same entries — every slot of `states` is in `index` once, under its
-/// key — and an entry with a landing write stays in place, so a
-/// [`WriteGuard`]'s slot names its entry for as long as the guard lives.
+/// key and that key's hash by `keys` — and an entry with a landing write
+/// stays in place, so a [`WriteGuard`]'s slot names its entry for as long
+/// as the guard lives.
 #[derive(Default)]
 struct Entries {
-    index: HashMap<Key, usize>,
+    index: HashTable<Indexed>,
+    /// std's randomly keyed SipHash, as a `HashMap` would use.
+    keys: RandomState,
+    /// The last key hashed and its hash: a write's request asks whether its
+    /// batch is fenced and then registers with it, one hash for both.
+    last: Cell<Option<(Key, u64)>>,
     states: Slab<BatchState>,
 }
 
 impl Entries {
+    fn hash(&self, key: &Key) -> u64 {
+        match self.last.get() {
+            Some((k, h)) if k == *key => h,
+            _ => {
+                let h = self.keys.hash_one(key);
+                self.last.set(Some((*key, h)));
+                h
+            }
+        }
+    }
+
+    fn slot(&self, key: &Key) -> Option<usize> {
+        self.index
+            .find(self.hash(key), |e| e.key == *key)
+            .map(|e| e.slot)
+    }
+
     fn get(&self, key: &Key) -> Option<&BatchState> {
-        self.index.get(key).map(|&i| &self.states[i])
+        self.slot(key).map(|i| &self.states[i])
     }
 
     fn get_mut(&mut self, key: &Key) -> Option<&mut BatchState> {
-        self.index.get(key).map(|&i| &mut self.states[i])
+        self.slot(key).map(|i| &mut self.states[i])
     }
 
-    /// Removes the entry of `key`, at `slot`.
-    fn remove(&mut self, key: &Key, slot: usize) -> BatchState {
-        self.index.remove(key);
+    /// Removes the entry of `key` (whose hash is `hash`), at `slot`.
+    fn remove(&mut self, hash: u64, key: &Key, slot: usize) -> BatchState {
+        if let Ok(o) = self.index.find_entry(hash, |e| e.key == *key) {
+            o.remove();
+        }
         self.states.remove(slot)
     }
 
-    /// The entry of `key`, made by `new` if there is none.
-    fn slot_or_insert_with(&mut self, key: Key, new: impl FnOnce() -> BatchState) -> usize {
-        match self.index.entry(key) {
-            Entry::Occupied(o) => *o.get(),
-            Entry::Vacant(v) => *v.insert(self.states.insert(new())),
+    /// The entry of `key` (whose hash is `hash`), made by `new` if there is
+    /// none.
+    fn slot_or_insert_with(
+        &mut self,
+        hash: u64,
+        key: Key,
+        new: impl FnOnce() -> BatchState,
+    ) -> usize {
+        match self.index.entry(hash, |e| e.key == key, |e| e.hash) {
+            Entry::Occupied(o) => o.get().slot,
+            Entry::Vacant(v) => {
+                let slot = self.states.insert(new());
+                v.insert(Indexed { hash, key, slot });
+                slot
+            }
         }
     }
 
     /// Keeps the entries for which `keep` says so.
     fn retain(&mut self, mut keep: impl FnMut(&Key, &mut BatchState) -> bool) {
         let states = &mut self.states;
-        self.index.retain(|key, &mut i| {
-            let kept = keep(key, &mut states[i]);
+        self.index.retain(|e| {
+            let kept = keep(&e.key, &mut states[e.slot]);
             if !kept {
-                states.remove(i);
+                states.remove(e.slot);
             }
             kept
         });
@@ -116,13 +165,15 @@ impl FenceTable {
     pub(crate) fn begin_write(&self, session: u64, batch: u64) -> WriteGuard {
         let key = (session, batch);
         let mut t = self.inner.borrow_mut();
-        let entry = t.slot_or_insert_with(key, || BatchState {
+        let hash = t.hash(&key);
+        let entry = t.slot_or_insert_with(hash, key, || BatchState {
             writes: self.spare.borrow_mut().pop().unwrap_or_default(),
             ..BatchState::default()
         });
         let slot = t.states[entry].writes.insert(None);
         WriteGuard {
             table: self.clone(),
+            hash,
             key,
             entry,
             slot,
@@ -139,7 +190,9 @@ impl FenceTable {
     ) {
         let cancellers: Vec<Canceller> = {
             let mut t = self.inner.borrow_mut();
-            let entry = t.slot_or_insert_with((session, batch), BatchState::default);
+            let key = (session, batch);
+            let hash = t.hash(&key);
+            let entry = t.slot_or_insert_with(hash, key, BatchState::default);
             let st = &mut t.states[entry];
             if !st.fenced {
                 st.fenced = true;
@@ -169,12 +222,14 @@ impl FenceTable {
     /// Connection `conn` will carry nothing more of `batch`.
     pub(crate) fn forget(&self, session: u64, batch: u64, conn: usize) {
         let mut t = self.inner.borrow_mut();
-        let Entries { index, states } = &mut *t;
-        if let Entry::Occupied(o) = index.entry((session, batch)) {
-            let st = &mut states[*o.get()];
+        let key = (session, batch);
+        let hash = t.hash(&key);
+        let Entries { index, states, .. } = &mut *t;
+        if let Ok(o) = index.find_entry(hash, |e| e.key == key) {
+            let st = &mut states[o.get().slot];
             st.carriers.remove(&conn);
             if !st.needed() {
-                states.remove(o.remove());
+                states.remove(o.remove().0.slot);
             }
         }
     }
@@ -194,7 +249,7 @@ impl FenceTable {
         let t = self.inner.borrow();
         t.index
             .iter()
-            .filter(|((s, _), &i)| *s == session && t.states[i].fenced)
+            .filter(|e| e.key.0 == session && t.states[e.slot].fenced)
             .count()
     }
 
@@ -214,6 +269,8 @@ impl FenceTable {
 /// A landing write; dropping it tells fence waiters it has stopped.
 pub(crate) struct WriteGuard {
     table: FenceTable,
+    /// Its entry's key and that key's hash.
+    hash: u64,
     key: Key,
     /// Its entry's slot in the table (see [`Entries`]).
     entry: usize,
@@ -243,7 +300,7 @@ impl Drop for WriteGuard {
                 Vec::new()
             };
             if !st.needed() {
-                let st = t.remove(&self.key, self.entry);
+                let st = t.remove(self.hash, &self.key, self.entry);
                 let mut spare = self.table.spare.borrow_mut();
                 if spare.len() < SPARE_SLABS {
                     spare.push(st.writes);
@@ -282,6 +339,34 @@ mod tests {
             "a fenced batch stays while it has carriers"
         );
         t.closed(1, 7);
+        assert_eq!(t.len(), 0);
+    }
+
+    /// A guard removes its entry by the hash it kept, also after the index
+    /// grew under it (entries moved) and with other guards dropped in
+    /// between; the table ends empty.
+    #[test]
+    fn guards_remove_their_entries_by_their_kept_hash_across_growth() {
+        let t = FenceTable::default();
+        let mut guards: Vec<WriteGuard> = (0..200).map(|b| t.begin_write(b % 3, b)).collect();
+        assert_eq!(t.len(), 200);
+        t.fence(1, 4, [9]);
+        assert!(guards[4].fenced() && !guards[5].fenced());
+        // Every other guard first, then the rest from the end.
+        let mut odd: Vec<WriteGuard> = Vec::new();
+        for (i, g) in guards.drain(..).enumerate() {
+            if i % 2 == 1 {
+                odd.push(g);
+            }
+        }
+        // The even ones went, but for the fenced batch 4: it has a carrier.
+        assert_eq!(t.len(), 101, "dropping a guard removed exactly its entry");
+        while let Some(g) = odd.pop() {
+            drop(g);
+        }
+        assert_eq!(t.len(), 1, "only the fenced batch with a carrier stays");
+        assert!(t.is_fenced(1, 4) && !t.is_fenced(1, 7));
+        t.forget(1, 4, 9);
         assert_eq!(t.len(), 0);
     }
 }
