@@ -4,6 +4,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Waker};
+use std::time::Instant;
 
 use quiesce_runtime::{IoBuf, IoBufMut};
 
@@ -64,6 +65,9 @@ pub struct Batch<T: Transport, B> {
     /// its own state ([`Writes`] or [`Reads`]: no allocation per transfer);
     /// a larger batch's are boxed ([`Boxed`]).
     start: fn(Batch<T, B>) -> Submitted<B>,
+    /// When the batch counts as submitted, if its caller read the clock
+    /// already ([`started_at`](Self::started_at)); else `submit` reads it.
+    since: Option<Instant>,
 }
 
 fn launch_write<T: Transport, B: IoBuf>(
@@ -95,7 +99,17 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             tasks: Tasks::new(),
             id: IDS.fetch_add(1, Ordering::Relaxed),
             start: Self::submit_with::<Boxed>,
+            since: None,
         }
+    }
+
+    /// Counts the batch as submitted at `at`, a clock reading its caller
+    /// took already (a caller lane's, at the start of the call): its
+    /// deadline and [`Quiesced::elapsed`](crate::Quiesced::elapsed) count
+    /// from then, and `submit` reads no clock. `at` must not be later than
+    /// the submit, so the deadline is never longer than asked.
+    pub(crate) fn started_at(&mut self, at: Instant) {
+        self.since = Some(at);
     }
 
     /// This batch's id (in logs).
@@ -176,6 +190,7 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             self.tasks,
             shared.clone(),
             self.id,
+            self.since.unwrap_or_else(Instant::now),
         );
         // The future holds the first transfer's state too (1.7 KiB for a
         // small TCP write): past glibc's per-thread cache, so its block is

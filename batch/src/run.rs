@@ -209,8 +209,8 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         tasks: Tasks<T, B>,
         shared: Rc<Handoff<B>>,
         id: u64,
+        started: Instant,
     ) -> Self {
-        let started = Instant::now();
         Driver {
             transport,
             deadline: opts.deadline.map(|d| started + d),

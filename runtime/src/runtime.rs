@@ -302,13 +302,16 @@ impl Runtime {
     }
 }
 
-/// One reactor turn: poll sources, fire timers, park (bounded by the nearest
-/// deadline, or not at all when work is pending), dispatch what arrived.
+/// One reactor turn: poll sources, park (bounded by the nearest deadline,
+/// or not at all when work is pending or a timer is due), dispatch what
+/// arrived, fire due timers.
 fn turn(cx: &Context) {
     Counters::bump(&cx.counters.ticks);
     cx.tick_bytes.set(0);
     let reaped = source::poll_all(cx);
-    time::fire_due(cx);
+    // Timers are fired once a turn, after the park (below): one due now
+    // makes `until_next_timer` zero, so the park does not block, and it
+    // fires in this turn all the same; a clock reading fewer.
     let busy = reaped > 0
         || !cx.ready.borrow().is_empty()
         || !cx.deferred.borrow().is_empty()

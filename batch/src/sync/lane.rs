@@ -58,7 +58,8 @@ const OPEN_SHARE: u32 = 4;
 /// After an open ran out of time, how long batches on that handle go to
 /// the engine's thread before the lane tries again.
 const OPEN_BACKOFF: Duration = Duration::from_secs(1);
-/// A lane idle this long takes a reactor turn before its next batch.
+/// A lane whose last call began this long ago takes a reactor turn before
+/// its next batch.
 const AWAY: Duration = Duration::from_millis(1);
 /// Spare copy buffers a lane keeps between calls, and the largest one it
 /// keeps: at most 1 MiB of spares per lane (a 4 KiB batch reuses them; a
@@ -223,7 +224,7 @@ impl Lanes {
             net: Some(engine),
             opened: Vec::new(),
             spare: Vec::new(),
-            last: Instant::now(),
+            away_at: Instant::now() + AWAY,
             rt,
             _live: live,
         })
@@ -266,8 +267,9 @@ struct Lane {
     opened: Vec<Option<LaneSegment>>,
     /// Copy buffers kept for the next call.
     spare: Vec<Vec<u8>>,
-    /// When the last batch on this lane ended.
-    last: Instant,
+    /// From when a call counts as the first after the thread was away:
+    /// [`AWAY`] after the last call began (its clock reading, reused).
+    away_at: Instant,
     /// Dropped after the engine (see `Drop`).
     rt: Runtime,
     _live: LiveLane,
@@ -296,7 +298,10 @@ impl Lane {
         keys: &Mutex<Vec<Option<LaneKey>>>,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
-        let (segs, spent) = self.segments(&tasks, keys, opts.deadline);
+        // The call's one clock reading: whether the thread was away, and
+        // when the batch counts as submitted (unless opening took time).
+        let now = Instant::now();
+        let (segs, spent) = self.segments(&tasks, keys, opts.deadline, now);
         // What the lane spent opening counts against the deadline, here or
         // on the engine's thread.
         let opts = BatchOptions {
@@ -307,6 +312,9 @@ impl Lane {
             return Err((tasks, opts));
         };
         let mut batch = Batch::new(Tcp, opts);
+        if spent.is_zero() {
+            batch.started_at(now);
+        }
         let mut dirs: SmallVec<[Direction; 4]> = SmallVec::with_capacity(tasks.len());
         let mut originals = Vec::with_capacity(tasks.len());
         for ((dir, t), seg) in tasks.into_iter().zip(&segs) {
@@ -342,7 +350,7 @@ impl Lane {
             // sends it now, not at the thread's next call or its exit.
             self.rt.block_on(quiesce_runtime::yield_now());
         }
-        self.last = Instant::now();
+        self.away_at = now + AWAY;
         Ok(Ok(match outcome {
             Outcome::Quiesced(q) => {
                 let code = q.sync_code();
@@ -408,6 +416,7 @@ impl Lane {
         tasks: &[(Direction, SyncTask<B>)],
         keys: &Mutex<Vec<Option<LaneKey>>>,
         deadline: Option<Duration>,
+        now: Instant,
     ) -> (Option<SmallVec<[RemoteSegment; 4]>>, Duration) {
         let mut out = SmallVec::with_capacity(tasks.len());
         // Time spent opening, read from the clock only when one is opened.
@@ -417,7 +426,7 @@ impl Lane {
             let seg = match known {
                 Some(LaneSegment::Open(s)) => s,
                 Some(LaneSegment::Refused) => return (None, spent),
-                Some(LaneSegment::Slow(until)) if Instant::now() < until => return (None, spent),
+                Some(LaneSegment::Slow(until)) if now < until => return (None, spent),
                 Some(LaneSegment::Slow(_)) | None => {
                     let started = Instant::now();
                     let state = self.open_here(t.segment, keys, deadline);
@@ -433,7 +442,7 @@ impl Lane {
         // Connections the peer closed while this thread was away are seen
         // before the batch picks one (a turn of the reactor). Back to back,
         // nothing is older than what the last call reaped on its way out.
-        if self.last.elapsed() >= AWAY {
+        if now >= self.away_at {
             self.rt.block_on(quiesce_runtime::yield_now());
         }
         (Some(out), spent)
