@@ -455,18 +455,6 @@ fn keep_waker(cx: &context::Context, mut waker: Arc<TaskWaker>) {
 /// first). io_uring needs no bound: its completions come through the reactor.
 pub(crate) const TICK_BYTES: usize = 256 << 10;
 
-/// `Pending` (the task deferred past the next reactor turn) once this tick's
-/// byte budget is spent; see [`TICK_BYTES`].
-pub(crate) fn byte_budget(tcx: &mut TaskCx<'_>) -> Poll<()> {
-    context::try_with(|cx| match cx {
-        Some(cx) if cx.tick_bytes.get() >= TICK_BYTES => {
-            cx.deferred.borrow_mut().push(tcx.waker().clone());
-            Poll::Pending
-        }
-        _ => Poll::Ready(()),
-    })
-}
-
 /// Charges `n` moved bytes to this tick's byte budget.
 pub(crate) fn charge_bytes(n: usize) {
     context::try_with(|cx| {
@@ -476,11 +464,14 @@ pub(crate) fn charge_bytes(n: usize) {
     })
 }
 
-/// Spends one unit of the running task's cooperative budget.
+/// Spends one unit of the running task's cooperative budget; an op that
+/// moves bytes (`moves_bytes`) also waits once this tick's byte budget is
+/// spent ([`TICK_BYTES`]). One look at the runtime's context for both.
 ///
-/// Returns `Pending` (after waking the task) when the budget is spent, so a
-/// task whose operations keep completing at once still lets the reactor run.
-pub(crate) fn poll_budget(tcx: &mut TaskCx<'_>) -> Poll<()> {
+/// Returns `Pending` (the task deferred past the next reactor turn) when
+/// either is spent, so a task whose operations keep completing at once
+/// still lets the reactor run.
+pub(crate) fn op_budget(tcx: &mut TaskCx<'_>, moves_bytes: bool) -> Poll<()> {
     // The budget is the polling task's: that of the runtime running now (none
     // outside a runtime, where nothing needs sharing).
     context::try_with(|cx| {
@@ -488,7 +479,7 @@ pub(crate) fn poll_budget(tcx: &mut TaskCx<'_>) -> Poll<()> {
             return Poll::Ready(());
         };
         let b = cx.budget.get();
-        if b == 0 {
+        if b == 0 || (moves_bytes && cx.tick_bytes.get() >= TICK_BYTES) {
             cx.deferred.borrow_mut().push(tcx.waker().clone());
             Poll::Pending
         } else {

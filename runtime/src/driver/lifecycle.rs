@@ -255,9 +255,7 @@ impl<T: Operation> Future for Op<T> {
                 if this.cancel_requested() {
                     return Poll::Ready(spec.complete(Err(canceled()), 0));
                 }
-                if crate::executor::poll_budget(tcx).is_pending()
-                    || (T::MOVES_BYTES && crate::executor::byte_budget(tcx).is_pending())
-                {
+                if crate::executor::op_budget(tcx, T::MOVES_BYTES).is_pending() {
                     this.state = State::Idle(spec);
                     return Poll::Pending;
                 }
