@@ -6,7 +6,10 @@ Each implementation gets a target in its own process (this module with
 ``--serve``), all alive at once; the latency cases alternate between the
 implementations every ``--block`` iterations so each pair of figures sees
 the same machine. NIXL runs after the others, alone: its progress threads
-busy-poll and would take the cores from them. Mooncake runs when ``mooncake.engine`` imports (PyPI:
+busy-poll and would take the cores from them. So that the comparison with
+NIXL is like for like, ``quiesce-local`` then runs alone too, just before
+NIXL (printed as ``quiesce-local alone``, and compared with NIXL); its
+interleaved figures are compared with Mooncake's. Mooncake runs when ``mooncake.engine`` imports (PyPI:
 ``mooncake-transfer-engine-non-cuda``). Printed per case: t_min and p50
 (and p99) per implementation, and quiesce's speed-up (Mooncake ÷ quiesce).
 ``quiesce`` is the drop-in over TCP (``QUIESCE_LOCAL=off``), as Mooncake's
@@ -37,6 +40,9 @@ import time
 MiB = 1 << 20
 SECRET = "quiesce.bench: a secret only this benchmark's processes share"
 
+
+# quiesce-local's figures from its phase of its own (with NIXL's).
+ALONE = " alone"
 
 # The initiator's QUIESCE_LOCAL per implementation of quiesce.
 LOCAL = {"quiesce": "off", "quiesce-local": "required"}
@@ -265,12 +271,25 @@ def main():
     # for as long as its agents live, which on a small machine takes the
     # cores from whatever runs beside them: it runs in a phase of its own,
     # after the others' targets are gone.
-    phases = [[i for i in available if i != "nixl"], [i for i in available if i == "nixl"]]
+    # So quiesce-local, measured against NIXL, also runs the way NIXL must:
+    # alone, every case warm (interleaved, each block of an implementation
+    # starts after the others' blocks, with its threads asleep and its
+    # buffers out of the cache). Its interleaved figures stay for Mooncake.
+    alone = "quiesce-local" in available and "nixl" in available
+    phases = [
+        [i for i in available if i != "nixl"],
+        ["quiesce-local"] if alone else [],
+        [i for i in available if i == "nixl"],
+    ]
     results, seeds = {}, []
-    for phase in filter(None, phases):
+    for n, phase in enumerate(phases):
+        if not phase:
+            continue
         sides = [Side(i, a.big) for i in phase]
         try:
-            measure(sides, a, results)
+            measure(sides, a, results, suffix=ALONE if n == 1 else "")
+            if n == 1:
+                continue
             for s in sides:
                 if s.impl == "nixl":
                     # NIXL reports DONE for a write into a deregistered range:
@@ -290,27 +309,32 @@ def main():
             extra = ""
             if name == "64 MiB write":
                 extra = f"  ({a.big / (min(v) / 1e6) / 1e9:.2f} GB/s at t_min)"
-            print(f"   {impl:13} {fmt(v)}{extra}")
+            print(f"   {impl:19} {fmt(v)}{extra}")
         for mine in LOCAL:
             for other in ("mooncake", "nixl"):
-                if mine in r and other in r:
-                    q, m = r[mine], r[other]
+                # Against NIXL, the figures measured as NIXL's are: alone.
+                ours = mine + ALONE if other == "nixl" and mine + ALONE in r else mine
+                if ours in r and other in r:
+                    q, m = r[ours], r[other]
                     print(
-                        f"   {mine} vs {other}: t_min {min(m) / min(q):.2f}×, p50 "
+                        f"   {ours} vs {other}: t_min {min(m) / min(q):.2f}×, p50 "
                         f"{statistics.median(m) / statistics.median(q):.2f}× (>1: quiesce faster)"
                     )
     print(f"== seed scenario ({a.rounds} rounds: [refused 4 KiB, valid {a.big >> 20} MiB], source overwritten on return)")
     print("\n".join(seeds))
 
 
-def measure(sides, a, results):
-    """Every case for `sides`, interleaved among them; into `results`."""
+def measure(sides, a, results, suffix=""):
+    """Every case for `sides`, interleaved among them; into `results`, each
+    implementation's figures under its name + `suffix`."""
+
+    def put(name, r):
+        results.setdefault(name, {}).update({impl + suffix: v for impl, v in r.items()})
+
     for name, size in [("4 KiB write", 4096), ("64 KiB write", 64 << 10)]:
-        results.setdefault(name, {}).update(latency(sides, size, a.iters, a.block))
-    results.setdefault("64 × 64 KiB batch", {}).update(
-        batch64(sides, max(a.iters // 10, 20), max(a.block // 10, 5))
-    )
-    results.setdefault("64 MiB write", {}).update(latency(sides, a.big, 20, 5))
+        put(name, latency(sides, size, a.iters, a.block))
+    put("64 × 64 KiB batch", batch64(sides, max(a.iters // 10, 20), max(a.block // 10, 5)))
+    put("64 MiB write", latency(sides, a.big, 20, 5))
 
 
 if __name__ == "__main__":
