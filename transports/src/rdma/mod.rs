@@ -13,7 +13,10 @@
 //!   before a byte is posted.
 //! * The shard's completion queue is a reactor completion source (busy-polled,
 //!   or armed on its completion channel with drain-after-arm). Every work
-//!   request is tracked until reaped; a transfer resolves only then.
+//!   request is tracked until it is known done; a transfer resolves only
+//!   then. Only the last request of each transfer in a doorbell asks for a
+//!   completion; an RC send queue completes in order, so that one vouches
+//!   for the silent ones before it (`ledger`).
 //! * A failed completion puts the queue pair in the error state, every
 //!   outstanding request flushes, and the next transfer builds a new queue
 //!   pair. A fence moves both ends' queue pairs to the error state.
@@ -22,6 +25,7 @@
 //! returns [`RdmaError::NoDevice`]; nothing else in the crate needs either.
 
 mod engine;
+mod ledger;
 mod local;
 mod peer;
 mod reaper;

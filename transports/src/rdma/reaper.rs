@@ -6,9 +6,11 @@
 //! in their [`Link`]'s queue until the next doorbell: the reactor polls the
 //! [`Reaper`] every tick (and right before it blocks), and each poll rings
 //! each link's doorbell once, with everything queued since, then reaps the
-//! completion queue. A slot resolves when its last request is reaped — never
-//! earlier, whatever failed — so its buffer comes back only once the NIC is
-//! done with it.
+//! completion queue. A slot resolves when its last request is known done —
+//! never earlier, whatever failed — so its buffer comes back only once the
+//! NIC is done with it. Only the last of a transfer's requests in one
+//! doorbell asks for a completion; the link's [`Ledger`] says which
+//! requests each reaped completion vouches for.
 //!
 //! Link states:
 //! * `Ready` — requests are posted.
@@ -33,6 +35,7 @@ use std::time::{Duration, Instant};
 use quiesce_runtime::source::CompletionSource;
 use slab::Slab;
 
+use super::ledger::{Ledger, SIGNALLED};
 use super::verbs::{Completion, Cq, Qp, WorkRequest};
 use crate::error::TransferError;
 
@@ -61,8 +64,10 @@ pub(crate) enum LinkState {
 pub(crate) struct Link {
     pub(crate) qp: Qp,
     state: Cell<LinkState>,
-    /// Posted and not yet reaped.
+    /// Posted and not yet known done (send queue entries in use).
     outstanding: Cell<u32>,
+    /// Its posted groups of requests, oldest first.
+    ledger: RefCell<Ledger>,
     /// Queued for the next doorbell.
     queued: RefCell<VecDeque<WorkRequest>>,
     in_dirty: Cell<bool>,
@@ -81,6 +86,7 @@ impl Link {
             qp,
             state: Cell::new(LinkState::Ready),
             outstanding: Cell::new(0),
+            ledger: RefCell::default(),
             queued: RefCell::default(),
             in_dirty: Cell::new(false),
             depth,
@@ -142,7 +148,7 @@ impl Link {
 struct Slot {
     gen: u32,
     batch: u64,
-    /// Queued or posted requests not yet reaped.
+    /// Queued or posted requests not yet known done.
     outstanding: u32,
     bytes: u64,
     error: Option<TransferError>,
@@ -176,8 +182,13 @@ pub(crate) struct Submission<I, B> {
 pub struct RdmaStats {
     /// Work requests posted.
     pub posted: u64,
-    /// Completions reaped (flushes included).
+    /// Completions reaped (flushes included). Fewer than `completed`: only
+    /// the last request of a transfer in a doorbell asks for one on success.
     pub reaped: u64,
+    /// Posted work requests known done: reaped, or vouched for by a later
+    /// request's completion on the same queue pair. Equals `posted` once
+    /// nothing is in flight.
+    pub completed: u64,
     /// `ibv_post_send` calls (doorbells).
     pub doorbells: u64,
     /// Transfers whose requests are not all reaped.
@@ -195,8 +206,9 @@ pub(crate) struct Reaper {
     scratch: Vec<Completion>,
     /// Reused list of the requests one doorbell posts.
     to_post: Vec<WorkRequest>,
-    /// Posted requests whose completion is not reaped yet, over all links:
-    /// never more than the CQ holds, or it would overflow.
+    /// Posted requests not yet known done, over all links: each may still
+    /// bring a completion (errors always do), so never more than the CQ
+    /// holds, or it would overflow.
     in_cq: u32,
     stats: RdmaStats,
     pub(crate) mrs: Rc<Cell<u64>>,
@@ -245,7 +257,8 @@ impl Reaper {
     {
         let mut r = this.borrow_mut();
         let gen = r.next_gen;
-        r.next_gen = r.next_gen.wrapping_add(1).max(1);
+        // 31 bits: the top bit of a wr_id is the ledger's SIGNALLED mark.
+        r.next_gen = (r.next_gen.wrapping_add(1) & 0x7fff_ffff).max(1);
         let key = r.slots.insert(Slot {
             gen,
             batch: sub.batch,
@@ -283,7 +296,7 @@ impl Reaper {
                 drop(queued);
                 for w in never_posted {
                     let e = link.flushed_error(self.slot_batch(w.wr_id), false);
-                    self.retire(w.wr_id, Some(e));
+                    self.retire(w.wr_id, 1, Some(e));
                 }
             } else {
                 let cq_room = self.cq.capacity().saturating_sub(self.in_cq);
@@ -297,15 +310,18 @@ impl Reaper {
                     wrs.clear();
                     wrs.extend(queued.drain(..n));
                     drop(queued);
+                    Ledger::mark(&mut wrs);
                     self.stats.doorbells += 1;
                     match link.qp.post(&wrs) {
                         Ok(()) => {
+                            link.ledger.borrow_mut().posted(&wrs, n);
                             link.outstanding.set(link.outstanding.get() + n as u32);
                             self.in_cq += n as u32;
                             self.stats.posted += n as u64;
                         }
                         Err((posted, e)) => {
                             tracing::warn!(error = %e, posted, "post_send failed; resetting the queue pair");
+                            link.ledger.borrow_mut().posted(&wrs, posted);
                             link.outstanding.set(link.outstanding.get() + posted as u32);
                             self.in_cq += posted as u32;
                             self.stats.posted += posted as u64;
@@ -314,6 +330,7 @@ impl Reaper {
                             for w in &wrs[posted..] {
                                 self.retire(
                                     w.wr_id,
+                                    1,
                                     Some(TransferError::ConnectionLost(e.to_string())),
                                 );
                             }
@@ -337,13 +354,14 @@ impl Reaper {
         self.slots.get(wr_id as u32 as usize).map_or(0, |s| s.batch)
     }
 
-    /// One request of `wr_id` is done (reaped, or failed before posting).
-    fn retire(&mut self, wr_id: u64, error: Option<TransferError>) {
+    /// `requests` requests of `wr_id` are done (known done on the NIC, or
+    /// failed before posting); 0 only records `error`.
+    fn retire(&mut self, wr_id: u64, requests: u32, error: Option<TransferError>) {
         let key = wr_id as u32 as usize;
         let Some(slot) = self
             .slots
             .get_mut(key)
-            .filter(|s| s.gen == (wr_id >> 32) as u32)
+            .filter(|s| s.gen == ((wr_id & !SIGNALLED) >> 32) as u32)
         else {
             tracing::error!(wr_id, "completion for an unknown work request");
             return;
@@ -357,7 +375,10 @@ impl Reaper {
             }
             _ => {}
         }
-        slot.outstanding -= 1;
+        if requests == 0 {
+            return;
+        }
+        slot.outstanding -= requests;
         if slot.outstanding == 0 {
             if slot.orphan.is_some() {
                 self.slots.remove(key);
@@ -386,16 +407,30 @@ impl Reaper {
 
     fn complete(&mut self, wc: &Completion) {
         self.stats.reaped += 1;
-        // Whatever it belongs to, the completion left the CQ.
-        self.in_cq = self.in_cq.saturating_sub(1);
         let key = wc.wr_id as u32 as usize;
         let Some(slot) = self.slots.get(key) else {
             tracing::error!(wr_id = wc.wr_id, "completion for an unknown slot");
             return;
         };
         let link = slot.link.clone();
+        let Some(done) = link
+            .ledger
+            .borrow_mut()
+            .complete(wc.wr_id, wc.status == WC_SUCCESS)
+        else {
+            tracing::error!(
+                wr_id = wc.wr_id,
+                status = wc.status,
+                "completion out of its queue pair's order"
+            );
+            return;
+        };
+        // The requests it vouches for leave the send queue, and the CQ
+        // room they held is free again.
         link.outstanding
-            .set(link.outstanding.get().saturating_sub(1));
+            .set(link.outstanding.get().saturating_sub(done.requests));
+        self.in_cq = self.in_cq.saturating_sub(done.requests);
+        self.stats.completed += u64::from(done.requests);
         let error = match wc.status {
             WC_SUCCESS => None,
             WC_WR_FLUSH_ERR => Some(link.flushed_error(slot.batch, true)),
@@ -407,7 +442,7 @@ impl Reaper {
                 Some(status_error(st))
             }
         };
-        self.retire(wc.wr_id, error);
+        self.retire(done.wr_id, done.requests, error);
     }
 
     /// Moves every link with requests in flight to the error state and reaps

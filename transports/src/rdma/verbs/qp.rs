@@ -22,6 +22,9 @@ pub(crate) struct WorkRequest {
     pub(crate) rkey: u32,
     /// Small writes are copied into the WQE (no local key needed for them).
     pub(crate) inline: bool,
+    /// Asks for a completion on success (`IBV_SEND_SIGNALED`; the QP is
+    /// created with `sq_sig_all = 0`). Errors complete either way.
+    pub(crate) signalled: bool,
 }
 
 /// A send work request with every field zero (null pointers, no flags).
@@ -55,6 +58,8 @@ impl Qp {
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
         init.cap.max_inline_data = 64;
+        // Only requests posted with IBV_SEND_SIGNALED complete on success.
+        init.sq_sig_all = 0;
         // SAFETY: the PD and the CQ are live (the caller keeps the CQ's owner
         // alive for as long as the QP).
         let qp = unsafe { sys::ibv_create_qp(pd.pd, &mut init) };
@@ -215,7 +220,11 @@ impl Qp {
             } else {
                 sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
             };
-            let mut flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            let mut flags = if w.signalled {
+                sys::ibv_send_flags::IBV_SEND_SIGNALED.0
+            } else {
+                0
+            };
             if w.inline && !w.read && w.len <= self.max_inline {
                 flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
             }
