@@ -390,8 +390,10 @@ fn a_transfer_asks_for_one_completion_per_doorbell_and_resolves_only_after_its_l
         assert!(landed == src[..], "a 64-request write did not land whole");
         let s = init.stats();
         assert_eq!((s.posted, s.completed, s.in_flight), (64, 64, 0), "{s:?}");
-        // One transfer per doorbell here: one completion each.
+        // One transfer per doorbell here: one completion each. The link
+        // was idle, so its doorbell rang at submission, not a tick later.
         assert_eq!(s.reaped, s.doorbells, "{s:?}");
+        assert_eq!(s.immediate, 1, "{s:?}");
         assert!(
             s.reaped < s.posted,
             "every request asked for a completion: {s:?}"
@@ -420,6 +422,7 @@ fn a_transfer_asks_for_one_completion_per_doorbell_and_resolves_only_after_its_l
         assert!(snap.iter().all(|&b| b == 0), "a refused write landed");
         let s = init.stats();
         assert_eq!(s.posted - before.posted, 16, "{s:?}");
+        assert_eq!(s.immediate - before.immediate, 1, "{s:?}");
         assert_eq!((s.in_flight, s.posted), (0, s.completed), "{s:?}");
     });
 }

@@ -2,11 +2,12 @@
 //! to reaped.
 //!
 //! A transfer becomes a [`Slot`] (slab key + generation = the `wr_id` of
-//! each of its work requests) and one work request per slice. Requests wait
-//! in their [`Link`]'s queue until the next doorbell: the reactor polls the
-//! [`Reaper`] every tick (and right before it blocks), and each poll rings
-//! each link's doorbell once, with everything queued since, then reaps the
-//! completion queue. A slot resolves when its last request is known done —
+//! each of its work requests) and one work request per slice. A transfer to
+//! an idle link (nothing posted, nothing queued) is posted at once; otherwise
+//! its requests wait in their [`Link`]'s queue until the next doorbell: the
+//! reactor polls the [`Reaper`] every tick (and right before it blocks), and
+//! each poll rings each link's doorbell once, with everything queued since,
+//! then reaps the completion queue. A slot resolves when its last request is known done —
 //! never earlier, whatever failed — so its buffer comes back only once the
 //! NIC is done with it. Only the last of a transfer's requests in one
 //! doorbell asks for a completion; the link's [`Ledger`] says which
@@ -191,6 +192,9 @@ pub struct RdmaStats {
     pub completed: u64,
     /// `ibv_post_send` calls (doorbells).
     pub doorbells: u64,
+    /// Of those, doorbells rung by a submission on an idle link, at once
+    /// rather than at the next tick.
+    pub immediate: u64,
     /// Transfers whose requests are not all reaped.
     pub in_flight: u64,
     /// Memory regions registered now (local and segments).
@@ -271,10 +275,20 @@ impl Reaper {
             orphan: None,
         });
         let wr_id = (gen as u64) << 32 | key as u64;
+        // An idle link (nothing in its send queue, nothing queued) rings at
+        // once instead of at the next tick: a lone small transfer saves the
+        // wait. A busy link keeps batching: its requests join the next
+        // doorbell, as many as completions have made room for.
+        let idle = link.outstanding.get() == 0 && link.queued.borrow().is_empty();
         link.queued
             .borrow_mut()
             .extend(sub.wrs.map(|w| WorkRequest { wr_id, ..w }));
-        if !link.in_dirty.replace(true) {
+        if idle {
+            let rung = r.stats.doorbells;
+            r.ring(link);
+            r.stats.immediate += r.stats.doorbells - rung;
+        }
+        if !link.queued.borrow().is_empty() && !link.in_dirty.replace(true) {
             r.dirty.push(link.clone());
         }
         Transfer {
@@ -290,57 +304,7 @@ impl Reaper {
         let mut i = 0;
         while i < self.dirty.len() {
             let link = self.dirty[i].clone();
-            let mut queued = link.queued.borrow_mut();
-            if link.state() != LinkState::Ready {
-                let never_posted: Vec<WorkRequest> = queued.drain(..).collect();
-                drop(queued);
-                for w in never_posted {
-                    let e = link.flushed_error(self.slot_batch(w.wr_id), false);
-                    self.retire(w.wr_id, 1, Some(e));
-                }
-            } else {
-                let cq_room = self.cq.capacity().saturating_sub(self.in_cq);
-                let room = link
-                    .depth
-                    .saturating_sub(link.outstanding.get())
-                    .min(cq_room) as usize;
-                let n = room.min(queued.len());
-                if n > 0 {
-                    let mut wrs = std::mem::take(&mut self.to_post);
-                    wrs.clear();
-                    wrs.extend(queued.drain(..n));
-                    drop(queued);
-                    Ledger::mark(&mut wrs);
-                    self.stats.doorbells += 1;
-                    match link.qp.post(&wrs) {
-                        Ok(()) => {
-                            link.ledger.borrow_mut().posted(&wrs, n);
-                            link.outstanding.set(link.outstanding.get() + n as u32);
-                            self.in_cq += n as u32;
-                            self.stats.posted += n as u64;
-                        }
-                        Err((posted, e)) => {
-                            tracing::warn!(error = %e, posted, "post_send failed; resetting the queue pair");
-                            link.ledger.borrow_mut().posted(&wrs, posted);
-                            link.outstanding.set(link.outstanding.get() + posted as u32);
-                            self.in_cq += posted as u32;
-                            self.stats.posted += posted as u64;
-                            link.state.set(LinkState::Failed);
-                            let _ = link.qp.set_error();
-                            for w in &wrs[posted..] {
-                                self.retire(
-                                    w.wr_id,
-                                    1,
-                                    Some(TransferError::ConnectionLost(e.to_string())),
-                                );
-                            }
-                        }
-                    }
-                    self.to_post = wrs;
-                } else {
-                    drop(queued);
-                }
-            }
+            self.ring(&link);
             if link.queued.borrow().is_empty() {
                 link.in_dirty.set(false);
                 self.dirty.swap_remove(i);
@@ -348,6 +312,62 @@ impl Reaper {
                 i += 1;
             }
         }
+    }
+
+    /// Posts as much of `link`'s queue as its send queue and the CQ have
+    /// room for, in one `ibv_post_send`; on a link that is no longer
+    /// `Ready`, fails the queued requests without posting them.
+    fn ring(&mut self, link: &Rc<Link>) {
+        let mut queued = link.queued.borrow_mut();
+        if link.state() != LinkState::Ready {
+            let never_posted: Vec<WorkRequest> = queued.drain(..).collect();
+            drop(queued);
+            for w in never_posted {
+                let e = link.flushed_error(self.slot_batch(w.wr_id), false);
+                self.retire(w.wr_id, 1, Some(e));
+            }
+            return;
+        }
+        let cq_room = self.cq.capacity().saturating_sub(self.in_cq);
+        let room = link
+            .depth
+            .saturating_sub(link.outstanding.get())
+            .min(cq_room) as usize;
+        let n = room.min(queued.len());
+        if n == 0 {
+            return;
+        }
+        let mut wrs = std::mem::take(&mut self.to_post);
+        wrs.clear();
+        wrs.extend(queued.drain(..n));
+        drop(queued);
+        Ledger::mark(&mut wrs);
+        self.stats.doorbells += 1;
+        match link.qp.post(&wrs) {
+            Ok(()) => {
+                link.ledger.borrow_mut().posted(&wrs, n);
+                link.outstanding.set(link.outstanding.get() + n as u32);
+                self.in_cq += n as u32;
+                self.stats.posted += n as u64;
+            }
+            Err((posted, e)) => {
+                tracing::warn!(error = %e, posted, "post_send failed; resetting the queue pair");
+                link.ledger.borrow_mut().posted(&wrs, posted);
+                link.outstanding.set(link.outstanding.get() + posted as u32);
+                self.in_cq += posted as u32;
+                self.stats.posted += posted as u64;
+                link.state.set(LinkState::Failed);
+                let _ = link.qp.set_error();
+                for w in &wrs[posted..] {
+                    self.retire(
+                        w.wr_id,
+                        1,
+                        Some(TransferError::ConnectionLost(e.to_string())),
+                    );
+                }
+            }
+        }
+        self.to_post = wrs;
     }
 
     fn slot_batch(&self, wr_id: u64) -> u64 {
