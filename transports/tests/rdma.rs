@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use common::{pattern, TargetProcess};
 use quiesce_runtime::time::sleep;
 use quiesce_runtime::{spawn_local, Runtime};
-use quiesce_transports::rdma::{device_names, RdmaConfig, RdmaEngine, RdmaError, RdmaSegment};
+use quiesce_transports::rdma::{
+    device_names, LocalMemory, RdmaConfig, RdmaEngine, RdmaError, RdmaPeer, RdmaSegment,
+};
 use quiesce_transports::{AlignedBuf, Lease, Region, Rights, Segment, TransferError};
 
 const NEEDS_DEVICE: &str = "needs an RDMA device: scripts/softroce-vm.sh test";
@@ -356,6 +358,36 @@ fn each_shard_has_its_own_completion_queue_and_queue_pair() {
     }
 }
 
+/// An initiator that cuts transfers into 4 KiB requests (a 256 KiB write is
+/// 64 of them), with a registered 1 MiB region, connected to `target`.
+struct Sliced {
+    init: RdmaEngine,
+    region: Region,
+    _reg: LocalMemory,
+    peer: RdmaPeer,
+}
+
+impl Sliced {
+    async fn connect(target: &RdmaEngine, cq_depth: Option<u32>) -> Sliced {
+        let init = RdmaEngine::bind(RdmaConfig {
+            queue_depth: 256,
+            cq_depth,
+            slice_size: 4096,
+            ..Default::default()
+        })
+        .unwrap();
+        let region = Region::new(1 << 20);
+        let _reg = init.register_region(&region).unwrap();
+        let peer = init.connect(target.local_addr()).await.unwrap();
+        Sliced {
+            init,
+            region,
+            _reg,
+            peer,
+        }
+    }
+}
+
 /// A transfer's requests in one doorbell ask for one completion, the
 /// last's: the send queue completes in order, so it vouches for the rest.
 /// When the NIC refuses the first of them, the transfer still resolves
@@ -371,15 +403,12 @@ fn a_transfer_asks_for_one_completion_per_doorbell_and_resolves_only_after_its_l
         let ro = target
             .register("ro", AlignedBuf::new(64 << 10), Rights::READ)
             .unwrap();
-        let init = RdmaEngine::bind(RdmaConfig {
-            queue_depth: 256,
-            slice_size: 4096,
-            ..Default::default()
-        })
-        .unwrap();
-        let region = Region::new(1 << 20);
-        let _reg = init.register_region(&region).unwrap();
-        let peer = init.connect(target.local_addr()).await.unwrap();
+        let Sliced {
+            init,
+            region,
+            _reg,
+            peer,
+        } = Sliced::connect(&target, None).await;
         let remote = peer.open("kv", kv.token()).await.unwrap();
         let mut src = region.lease(0..256 << 10).unwrap();
         fill(&mut src, 21);
@@ -437,16 +466,12 @@ fn requests_beyond_the_completion_queue_wait_for_room() {
         let kv = target
             .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
             .unwrap();
-        let init = RdmaEngine::bind(RdmaConfig {
-            queue_depth: 256,
-            cq_depth: Some(8),
-            slice_size: 4096,
-            ..Default::default()
-        })
-        .unwrap();
-        let region = Region::new(1 << 20);
-        let _reg = init.register_region(&region).unwrap();
-        let peer = init.connect(target.local_addr()).await.unwrap();
+        let Sliced {
+            init,
+            region,
+            _reg,
+            peer,
+        } = Sliced::connect(&target, Some(8)).await;
         let remote = peer.open("kv", kv.token()).await.unwrap();
         let mut src = region.lease(0..256 << 10).unwrap();
         fill(&mut src, 11);

@@ -151,6 +151,10 @@ mod tests {
         }
     }
 
+    fn retired(wr_id: u64, requests: u32) -> Option<Retired> {
+        Some(Retired { wr_id, requests })
+    }
+
     fn marked(ids: &[u64]) -> Vec<WorkRequest> {
         let mut wrs: Vec<WorkRequest> = ids.iter().map(|&i| wr(i)).collect();
         Ledger::mark(&mut wrs);
@@ -182,26 +186,14 @@ mod tests {
         // An unsignalled request never completes successfully: a success
         // without the mark is not ours.
         assert_eq!(l.complete(1, true), None);
-        assert_eq!(
-            l.complete(1 | SIGNALLED, true),
-            Some(Retired {
-                wr_id: 1,
-                requests: 3
-            })
-        );
+        assert_eq!(l.complete(1 | SIGNALLED, true), retired(1, 3));
         // Out of order (the second group's signal while the first is
         // pending) would be a device bug: never taken as a retirement.
         let mut l2 = Ledger::default();
         l2.posted(&wrs, wrs.len());
         assert_eq!(l2.complete(2 | SIGNALLED, true), None);
         assert_eq!(l2.len(), 2);
-        assert_eq!(
-            l.complete(2 | SIGNALLED, true),
-            Some(Retired {
-                wr_id: 2,
-                requests: 2
-            })
-        );
+        assert_eq!(l.complete(2 | SIGNALLED, true), retired(2, 2));
         assert_eq!(l.len(), 0);
     }
 
@@ -214,22 +206,10 @@ mod tests {
         // neither retires the group, whose buffer the NIC may still read
         // until the last request's flush is reaped.
         for _ in 0..2 {
-            assert_eq!(
-                l.complete(4, false),
-                Some(Retired {
-                    wr_id: 4,
-                    requests: 0
-                })
-            );
+            assert_eq!(l.complete(4, false), retired(4, 0));
             assert_eq!(l.len(), 1);
         }
-        assert_eq!(
-            l.complete(4 | SIGNALLED, false),
-            Some(Retired {
-                wr_id: 4,
-                requests: 4
-            })
-        );
+        assert_eq!(l.complete(4 | SIGNALLED, false), retired(4, 4));
         assert_eq!(l.len(), 0);
     }
 
@@ -240,32 +220,14 @@ mod tests {
         // The device took two requests of transfer 5, neither signalled.
         l.posted(&wrs, 2);
         assert_eq!(l.len(), 1);
-        assert_eq!(
-            l.complete(5, false),
-            Some(Retired {
-                wr_id: 5,
-                requests: 0
-            })
-        );
-        assert_eq!(
-            l.complete(5, false),
-            Some(Retired {
-                wr_id: 5,
-                requests: 2
-            })
-        );
+        assert_eq!(l.complete(5, false), retired(5, 0));
+        assert_eq!(l.complete(5, false), retired(5, 2));
         assert_eq!(l.len(), 0);
         // A post that ends on a signalled request leaves no cut group.
         let mut l = Ledger::default();
         l.posted(&wrs, 3);
         assert_eq!(l.len(), 1);
-        assert_eq!(
-            l.complete(5 | SIGNALLED, false),
-            Some(Retired {
-                wr_id: 5,
-                requests: 3
-            })
-        );
+        assert_eq!(l.complete(5 | SIGNALLED, false), retired(5, 3));
         // And nothing posted, nothing recorded.
         let mut l = Ledger::default();
         l.posted(&wrs, 0);
