@@ -162,6 +162,10 @@ struct Slot {
     orphan: Option<Box<dyn Any>>,
 }
 
+/// The largest transfer posted at once on an idle link (see
+/// [`Reaper::submit`]); larger ones wait for the next tick's doorbell.
+const IMMEDIATE_MAX: u64 = 64 * 1024;
+
 /// One transfer handed to [`Reaper::submit`].
 pub(crate) struct Submission<I, B> {
     /// Its work requests (`wr_id` is filled in).
@@ -192,8 +196,8 @@ pub struct RdmaStats {
     pub completed: u64,
     /// `ibv_post_send` calls (doorbells).
     pub doorbells: u64,
-    /// Of those, doorbells rung by a submission on an idle link, at once
-    /// rather than at the next tick.
+    /// Of those, doorbells rung by a small submission on an idle link, at
+    /// once rather than at the next tick.
     pub immediate: u64,
     /// Transfers whose requests are not all reaped.
     pub in_flight: u64,
@@ -275,11 +279,17 @@ impl Reaper {
             orphan: None,
         });
         let wr_id = (gen as u64) << 32 | key as u64;
-        // An idle link (nothing in its send queue, nothing queued) rings at
+        // A small transfer (one request of at most IMMEDIATE_MAX bytes) to
+        // an idle link (nothing in its send queue, nothing queued) rings at
         // once instead of at the next tick: a lone small transfer saves the
-        // wait. A busy link keeps batching: its requests join the next
-        // doorbell, as many as completions have made room for.
-        let idle = link.outstanding.get() == 0 && link.queued.borrow().is_empty();
+        // wait. Anything else joins the next doorbell, as many requests as
+        // completions have made room for: a busy link keeps batching, and a
+        // large post (which Soft-RoCE processes in the posting thread) never
+        // runs inside the submitting task's poll.
+        let idle = sub.count == 1
+            && sub.bytes <= IMMEDIATE_MAX
+            && link.outstanding.get() == 0
+            && link.queued.borrow().is_empty();
         link.queued
             .borrow_mut()
             .extend(sub.wrs.map(|w| WorkRequest { wr_id, ..w }));
