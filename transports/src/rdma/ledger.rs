@@ -22,10 +22,7 @@
 
 use std::collections::VecDeque;
 
-use super::verbs::WorkRequest;
-
-/// Set in the `wr_id` of a group's signalled request.
-pub(crate) const SIGNALLED: u64 = 1 << 63;
+use super::verbs::{WorkRequest, SIGNALLED};
 
 /// A run of one transfer's requests posted together (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,7 +62,6 @@ impl Ledger {
             let last = i + 1 == n || wrs[i + 1].wr_id != wrs[i].wr_id;
             if last {
                 wrs[i].wr_id |= SIGNALLED;
-                wrs[i].signalled = true;
             }
         }
     }
@@ -76,12 +72,12 @@ impl Ledger {
     pub(crate) fn posted(&mut self, wrs: &[WorkRequest], posted: usize) {
         let mut start = 0;
         for (i, w) in wrs[..posted].iter().enumerate() {
-            let cut = i + 1 == posted && !w.signalled;
-            if w.signalled || cut {
+            let cut = i + 1 == posted && !w.signalled();
+            if w.signalled() || cut {
                 self.groups.push_back(Group {
                     wr_id: w.wr_id & !SIGNALLED,
                     requests: (i + 1 - start) as u32,
-                    signalled: w.signalled,
+                    signalled: w.signalled(),
                     seen: 0,
                 });
                 start = i + 1;
@@ -147,7 +143,6 @@ mod tests {
             remote: 0,
             rkey: 0,
             inline: false,
-            signalled: false,
         }
     }
 
@@ -164,17 +159,14 @@ mod tests {
     #[test]
     fn only_the_last_request_of_each_run_and_of_the_doorbell_is_signalled() {
         let wrs = marked(&[1, 1, 1, 2, 2, 3, 1]);
-        let signalled: Vec<bool> = wrs.iter().map(|w| w.signalled).collect();
+        let signalled: Vec<bool> = wrs.iter().map(|w| w.signalled()).collect();
         assert_eq!(
             signalled,
             [false, false, true, false, true, true, true],
             "{wrs:?}"
         );
-        for w in &wrs {
-            assert_eq!(w.wr_id & SIGNALLED != 0, w.signalled);
-        }
         let one = marked(&[7]);
-        assert!(one[0].signalled);
+        assert!(one[0].signalled());
     }
 
     #[test]

@@ -265,7 +265,6 @@ impl RdmaPeer {
             remote: key.addr + offset + off,
             rkey: key.rkey,
             inline: !read,
-            signalled: false,
         });
         let reaper = &self.inner.local.node.reaper;
         let sub = Submission {

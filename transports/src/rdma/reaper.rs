@@ -2,14 +2,15 @@
 //! to reaped.
 //!
 //! A transfer becomes a [`Slot`] (slab key + generation = the `wr_id` of
-//! each of its work requests) and one work request per slice. A transfer to
-//! an idle link (nothing posted, nothing queued) is posted at once; otherwise
+//! each of its work requests) and one work request per slice. A small
+//! transfer to an idle link (nothing posted, nothing queued) is posted at
+//! once; otherwise
 //! its requests wait in their [`Link`]'s queue until the next doorbell: the
 //! reactor polls the [`Reaper`] every tick (and right before it blocks), and
 //! each poll rings each link's doorbell once, with everything queued since,
-//! then reaps the completion queue. A slot resolves when its last request is known done —
-//! never earlier, whatever failed — so its buffer comes back only once the
-//! NIC is done with it. Only the last of a transfer's requests in one
+//! then reaps the completion queue. A slot resolves when its last request
+//! is known done — never earlier, whatever failed — so its buffer comes
+//! back only once the NIC is done with it. Only the last of a transfer's requests in one
 //! doorbell asks for a completion; the link's [`Ledger`] says which
 //! requests each reaped completion vouches for.
 //!
@@ -36,8 +37,8 @@ use std::time::{Duration, Instant};
 use quiesce_runtime::source::CompletionSource;
 use slab::Slab;
 
-use super::ledger::{Ledger, SIGNALLED};
-use super::verbs::{Completion, Cq, Qp, WorkRequest};
+use super::ledger::Ledger;
+use super::verbs::{Completion, Cq, Qp, WorkRequest, SIGNALLED};
 use crate::error::TransferError;
 
 /// `ibv_wc_status` values this module names.

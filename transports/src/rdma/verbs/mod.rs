@@ -20,7 +20,7 @@ mod cq;
 mod qp;
 
 pub(crate) use cq::{Completion, Cq};
-pub(crate) use qp::{Qp, WorkRequest};
+pub(crate) use qp::{Qp, WorkRequest, SIGNALLED};
 
 /// The port every device is used through (RoCE NICs and rxe have one).
 pub(crate) const PORT: u8 = 1;

@@ -10,6 +10,12 @@ use rdma_mummy_sys as sys;
 use super::{cq::CqObject, Access, Pd, QpEndpoint, PORT};
 use crate::rdma::RdmaError;
 
+/// Set in a [`WorkRequest`]'s `wr_id` to ask for a completion on success
+/// (`IBV_SEND_SIGNALED`; the QP is created with `sq_sig_all = 0`). Errors
+/// complete either way. The bit travels with the `wr_id` into the
+/// completion, which tells the reaper which request it was.
+pub(crate) const SIGNALLED: u64 = 1 << 63;
+
 /// One RDMA WRITE or READ to post.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WorkRequest {
@@ -22,9 +28,13 @@ pub(crate) struct WorkRequest {
     pub(crate) rkey: u32,
     /// Small writes are copied into the WQE (no local key needed for them).
     pub(crate) inline: bool,
-    /// Asks for a completion on success (`IBV_SEND_SIGNALED`; the QP is
-    /// created with `sq_sig_all = 0`). Errors complete either way.
-    pub(crate) signalled: bool,
+}
+
+impl WorkRequest {
+    /// Whether it asks for a completion on success ([`SIGNALLED`]).
+    pub(crate) fn signalled(&self) -> bool {
+        self.wr_id & SIGNALLED != 0
+    }
 }
 
 /// A send work request with every field zero (null pointers, no flags).
@@ -220,7 +230,7 @@ impl Qp {
             } else {
                 sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
             };
-            let mut flags = if w.signalled {
+            let mut flags = if w.signalled() {
                 sys::ibv_send_flags::IBV_SEND_SIGNALED.0
             } else {
                 0
