@@ -4,15 +4,14 @@
 //! A transfer becomes a [`Slot`] (slab key + generation = the `wr_id` of
 //! each of its work requests) and one work request per slice. A small
 //! transfer to an idle link (nothing posted, nothing queued) is posted at
-//! once; otherwise
-//! its requests wait in their [`Link`]'s queue until the next doorbell: the
-//! reactor polls the [`Reaper`] every tick (and right before it blocks), and
-//! each poll rings each link's doorbell once, with everything queued since,
-//! then reaps the completion queue. A slot resolves when its last request
-//! is known done — never earlier, whatever failed — so its buffer comes
-//! back only once the NIC is done with it. Only the last of a transfer's requests in one
-//! doorbell asks for a completion; the link's [`Ledger`] says which
-//! requests each reaped completion vouches for.
+//! once; otherwise its requests wait in their [`Link`]'s queue until the
+//! next doorbell: the reactor polls the [`Reaper`] every tick (and right
+//! before it blocks), and each poll rings each link's doorbell once, with
+//! everything queued since, then reaps the completion queue. A slot resolves
+//! when its last request is known done — never earlier, whatever failed — so
+//! its buffer comes back only once the NIC is done with it. Only the last of
+//! a transfer's requests in one doorbell asks for a completion; the link's
+//! [`Ledger`] says which requests each reaped completion vouches for.
 //!
 //! Link states:
 //! * `Ready` — requests are posted.
