@@ -41,7 +41,12 @@ impl Drop for LockGuard<'_> {
     fn drop(&mut self) {
         self.lock.locked.set(false);
         // Wake every waiter: one wins, the rest queue again (a waiter whose
-        // future was dropped must not swallow the hand-over).
+        // future was dropped must not swallow the hand-over). Uncontended
+        // (every small transfer's send), there is none: the queue is not
+        // taken apart and dropped for nothing.
+        if self.lock.waiters.borrow().is_empty() {
+            return;
+        }
         let waiters = std::mem::take(&mut *self.lock.waiters.borrow_mut());
         waiters.into_iter().for_each(Waker::wake);
     }
