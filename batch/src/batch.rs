@@ -2,7 +2,6 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::rc::Rc;
 use std::task::{Context, Waker};
 use std::time::Instant;
 
@@ -183,7 +182,7 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
 
     /// Submits with the first task's transfer started by `K`.
     fn submit_with<K: Start<T, B> + 'static>(self) -> Submitted<B> {
-        let shared = Rc::new(Handoff::default());
+        let shared = Handoff::new_shared();
         let driver = Driver::new(
             self.transport,
             self.opts,
@@ -207,6 +206,7 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             .is_ready();
         Submitted {
             shared,
+            recycle: Handoff::recycle,
             done: false,
             submitting,
             driver: (!finished).then_some(driver),

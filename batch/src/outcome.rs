@@ -2,6 +2,7 @@
 //! terminal and no kernel, NIC or peer can touch the buffers; the buffers
 //! come back inside it, each exactly once, in the order the tasks were added.
 
+use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
@@ -226,6 +227,57 @@ impl<B> Default for Handoff<B> {
     }
 }
 
+thread_local! {
+    /// Hand-offs of finished batches that nothing held any more, for the
+    /// thread's next batches (of any buffer type: found by downcast). A
+    /// one-task batch's hand-off is its only allocation otherwise: ~130
+    /// instructions of `malloc` and `free` per small transfer.
+    static SPARE_HANDOFFS: RefCell<Vec<Rc<dyn Any>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Most spare hand-offs a thread keeps (a few buffer types at once).
+const SPARE_HANDOFFS_MAX: usize = 4;
+
+impl<B: 'static> Handoff<B> {
+    /// A hand-off for a new batch: a spare one of this buffer type if the
+    /// thread has one (see [`Handoff::recycle`]), else a new one.
+    pub(crate) fn new_shared() -> Rc<Self> {
+        SPARE_HANDOFFS
+            .try_with(|spare| {
+                let mut spare = spare.try_borrow_mut().ok()?;
+                let i = spare.iter().rposition(|h| (**h).is::<Self>())?;
+                spare.swap_remove(i).downcast::<Self>().ok()
+            })
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| Rc::new(Handoff::default()))
+    }
+
+    /// Keeps `h` as a spare if nothing else holds it (no driver, no ticket,
+    /// no weak reference) and its batch finished with its result taken: it
+    /// is as new once reset. Anything else is left alone, so a spare is
+    /// only ever reset state — no buffer, no waker.
+    pub(crate) fn recycle(h: &mut Rc<Self>) {
+        let Some(state) = Rc::get_mut(h) else {
+            return;
+        };
+        if !state.finished.get() || state.unknown.get() || state.final_result.get_mut().is_some() {
+            return;
+        }
+        state.finished.set(false);
+        state.abandoned.set(false);
+        *state.waiter.get_mut() = None;
+        *state.driver.get_mut() = None;
+        let _ = SPARE_HANDOFFS.try_with(|spare| {
+            if let Ok(mut spare) = spare.try_borrow_mut() {
+                if spare.len() < SPARE_HANDOFFS_MAX {
+                    spare.push(h.clone());
+                }
+            }
+        });
+    }
+}
+
 impl<B> Handoff<B> {
     pub(crate) fn wake_waiter(&self) {
         if let Some(w) = self.waiter.borrow_mut().take() {
@@ -257,6 +309,9 @@ impl<B> Handoff<B> {
 #[must_use = "a submitted batch resolves only when awaited (dropping it fences it)"]
 pub struct Submitted<B> {
     pub(crate) shared: Rc<Handoff<B>>,
+    /// [`Handoff::recycle`] for this buffer type (which `submit` knows to
+    /// be `'static`), run when a finished batch's future is dropped.
+    pub(crate) recycle: fn(&mut Rc<Handoff<B>>),
     pub(crate) done: bool,
     /// The task poll in which `submit` polled the driver (with that task's
     /// waker); taken by the first poll of this future.
@@ -331,7 +386,9 @@ impl<B> Future for Submitted<B> {
 
 impl<B> Drop for Submitted<B> {
     fn drop(&mut self) {
-        if !self.done {
+        if self.done {
+            (self.recycle)(&mut self.shared);
+        } else {
             tracing::debug!("in-flight batch dropped: fencing it and parking it until it drains");
             self.shared.abandon();
             if let Some(d) = self.driver.take() {
