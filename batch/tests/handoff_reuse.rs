@@ -95,8 +95,7 @@ fn a_ticket_keeps_its_hand_off_while_later_batches_finish() {
             .fence_grace(Duration::from_millis(1));
         let mut tickets = Vec::new();
         for id in 1000..1008 {
-            if let Outcome::CompletionUnknown(t) = batch(&stuck, &[id], opts.clone()).submit().await
-            {
+            if let Outcome::CompletionUnknown(t) = batch(&stuck, &[id], opts).submit().await {
                 tickets.push((id, t));
             }
         }
