@@ -18,17 +18,7 @@ use quiesce_runtime::Runtime;
 
 /// Transfers that always complete, after 1 to 6 reactor turns.
 fn sim() -> Sim {
-    let cfg = SimConfig {
-        peers: 1,
-        max_turns: 6,
-        retryable_fail: 0,
-        refused: 0,
-        stuck_fence: 0,
-        deaf: 0,
-        sticky: 0,
-        residue_delay: 0,
-    };
-    Sim::new(7, cfg)
+    Sim::new(7, SimConfig::reliable(6))
 }
 
 fn one_write(sim: &Sim, id: usize) -> Submitted<SimBuf> {

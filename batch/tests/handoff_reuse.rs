@@ -14,17 +14,7 @@ use quiesce_runtime::Runtime;
 
 /// Transfers that always complete, after 1 to 6 reactor turns.
 fn sim() -> Sim {
-    let cfg = SimConfig {
-        peers: 1,
-        max_turns: 6,
-        retryable_fail: 0,
-        refused: 0,
-        stuck_fence: 0,
-        deaf: 0,
-        sticky: 0,
-        residue_delay: 0,
-    };
-    Sim::new(11, cfg)
+    Sim::new(11, SimConfig::reliable(6))
 }
 
 fn batch(sim: &Sim, ids: &[usize], opts: BatchOptions) -> Batch<Sim, SimBuf> {
@@ -56,11 +46,9 @@ fn each_batch_gets_its_own_buffers_while_hand_offs_are_reused() {
             let ids: Vec<usize> = (next..next + 1 + round % 2).collect();
             next += ids.len();
             let sub = batch(&sim, &ids, BatchOptions::default()).submit();
-            let q = timeout(Duration::from_secs(5), sub)
+            let q = timeout(Duration::from_secs(5), async { sub.await.quiesced().await })
                 .await
-                .expect("the batch resolved")
-                .quiesced()
-                .await;
+                .expect("the batch resolved");
             assert!(q.all_completed(), "{:?}", q.tasks());
             let back: Vec<usize> = q.into_buffers().map(|b| b.id).collect();
             assert_eq!(back, ids, "round {round}: another batch's buffers");
@@ -80,14 +68,10 @@ fn a_ticket_keeps_its_hand_off_while_later_batches_finish() {
         // slow to come back when aborted: past a 1 ms deadline and a 1 ms
         // grace, the outcome is a ticket.
         let cfg = SimConfig {
-            peers: 1,
-            max_turns: 2000,
-            retryable_fail: 0,
-            refused: 0,
             stuck_fence: 100,
             deaf: 100,
             sticky: 100,
-            residue_delay: 0,
+            ..SimConfig::reliable(2000)
         };
         let stuck = Sim::new(3, cfg);
         let opts = BatchOptions::default()

@@ -109,6 +109,23 @@ impl Default for SimConfig {
     }
 }
 
+impl SimConfig {
+    /// One peer whose transfers all complete, each after 1 to `max_turns`
+    /// reactor turns: no failure, no slow fence, no residue.
+    pub fn reliable(max_turns: u64) -> Self {
+        SimConfig {
+            peers: 1,
+            max_turns,
+            retryable_fail: 0,
+            refused: 0,
+            stuck_fence: 0,
+            deaf: 0,
+            sticky: 0,
+            residue_delay: 0,
+        }
+    }
+}
+
 /// Where a simulated task goes.
 #[derive(Debug, Clone)]
 pub struct SimTarget {
