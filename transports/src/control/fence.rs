@@ -14,22 +14,24 @@
 //! landing writes, so the table holds only batches that can still receive
 //! frames.
 //!
-//! Keys are chosen by peers, so the index keeps std's keyed SipHash; a
+//! Keys are chosen by peers, so the index keeps std's randomly keyed
+//! SipHash-1-3, computed over the key's two words
+//! ([`BatchHash`](crate::control::batch_hash::BatchHash)); a
 //! landing write's guard holds its entry's slot and its key's hash, and
 //! the table remembers the last key it hashed, so a write hashes once: when
 //! its request is checked (`is_fenced`), not again when it registers or when
 //! its guard removes the entry (DESIGN §11, target data path).
 
 use std::cell::{Cell, RefCell};
-use std::collections::hash_map::RandomState;
 use std::collections::HashSet;
-use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 
 use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 use quiesce_runtime::Canceller;
+
+use crate::control::batch_hash::BatchHash;
 use slab::Slab;
 
 type Key = (u64, u64);
@@ -68,8 +70,8 @@ struct Indexed {
 #[derive(Default)]
 struct Entries {
     index: HashTable<Indexed>,
-    /// std's randomly keyed SipHash, as a `HashMap` would use.
-    keys: RandomState,
+    /// Randomly keyed SipHash-1-3, as a `HashMap` would use.
+    keys: BatchHash,
     /// The last key hashed and its hash: a write's request asks whether its
     /// batch is fenced and then registers with it, one hash for both.
     last: Cell<Option<(Key, u64)>>,
@@ -81,7 +83,7 @@ impl Entries {
         match self.last.get() {
             Some((k, h)) if k == *key => h,
             _ => {
-                let h = self.keys.hash_one(key);
+                let h = self.keys.hash(key.0, key.1);
                 self.last.set(Some((*key, h)));
                 h
             }

@@ -7,6 +7,7 @@
 
 pub(crate) mod accept;
 pub(crate) mod auth;
+pub(crate) mod batch_hash;
 pub(crate) mod fence;
 pub(crate) mod frame;
 pub(crate) mod revoke;
