@@ -16,6 +16,7 @@ mod mooncake;
 mod native;
 mod node;
 mod opcode;
+mod word;
 
 /// The extension module.
 #[pymodule]

@@ -21,6 +21,7 @@ use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 
 use crate::node::{complain, Fabric, Node, Progress};
 use crate::opcode::{direction, refuse_notify, TransferOpcode};
+use crate::word::{Word, Words};
 
 /// How long `unregister_memory` waits for nothing to hold the range.
 const RECLAIM_WAIT: Duration = Duration::from_secs(30);
@@ -283,13 +284,13 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffer: usize,
-        peer_buffer_address: usize,
-        length: usize,
+        buffer: Word,
+        peer_buffer_address: Word,
+        length: Word,
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
-        let (b, a, l) = ([buffer], [peer_buffer_address], [length]);
+        let (b, a, l) = ([buffer.0], [peer_buffer_address.0], [length.0]);
         self.sync(py, target_hostname, Direction::Write, &b, &a, &l)
     }
 
@@ -300,13 +301,13 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffer: usize,
-        peer_buffer_address: usize,
-        length: usize,
+        buffer: Word,
+        peer_buffer_address: Word,
+        length: Word,
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
-        let (b, a, l) = ([buffer], [peer_buffer_address], [length]);
+        let (b, a, l) = ([buffer.0], [peer_buffer_address.0], [length.0]);
         self.sync(py, target_hostname, Direction::Read, &b, &a, &l)
     }
 
@@ -318,9 +319,9 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffer: usize,
-        peer_buffer_address: usize,
-        length: usize,
+        buffer: Word,
+        peer_buffer_address: Word,
+        length: Word,
         opcode: &Bound<'_, PyAny>,
         notify: Option<&Bound<'_, PyAny>>,
         transport_hint: &str,
@@ -328,7 +329,7 @@ impl TransferEngine {
         let _ = transport_hint;
         refuse_notify(notify)?;
         let dir = direction(opcode)?;
-        let (b, a, l) = ([buffer], [peer_buffer_address], [length]);
+        let (b, a, l) = ([buffer.0], [peer_buffer_address.0], [length.0]);
         Ok(self.sync(py, target_hostname, dir, &b, &a, &l))
     }
 
@@ -339,9 +340,9 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<usize>,
-        peer_buffer_addresses: Vec<usize>,
-        lengths: Vec<usize>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
@@ -355,9 +356,9 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<usize>,
-        peer_buffer_addresses: Vec<usize>,
-        lengths: Vec<usize>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         transport_hint: &str,
     ) -> i32 {
         let _ = transport_hint;
@@ -372,9 +373,9 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<usize>,
-        peer_buffer_addresses: Vec<usize>,
-        lengths: Vec<usize>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         opcode: &Bound<'_, PyAny>,
         notify: Option<&Bound<'_, PyAny>>,
         transport_hint: &str,
@@ -395,9 +396,9 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<usize>,
-        peer_buffer_addresses: Vec<usize>,
-        lengths: Vec<usize>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         opcode: &Bound<'_, PyAny>,
         transport_hint: &str,
     ) -> PyResult<u64> {
@@ -413,9 +414,9 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<usize>,
-        peer_buffer_addresses: Vec<usize>,
-        lengths: Vec<usize>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
@@ -429,9 +430,9 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<usize>,
-        peer_buffer_addresses: Vec<usize>,
-        lengths: Vec<usize>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
@@ -457,13 +458,13 @@ impl TransferEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffer: usize,
-        peer_buffer_address: usize,
-        length: usize,
+        buffer: Word,
+        peer_buffer_address: Word,
+        length: Word,
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        let (b, a, l) = ([buffer], [peer_buffer_address], [length]);
+        let (b, a, l) = ([buffer.0], [peer_buffer_address.0], [length.0]);
         match self.submit(py, target_hostname, Direction::Write, &b, &a, &l) {
             0 => -1,
             id => id as i64,

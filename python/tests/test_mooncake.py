@@ -123,6 +123,43 @@ def test_bad_input_is_a_clear_code_and_loses_nothing(peer_factory, local, monkey
     assert target.count(a, 4096, 9) == 4096
 
 
+def test_addresses_and_lengths_are_ints_of_at_most_64_bits(peer_factory, local):
+    """Addresses and lengths are read as Mooncake's binding reads them:
+    any non-negative int of 64 bits (a list or a tuple of them in the batch
+    calls, NumPy integers too); anything else raises before a transfer
+    starts, and nothing lands."""
+    np = pytest.importorskip("numpy")
+    target = peer_factory(MiB)
+    (a, n) = target.regions[0]
+    e = engine()
+    buf = local.buffer(4096, 0x31)
+    s = target.session
+    assert e.transfer_sync_write(s, np.uint64(buf), np.int64(a), np.uint32(4096)) == 0
+    assert target.count(a, 4096, 0x31) == 4096
+    buf2 = local.buffer(4096, 0x32)
+    assert e.batch_transfer_sync_write(s, (buf2,), (a + 4096,), (4096,)) == 0
+    assert e.batch_transfer_sync_write(s, [np.uint64(buf2)], np.array([a + 8192]), [4096]) == 0
+    assert target.count(a + 4096, 8192, 0x32) == 8192
+    for bad, kind in [
+        (-1, OverflowError),
+        (1 << 64, OverflowError),
+        (4096.0, TypeError),
+        ("4096", TypeError),
+    ]:
+        with pytest.raises(kind):
+            e.transfer_sync_write(s, buf, a + 16384, bad)
+        with pytest.raises(kind):
+            e.transfer_sync_write(s, bad, a + 16384, 4096)
+        with pytest.raises(kind):
+            e.batch_transfer_sync_write(s, [buf], [bad], [4096])
+    with pytest.raises(TypeError):
+        e.batch_transfer_sync_write(s, "abc", [a], [4096])
+    # (1 << 64) - 1 is a 64-bit value: read exactly (and refused as an
+    # address outside every segment, not mistaken for an error marker).
+    assert e.transfer_sync_write(s, buf, (1 << 64) - 1, 4096) == -1
+    assert target.count(a + 16384, n - 16384, 0) == n - 16384, "a refused call landed"
+
+
 def test_another_secret_opens_nothing(peer_factory, local, monkeypatch):
     target = peer_factory(MiB)
     (a, _) = target.regions[0]
