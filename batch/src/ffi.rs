@@ -300,17 +300,14 @@ unsafe fn batch(
     if tasks.iter().any(|t| t.buf.is_null() || t.len == 0) {
         return set_error("a task has a null buffer or zero length");
     }
-    let tasks = tasks
-        .iter()
-        .map(|t| SyncTask {
-            segment: t.segment,
-            offset: t.offset,
-            buf: RawBuf {
-                ptr: t.buf.cast(),
-                len: t.len as usize,
-            },
-        })
-        .collect();
+    let tasks = tasks.iter().map(|t| SyncTask {
+        segment: t.segment,
+        offset: t.offset,
+        buf: RawBuf {
+            ptr: t.buf.cast(),
+            len: t.len as usize,
+        },
+    });
     answer(engine.0.batch(dir, tasks, options(opts)), ticket_out)
 }
 

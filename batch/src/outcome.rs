@@ -119,6 +119,11 @@ impl<B> Quiesced<B> {
         (self.tasks.into_vec(), self.buffers.into_vec())
     }
 
+    /// [`into_parts`](Self::into_parts) as held: inline for one task.
+    pub(crate) fn into_inline_parts(self) -> (SmallVec<[TaskReport; 1]>, SmallVec<[B; 1]>) {
+        (self.tasks, self.buffers)
+    }
+
     /// How long the fence took (from starting it to quiescence), if the
     /// batch fenced.
     pub fn fence_time(&self) -> Option<Duration> {

@@ -67,7 +67,7 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
         .unwrap();
     assert_eq!(out.code, SYNC_FAILED);
     assert_eq!(
-        out.buffers.as_ref().map(Vec::len),
+        out.buffers.as_ref().map(|b| b.len()),
         Some(2),
         "-1 hands every buffer back"
     );

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use fnv::FnvHashMap;
 use quiesce_batch::ffi::RawBuf;
-use quiesce_batch::sync::{Direction, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask};
+use quiesce_batch::sync::{
+    Direction, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask, SyncTasks,
+};
 use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
@@ -81,7 +83,7 @@ struct Prepared {
     peer: SocketAddr,
     /// Paired with their direction as the sync engine takes them (no
     /// second vector to pair them there).
-    tasks: Vec<(Direction, SyncTask<RawBuf>)>,
+    tasks: SyncTasks<RawBuf>,
     /// The segments the tasks use (inline for a few: no allocation).
     used: SmallVec<[u32; 4]>,
 }
@@ -379,7 +381,7 @@ impl Node {
             return Err(format!("task {i} has a null buffer or zero length"));
         }
         let peer = self.peer(target)?;
-        let mut tasks = Vec::with_capacity(buffers.len());
+        let mut tasks = SyncTasks::with_capacity(buffers.len());
         let mut used = SmallVec::with_capacity(buffers.len());
         for ((&buf, &at), &len) in buffers.iter().zip(peer_addresses).zip(lengths) {
             let seg = self.segment(peer, at as u64, len as u64)?;

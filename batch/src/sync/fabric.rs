@@ -12,7 +12,7 @@ use quiesce_transports::{
     Engine, EngineConfig, ForeignMemory, RemoteSegment, Rights, Segment, Token, TransferError,
 };
 
-use super::{Direction, SyncError, SyncTask};
+use super::{Direction, SyncError, SyncTasks};
 use crate::transport::{OneSided, Range, Segments};
 use crate::{Batch, BatchOptions, Rdma, Submitted, Tcp};
 
@@ -168,7 +168,7 @@ impl Fabric {
     /// task's segment handle.
     pub(crate) fn submit<B: IoBufMut + Send>(
         &self,
-        tasks: Vec<(Direction, SyncTask<B>)>,
+        tasks: SyncTasks<B>,
         opts: BatchOptions,
         segment: impl Fn(u32) -> Option<Opened>,
     ) -> Result<Submitted<B>, SyncError> {
@@ -187,7 +187,7 @@ impl Fabric {
 
 fn build<S: OneSided, B: IoBufMut>(
     transport: Segments<S>,
-    tasks: Vec<(Direction, SyncTask<B>)>,
+    tasks: SyncTasks<B>,
     opts: BatchOptions,
     segment: impl Fn(u32) -> Option<S>,
 ) -> Result<Submitted<B>, SyncError> {

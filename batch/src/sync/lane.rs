@@ -40,7 +40,7 @@ use quiesce_runtime::{Handle, IoBuf, IoBufMut, Runtime, Slice};
 use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Token};
 use smallvec::SmallVec;
 
-use super::{Direction, SyncError, SyncOutcome, SyncTask};
+use super::{Direction, SyncError, SyncOutcome, SyncTask, SyncTasks};
 use crate::transport::Range;
 use crate::{Batch, BatchOptions, Outcome, RemoteState, TaskReport, TaskStatus, Tcp};
 
@@ -158,7 +158,7 @@ impl Lanes {
     /// find out it cannot open a segment).
     pub(crate) fn run<B: IoBufMut>(
         &self,
-        tasks: Vec<(Direction, SyncTask<B>)>,
+        tasks: SyncTasks<B>,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
         if !self.on.load(Ordering::Relaxed) || !qualifies(&tasks) {
@@ -232,7 +232,7 @@ impl Lanes {
 }
 
 /// A batch a lane gives back to the engine's thread, with its options.
-pub(crate) type Fallback<B> = (Vec<(Direction, SyncTask<B>)>, BatchOptions);
+pub(crate) type Fallback<B> = (SyncTasks<B>, BatchOptions);
 
 /// Small enough for a lane, and every write's bytes initialised.
 fn qualifies<B: IoBufMut>(tasks: &[(Direction, SyncTask<B>)]) -> bool {
@@ -294,7 +294,7 @@ enum LaneSegment {
 impl Lane {
     fn run<B: IoBufMut>(
         &mut self,
-        tasks: Vec<(Direction, SyncTask<B>)>,
+        tasks: SyncTasks<B>,
         keys: &Mutex<Vec<Option<LaneKey>>>,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
@@ -316,7 +316,7 @@ impl Lane {
             batch.started_at(now);
         }
         let mut dirs: SmallVec<[Direction; 4]> = SmallVec::with_capacity(tasks.len());
-        let mut originals = Vec::with_capacity(tasks.len());
+        let mut originals: SmallVec<[B; 1]> = SmallVec::with_capacity(tasks.len());
         for ((dir, t), seg) in tasks.into_iter().zip(&segs) {
             let n = t.buf.bytes_total();
             let mut copy = self.spare.pop().unwrap_or_default();
@@ -355,7 +355,7 @@ impl Lane {
             Outcome::Quiesced(q) => {
                 let code = q.sync_code();
                 let remote_confirmed = q.remote_confirmed();
-                let mut tasks = q.tasks().to_vec();
+                let mut tasks: SmallVec<[TaskReport; 1]> = q.tasks().iter().cloned().collect();
                 let copies: SmallVec<[Copied; 4]> = q.into_buffers().collect();
                 for (((dir, report), copy), orig) in dirs
                     .iter()

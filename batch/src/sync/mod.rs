@@ -38,6 +38,7 @@ use quiesce_runtime::shard::{channel, Sender};
 use quiesce_runtime::{spawn_local, IoBufMut, Runtime};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{Engine, EngineConfig, Token, TransferError};
+use smallvec::SmallVec;
 
 use crate::{BatchOptions, Outcome, Quiesced, TaskReport, Ticket, SYNC_UNKNOWN};
 
@@ -72,15 +73,21 @@ pub struct SyncTask<B> {
     pub buf: B,
 }
 
+/// The tasks of a sync batch, each with its direction: inline for one task
+/// (a `Vec` converts with `.into()`), so a one-task call allocates nothing
+/// for them.
+pub type SyncTasks<B> = SmallVec<[(Direction, SyncTask<B>); 1]>;
+
 /// The result of a sync call.
 #[derive(Debug)]
 pub struct SyncOutcome<B> {
     /// 0, -1 or -2.
     pub code: i32,
-    /// The buffers (task order) for 0 and -1; `None` for -2.
-    pub buffers: Option<Vec<B>>,
+    /// The buffers (task order) for 0 and -1; `None` for -2. Inline for one
+    /// task, as are the reports.
+    pub buffers: Option<SmallVec<[B; 1]>>,
     /// Per-task reports for 0 and -1.
-    pub tasks: Vec<TaskReport>,
+    pub tasks: SmallVec<[TaskReport; 1]>,
     /// For -2: wait on or poll this id.
     pub ticket: Option<u64>,
     /// For 0 and -1: whether every target confirmed that nothing more of the
@@ -333,20 +340,26 @@ impl SyncEngine {
     pub fn batch<B: IoBufMut + Send>(
         &self,
         dir: Direction,
-        tasks: Vec<SyncTask<B>>,
+        tasks: impl IntoIterator<Item = SyncTask<B>>,
         opts: BatchOptions,
     ) -> Result<SyncOutcome<B>, SyncError> {
-        self.run(tasks.into_iter().map(|t| (dir, t)).collect(), opts)
+        self.run(
+            tasks
+                .into_iter()
+                .map(|t| (dir, t))
+                .collect::<SyncTasks<B>>(),
+            opts,
+        )
     }
 
     /// Runs a batch whose tasks each move their own way, and blocks until
     /// its outcome.
     pub fn run<B: IoBufMut + Send>(
         &self,
-        tasks: Vec<(Direction, SyncTask<B>)>,
+        tasks: impl Into<SyncTasks<B>>,
         opts: BatchOptions,
     ) -> Result<SyncOutcome<B>, SyncError> {
-        let (tasks, opts) = match self.lanes.run(tasks, opts) {
+        let (tasks, opts) = match self.lanes.run(tasks.into(), opts) {
             Ok(answer) => return answer,
             Err(back) => back,
         };
@@ -367,17 +380,23 @@ impl SyncEngine {
     pub fn submit<B: IoBufMut + Send>(
         &self,
         dir: Direction,
-        tasks: Vec<SyncTask<B>>,
+        tasks: impl IntoIterator<Item = SyncTask<B>>,
         opts: BatchOptions,
     ) -> Result<mpsc::Receiver<SyncOutcome<B>>, SyncError> {
-        self.submit_each(tasks.into_iter().map(|t| (dir, t)).collect(), opts)
+        self.submit_each(
+            tasks
+                .into_iter()
+                .map(|t| (dir, t))
+                .collect::<SyncTasks<B>>(),
+            opts,
+        )
     }
 
     /// [`submit`](Self::submit) of a batch whose tasks each move their own
     /// way.
     pub fn submit_each<B: IoBufMut + Send>(
         &self,
-        tasks: Vec<(Direction, SyncTask<B>)>,
+        tasks: impl Into<SyncTasks<B>>,
         opts: BatchOptions,
     ) -> Result<mpsc::Receiver<SyncOutcome<B>>, SyncError> {
         let (out_tx, out_rx) = mpsc::channel();
@@ -393,10 +412,11 @@ impl SyncEngine {
     /// call, nothing starts, and `done` is dropped uncalled.
     pub fn submit_with<B: IoBufMut + Send>(
         &self,
-        tasks: Vec<(Direction, SyncTask<B>)>,
+        tasks: impl Into<SyncTasks<B>>,
         opts: BatchOptions,
         done: impl FnOnce(SyncOutcome<B>) + Send + 'static,
     ) -> Result<(), SyncError> {
+        let tasks = tasks.into();
         self.call(move |st, tx| {
             let _ = tx.send(launch(st, tasks, opts, done));
         })?
@@ -474,7 +494,7 @@ fn recv_spinning<R>(rx: &mpsc::Receiver<R>, spin: Duration) -> Option<R> {
 /// (from a task: the caller's answer must not wait on this job).
 fn launch<B: IoBufMut + Send>(
     st: &State,
-    tasks: Vec<(Direction, SyncTask<B>)>,
+    tasks: SyncTasks<B>,
     opts: BatchOptions,
     done: impl FnOnce(SyncOutcome<B>) + 'static,
 ) -> Result<(), SyncError> {
@@ -498,7 +518,7 @@ fn launch<B: IoBufMut + Send>(
                 SyncOutcome {
                     code: SYNC_UNKNOWN,
                     buffers: None,
-                    tasks: Vec::new(),
+                    tasks: SmallVec::new(),
                     ticket: Some(id),
                     remote_confirmed: false,
                 }
@@ -528,7 +548,7 @@ impl Drop for AbortOnUnwind {
 fn finish<B>(q: Quiesced<B>) -> SyncOutcome<B> {
     let code = q.sync_code();
     let remote_confirmed = q.remote_confirmed();
-    let (tasks, buffers) = q.into_parts();
+    let (tasks, buffers) = q.into_inline_parts();
     SyncOutcome {
         code,
         buffers: Some(buffers),
