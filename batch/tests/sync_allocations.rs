@@ -59,7 +59,7 @@ fn a_warm_one_task_sync_write_allocates_nothing_on_the_calling_thread() {
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
     let kv = e.open(t.addr, "kv", t.kv).unwrap();
     let mut buf = vec![7u8; 4096];
-    let mut write = |buf: Vec<u8>| {
+    let write = |buf: Vec<u8>| {
         let task = SyncTask {
             segment: kv,
             offset: 0,
