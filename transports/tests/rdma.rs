@@ -47,11 +47,17 @@ struct Pair {
     _local: quiesce_transports::rdma::LocalMemory,
 }
 
-async fn pair(kv_len: usize, region_len: usize) -> Pair {
+/// A target engine with a read-write segment `kv` of `len` bytes.
+fn kv_target(len: usize) -> (RdmaEngine, Segment) {
     let target = RdmaEngine::bind(RdmaConfig::default()).expect("target engine");
     let kv = target
-        .register("kv", AlignedBuf::new(kv_len), Rights::READ | Rights::WRITE)
+        .register("kv", AlignedBuf::new(len), Rights::READ | Rights::WRITE)
         .unwrap();
+    (target, kv)
+}
+
+async fn pair(kv_len: usize, region_len: usize) -> Pair {
+    let (target, kv) = kv_target(kv_len);
     target
         .register("ro", AlignedBuf::new(4096), Rights::READ)
         .unwrap();
@@ -359,16 +365,18 @@ fn each_shard_has_its_own_completion_queue_and_queue_pair() {
 }
 
 /// An initiator that cuts transfers into 4 KiB requests (a 256 KiB write is
-/// 64 of them), with a registered 1 MiB region, connected to `target`.
+/// 64 of them), with a registered 1 MiB region, connected to `target`, with
+/// its segment `kv` open.
 struct Sliced {
     init: RdmaEngine,
     region: Region,
     _reg: LocalMemory,
     peer: RdmaPeer,
+    remote: RdmaSegment,
 }
 
 impl Sliced {
-    async fn connect(target: &RdmaEngine, cq_depth: Option<u32>) -> Sliced {
+    async fn connect(target: &RdmaEngine, kv: &Segment, cq_depth: Option<u32>) -> Sliced {
         let init = RdmaEngine::bind(RdmaConfig {
             queue_depth: 256,
             cq_depth,
@@ -379,11 +387,13 @@ impl Sliced {
         let region = Region::new(1 << 20);
         let _reg = init.register_region(&region).unwrap();
         let peer = init.connect(target.local_addr()).await.unwrap();
+        let remote = peer.open("kv", kv.token()).await.unwrap();
         Sliced {
             init,
             region,
             _reg,
             peer,
+            remote,
         }
     }
 }
@@ -397,10 +407,7 @@ impl Sliced {
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn a_transfer_asks_for_one_completion_per_doorbell_and_resolves_only_after_its_last() {
     Runtime::new().unwrap().block_on(async {
-        let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
-        let kv = target
-            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
-            .unwrap();
+        let (target, kv) = kv_target(1 << 20);
         let ro = target
             .register("ro", AlignedBuf::new(64 << 10), Rights::READ)
             .unwrap();
@@ -409,8 +416,8 @@ fn a_transfer_asks_for_one_completion_per_doorbell_and_resolves_only_after_its_l
             region,
             _reg,
             peer,
-        } = Sliced::connect(&target, None).await;
-        let remote = peer.open("kv", kv.token()).await.unwrap();
+            remote,
+        } = Sliced::connect(&target, &kv, None).await;
         // A one-request write to an idle link is posted as it is submitted,
         // not a reactor tick later.
         let mut one = region.lease(512 << 10..(512 << 10) + 4096).unwrap();
@@ -479,17 +486,14 @@ fn a_transfer_asks_for_one_completion_per_doorbell_and_resolves_only_after_its_l
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn requests_beyond_the_completion_queue_wait_for_room() {
     Runtime::new().unwrap().block_on(async {
-        let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
-        let kv = target
-            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
-            .unwrap();
+        let (target, kv) = kv_target(1 << 20);
         let Sliced {
             init,
             region,
             _reg,
-            peer,
-        } = Sliced::connect(&target, Some(8)).await;
-        let remote = peer.open("kv", kv.token()).await.unwrap();
+            peer: _peer,
+            remote,
+        } = Sliced::connect(&target, &kv, Some(8)).await;
         let mut src = region.lease(0..256 << 10).unwrap();
         fill(&mut src, 11);
         // 64 requests of 4 KiB. An overflowed CQ loses completions: the

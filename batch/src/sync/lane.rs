@@ -355,8 +355,7 @@ impl Lane {
             Outcome::Quiesced(q) => {
                 let code = q.sync_code();
                 let remote_confirmed = q.remote_confirmed();
-                let mut tasks: SmallVec<[TaskReport; 1]> = q.tasks().iter().cloned().collect();
-                let copies: SmallVec<[Copied; 4]> = q.into_buffers().collect();
+                let (mut tasks, copies) = q.into_inline_parts();
                 for (((dir, report), copy), orig) in dirs
                     .iter()
                     .zip(&mut tasks)

@@ -94,31 +94,28 @@ impl Ledger {
         if front.wr_id != id {
             return None;
         }
-        if wr_id & SIGNALLED != 0 {
+        // Whether this completion retires the front group: its signalled
+        // request's, or the last flush of a group that has none.
+        let retires = if wr_id & SIGNALLED != 0 {
             if !front.signalled {
                 return None;
             }
-            let g = self.groups.pop_front()?;
-            return Some(Retired {
-                wr_id: id,
-                requests: g.requests,
-            });
-        }
-        // An unsignalled request completes only in error.
-        if success {
-            return None;
-        }
-        front.seen += 1;
-        if !front.signalled && front.seen == front.requests {
-            let g = self.groups.pop_front()?;
-            return Some(Retired {
-                wr_id: id,
-                requests: g.requests,
-            });
-        }
+            true
+        } else {
+            // An unsignalled request completes only in error.
+            if success {
+                return None;
+            }
+            front.seen += 1;
+            !front.signalled && front.seen == front.requests
+        };
+        let requests = match retires {
+            true => self.groups.pop_front()?.requests,
+            false => 0,
+        };
         Some(Retired {
             wr_id: id,
-            requests: 0,
+            requests,
         })
     }
 
