@@ -7,41 +7,22 @@ use quiesce_runtime::IoBuf;
 
 use crate::control::wire::{FrameError, Header, HEADER_LEN};
 
-/// Reads headers into one buffer, reused from frame to frame.
-#[derive(Default)]
-pub(crate) struct HeaderReader {
-    buf: Option<Box<[u8]>>,
-}
-
-impl HeaderReader {
-    /// Reads one header; `Ok(None)` on a clean EOF before its first byte.
-    pub(crate) async fn read(
-        &mut self,
-        s: &TcpStream,
-    ) -> io::Result<Option<Result<Header, FrameError>>> {
-        let mut buf = self
-            .buf
-            .take()
-            .unwrap_or_else(|| vec![0u8; HEADER_LEN].into_boxed_slice());
-        let mut got = 0;
-        while got < HEADER_LEN {
-            let (res, slice) = s.read(buf.slice(got..)).await;
-            buf = slice.into_inner();
-            match res? {
-                0 if got == 0 => return Ok(None),
-                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                n => got += n,
-            }
-        }
-        let h = Header::decode(&buf);
-        self.buf = Some(buf);
-        Ok(Some(h))
-    }
-}
-
 /// Reads one header; `Ok(None)` on a clean EOF before its first byte.
+/// Exactly its bytes: for the handshake, before a connection's frames go
+/// through a [`ReadAhead`](crate::control::read_ahead::ReadAhead).
 pub(crate) async fn read_header(s: &TcpStream) -> io::Result<Option<Result<Header, FrameError>>> {
-    HeaderReader::default().read(s).await
+    let mut buf = vec![0u8; HEADER_LEN].into_boxed_slice();
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let (res, slice) = s.read(buf.slice(got..)).await;
+        buf = slice.into_inner();
+        match res? {
+            0 if got == 0 => return Ok(None),
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => got += n,
+        }
+    }
+    Ok(Some(Header::decode(&buf)))
 }
 
 /// Reads a payload of exactly `len` bytes.

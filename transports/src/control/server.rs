@@ -14,7 +14,8 @@ use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
 
 use crate::control::auth::{random_bytes, SessionKey};
-use crate::control::frame::{read_header, read_payload, send_frame, HeaderReader};
+use crate::control::frame::{read_header, read_payload, send_frame};
+use crate::control::read_ahead::ReadAhead;
 use crate::control::target::Target;
 use crate::control::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, SegmentRef,
@@ -62,6 +63,9 @@ pub(crate) struct ServedConn<'a> {
     /// The mailbox the attached initiator shares with us, if any: small
     /// requests and their answers in shared memory.
     pub(crate) inbox: Option<crate::local::inbox::Inbox>,
+    /// What was received ahead of the frame being served: every read of
+    /// the connection after its handshake goes through it.
+    pub(crate) rx: ReadAhead,
 }
 
 /// How a connection enters its session.
@@ -229,6 +233,7 @@ async fn handshake<'a>(
         landing: None,
         local: None,
         inbox: None,
+        rx: ReadAhead::default(),
     })
 }
 
@@ -332,9 +337,10 @@ async fn serve_inner(
     let mut c = by(deadline, handshake(engine, s, census)).await?;
 
     while !c.census.authenticated {
-        let Some(h) =
-            next_header(s, by(deadline, async { Ok(read_header(s).await?) }).await?).await?
-        else {
+        let mut rx = std::mem::take(&mut c.rx);
+        let read = by(deadline, async { Ok(rx.header(s).await?) }).await;
+        c.rx = rx;
+        let Some(h) = next_header(s, read?).await? else {
             return Ok(());
         };
         if h.op != Opcode::Auth {
@@ -365,15 +371,16 @@ async fn serve_inner(
             .await)
         }
     };
-    // One header buffer for every frame of the connection.
-    let mut headers = HeaderReader::default();
     let mut idle = IdleLimit::new(engine.config.idle_timeout);
     loop {
+        // Out of `c` while it reads: `next_frame` serves the mailbox meanwhile.
+        let mut rx = std::mem::take(&mut c.rx);
         let read = match c.inbox.is_some() {
-            true => c.next_frame(headers.read(s)).await?,
-            false => idle.wait(headers.read(s)).await?,
+            true => c.next_frame(rx.header(s)).await,
+            false => idle.wait(rx.header(s)).await,
         };
-        let Some(h) = next_header(s, read).await? else {
+        c.rx = rx;
+        let Some(h) = next_header(s, read?).await? else {
             return Ok(());
         };
         // The mailbox's requests published before this frame was sent go
@@ -436,7 +443,7 @@ impl ServedConn<'_> {
         if h.length as usize > MAX_QP_PAYLOAD {
             return Err(reject(self.s, h, Status::BadFrame, "qp payload too large".into()).await);
         }
-        let req = match QpConnect::decode(&read_payload(self.s, h.length as usize).await?) {
+        let req = match QpConnect::decode(&self.rx.payload(self.s, h.length as usize).await?) {
             Ok(r) => r,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };
@@ -497,7 +504,7 @@ impl ServedConn<'_> {
         if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
             return Err(reject(self.s, h, Status::BadFrame, "auth payload too large".into()).await);
         }
-        let req = match AuthRequest::decode(&read_payload(self.s, h.length as usize).await?) {
+        let req = match AuthRequest::decode(&self.rx.payload(self.s, h.length as usize).await?) {
             Ok(r) => r,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use quiesce_runtime::source::{register, CompletionSource, SourceHandle};
 
-use crate::control::frame::{read_payload, send_frame};
+use crate::control::frame::send_frame;
 use crate::control::server::{reject, status_frame, Closed, ServedConn};
 use crate::control::wire::{Header, Opcode, Status};
 use crate::local::mailbox::{End, Kind, Mailbox, Word, MAILBOX_PAYLOAD, SLOTS, SLOT_DATA};
@@ -78,7 +78,7 @@ impl ServedConn<'_> {
         if h.length != MAILBOX_PAYLOAD as u64 {
             return Err(reject(self.s, h, Status::BadFrame, "bad mailbox payload".into()).await);
         }
-        let p = read_payload(self.s, MAILBOX_PAYLOAD).await?;
+        let p = self.rx.payload(self.s, MAILBOX_PAYLOAD).await?;
         let opened = match (&self.local, &self.inbox) {
             (Some(a), None) => Mailbox::open(a.process(), &p).map_err(|e| e.to_string()),
             (None, _) => Err("the connection is not attached".into()),

@@ -45,7 +45,7 @@ impl ServedConn<'_> {
         if h.length != ATTACH_PAYLOAD as u64 {
             return Err(reject(self.s, h, Status::BadFrame, "bad attach payload".into()).await);
         }
-        let p = crate::control::frame::read_payload(self.s, ATTACH_PAYLOAD).await?;
+        let p = self.rx.payload(self.s, ATTACH_PAYLOAD).await?;
         let pid = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
         let probe = u64::from_le_bytes(p[4..12].try_into().expect("8 bytes"));
         let (st, me) = match self.verify(pid, probe) {
@@ -95,9 +95,7 @@ impl ServedConn<'_> {
         }
         .unwrap_or_else(|| vec![0u8; ADDRESS_PAYLOAD].into_boxed_slice());
         // Sent with its header: most likely here already.
-        let (res, b) = self.s.read_exact_expected(buf).await;
-        res?;
-        buf = b;
+        buf = self.rx.fill(self.s, buf).await?;
         let addr = u64::from_le_bytes(buf[..].try_into().expect("8 bytes"));
         let exited = match self.local.as_mut() {
             Some(a) => {

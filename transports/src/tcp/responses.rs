@@ -9,13 +9,14 @@ use std::collections::VecDeque;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 
-use crate::control::frame::{discard, read_payload, HeaderReader};
+use crate::control::read_ahead::ReadAhead;
 use crate::control::wire::{
     AuthAck, Opcode, QpAccept, Status, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
 };
 use crate::error::TransferError;
 use crate::tcp::conn::Conn;
 use crate::tcp::split::Erased;
+use quiesce_runtime::IoBuf;
 
 /// A one-shot result slot with a waker.
 pub(crate) struct Slot<T> {
@@ -166,9 +167,11 @@ pub(super) async fn read_loop(conn: Rc<Conn>) {
 
 async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
     let s = &conn.stream;
-    let mut headers = HeaderReader::default();
+    // Status frames sent back to back (a batch's) come in one receive, and
+    // a small read's data with its header.
+    let mut rx = ReadAhead::default();
     loop {
-        let h = match headers.read(s).await? {
+        let h = match rx.header(s).await? {
             None => return Ok(()),
             Some(h) => h?,
         };
@@ -202,8 +205,20 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                         dst: Some(dst),
                         result,
                     }) if dst.len() as u64 == h.length => {
-                        // The data follows its header: most likely there already.
-                        let (res, dst) = s.read_exact_expected(dst).await;
+                        // The data follows its header: read ahead with it, or
+                        // most likely in the socket already.
+                        let mut dst = dst;
+                        let ahead = rx.take(dst.len());
+                        let n = ahead.len();
+                        dst.copy_in(0, ahead);
+                        let res = match n < dst.len() {
+                            true => {
+                                let (res, part) = s.read_exact_expected(dst.slice(n..)).await;
+                                dst = part.into_inner();
+                                res
+                            }
+                            false => Ok(()),
+                        };
                         // The receive into the destination has been reaped: only
                         // now may the read report, whichever way it ended.
                         drop(dst);
@@ -232,7 +247,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                         );
                         return Err(TransferError::BadFrame("read data for a write".into()));
                     }
-                    None => discard(s, h.length).await?,
+                    None => rx.discard(s, h.length).await?,
                 }
             }
             Opcode::FenceAck => {
@@ -248,7 +263,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                 if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
                     return Err(TransferError::BadFrame("auth ack too large".into()));
                 }
-                let ack = AuthAck::decode(&read_payload(s, h.length as usize).await?)?;
+                let ack = AuthAck::decode(&rx.payload(s, h.length as usize).await?)?;
                 match conn.state.borrow_mut().auths.pop_front() {
                     Some(r) => fill(&r, Ok(ack)),
                     None => return Err(TransferError::BadFrame("unrequested auth ack".into())),
@@ -258,7 +273,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                 if h.length as usize > MAX_QP_PAYLOAD {
                     return Err(TransferError::BadFrame("qp accept too large".into()));
                 }
-                let acc = QpAccept::decode(&read_payload(s, h.length as usize).await?)?;
+                let acc = QpAccept::decode(&rx.payload(s, h.length as usize).await?)?;
                 match conn.state.borrow_mut().qp_accepts.pop_front() {
                     Some(r) => fill(&r, Ok(acc)),
                     None => return Err(TransferError::BadFrame("unrequested qp accept".into())),

@@ -4,14 +4,15 @@
 //! Every request is checked before memory is touched — length, fence,
 //! proven token, segment, right, `offset + length` inside the segment
 //! without overflow — and a rejected write's payload is read into scratch
-//! memory, never into the segment. Writes land straight in the segment (one
-//! receive into the destination range, no copy) and are acknowledged after
-//! the last byte.
+//! memory, never into the segment. What was read ahead with a write's header
+//! (a small write's whole payload: `control/read_ahead.rs`) is copied into
+//! the segment; the rest lands straight in it (receives into the
+//! destination range, no copy). Acknowledged after the last byte.
 
 use std::io;
 use std::rc::Rc;
 
-use crate::control::frame::{discard, send_frame, send_frame_filled};
+use crate::control::frame::{send_frame, send_frame_filled};
 use crate::control::revoke::LandingGuard;
 use crate::control::server::{reject, status_frame, Closed, ServedConn};
 use crate::control::wire::{Header, Opcode, Status};
@@ -91,8 +92,13 @@ impl ServedConn<'_> {
     }
 
     /// Answers a refused request; a refused write's payload goes to scratch.
-    pub(crate) async fn refuse(&self, h: &Header, st: Status, payload: u64) -> Result<(), Closed> {
-        discard(self.s, payload).await?;
+    pub(crate) async fn refuse(
+        &mut self,
+        h: &Header,
+        st: Status,
+        payload: u64,
+    ) -> Result<(), Closed> {
+        self.rx.discard(self.s, payload).await?;
         let c = &self.engine.counters.rejected;
         c.set(c.get() + 1);
         send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
@@ -126,7 +132,16 @@ impl ServedConn<'_> {
             grant: LandingGuard::begin(&seg, h.offset, h.length, epoch),
         });
         let (len, mut landed) = (h.length, 0u64);
+        let mut first_receive = true;
         while landed < len && !landing.with(|l| l.fence.fenced() || l.grant.revoked()) {
+            // What was read ahead with the header lands first, copied while
+            // the registrations are held (nothing else runs meanwhile).
+            let ahead = self.rx.take((len - landed) as usize);
+            if !ahead.is_empty() {
+                seg.inner.mem.copy_in((h.offset + landed) as usize, ahead);
+                landed += ahead.len() as u64;
+                continue;
+            }
             let window = Window::new(
                 seg.inner.mem.clone(),
                 (h.offset + landed) as usize,
@@ -136,9 +151,9 @@ impl ServedConn<'_> {
             // The payload follows its header: its first receive tries the
             // socket at once (a small write lands in the turn that read the
             // header, not after another park); the rest takes the ring.
-            let mut op = match landed {
-                0 => self.s.read_expected(window),
-                _ => self.s.read(window),
+            let mut op = match std::mem::take(&mut first_receive) {
+                true => self.s.read_expected(window),
+                false => self.s.read(window),
             };
             let canceller = match &self.canceller {
                 Some(c) => op.canceller_reusing(c),
@@ -174,7 +189,7 @@ impl ServedConn<'_> {
         } else {
             // Fenced or revoked mid-way: the rest goes to scratch memory, not
             // the segment.
-            discard(self.s, len - landed).await?;
+            self.rx.discard(self.s, len - landed).await?;
             cut_short(revoked, landed)
         };
         let c = &self.engine.counters;

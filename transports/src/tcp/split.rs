@@ -140,6 +140,14 @@ impl Erased {
     pub(crate) fn len(&self) -> usize {
         self.len
     }
+
+    /// Copies `src` to `at` in the destination (the range is asserted).
+    pub(crate) fn copy_in(&mut self, at: usize, src: &[u8]) {
+        assert!(at.checked_add(src.len()).is_some_and(|e| e <= self.len));
+        // SAFETY: `at..at + src.len()` lies in the part (asserted), which the
+        // boxed part keeps alive; this `Erased` is its only writer.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len()) };
+    }
 }
 
 // SAFETY: points into the part's allocation, which the boxed part keeps alive.
