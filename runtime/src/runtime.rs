@@ -321,13 +321,20 @@ fn turn(cx: &Context) {
     } else {
         until_next_timer(cx)
     };
+    // Set when the spin's last poll of the driver found what it waits for:
+    // those events are the park's, and polling again is a syscall for
+    // nothing on the path of every message a spinning reactor receives.
+    let mut polled = false;
     if timeout != Some(Duration::ZERO) && !cx.spin.is_zero() {
-        timeout = if spin(cx, timeout) {
-            Some(Duration::ZERO)
-        } else {
+        timeout = match spin(cx, timeout) {
+            Spun::Polled => {
+                polled = true;
+                Some(Duration::ZERO)
+            }
+            Spun::Work => Some(Duration::ZERO),
             // The spin used part of the wait: the nearest timer is that much
             // closer now.
-            until_next_timer(cx)
+            Spun::Idle => until_next_timer(cx),
         };
     }
     // Sources are armed only right before the reactor blocks, after any
@@ -348,7 +355,10 @@ fn turn(cx: &Context) {
     if parking && !cx.unparker.prepare_park() {
         timeout = Some(Duration::ZERO);
     }
-    let res = cx.driver.borrow_mut().park(timeout, &cx.counters);
+    let res = match polled {
+        true => Ok(()),
+        false => cx.driver.borrow_mut().park(timeout, &cx.counters),
+    };
     if parking {
         cx.unparker.unpark_done();
     }
@@ -382,27 +392,44 @@ fn until_next_timer(cx: &Context) -> Option<Duration> {
         .map(|d| d.saturating_duration_since(Instant::now()))
 }
 
+/// How a spin ended.
+enum Spun {
+    /// Its last poll of the driver reaped a completion that woke a task, or
+    /// events for the turn (a wake, a source's fd): the turn takes them
+    /// without polling the driver again.
+    Polled,
+    /// Work arrived another way (a wake from another thread, a completion
+    /// source with work), or the poll failed (the park reports it): the
+    /// turn polls the driver without blocking.
+    Work,
+    /// Nothing arrived within the spin time.
+    Idle,
+}
+
 /// Busy-polls for up to the runtime's spin time (never past `timeout`, the
-/// nearest timer): true as soon as something arrived — a completion that woke
-/// a task, a completion source with work, a wake from another thread — so
-/// the turn must not block.
-fn spin(cx: &Context, timeout: Option<Duration>) -> bool {
+/// nearest timer), until something arrives — a completion that woke a task,
+/// a completion source with work, a wake from another thread — so the turn
+/// must not block.
+fn spin(cx: &Context, timeout: Option<Duration>) -> Spun {
     let limit = timeout.map_or(cx.spin, |t| t.min(cx.spin));
     let start = Instant::now();
     loop {
         if cx.unparker.has_remote() || source::poll_all(cx) > 0 {
-            return true;
+            return Spun::Work;
         }
         let polled = cx
             .driver
             .borrow_mut()
             .park(Some(Duration::ZERO), &cx.counters);
         // An error is the blocking park's to report.
-        if polled.is_err() || !cx.ready.borrow().is_empty() || cx.driver.borrow().has_events() {
-            return true;
+        if polled.is_err() {
+            return Spun::Work;
+        }
+        if !cx.ready.borrow().is_empty() || cx.driver.borrow().has_events() {
+            return Spun::Polled;
         }
         if start.elapsed() >= limit {
-            return false;
+            return Spun::Idle;
         }
         // Two cores may hold more runnable threads than this one.
         std::thread::yield_now();
