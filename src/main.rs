@@ -130,7 +130,8 @@ enum Cmd {
         #[arg(long, requires = "directory")]
         peer: Option<String>,
         /// quiesce's initiators (and --compare's target) busy-poll this
-        /// many µs before their reactor blocks; raw and tokio block.
+        /// many µs before their reactor blocks; raw then spins on a
+        /// non-blocking socket (never blocks); tokio blocks.
         #[arg(long, default_value_t = 0)]
         spin_us: u64,
     },

@@ -384,7 +384,7 @@ impl Client {
         spin: Duration,
     ) -> Result<Client, Box<dyn std::error::Error>> {
         Ok(match im {
-            Impl::Raw => Client::Raw(raw::Raw::connect(t.addr, &t.kv, &t.ro)?),
+            Impl::Raw => Client::Raw(raw::Raw::connect(t.addr, &t.kv, &t.ro, !spin.is_zero())?),
             Impl::Tokio => Client::Tokio(tokio_client::Tokio::connect(t.addr, &t.kv, &t.ro)?),
             Impl::Uring | Impl::Epoll | Impl::Local | Impl::LocalSocket => {
                 let driver = match im {

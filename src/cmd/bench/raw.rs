@@ -1,6 +1,8 @@
-//! The limit: a blocking `std::net` initiator speaking the same frames on a
-//! single stream, with nothing else (no slicing, no fencing, no buffers
-//! moved anywhere).
+//! The limit: a `std::net` initiator speaking the same frames on a single
+//! stream, with nothing else (no slicing, no fencing, no buffers moved
+//! anywhere). It blocks, or — when quiesce's initiators spin (`--spin-us`)
+//! — spins on a non-blocking socket, so that neither side of a comparison
+//! pays a wake-up the other does not.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -18,14 +20,49 @@ pub struct Raw {
     next: u64,
 }
 
+/// `read_exact` that also retries `WouldBlock` (a spinning client's socket).
+fn read_full(s: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match s.read(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// `write_all` that also retries `WouldBlock` (a spinning client's socket).
+fn write_full(s: &mut TcpStream, mut buf: &[u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match s.write(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn read_header(s: &mut TcpStream) -> std::io::Result<Header> {
     let mut b = [0u8; HEADER_LEN];
-    s.read_exact(&mut b)?;
+    read_full(s, &mut b)?;
     Header::decode(&b).map_err(std::io::Error::other)
 }
 
 impl Raw {
-    pub fn connect(addr: SocketAddr, kv: &SegInfo, ro: &SegInfo) -> std::io::Result<Raw> {
+    /// Connects and proves the tokens; `spin`: the data path then busy-polls
+    /// a non-blocking socket instead of blocking.
+    pub fn connect(
+        addr: SocketAddr,
+        kv: &SegInfo,
+        ro: &SegInfo,
+        spin: bool,
+    ) -> std::io::Result<Raw> {
         let mut s = TcpStream::connect(addr)?;
         s.set_nodelay(true)?;
         let nonce = [7u8; 16];
@@ -38,6 +75,7 @@ impl Raw {
         let h = read_header(&mut s)?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;
+        s.set_nonblocking(spin)?;
         Ok(Raw {
             s,
             kv: kv.id,
@@ -57,12 +95,12 @@ impl Raw {
             ..Header::new(Opcode::Write)
         };
         self.next += 1;
-        self.s.write_all(&h.encode())
+        write_full(&mut self.s, &h.encode())
     }
 
     /// Sends payload bytes of the write whose header went last.
     pub(crate) fn send_payload(&mut self, data: &[u8]) -> std::io::Result<()> {
-        self.s.write_all(data)
+        write_full(&mut self.s, data)
     }
 
     /// The `ro` segment's id (the one whose writes are refused).
@@ -74,9 +112,9 @@ impl Raw {
     pub(crate) fn send_write(&mut self, seg: u64, offset: u64, data: &[u8]) -> std::io::Result<()> {
         let (head, rest) = super::write_frame(self.next, seg, offset, data);
         self.next += 1;
-        self.s.write_all(&head)?;
+        write_full(&mut self.s, &head)?;
         if !rest.is_empty() {
-            self.s.write_all(rest)?;
+            write_full(&mut self.s, rest)?;
         }
         Ok(())
     }
@@ -103,7 +141,7 @@ impl Raw {
             ..Header::new(Opcode::Read)
         };
         self.next += 1;
-        self.s.write_all(&h.encode())?;
+        write_full(&mut self.s, &h.encode())?;
         let r = read_header(&mut self.s)?;
         if r.op != Opcode::ReadData {
             return Err(std::io::Error::other(format!(
@@ -111,7 +149,7 @@ impl Raw {
                 r.status()
             )));
         }
-        self.s.read_exact(buf)
+        read_full(&mut self.s, buf)
     }
 
     /// Runs `iters` iterations of `case`; one sample per iteration.
