@@ -141,8 +141,10 @@ impl ReadAhead {
             .buf
             .take()
             .unwrap_or_else(|| vec![0u8; READ_AHEAD].into_boxed_slice());
-        buf.copy_within(self.start..self.end, 0);
         let held = self.held();
+        if held > 0 && self.start > 0 {
+            buf.copy_within(self.start..self.end, 0);
+        }
         (self.start, self.end, self.receiving) = (0, 0, true);
         let (res, slice) = s.read(buf.slice(held..)).await;
         self.buf = Some(slice.into_inner());
