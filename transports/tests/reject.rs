@@ -347,3 +347,71 @@ fn unknown_peers_and_garbage_targets_are_typed_errors() {
     });
     th.join().unwrap();
 }
+
+/// Frames sent back to back in one `write` reach the target in one segment
+/// of the stream, and its read-ahead takes several at once: each is still
+/// checked before any of its bytes land, a refused write's payload is
+/// dropped from what was read ahead (the frames after it stay in step),
+/// and only the accepted writes change the segment.
+#[test]
+fn frames_sent_together_are_each_checked_before_any_byte_lands() {
+    let t = target();
+    let (kv, ro) = (t.seg("kv").id, t.seg("ro").id);
+    let mut c = RawClient::connect(t.addr);
+    c.auth(kv, t.seg("kv").token);
+    c.auth(ro, t.seg("ro").token);
+    let frame = |h: Header, payload: &[u8]| {
+        let mut v = h.encode().to_vec();
+        v.extend_from_slice(payload);
+        v
+    };
+    let w = |batch, task, segment, offset, len: usize| Header {
+        batch,
+        task,
+        segment,
+        offset,
+        length: len as u64,
+        ..Header::new(Opcode::Write)
+    };
+    let mut all = frame(
+        Header {
+            batch: 9,
+            ..Header::new(Opcode::Fence)
+        },
+        &[],
+    );
+    all.extend(frame(w(9, 1, kv, 0, 4096), &[0xab; 4096])); // its batch is fenced
+    all.extend(frame(w(10, 2, kv, 8192, 4096), &[0xcd; 4096]));
+    all.extend(frame(w(10, 3, ro, 0, 4096), &[0xee; 4096])); // read-only
+    all.extend(frame(w(10, 4, kv, 16384, 100), &[0x11; 100]));
+    all.extend(frame(w(10, 5, kv, (1 << 20) - 10, 100), &[0x22; 100])); // out of bounds
+    all.extend(frame(w(10, 6, kv, 20000, 3), &[0x33; 3]));
+    use std::io::Write;
+    c.s.write_all(&all).unwrap();
+
+    let ack = c.recv().unwrap();
+    assert_eq!((ack.op, ack.batch), (Opcode::FenceAck, 9));
+    for (task, want) in [
+        (1, Status::Fenced),
+        (2, Status::Ok),
+        (3, Status::Forbidden),
+        (4, Status::Ok),
+        (5, Status::OutOfBounds),
+        (6, Status::Ok),
+    ] {
+        let h = c.recv().expect("a status for every write, in order");
+        assert_eq!(
+            (h.op, h.task, h.status().unwrap()),
+            (Opcode::Status, task, want),
+            "write {task}"
+        );
+    }
+    let mut expect = vec![0u8; 1 << 20];
+    expect[8192..12288].fill(0xcd);
+    expect[16384..16484].fill(0x11);
+    expect[20000..20003].fill(0x33);
+    let got = t.snapshot("kv", 0, 1 << 20);
+    let first_bad = got.iter().zip(&expect).position(|(a, b)| a != b);
+    assert_eq!(first_bad, None, "kv differs from the accepted writes");
+    assert!(untouched(&t, "ro"));
+}
