@@ -9,7 +9,7 @@ use crate::context;
 use crate::driver::op::{Accept, Connect, PollAdd, Recv, Send, SendZc};
 use crate::driver::shared_fd::SharedFd;
 use crate::driver::socket::{
-    current_is_epoll, send_vectored_now, set_nonblocking, tcp_socket, view,
+    current_is_epoll, recv_now, send_vectored_now, set_nonblocking, tcp_socket, view,
 };
 use crate::driver::Op;
 
@@ -116,6 +116,21 @@ impl TcpStream {
     /// `buf.slice(..)` and look at the returned count).
     pub fn read<B: IoBufMut>(&self, buf: B) -> Op<Recv<B>> {
         self.op(Recv::new(self.fd.clone(), buf))
+    }
+
+    /// Receives what the socket holds now into `buf`, with one non-blocking
+    /// `recv(2)` and without the driver: `WouldBlock` if it holds nothing,
+    /// or if a receive operation on the socket exists (taking bytes ahead
+    /// of it would split the stream). The kernel copies the bytes before
+    /// this returns, so `buf` is only borrowed. `Ok(0)` at EOF.
+    ///
+    /// For a reader that polls while its runtime spins: nothing is armed in
+    /// the kernel, so a peer's send wakes nobody.
+    pub fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.fd.recvs_pending() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        recv_now(&self.fd, buf)
     }
 
     /// [`read`](Self::read) of bytes most likely in the socket already (a

@@ -384,6 +384,12 @@ fn turn(cx: &Context) {
     deferred.into_iter().for_each(Waker::wake);
 }
 
+/// How long the current thread's runtime busy-polls before it blocks
+/// ([`Builder::spin`]); zero outside a runtime.
+pub fn spin_time() -> Duration {
+    context::try_with(|cx| cx.map_or(Duration::ZERO, |cx| cx.spin))
+}
+
 /// How long until the nearest timer is due (`None`: no timer).
 fn until_next_timer(cx: &Context) -> Option<Duration> {
     cx.timers

@@ -452,3 +452,38 @@ fn an_expected_receive_takes_what_is_there_and_waits_for_the_rest() {
         drop(late.join().unwrap());
     });
 }
+
+/// `try_read` takes what the socket holds without the driver, says
+/// `WouldBlock` when it holds nothing, never takes bytes while a receive
+/// operation on the socket exists (that one is first in the stream), and
+/// reads 0 at EOF.
+#[test]
+fn try_read_takes_what_is_there_and_never_overtakes_a_receive() {
+    rt().block_on(async {
+        let (client, mut server) = loopback_pair();
+        let s = TcpStream::from_std(client).unwrap();
+        let mut buf = [0u8; 16];
+        let empty = s.try_read(&mut buf).unwrap_err();
+        assert_eq!(empty.kind(), std::io::ErrorKind::WouldBlock);
+        server.write_all(b"abc").unwrap();
+        time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(s.try_read(&mut buf).unwrap(), 3);
+        assert_eq!(&buf[..3], b"abc");
+        // A receive exists (on io_uring armed in the kernel by the park):
+        // it gets the next bytes, try_read gets none.
+        let op = s.read(vec![0u8; 4]);
+        time::sleep(Duration::from_millis(20)).await;
+        server.write_all(b"defg").unwrap();
+        // No park: the bytes wait in the socket (the ring's receive runs
+        // at the next one).
+        std::thread::sleep(Duration::from_millis(20));
+        let ahead = s.try_read(&mut buf).unwrap_err();
+        assert_eq!(ahead.kind(), std::io::ErrorKind::WouldBlock);
+        let (r, got) = op.await;
+        assert_eq!(r.unwrap(), 4);
+        assert_eq!(&got, b"defg");
+        drop(server);
+        time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(s.try_read(&mut buf).unwrap(), 0, "EOF");
+    });
+}

@@ -27,6 +27,10 @@ struct FdCell {
     /// or about to complete): a send may go straight to the kernel, ahead of
     /// the ring, only when it is the only one — never past an earlier one.
     senders: Cell<usize>,
+    /// Receive operations on the fd that exist now: a receive that skips the
+    /// ring ([`TcpStream::try_read`](crate::net::TcpStream::try_read)) may
+    /// run only when there is none, or the two would split the stream.
+    receivers: Cell<usize>,
 }
 
 /// A send operation's place in its fd's count of senders (see
@@ -53,6 +57,24 @@ impl Drop for PendingSend {
     }
 }
 
+/// A receive operation's place in its fd's count of receivers (see
+/// [`SharedFd::pending_recv`]); it holds the fd too.
+pub(crate) struct PendingRecv(SharedFd);
+
+impl PendingRecv {
+    /// The fd.
+    pub(crate) fn fd(&self) -> &SharedFd {
+        &self.0
+    }
+}
+
+impl Drop for PendingRecv {
+    fn drop(&mut self) {
+        let n = &(self.0).0.receivers;
+        n.set(n.get() - 1);
+    }
+}
+
 /// Reference-counted ownership of one descriptor (see the module docs).
 #[derive(Clone)]
 pub(crate) struct SharedFd(Rc<FdCell>);
@@ -64,6 +86,7 @@ impl SharedFd {
             fd: Some(fd),
             cx,
             senders: Cell::new(0),
+            receivers: Cell::new(0),
         }))
     }
 
@@ -78,6 +101,18 @@ impl SharedFd {
     pub(crate) fn pending_send(&self) -> PendingSend {
         self.0.senders.set(self.0.senders.get() + 1);
         PendingSend(self.clone())
+    }
+
+    /// Whether a receive operation on the fd exists (queued, in flight,
+    /// parked or about to complete).
+    pub(crate) fn recvs_pending(&self) -> bool {
+        self.0.receivers.get() > 0
+    }
+
+    /// Counts a receive operation on the fd for as long as the guard lives.
+    pub(crate) fn pending_recv(&self) -> PendingRecv {
+        self.0.receivers.set(self.0.receivers.get() + 1);
+        PendingRecv(self.clone())
     }
 
     /// The descriptor number, valid while this `SharedFd` lives.

@@ -65,6 +65,22 @@ pub(crate) fn send_vectored_now(fd: &SharedFd, bufs: &[io::IoSlice<'_>]) -> io::
     Ok(n as usize)
 }
 
+/// One non-blocking `recv(2)` into `buf` on `fd`: the kernel has copied
+/// what it reports received before this returns.
+pub(crate) fn recv_now(fd: &SharedFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is writable for its whole length during the call, and
+    // the kernel writes at most that many bytes.
+    let n = cvt(unsafe {
+        libc::recv(
+            fd.raw(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    })?;
+    Ok(n as usize)
+}
+
 /// True if the current runtime uses epoll.
 pub(crate) fn current_is_epoll() -> bool {
     context::with(|cx| matches!(*cx.driver.borrow(), Driver::Poll(_)))

@@ -7,7 +7,7 @@ use io_uring::{opcode, types};
 
 use super::{cvt, sealed, Operation};
 use crate::buf::{BufResult, IoBufMut};
-use crate::driver::shared_fd::SharedFd;
+use crate::driver::shared_fd::{PendingRecv, SharedFd};
 use crate::driver::Interest;
 
 /// Receives into `buf` from its first byte up to `bytes_total()`; on success
@@ -19,7 +19,8 @@ use crate::driver::Interest;
 /// before the call returns, and the op is born finished without waiting for
 /// the next park. Nothing there (`EAGAIN`): through the ring.
 pub struct Recv<B> {
-    fd: SharedFd,
+    /// Counted among the fd's receivers while the op exists.
+    fd: PendingRecv,
     buf: B,
     try_first: bool,
 }
@@ -27,7 +28,7 @@ pub struct Recv<B> {
 impl<B: IoBufMut> Recv<B> {
     pub(crate) fn new(fd: SharedFd, buf: B) -> Self {
         Recv {
-            fd,
+            fd: fd.pending_recv(),
             buf,
             try_first: false,
         }
@@ -36,7 +37,7 @@ impl<B: IoBufMut> Recv<B> {
     /// A receive of bytes expected to be in the socket already (see the type).
     pub(crate) fn expecting(fd: SharedFd, buf: B) -> Self {
         Recv {
-            fd,
+            fd: fd.pending_recv(),
             buf,
             try_first: true,
         }
@@ -58,7 +59,7 @@ impl<B: IoBufMut> Operation for Recv<B> {
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
         let (ptr, len) = self.target();
-        opcode::Recv::new(types::Fd(self.fd.raw()), ptr, len as u32).build()
+        opcode::Recv::new(types::Fd(self.fd.fd().raw()), ptr, len as u32).build()
     }
 
     fn complete(mut self, res: io::Result<u32>, _flags: u32) -> Self::Output {
@@ -80,12 +81,12 @@ impl<B: IoBufMut> Operation for Recv<B> {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        Some((self.fd.raw(), Interest::Read))
+        Some((self.fd.fd().raw(), Interest::Read))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
         let (ptr, len) = self.target();
         // SAFETY: `ptr..ptr+len` is writable capacity of the owned buffer.
-        cvt(unsafe { libc::recv(self.fd.raw(), ptr.cast(), len, libc::MSG_DONTWAIT) })
+        cvt(unsafe { libc::recv(self.fd.fd().raw(), ptr.cast(), len, libc::MSG_DONTWAIT) })
     }
 }
