@@ -380,8 +380,15 @@ fn turn(cx: &Context) {
     cx.driver.borrow_mut().keep_source_list(ready);
     time::fire_due(cx);
     // Yielded tasks run after what this turn woke.
-    let deferred = std::mem::take(&mut *cx.deferred.borrow_mut());
-    deferred.into_iter().for_each(Waker::wake);
+    let mut deferred = std::mem::take(&mut *cx.deferred.borrow_mut());
+    deferred.drain(..).for_each(Waker::wake);
+    // Waking defers nothing (a yielded task defers itself when it runs, after
+    // this turn): the emptied list goes back with its capacity, so a task
+    // that yields every turn allocates nothing.
+    let mut list = cx.deferred.borrow_mut();
+    if list.is_empty() {
+        *list = deferred;
+    }
 }
 
 /// How long the current thread's runtime busy-polls before it blocks

@@ -15,6 +15,26 @@ static HEAP: CountingAlloc = CountingAlloc;
 fn main() {
     a_warm_runtime_spawns_a_task_with_one_allocation();
     println!("test a_warm_runtime_spawns_a_task_with_one_allocation ... ok");
+    a_task_that_yields_allocates_nothing_once_warm();
+    println!("test a_task_that_yields_allocates_nothing_once_warm ... ok");
+}
+
+/// `yield_now` defers the task past the next reactor turn (a reader polling
+/// its socket while the runtime spins does so once per poll): once warm,
+/// the turn's list of deferred wakers is reused, not reallocated.
+fn a_task_that_yields_allocates_nothing_once_warm() {
+    let rt = Runtime::new().unwrap();
+    rt.block_on(async {
+        for _ in 0..100 {
+            yield_now().await;
+        }
+        let before = Heap::now().allocations;
+        for _ in 0..10_000 {
+            yield_now().await;
+        }
+        let made = Heap::now().allocations - before;
+        assert!(made < 10, "{made} allocations in 10,000 yields");
+    });
 }
 
 /// Spawns `tasks` tasks that each yield twice (so they are polled, woken
