@@ -33,45 +33,50 @@ struct FdCell {
     receivers: Cell<usize>,
 }
 
-/// A send operation's place in its fd's count of senders (see
-/// [`SharedFd::pending_send`]); it holds the fd too.
-pub(crate) struct PendingSend(SharedFd);
+/// An operation's place in its fd's count of senders (`RECV = false`) or
+/// receivers (`RECV = true`) while the operation exists (see
+/// [`SharedFd::pending_send`], [`SharedFd::pending_recv`]); it holds the fd
+/// too.
+pub(crate) struct Pending<const RECV: bool>(SharedFd);
 
-impl PendingSend {
+/// A send operation's place among its fd's senders.
+pub(crate) type PendingSend = Pending<false>;
+/// A receive operation's place among its fd's receivers.
+pub(crate) type PendingRecv = Pending<true>;
+
+impl<const RECV: bool> Pending<RECV> {
     /// The fd.
     pub(crate) fn fd(&self) -> &SharedFd {
         &self.0
     }
 
+    fn count(&self) -> &Cell<usize> {
+        (self.0).0.count(RECV)
+    }
+}
+
+impl PendingSend {
     /// Whether this is the only send operation on the fd: nothing queued or
     /// in flight can be overtaken.
     pub(crate) fn alone(&self) -> bool {
-        (self.0).0.senders.get() == 1
+        self.count().get() == 1
     }
 }
 
-impl Drop for PendingSend {
+impl<const RECV: bool> Drop for Pending<RECV> {
     fn drop(&mut self) {
-        let n = &(self.0).0.senders;
+        let n = self.count();
         n.set(n.get() - 1);
     }
 }
 
-/// A receive operation's place in its fd's count of receivers (see
-/// [`SharedFd::pending_recv`]); it holds the fd too.
-pub(crate) struct PendingRecv(SharedFd);
-
-impl PendingRecv {
-    /// The fd.
-    pub(crate) fn fd(&self) -> &SharedFd {
-        &self.0
-    }
-}
-
-impl Drop for PendingRecv {
-    fn drop(&mut self) {
-        let n = &(self.0).0.receivers;
-        n.set(n.get() - 1);
+impl FdCell {
+    /// The count of receivers (`recv`) or senders.
+    fn count(&self, recv: bool) -> &Cell<usize> {
+        match recv {
+            true => &self.receivers,
+            false => &self.senders,
+        }
     }
 }
 
@@ -99,8 +104,7 @@ impl SharedFd {
 
     /// Counts a send operation on the fd for as long as the guard lives.
     pub(crate) fn pending_send(&self) -> PendingSend {
-        self.0.senders.set(self.0.senders.get() + 1);
-        PendingSend(self.clone())
+        self.pending()
     }
 
     /// Whether a receive operation on the fd exists (queued, in flight,
@@ -111,8 +115,13 @@ impl SharedFd {
 
     /// Counts a receive operation on the fd for as long as the guard lives.
     pub(crate) fn pending_recv(&self) -> PendingRecv {
-        self.0.receivers.set(self.0.receivers.get() + 1);
-        PendingRecv(self.clone())
+        self.pending()
+    }
+
+    fn pending<const RECV: bool>(&self) -> Pending<RECV> {
+        let n = self.0.count(RECV);
+        n.set(n.get() + 1);
+        Pending(self.clone())
     }
 
     /// The descriptor number, valid while this `SharedFd` lives.

@@ -49,7 +49,7 @@ pub(crate) struct ReadAhead {
 
 impl ReadAhead {
     /// Bytes held and not yet read.
-    pub(crate) fn held(&self) -> usize {
+    fn held(&self) -> usize {
         self.end - self.start
     }
 
@@ -86,17 +86,8 @@ impl ReadAhead {
 
     /// Reads exactly `len` bytes (a control frame's payload).
     pub(crate) async fn payload(&mut self, s: &TcpStream, len: usize) -> io::Result<Vec<u8>> {
-        let mut out = vec![0u8; len].into_boxed_slice();
-        let ahead = self.take(len);
-        out[..ahead.len()].copy_from_slice(ahead);
-        let n = ahead.len();
-        if n < len {
-            self.check()?;
-            let (res, slice) = s.read_exact_expected(out.slice(n..)).await;
-            res?;
-            out = slice.into_inner();
-        }
-        Ok(out.into_vec())
+        let buf = self.fill(s, vec![0u8; len].into_boxed_slice()).await?;
+        Ok(buf.into_vec())
     }
 
     /// Reads exactly `buf.len()` bytes into `buf` (a local request's
@@ -130,7 +121,7 @@ impl ReadAhead {
     }
 
     /// Fails if an earlier receive was abandoned (see the module).
-    pub(crate) fn check(&self) -> io::Result<()> {
+    fn check(&self) -> io::Result<()> {
         match self.receiving {
             true => Err(io::Error::other(
                 "a receive of this connection was abandoned mid-way; its framing is lost",
