@@ -397,6 +397,15 @@ pub fn spin_time() -> Duration {
     context::try_with(|cx| cx.map_or(Duration::ZERO, |cx| cx.spin))
 }
 
+/// Whether another task of the current thread's runtime is ready to run
+/// in this turn (woken and not yet polled); false outside a runtime. A task
+/// that polls something itself (a socket, while the runtime spins) lets
+/// such tasks run before it spends a syscall: what they do with what it
+/// just handed them is usually what its peer waits for.
+pub fn tasks_ready() -> bool {
+    context::try_with(|cx| cx.is_some_and(|cx| !cx.ready.borrow().is_empty()))
+}
+
 /// How long until the nearest timer is due (`None`: no timer).
 fn until_next_timer(cx: &Context) -> Option<Duration> {
     cx.timers
