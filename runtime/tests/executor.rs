@@ -269,3 +269,43 @@ fn a_task_poll_is_unwoken_only_in_its_own_poll_of_its_own_runtime() {
         assert!(!q.unwoken(), "the task was woken during this poll");
     });
 }
+
+/// `tasks_ready`: whether another task of this runtime waits to run now —
+/// what a task that polls a socket itself checks before spending a syscall
+/// (the read-ahead's polling reader).
+#[test]
+fn tasks_ready_says_whether_another_task_waits_to_run() {
+    use quiesce_runtime::tasks_ready;
+    use std::cell::RefCell;
+    use std::task::{Poll, Waker};
+
+    assert!(!tasks_ready(), "outside a runtime");
+    rt().block_on(async {
+        assert!(!tasks_ready(), "nothing spawned");
+        let h = spawn_local(async { tasks_ready() });
+        assert!(tasks_ready(), "a spawned task waits for its first poll");
+        // Main waits for it, so while it runs nothing else is queued.
+        assert!(!h.await.unwrap(), "only the running task");
+
+        // A task woken by this one is ready until it runs.
+        let parked: Rc<RefCell<Option<Waker>>> = Rc::default();
+        let woken = Rc::new(Cell::new(false));
+        let (p, w) = (parked.clone(), woken.clone());
+        let h = spawn_local(std::future::poll_fn(move |cx| {
+            if w.get() {
+                return Poll::Ready(());
+            }
+            *p.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        }));
+        while parked.borrow().is_none() {
+            yield_now().await;
+        }
+        assert!(!tasks_ready(), "the other task is parked");
+        woken.set(true);
+        parked.take().unwrap().wake();
+        assert!(tasks_ready(), "woken, not yet polled");
+        h.await.unwrap();
+        assert!(!tasks_ready(), "it ran to the end");
+    });
+}
