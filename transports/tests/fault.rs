@@ -189,6 +189,42 @@ fn aborted_connections_reconnect_lazily() {
     assert!(t.stats().accepted >= 3);
 }
 
+/// A shut-down engine opens no connection again: a fence (or a write) of a
+/// batch that outlived it — the background re-fence of a partitioned
+/// batch, whose outcome was already given — fails instead of reconnecting.
+/// (The partition test caught one such fence, reconnected after its round
+/// had shut its engine down, holding a `Fence` for the target in the
+/// kernel during the next round's partition.)
+#[test]
+fn a_shut_down_engine_does_not_reconnect() {
+    let t = ShardTarget::start(tcp(), &[("kv", 1 << 20, Rights::READ | Rights::WRITE)]);
+    let token = t.seg("kv").token;
+    let before = Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(tcp()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let kv = peer.open("kv", token).await.unwrap();
+        assert_eq!(kv.write(0, vec![1u8; 4096], 1).await.0.unwrap(), 4096);
+        let before = t.stats().accepted;
+        e.shutdown();
+        let fence = peer.fence(9).await;
+        assert!(
+            matches!(fence, Err(TransferError::ConnectionLost(_))),
+            "a fence after shutdown: {fence:?}"
+        );
+        let (w, _) = kv.write(0, vec![2u8; 4096], 2).await;
+        assert!(
+            matches!(w, Err(TransferError::ConnectionLost(_))),
+            "a write after shutdown: {w:?}"
+        );
+        before
+    });
+    assert_eq!(
+        t.stats().accepted,
+        before,
+        "a connection opened after shutdown"
+    );
+}
+
 #[test]
 fn a_dropped_write_drains_in_the_background() {
     let t = ShardTarget::start(small_slices(), &[("kv", BIG, Rights::READ | Rights::WRITE)]);

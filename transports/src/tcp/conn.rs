@@ -129,6 +129,14 @@ pub(crate) struct ConnParams<'a> {
     /// [`EngineConfig::stall_timeout`]: crate::EngineConfig::stall_timeout
     pub(crate) stall_timeout: Option<std::time::Duration>,
     pub(crate) fenced: LocalFences,
+    /// Set once the peer closed (its engine shut down): a connect that
+    /// completes after it says nothing and resets.
+    pub(crate) closed: &'a std::cell::Cell<bool>,
+}
+
+/// Why a shut-down engine's peer opens no connection.
+pub(super) fn shut_down() -> TransferError {
+    TransferError::ConnectionLost("the engine shut down".into())
 }
 
 impl Conn {
@@ -145,6 +153,11 @@ impl Conn {
             .await
             .map_err(|_| TransferError::ConnectTimeout)?
             .map_err(|e| hs(e.to_string()))?;
+        if p.closed.get() {
+            // Not a byte for the target: the close resets, nothing queued.
+            let _ = stream.set_linger(Some(std::time::Duration::ZERO));
+            return Err(shut_down());
+        }
         stream.set_nodelay(true).map_err(|e| hs(e.to_string()))?;
         stream
             .set_user_timeout(p.stall_timeout)

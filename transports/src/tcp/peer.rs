@@ -18,7 +18,7 @@ use crate::control::wire::{Descriptor, SegmentRef, Status};
 use crate::error::TransferError;
 use crate::local::conn::attach_data;
 use crate::lock::SetupGate;
-use crate::tcp::conn::{Conn, ConnParams, LocalFences, SessionBinding};
+use crate::tcp::conn::{shut_down, Conn, ConnParams, LocalFences, SessionBinding};
 use crate::tcp::segment::RemoteSegment;
 
 /// How an initiator talks to peers.
@@ -54,6 +54,9 @@ pub(crate) struct PeerInner {
     /// The target's process, once a data connection attached to it (the
     /// local transport).
     target: RefCell<Option<Rc<PeerProcess>>>,
+    /// Set when the engine shuts down ([`Peer::close`]): no connection
+    /// opens after it, not even one whose `connect` was under way.
+    closed: Cell<bool>,
 }
 
 /// A connected remote engine. Cheap to clone.
@@ -72,7 +75,8 @@ impl Peer {
     ) -> Result<Peer, TransferError> {
         let fenced = LocalFences::default();
         let session = SessionBinding::default();
-        let first = Conn::connect(addr, &conn_params(&params, &fenced, &session)).await?;
+        let open = Cell::new(false);
+        let first = Conn::connect(addr, &conn_params(&params, &fenced, &session, &open)).await?;
         // Slot 0 is the control connection (hello, auth, fences): a fence
         // never queues behind slices' payloads. Slots 1..=n carry data.
         // `connections == 0`: a control connection only (RDMA's control plane).
@@ -91,6 +95,7 @@ impl Peer {
                 reconnect: SetupGate::default(),
                 fenced,
                 target: RefCell::default(),
+                closed: Cell::new(false),
             }),
         })
     }
@@ -185,10 +190,14 @@ impl Peer {
             .filter(|c| !c.is_dead())
     }
 
-    /// Connection `i`, reconnecting (and re-proving tokens) if it died.
+    /// Connection `i`, reconnecting (and re-proving tokens) if it died —
+    /// unless the engine shut down: then `ConnectionLost`.
     pub(crate) async fn conn(&self, i: usize) -> Result<Rc<Conn>, TransferError> {
         if let Some(c) = self.live(i) {
             return Ok(c);
+        }
+        if self.inner.closed.get() {
+            return Err(shut_down());
         }
         // Rare: boxed, so the handshake's state is not part of every
         // transfer's future (a one-task batch holds that future inline).
@@ -204,7 +213,12 @@ impl Peer {
     async fn reconnect(&self, i: usize) -> Result<Rc<Conn>, TransferError> {
         let c = Conn::connect(
             self.inner.addr,
-            &conn_params(&self.inner.params, &self.inner.fenced, &self.inner.session),
+            &conn_params(
+                &self.inner.params,
+                &self.inner.fenced,
+                &self.inner.session,
+                &self.inner.closed,
+            ),
         )
         .await
         .map_err(|e| match e {
@@ -248,6 +262,11 @@ impl Peer {
         if i > 0 {
             let p = &self.inner.params;
             attach_data(&c, p, &self.inner.target).await?;
+        }
+        // Shut down during the handshake: close() did not see this one.
+        if self.inner.closed.get() {
+            c.abort();
+            return Err(shut_down());
         }
         self.inner.conns.borrow_mut()[i] = Some(c.clone());
         Ok(c)
@@ -339,8 +358,10 @@ impl Peer {
         }
     }
 
-    /// Closes every connection (used when the engine shuts down).
+    /// Closes every connection (used when the engine shuts down); none
+    /// opens after it.
     pub(crate) fn close(&self) {
+        self.inner.closed.set(true);
         for c in self.inner.conns.borrow().iter().flatten() {
             c.kill("engine shut down");
         }
@@ -351,8 +372,10 @@ fn conn_params<'a>(
     p: &'a PeerParams,
     fenced: &LocalFences,
     session: &SessionBinding,
+    closed: &'a Cell<bool>,
 ) -> ConnParams<'a> {
     ConnParams {
+        closed,
         node: &p.node,
         shards: p.shards,
         session: session.clone(),
