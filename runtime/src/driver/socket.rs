@@ -68,17 +68,20 @@ pub(crate) fn send_vectored_now(fd: &SharedFd, bufs: &[io::IoSlice<'_>]) -> io::
 /// One non-blocking `recv(2)` into `buf` on `fd`: the kernel has copied
 /// what it reports received before this returns.
 pub(crate) fn recv_now(fd: &SharedFd, buf: &mut [u8]) -> io::Result<usize> {
-    // SAFETY: `buf` is writable for its whole length during the call, and
-    // the kernel writes at most that many bytes.
-    let n = cvt(unsafe {
-        libc::recv(
-            fd.raw(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            libc::MSG_DONTWAIT,
-        )
-    })?;
+    // SAFETY: `buf` is writable for its whole length during the call.
+    let n = unsafe { recv_dontwait(fd.raw(), buf.as_mut_ptr(), buf.len()) }?;
     Ok(n as usize)
+}
+
+/// One non-blocking `recv(2)` of at most `len` bytes to `ptr` on `fd`
+/// (`TcpStream::try_read`, and a receive op's try before the ring).
+///
+/// # Safety
+/// `ptr..ptr + len` must be writable (initialised or not) for the call;
+/// the kernel writes at most `len` bytes there.
+pub(crate) unsafe fn recv_dontwait(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<u32> {
+    // SAFETY: the caller's promise above.
+    cvt(unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT) })
 }
 
 /// True if the current runtime uses epoll.

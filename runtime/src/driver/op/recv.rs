@@ -5,9 +5,10 @@ use std::os::fd::RawFd;
 
 use io_uring::{opcode, types};
 
-use super::{cvt, sealed, Operation};
+use super::{sealed, Operation};
 use crate::buf::{BufResult, IoBufMut};
 use crate::driver::shared_fd::{PendingRecv, SharedFd};
+use crate::driver::socket::recv_dontwait;
 use crate::driver::Interest;
 
 /// Receives into `buf` from its first byte up to `bytes_total()`; on success
@@ -87,6 +88,6 @@ impl<B: IoBufMut> Operation for Recv<B> {
     fn poll_try(&mut self) -> io::Result<u32> {
         let (ptr, len) = self.target();
         // SAFETY: `ptr..ptr+len` is writable capacity of the owned buffer.
-        cvt(unsafe { libc::recv(self.fd.fd().raw(), ptr.cast(), len, libc::MSG_DONTWAIT) })
+        unsafe { recv_dontwait(self.fd.fd().raw(), ptr, len) }
     }
 }
