@@ -54,6 +54,8 @@ pub(crate) struct Context {
     ///
     /// [`Builder::spin`]: crate::Builder::spin
     pub(crate) spin: Duration,
+    /// Whether the spin shares its core with another thread (crowding.rs).
+    pub(crate) crowding: crate::crowding::Crowding,
     /// Set when the `Runtime` shuts down: nothing runs tasks or reaps ops any
     /// more, so new ones are refused.
     pub(crate) closed: Cell<bool>,

@@ -35,6 +35,7 @@
 
 pub mod buf;
 mod context;
+mod crowding;
 pub mod driver;
 mod executor;
 pub mod fd;
@@ -50,6 +51,7 @@ mod stats;
 pub mod time;
 
 pub use buf::{BufResult, IoBuf, IoBufMut, Slice};
+pub use crowding::offer_core;
 pub use driver::{Canceller, DriverKind, Op};
 pub use executor::{
     spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle, TaskPoll,

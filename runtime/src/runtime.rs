@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use slab::Slab;
 
 use crate::context::{self, Context};
+use crate::crowding::Crowding;
 use crate::driver::iour::{RingConfig, Uring};
 use crate::driver::poll::Poller;
 use crate::driver::{Driver, DriverKind, Unparker};
@@ -182,6 +183,9 @@ impl Builder {
             },
         };
         tracing::debug!(runtime = id, driver = %driver.kind(), "runtime built");
+        if !self.spin.is_zero() {
+            Crowding::calibrate();
+        }
         let cx = Context {
             id,
             driver: RefCell::new(driver),
@@ -199,6 +203,7 @@ impl Builder {
             deferred: RefCell::new(Vec::new()),
             tick_bytes: Cell::new(0),
             spin: self.spin,
+            crowding: Crowding::default(),
             closed: Cell::new(false),
         };
         let main = TaskWaker::new(MAIN_TASK, cx.unparker.clone());
@@ -450,11 +455,13 @@ fn spin(cx: &Context, timeout: Option<Duration>) -> Spun {
         if !cx.ready.borrow().is_empty() || cx.driver.borrow().has_events() {
             return Spun::Polled;
         }
-        if start.elapsed() >= limit {
+        let now = Instant::now();
+        if now.duration_since(start) >= limit {
             return Spun::Idle;
         }
-        // Two cores may hold more runnable threads than this one.
-        std::thread::yield_now();
+        // Two cores may hold more runnable threads than this one (one that
+        // keeps taking this core makes this thread move: crowding.rs).
+        cx.crowding.offer(now, &cx.counters);
     }
 }
 

@@ -20,6 +20,7 @@ pub(crate) struct Counters {
     pub(crate) ops_parked: Cell<u64>,
     pub(crate) parked_released: Cell<u64>,
     pub(crate) submit_full: Cell<u64>,
+    pub(crate) crowded: Cell<u64>,
 }
 
 impl Counters {
@@ -62,6 +63,9 @@ pub struct Stats {
     pub parked_released: u64,
     /// Times the submission queue was full and was submitted early.
     pub submit_full: u64,
+    /// Times the spinning reactor's thread moved itself to another core
+    /// because another thread kept taking its core ([`offer_core`](crate::offer_core)).
+    pub crowded: u64,
     /// Operations in flight now (submitted, not yet fully completed).
     pub in_flight: u64,
 }
@@ -91,6 +95,7 @@ pub fn try_stats() -> Option<Stats> {
             ops_parked: c.ops_parked.get(),
             parked_released: c.parked_released.get(),
             submit_full: c.submit_full.get(),
+            crowded: c.crowded.get(),
             in_flight: cx
                 .driver
                 .try_borrow()

@@ -188,3 +188,31 @@ pub(crate) fn reset(fd: &impl AsRawFd) -> io::Result<()> {
     } as isize)?;
     Ok(())
 }
+
+/// Moves the calling thread off the core it runs on, to another of those
+/// its affinity allows, and gives it its own affinity back (the kernel
+/// does not move it back). `Ok(false)`: allowed on this core only.
+pub(crate) fn move_off_current_core() -> io::Result<bool> {
+    // SAFETY: sched_getcpu takes no arguments.
+    let here = unsafe { libc::sched_getcpu() };
+    let here = usize::try_from(here).map_err(|_| io::Error::last_os_error())?;
+    // SAFETY: cpu_set_t is plain old data; all-zero is an empty set.
+    let mut own: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `own` is live and its size is passed; 0 means the calling thread.
+    cvt(unsafe { libc::sched_getaffinity(0, size, &mut own) } as isize)?;
+    // SAFETY: CPU_COUNT and CPU_ISSET read the live set; `here` is a core
+    // number the kernel gave, below CPU_SETSIZE.
+    if unsafe { libc::CPU_COUNT(&own) } < 2 || !unsafe { libc::CPU_ISSET(here, &own) } {
+        return Ok(false);
+    }
+    let mut elsewhere = own;
+    // SAFETY: as above, on the live copy.
+    unsafe { libc::CPU_CLR(here, &mut elsewhere) };
+    // SAFETY: `elsewhere` is live and its size is passed. The kernel moves
+    // the thread before the call returns.
+    cvt(unsafe { libc::sched_setaffinity(0, size, &elsewhere) } as isize)?;
+    // SAFETY: `own` is live and its size is passed.
+    cvt(unsafe { libc::sched_setaffinity(0, size, &own) } as isize)?;
+    Ok(true)
+}
