@@ -25,7 +25,7 @@ use std::io;
 use std::time::Instant;
 
 use quiesce_runtime::net::TcpStream;
-use quiesce_runtime::{spin_time, tasks_ready, yield_now, IoBuf};
+use quiesce_runtime::{offer_core, spin_time, tasks_ready, yield_now, IoBuf};
 
 use crate::control::frame::discard;
 use crate::control::wire::{FrameError, Header, HEADER_LEN};
@@ -225,14 +225,15 @@ async fn poll_socket(s: &TcpStream, buf: &mut [u8]) -> Option<io::Result<usize>>
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             res => return Some(res),
         }
-        if start.elapsed() >= spin {
+        let now = Instant::now();
+        if now.duration_since(start) >= spin {
             return None;
         }
         // After the reactor's turn, as its own spin does: other tasks run,
         // and the core is offered to other threads between polls (not
         // when this thread has tasks to run).
         if !tasks_ready() {
-            std::thread::yield_now();
+            offer_core(now);
         }
         yield_now().await;
     }
