@@ -285,8 +285,8 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             tracing::info!(
                 outcome,
                 unknown_first = self.shared.unknown.get(),
-                fence_us = q.fence_time.map(|d| d.as_micros() as u64),
-                elapsed_us = q.elapsed.as_micros() as u64,
+                fence_us = q.fence_time().map(|d| d.as_micros() as u64),
+                elapsed_us = q.elapsed().as_micros() as u64,
                 "batch quiesced"
             );
             self.shared.finished.set(true);
@@ -668,8 +668,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         Quiesced {
             tasks,
             buffers,
-            fence_time: self.fence_time,
-            elapsed: self.started.elapsed(),
+            fence_ns: self
+                .fence_time
+                .map_or(crate::outcome::NO_FENCE, crate::outcome::nanos),
+            elapsed_ns: crate::outcome::nanos(self.started.elapsed()),
         }
     }
 }

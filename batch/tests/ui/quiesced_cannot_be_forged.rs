@@ -4,7 +4,7 @@ use quiesce_batch::sim::SimBuf;
 use quiesce_batch::Quiesced;
 
 fn forge() -> Quiesced<SimBuf> {
-    Quiesced { tasks: Default::default(), buffers: Default::default(), fence_time: None, elapsed: Default::default() }
+    Quiesced { tasks: Default::default(), buffers: Default::default(), fence_ns: 0, elapsed_ns: 0 }
 }
 
 fn main() {
