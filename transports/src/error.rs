@@ -64,14 +64,10 @@ pub enum TransferError {
         /// Bytes applied before the revoke.
         landed: u64,
     },
-    /// No peer at that address, or the handshake was refused.
-    #[error("handshake with {peer} failed: {reason}")]
-    Handshake {
-        /// The peer's address.
-        peer: String,
-        /// Why.
-        reason: String,
-    },
+    /// No peer at that address, or the handshake was refused. (Boxed: the
+    /// error sits in every task's report, which this keeps at 32 bytes.)
+    #[error("handshake with {} failed: {}", .0.peer, .0.reason)]
+    Handshake(Box<HandshakeFailure>),
     /// The connection died before the request completed; the request's
     /// local operations have been reaped.
     #[error("connection lost: {0}")]
@@ -96,7 +92,24 @@ pub enum TransferError {
     },
 }
 
+/// Why a handshake with a peer failed ([`TransferError::Handshake`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandshakeFailure {
+    /// The peer's address.
+    pub peer: String,
+    /// Why.
+    pub reason: String,
+}
+
 impl TransferError {
+    /// A failed handshake with `peer`, for `reason`.
+    pub fn handshake(peer: impl ToString, reason: impl Into<String>) -> Self {
+        TransferError::Handshake(Box::new(HandshakeFailure {
+            peer: peer.to_string(),
+            reason: reason.into(),
+        }))
+    }
+
     /// The error a target's status maps to (`None` for `Ok`).
     pub(crate) fn from_status(st: Status, segment: u64, landed: u64) -> Option<TransferError> {
         Some(match st {

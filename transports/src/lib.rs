@@ -46,7 +46,7 @@ pub use config::{EngineConfig, LocalMode};
 pub use control::auth::{BadToken, Token};
 pub use control::revoke::RevokeError;
 pub use engine::{Engine, EngineStats, RegisterError};
-pub use error::TransferError;
+pub use error::{HandshakeFailure, TransferError};
 pub use memory::{AlignedBuf, ForeignMemory, Lease, LeaseError, Region};
 pub use segment::{Rights, Segment, SegmentMemory};
 pub use tcp::peer::Peer;

@@ -194,8 +194,5 @@ pub(crate) async fn attach_data(
 }
 
 fn refused(why: &str) -> TransferError {
-    TransferError::Handshake {
-        peer: "local attach".into(),
-        reason: why.into(),
-    }
+    TransferError::handshake("local attach", why)
 }

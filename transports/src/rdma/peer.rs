@@ -103,12 +103,14 @@ impl RdmaPeer {
                 .borrow_mut()
                 .extend(accept.keys.iter().map(|k| (k.segment, *k)));
         }
-        self.key(desc.id).ok_or_else(|| TransferError::Handshake {
-            peer: self.addr().to_string(),
-            reason: format!(
-                "segment {:?} has no RDMA memory region at the target",
-                desc.name
-            ),
+        self.key(desc.id).ok_or_else(|| {
+            TransferError::handshake(
+                self.addr(),
+                format!(
+                    "segment {:?} has no RDMA memory region at the target",
+                    desc.name
+                ),
+            )
         })?;
         Ok(RdmaSegment {
             peer: self.clone(),
@@ -285,10 +287,7 @@ fn check_status(status: u8, peer: SocketAddr) -> Result<(), TransferError> {
         1 => "the target has no RDMA device",
         _ => "the target could not set up a queue pair",
     };
-    Err(TransferError::Handshake {
-        peer: peer.to_string(),
-        reason: reason.into(),
-    })
+    Err(TransferError::handshake(peer, reason))
 }
 
 /// A segment of an RDMA peer that this initiator has opened.

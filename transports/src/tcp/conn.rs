@@ -145,10 +145,7 @@ impl Conn {
         addr: SocketAddr,
         p: &ConnParams<'_>,
     ) -> Result<Rc<Conn>, TransferError> {
-        let hs = |reason: String| TransferError::Handshake {
-            peer: addr.to_string(),
-            reason,
-        };
+        let hs = |reason: String| TransferError::handshake(addr, reason);
         let stream = timeout(p.connect_timeout, TcpStream::connect(addr))
             .await
             .map_err(|_| TransferError::ConnectTimeout)?

@@ -223,7 +223,7 @@ impl Peer {
         .await
         .map_err(|e| match e {
             // For a transfer, a failed reconnect is a lost peer.
-            TransferError::Handshake { reason, .. } => TransferError::ConnectionLost(reason),
+            TransferError::Handshake(h) => TransferError::ConnectionLost(h.reason),
             e => e,
         })?;
         let tokens: Vec<(SegmentRef, Token)> = self
