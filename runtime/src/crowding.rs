@@ -22,6 +22,13 @@
 //! there is. At most once per [`QUIET`] — doubled, up to [`QUIET_MAX`],
 //! while moves keep finding a crowded core (every core busy, or both
 //! spinners moved to the same one).
+//!
+//! The same timing says when to yield at all: while the last yield found
+//! nobody waiting, a spinner offers its core at every [`ALONE_EVERY`]th
+//! poll only — a yield is a syscall during which nothing is polled (a
+//! local 4 KiB write from Python, p50 2.4–2.5 → 2.1–2.2 µs) — and at every
+//! poll once one gave the core away, so a peer on the same core (one
+//! allowed core) is handed it as soon as before.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +47,10 @@ const SPREAD: u64 = 128;
 /// the core to another thread (alone ~0.19 µs on the project's VM; handing
 /// the core to another spinner and getting it back ~1.0 µs).
 const SLOWER: u64 = 3;
+/// While its last yield found nobody waiting, a spinner yields at every
+/// this many polls only; while the last gave the core away (a thread waits
+/// for it: on one allowed core, often the peer), at every poll.
+const ALONE_EVERY: u32 = 8;
 /// After a move, how long before another.
 const QUIET: Duration = Duration::from_millis(1);
 /// The longest wait between moves when they keep finding a crowded core.
@@ -92,10 +103,18 @@ impl Crowding {
         }
     }
 
-    /// Yields the core once, timed from `since` (a clock reading the caller
-    /// just took: one fewer per poll); moves the thread to another core
-    /// after a run of yields that each gave it away (see the module docs).
-    pub(crate) fn offer(&self, since: Instant, counters: &Counters) {
+    /// Between two polls of a spin (`polls` so far): yields the core,
+    /// timed from `since` (a clock reading the caller just took: one fewer
+    /// per poll) — at every poll while the last yield gave the core away,
+    /// else at every [`ALONE_EVERY`]th — and moves the thread to another
+    /// core after a run of yields that each gave it away (module docs).
+    pub(crate) fn offer(&self, since: Instant, polls: u32, counters: &Counters) {
+        // Nobody took the core at the last yield: offer it at every eighth
+        // poll only (a `sched_yield` is a syscall, ~0.19 µs during which
+        // nothing is polled).
+        if self.in_a_row.get() == 0 && !polls.is_multiple_of(ALONE_EVERY) {
+            return;
+        }
         let (took, now) = timed_yield(since);
         if took
             <= FASTEST_YIELD_NS
@@ -158,14 +177,15 @@ fn timed_yield(start: Instant) -> (u64, Instant) {
 
 /// Offers this thread's core to other threads (`sched_yield`), for a task
 /// that polls something itself while its runtime spins (a socket), as the
-/// runtime's own spin does between polls: and, like it, moves the thread
-/// to another core when every yield hands this one to another thread (see
-/// the module docs). `now` is a clock reading the caller just took (its
-/// spin's time check): the yield is timed from it. Outside a runtime it
-/// only yields.
-pub fn offer_core(now: Instant) {
+/// runtime's own spin does between polls: at every poll while another
+/// thread wants the core, else at every eighth; and, like it, moves the
+/// thread to another core when every yield hands this one to another
+/// thread (see the module docs). `now` is a clock reading the caller just
+/// took (its spin's time check), `polls` how many polls it made so far.
+/// Outside a runtime it only yields.
+pub fn offer_core(now: Instant, polls: u32) {
     context::try_with(|cx| match cx {
-        Some(cx) => cx.crowding.offer(now, &cx.counters),
+        Some(cx) => cx.crowding.offer(now, polls, &cx.counters),
         None => std::thread::yield_now(),
     })
 }

@@ -440,6 +440,7 @@ enum Spun {
 fn spin(cx: &Context, timeout: Option<Duration>) -> Spun {
     let limit = timeout.map_or(cx.spin, |t| t.min(cx.spin));
     let start = Instant::now();
+    let mut polls = 0;
     loop {
         if cx.unparker.has_remote() || source::poll_all(cx) > 0 {
             return Spun::Work;
@@ -461,7 +462,8 @@ fn spin(cx: &Context, timeout: Option<Duration>) -> Spun {
         }
         // Two cores may hold more runnable threads than this one (one that
         // keeps taking this core makes this thread move: crowding.rs).
-        cx.crowding.offer(now, &cx.counters);
+        polls += 1;
+        cx.crowding.offer(now, polls, &cx.counters);
     }
 }
 

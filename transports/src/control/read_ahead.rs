@@ -219,6 +219,7 @@ async fn poll_socket(s: &TcpStream, buf: &mut [u8]) -> Option<io::Result<usize>>
         yield_now().await;
     }
     let start = Instant::now();
+    let mut polls = 0;
     loop {
         match s.try_read(buf) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -232,8 +233,9 @@ async fn poll_socket(s: &TcpStream, buf: &mut [u8]) -> Option<io::Result<usize>>
         // After the reactor's turn, as its own spin does: other tasks run,
         // and the core is offered to other threads between polls (not
         // when this thread has tasks to run).
+        polls += 1;
         if !tasks_ready() {
-            offer_core(now);
+            offer_core(now, polls);
         }
         yield_now().await;
     }
