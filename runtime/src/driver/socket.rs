@@ -97,15 +97,31 @@ pub(crate) fn view<T: FromRawFd>(fd: &SharedFd) -> ManuallyDrop<T> {
     ManuallyDrop::new(unsafe { T::from_raw_fd(fd.raw()) })
 }
 
-/// The cores this process may run on, in order.
-pub(crate) fn allowed_cores() -> io::Result<Vec<usize>> {
+/// The calling thread's affinity.
+fn affinity() -> io::Result<libc::cpu_set_t> {
     // SAFETY: cpu_set_t is plain old data; all-zero is an empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is live and its size is passed.
+    // SAFETY: `set` is live and its size is passed; 0 means the calling thread.
     cvt(
         unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }
             as isize,
     )?;
+    Ok(set)
+}
+
+/// Sets the calling thread's affinity to `set` (the kernel moves the
+/// thread before the call returns if its core is not in it).
+fn set_affinity(set: &libc::cpu_set_t) -> io::Result<()> {
+    // SAFETY: `set` is live and its size is passed; 0 means the calling thread.
+    cvt(
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) } as isize,
+    )?;
+    Ok(())
+}
+
+/// The cores this process may run on, in order.
+pub(crate) fn allowed_cores() -> io::Result<Vec<usize>> {
+    let set = affinity()?;
     // SAFETY: CPU_ISSET reads the live set; the index is below CPU_SETSIZE.
     Ok((0..libc::CPU_SETSIZE as usize)
         .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
@@ -118,12 +134,7 @@ pub(crate) fn pin_to_core(core: usize) -> io::Result<()> {
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: CPU_SET writes into the live set; the caller passes a core below CPU_SETSIZE.
     unsafe { libc::CPU_SET(core, &mut set) };
-    // SAFETY: `set` is live and its size is passed; 0 means the calling thread.
-    cvt(
-        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) }
-            as isize,
-    )?;
-    Ok(())
+    set_affinity(&set)
 }
 
 /// Sets `SO_LINGER` on a socket.
@@ -196,11 +207,7 @@ pub(crate) fn move_off_current_core() -> io::Result<bool> {
     // SAFETY: sched_getcpu takes no arguments.
     let here = unsafe { libc::sched_getcpu() };
     let here = usize::try_from(here).map_err(|_| io::Error::last_os_error())?;
-    // SAFETY: cpu_set_t is plain old data; all-zero is an empty set.
-    let mut own: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let size = std::mem::size_of::<libc::cpu_set_t>();
-    // SAFETY: `own` is live and its size is passed; 0 means the calling thread.
-    cvt(unsafe { libc::sched_getaffinity(0, size, &mut own) } as isize)?;
+    let own = affinity()?;
     // SAFETY: CPU_COUNT and CPU_ISSET read the live set; `here` is a core
     // number the kernel gave, below CPU_SETSIZE.
     if unsafe { libc::CPU_COUNT(&own) } < 2 || !unsafe { libc::CPU_ISSET(here, &own) } {
@@ -209,10 +216,7 @@ pub(crate) fn move_off_current_core() -> io::Result<bool> {
     let mut elsewhere = own;
     // SAFETY: as above, on the live copy.
     unsafe { libc::CPU_CLR(here, &mut elsewhere) };
-    // SAFETY: `elsewhere` is live and its size is passed. The kernel moves
-    // the thread before the call returns.
-    cvt(unsafe { libc::sched_setaffinity(0, size, &elsewhere) } as isize)?;
-    // SAFETY: `own` is live and its size is passed.
-    cvt(unsafe { libc::sched_setaffinity(0, size, &own) } as isize)?;
+    set_affinity(&elsewhere)?;
+    set_affinity(&own)?;
     Ok(true)
 }
