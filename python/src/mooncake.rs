@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use quiesce_batch::sync::{Direction, SyncError};
 use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+use quiesce_runtime::timeline::{self, Step};
 
 use crate::node::{complain, Fabric, Node, Progress};
 use crate::opcode::{direction, refuse_notify, TransferOpcode};
@@ -106,7 +107,10 @@ impl TransferEngine {
         let Some(node) = self.node() else {
             return complain("transfer: the engine is not initialised");
         };
-        py.detach(|| node.run(target, dir, buffers, peer_addresses, lengths))
+        timeline::mark(Step::CallEntered);
+        let code = py.detach(|| node.run(target, dir, buffers, peer_addresses, lengths));
+        timeline::mark(Step::CallReturned);
+        code
     }
 
     fn not_ready(&self) -> Option<Arc<Node>> {

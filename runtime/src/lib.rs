@@ -49,6 +49,7 @@ pub mod shm;
 pub mod source;
 mod stats;
 pub mod time;
+pub mod timeline;
 
 pub use buf::{BufResult, IoBuf, IoBufMut, Slice};
 pub use crowding::offer_core;

@@ -3,6 +3,7 @@
 use std::io;
 
 use quiesce_runtime::net::TcpStream;
+use quiesce_runtime::timeline::{self, Step};
 use quiesce_runtime::IoBuf;
 
 use crate::control::wire::{FrameError, Header, HEADER_LEN};
@@ -100,7 +101,10 @@ pub(crate) async fn send_unsent(
 /// send is queued on `s` (the kernel copies the bytes before it returns, so
 /// nothing is lent): the bytes sent, 0 if the socket took none now.
 pub(crate) fn send_now(s: &TcpStream, head: &[u8], payload: &[u8]) -> io::Result<usize> {
-    match s.try_send_vectored(&[io::IoSlice::new(head), io::IoSlice::new(payload)]) {
+    timeline::mark(Step::SendStarted);
+    let sent = s.try_send_vectored(&[io::IoSlice::new(head), io::IoSlice::new(payload)]);
+    timeline::mark(Step::SendReturned);
+    match sent {
         Ok(n) => Ok(n),
         Err(e)
             if matches!(

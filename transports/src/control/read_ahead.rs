@@ -25,6 +25,7 @@ use std::io;
 use std::time::Instant;
 
 use quiesce_runtime::net::TcpStream;
+use quiesce_runtime::timeline::{self, Step};
 use quiesce_runtime::{offer_core, spin_time, tasks_ready, yield_now, IoBuf};
 
 use crate::control::frame::discard;
@@ -152,6 +153,9 @@ impl ReadAhead {
                 res
             }
         };
+        if matches!(res, Ok(n) if n > 0) {
+            timeline::mark(Step::Received);
+        }
         self.buf = Some(buf);
         (self.end, self.receiving) = (held, false);
         match res {
@@ -221,6 +225,7 @@ async fn poll_socket(s: &TcpStream, buf: &mut [u8]) -> Option<io::Result<usize>>
     let start = Instant::now();
     let mut polls = 0;
     loop {
+        timeline::mark(Step::PollStarted);
         match s.try_read(buf) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
