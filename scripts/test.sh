@@ -9,3 +9,8 @@ for driver in io_uring epoll; do
   echo "=== cargo test --workspace (QUIESCE_DRIVER=$driver)"
   QUIESCE_DRIVER=$driver cargo test --workspace "$@"
 done
+
+# The step timeline is a build feature (scripts/latency-breakdown.sh): its
+# own test builds the runtime with it.
+echo "=== cargo test -p quiesce-runtime --features timeline --lib timeline"
+cargo test -p quiesce-runtime --features timeline --lib timeline

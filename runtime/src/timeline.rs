@@ -131,3 +131,62 @@ mod recording {
         });
     }
 }
+
+#[cfg(all(test, feature = "timeline"))]
+mod tests {
+    use super::{mark, Step};
+
+    /// A recording thread writes its first `QUIESCE_TIMELINE_EVENTS`
+    /// readings, in order and with a clock that does not go back, and
+    /// nothing after them.
+    #[test]
+    fn a_thread_writes_its_first_readings_once() {
+        let dir = std::env::temp_dir().join(format!("quiesce-timeline-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // SAFETY: the only test of this binary that reads these variables,
+        // set before its first `mark` and never changed.
+        unsafe {
+            std::env::set_var("QUIESCE_TIMELINE", &dir);
+            std::env::set_var("QUIESCE_TIMELINE_EVENTS", "3");
+        }
+        std::thread::spawn(|| {
+            for step in [
+                Step::SendStarted,
+                Step::SendReturned,
+                Step::Received,
+                Step::CallReturned,
+            ] {
+                mark(step);
+            }
+        })
+        .join()
+        .unwrap();
+        let files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(
+            files.len(),
+            1,
+            "one file for the one recording thread: {files:?}"
+        );
+        let text = std::fs::read_to_string(&files[0]).unwrap();
+        let lines: Vec<(u8, u64)> = text
+            .lines()
+            .map(|l| {
+                let (k, t) = l.split_once(' ').unwrap();
+                (k.parse().unwrap(), t.parse().unwrap())
+            })
+            .collect();
+        assert_eq!(
+            lines.iter().map(|l| l.0).collect::<Vec<_>>(),
+            [
+                Step::SendStarted as u8,
+                Step::SendReturned as u8,
+                Step::Received as u8
+            ]
+        );
+        assert!(lines.windows(2).all(|w| w[0].1 <= w[1].1), "{lines:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
