@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 n=${1:-20000}
 venv=target/timeline-venv
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-MATURIN_PEP517_ARGS="--features timeline" CARGO_TARGET_DIR=target/timeline \
+# An absolute target dir: maturin runs cargo inside python/.
+MATURIN_PEP517_ARGS="--features timeline" CARGO_TARGET_DIR="$PWD/target/timeline" \
     "$venv/bin/pip" install -q ./python
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
