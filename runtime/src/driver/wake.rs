@@ -11,12 +11,6 @@ pub(crate) struct Unparker {
     pub(crate) runtime_id: usize,
     /// Tasks woken from other threads, drained by the runtime each tick.
     remote: Mutex<Vec<u64>>,
-    /// Set, under `remote`'s lock, when an id is pushed, and cleared under
-    /// it when the runtime drains them: the runtime's every turn and spin
-    /// poll read this instead of taking the lock (a remote wake is rare on
-    /// the small-transfer path). A push racing a read is seen at the next
-    /// one: `prepare_park` checks the queue itself under the lock.
-    queued: AtomicBool,
     /// True while the reactor is (about to be) blocked: a remote wake must then write the eventfd.
     parked: AtomicBool,
     eventfd: OwnedFd,
@@ -32,7 +26,6 @@ impl Unparker {
         Ok(Unparker {
             runtime_id,
             remote: Mutex::new(Vec::new()),
-            queued: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             // SAFETY: fd is a fresh descriptor that nothing else owns.
             eventfd: unsafe { OwnedFd::from_raw_fd(fd) },
@@ -45,10 +38,10 @@ impl Unparker {
 
     /// Queues task `id` from another thread and wakes the reactor if it sleeps.
     pub(crate) fn wake_remote(&self, id: u64) {
-        let mut remote = self.remote.lock().unwrap_or_else(|e| e.into_inner());
-        remote.push(id);
-        self.queued.store(true, Ordering::Release);
-        drop(remote);
+        self.remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(id);
         self.notify();
     }
 
@@ -63,17 +56,17 @@ impl Unparker {
 
     /// Moves remotely woken task ids into `out`.
     pub(crate) fn drain_into(&self, out: &mut std::collections::VecDeque<u64>) {
-        if !self.queued.load(Ordering::Acquire) {
-            return;
-        }
         let mut q = self.remote.lock().unwrap_or_else(|e| e.into_inner());
-        self.queued.store(false, Ordering::Relaxed);
         out.extend(q.drain(..));
     }
 
     /// Whether tasks were woken from other threads and not yet drained.
     pub(crate) fn has_remote(&self) -> bool {
-        self.queued.load(Ordering::Acquire)
+        !self
+            .remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 
     /// Announces that the reactor is going to block. Returns false (and does
