@@ -426,22 +426,26 @@ fn goals(rows: &[Row]) {
             f / 1e3
         );
     }
-    let better = |case: &str, a: &Summary, b: &Summary| {
+    // io_uring's lead over a rival, > 1 where it is ahead: the rival's
+    // p50 over its own for latency cases, its throughput over the
+    // rival's otherwise.
+    let lead = |case: &str, a: &Summary, b: &Summary| {
         if case.starts_with("fail_fast") || case.ends_with("_4k") {
-            a.p50 <= b.p50
+            b.p50 / a.p50
         } else {
-            a.gbps >= b.gbps
+            a.gbps / b.gbps
         }
     };
     let cases: std::collections::BTreeSet<&str> = rows.iter().map(|r| r.case.as_str()).collect();
     for rival in ["quiesce-epoll", "tokio"] {
-        let behind: Vec<&str> = cases
+        let behind: Vec<String> = cases
             .iter()
-            .copied()
-            .filter(|c| match (get(c, q), get(c, rival)) {
-                (Some(u), Some(o)) => !better(c, &u.s, &o.s),
-                _ => false,
+            .filter_map(|c| match (get(c, q), get(c, rival)) {
+                (Some(u), Some(o)) => Some((c, lead(c, &u.s, &o.s))),
+                _ => None,
             })
+            .filter(|(_, x)| *x < 1.0)
+            .map(|(c, x)| format!("{c} {x:.3}"))
             .collect();
         println!(
             "goal io_uring not behind {rival} on any case: {} {behind:?}",
