@@ -42,12 +42,14 @@ def calls(steps):
 
 def requests(steps):
     """The target's requests: the receive's poll, got, answer sent."""
-    out, cur, last_poll = [], None, None
+    out, cur, last_poll, last_got = [], None, None, 0
     for k, t in steps:
         if k == POLL:
             last_poll = t
         elif k == RECEIVED:
-            cur = {RECEIVED: t, "poll": last_poll}
+            # A receive through the ring has no poll of its own.
+            polled = last_poll if last_poll and last_poll > last_got else None
+            cur, last_got = {RECEIVED: t, "poll": polled}, t
         elif cur is not None and k in (SEND, SENT) and k not in cur:
             cur[k] = t
             if k == SENT:
