@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 
+# The values of `Step` in runtime/src/timeline.rs.
 ENTERED, SEND, SENT, RECEIVED, RETURNED, POLL = 1, 2, 3, 4, 5, 8
 
 

@@ -3,7 +3,8 @@
 # (docs/BENCHMARKS.md, "Where a 4 KiB call's time goes"): builds the
 # package with the runtime's `timeline` feature into its own venv (not the
 # README's .venv; the first run takes a few minutes), runs N calls against
-# a target process with QUIESCE_TIMELINE set, and lines up the caller's and
+# a target process with QUIESCE_TIMELINE set (timed as `python -m
+# quiesce.bench` times them: its `latency()`), and lines up the caller's and
 # the target's step readings with scripts/latency-breakdown.py.
 # Usage: scripts/latency-breakdown.sh [N] (default 20000).
 set -euo pipefail
@@ -18,20 +19,12 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 QUIESCE_TIMELINE=$dir "$venv/bin/python" - "$n" <<'PY'
 import sys, time
-from quiesce.bench import Side
+from quiesce.bench import Side, latency
 n = int(sys.argv[1])
 side = Side("quiesce", 1 << 20)
-src = side.buffer(4096, 7)
-write = side.engine.transfer_sync_write
-for _ in range(200):
-    assert write(side.session, src, side.big, 4096) == 0
-clock, times = time.perf_counter_ns, []
-for _ in range(n):
-    t = clock()
-    write(side.session, src, side.big, 4096)
-    times.append(clock() - t)
-times.sort()
-print(f"{n} calls from Python: t_min {times[0] / 1000:.2f} µs, p50 {times[n // 2] / 1000:.2f} µs")
+latency([side], 4096, 200, 200)  # warm-up: connection, lane, segment
+times = sorted(latency([side], 4096, n, n)["quiesce"])
+print(f"{n} calls from Python: t_min {times[0]:.2f} µs, p50 {times[n // 2]:.2f} µs")
 time.sleep(0.5)
 side.close()
 PY
