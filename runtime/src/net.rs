@@ -6,7 +6,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use crate::buf::{BufResult, IoBuf, IoBufMut};
 use crate::context;
-use crate::driver::op::{Accept, Connect, PollAdd, Recv, Send, SendZc};
+use crate::driver::op::{Accept, Connect, Discard, PollAdd, Recv, Send, SendZc};
 use crate::driver::shared_fd::SharedFd;
 use crate::driver::socket::{
     current_is_epoll, recv_now, send_vectored_now, set_nonblocking, tcp_socket, view,
@@ -138,6 +138,15 @@ impl TcpStream {
     /// once and goes to the ring only if the socket is empty.
     pub fn read_expected<B: IoBufMut>(&self, buf: B) -> Op<Recv<B>> {
         self.op(Recv::expecting(self.fd.clone(), buf))
+    }
+
+    /// Drops up to `len` of the stream's next bytes without copying them
+    /// (`recv(2)` with `MSG_TRUNC`); resolves to how many it dropped (at
+    /// least one), `Ok(0)` at EOF. `expected`: the bytes are most likely in
+    /// the socket already, so on io_uring it tries at once, as
+    /// [`read_expected`](Self::read_expected) does.
+    pub fn discard(&self, len: usize, expected: bool) -> Op<Discard> {
+        self.op(Discard::new(self.fd.clone(), len, expected))
     }
 
     /// Sends the initialised bytes of `buf`; may send fewer.

@@ -487,3 +487,54 @@ fn try_read_takes_what_is_there_and_never_overtakes_a_receive() {
         assert_eq!(s.try_read(&mut buf).unwrap(), 0, "EOF");
     });
 }
+
+/// `discard` drops exactly the bytes it reports, never more than asked,
+/// without a buffer: what follows them is the stream's next bytes. It
+/// waits for bytes not there yet (through the ring on io_uring), and reads
+/// 0 at EOF.
+#[test]
+fn discard_drops_what_it_counts_and_leaves_the_rest() {
+    rt().block_on(async {
+        let (client, mut server) = loopback_pair();
+        let s = TcpStream::from_std(client).unwrap();
+        let data = pattern(3 << 20, 7);
+        let writer = std::thread::spawn(move || {
+            // 3 MiB, more than the socket buffers hold: the discards below
+            // find some of it there and wait for the rest.
+            server.write_all(&data).unwrap();
+            server
+        });
+        // Drop all but the last 1000 bytes, in asks of various sizes, the
+        // first expected to be there, the rest waited for.
+        let mut left = (3 << 20) - 1000;
+        let mut ask = 100_000;
+        let mut expected = true;
+        while left > 0 {
+            let want = ask.min(left);
+            let n = s
+                .discard(want, std::mem::take(&mut expected))
+                .await
+                .unwrap();
+            assert!(n > 0 && n <= want, "dropped {n} of {want} asked");
+            left -= n;
+            ask = ask * 3 / 2;
+        }
+        let mut server = writer.join().unwrap();
+        // The next bytes are the ones after those dropped.
+        let (r, rest) = s.read_exact(vec![0u8; 1000]).await;
+        r.unwrap();
+        assert!(
+            rest == pattern(3 << 20, 7)[(3 << 20) - 1000..],
+            "wrong bytes after the discard"
+        );
+        // Nothing there: it waits for the next bytes, then drops them.
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            server.write_all(&[1, 2, 3]).unwrap();
+            server
+        });
+        assert_eq!(s.discard(10, false).await.unwrap(), 3);
+        drop(late.join().unwrap());
+        assert_eq!(s.discard(10, true).await.unwrap(), 0, "EOF");
+    });
+}

@@ -32,15 +32,22 @@ pub(crate) async fn read_payload(s: &TcpStream, len: usize) -> io::Result<Vec<u8
     res.map(|()| buf.into_vec())
 }
 
-/// Reads and drops `len` bytes (the payload of a rejected request).
+/// Drops the stream's next `len` bytes (the payload of a refused, fenced or
+/// cut write): nothing is copied (`recv(2)` with `MSG_TRUNC`), so skipping
+/// a megabyte a fence cut short takes the kernel's packet bookkeeping, not
+/// a copy — and the sender, whose data is gone from the socket, finishes
+/// its send sooner. The first try is at once (a refused payload follows its
+/// header); EOF first is `UnexpectedEof`.
 pub(crate) async fn discard(s: &TcpStream, mut len: u64) -> io::Result<()> {
-    let mut scratch: Box<[u8]> = vec![0u8; 64 * 1024].into_boxed_slice();
+    let mut expected = true;
     while len > 0 {
-        let n = len.min(scratch.len() as u64) as usize;
-        let (res, b) = s.read_exact(scratch.slice(..n)).await;
-        scratch = b.into_inner();
-        res?;
-        len -= n as u64;
+        let want = usize::try_from(len).unwrap_or(usize::MAX);
+        match s.discard(want, std::mem::take(&mut expected)).await {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => len -= n.min(want) as u64,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
 }

@@ -8,6 +8,7 @@
 mod accept;
 mod close;
 mod connect;
+mod discard;
 mod poll_add;
 mod recv;
 mod rw;
@@ -18,6 +19,7 @@ mod timeout;
 pub use accept::Accept;
 pub use close::Close;
 pub use connect::Connect;
+pub use discard::Discard;
 pub use poll_add::PollAdd;
 pub use recv::Recv;
 pub use rw::{ReadAt, WriteAt};
