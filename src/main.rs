@@ -122,6 +122,10 @@ enum Cmd {
         /// --compare: skip counting instructions under callgrind.
         #[arg(long, requires = "compare")]
         no_instructions: bool,
+        /// --compare: run only these cases (comma-separated, named as the
+        /// table names them, e.g. fail_fast_64m,write_1m).
+        #[arg(long, requires = "compare", value_delimiter = ',')]
+        cases: Vec<String>,
         /// Find --peer's address here (etcd://host:port[/prefix]) instead of
         /// --connect.
         #[arg(long, requires = "peer", conflicts_with = "connect")]
@@ -253,6 +257,7 @@ fn main() -> ExitCode {
             zc_threshold,
             same_process,
             no_instructions,
+            cases,
             directory,
             peer,
             spin_us,
@@ -290,6 +295,7 @@ fn main() -> ExitCode {
                 zc_threshold,
                 same_process,
                 instructions: !no_instructions,
+                cases,
                 spin: std::time::Duration::from_micros(spin_us),
             })
         }

@@ -183,6 +183,18 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         },
         Case::FailFast(64 << 20),
     ];
+    if let Some(unknown) = a
+        .cases
+        .iter()
+        .find(|n| !cases.iter().any(|c| c.name() == **n))
+    {
+        let known: Vec<String> = cases.iter().map(|c| c.name()).collect();
+        return Err(format!("--cases: no case {unknown:?} (cases: {})", known.join(", ")).into());
+    }
+    let cases: Vec<Case> = cases
+        .into_iter()
+        .filter(|c| a.cases.is_empty() || a.cases.contains(&c.name()))
+        .collect();
     let exe = std::env::current_exe()?;
     // Where a thread runs decides its wake-up cost on this VM: a reply to a
     // thread on the same vCPU is a context switch (~15 µs round trip), one
@@ -327,6 +339,10 @@ fn count_instructions(
         Case::Read(4 << 10),
         Case::Write(64 << 10),
     ] {
+        // Only the cases this run measured (`--cases`).
+        if !rows.iter().any(|r| r.case == case.name()) {
+            continue;
+        }
         for im in IMPLS {
             progress(&format!("callgrind {} {}…", case.name(), im.name()));
             let ir = instructions::per_iteration(exe, t, im, case)?;

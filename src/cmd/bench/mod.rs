@@ -468,6 +468,8 @@ pub struct BenchArgs {
     pub same_process: bool,
     /// `--compare`: count instructions per iteration under callgrind.
     pub instructions: bool,
+    /// `--compare`: the cases to run, by name (all when empty).
+    pub cases: Vec<String>,
     /// How long quiesce's reactors (initiators, and `--compare`'s target)
     /// busy-poll before they block.
     pub spin: Duration,
