@@ -138,6 +138,22 @@ impl TargetChild {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Stops the target the way it stops by itself: closes its stdin, so it
+    /// shuts its engine down and exits (its threads' exit work done: a
+    /// `timeline` build writes its readings then), and reaps it; killed if
+    /// it has not exited within `grace`.
+    pub fn stop(mut self, grace: std::time::Duration) {
+        drop(self.child.stdin.take());
+        let until = std::time::Instant::now() + grace;
+        while std::time::Instant::now() < until {
+            match self.child.try_wait() {
+                Ok(Some(_)) | Err(_) => return,
+                Ok(None) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            }
+        }
+        // Drop kills and reaps it.
+    }
 }
 
 impl Drop for TargetChild {

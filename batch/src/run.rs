@@ -27,6 +27,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use quiesce_runtime::time::{sleep_until, Sleep};
+use quiesce_runtime::timeline::{self, Step};
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinError, JoinHandle};
 use quiesce_transports::TransferError;
 use smallvec::SmallVec;
@@ -258,6 +259,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                     first.set(Some(K::start(&self.transport, &self.tasks[0], buf, wire)));
                 }
                 self.launch(wire);
+                timeline::mark(Step::BatchLaunched);
                 self.wait_quiescent(wire, first.as_mut()).await;
                 if self.unconfirmed().next().is_some() {
                     // Rare (a lost connection): boxed, so that its state does
@@ -396,6 +398,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 }
             }
         }
+        timeline::mark(Step::BatchQuiesced);
         if let Some(s) = self.fence_started {
             self.fence_time.get_or_insert(s.elapsed());
         }
@@ -412,6 +415,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     fn start_fence(&mut self, wire: u64, hard: Instant, why: &'static str) {
         let now = Instant::now();
         tracing::info!(why, "fencing the batch");
+        timeline::mark(Step::FenceStarted);
         self.fence_started = Some(now);
         let soft = now + hard.saturating_duration_since(now) / 2;
         self.soft = Some(sleep_until(soft));

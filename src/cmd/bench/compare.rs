@@ -320,7 +320,11 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
     );
     goals(&rows);
     write_json(a, &rows)?;
-    drop(target);
+    // Stopped as it stops by itself, not killed: a `timeline` build's
+    // target writes its readings at its exit (scripts/fail-fast-breakdown.sh).
+    if let Target::Process(c) = target {
+        c.stop(Duration::from_secs(5));
+    }
     Ok(true)
 }
 

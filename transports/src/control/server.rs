@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
+use quiesce_runtime::timeline::{self, Step};
 
 use crate::control::auth::{random_bytes, SessionKey};
 use crate::control::frame::{read_header, read_payload, send_frame};
@@ -396,6 +397,7 @@ async fn serve_inner(
             Opcode::WriteLocal => c.write_local(&h).await?,
             Opcode::ReadLocal => c.read_local(&h).await?,
             Opcode::Fence => {
+                timeline::mark(Step::FenceReceived);
                 // RDMA: the responder accepts no further packet of any batch
                 // on this queue pair; the initiator builds a new one.
                 // The ack names the queue pair reset (its QPN in `offset`,
@@ -408,6 +410,7 @@ async fn serve_inner(
                     let carriers = engine.session_conns(c.session);
                     engine.fences.fence(c.session, h.batch, carriers);
                     engine.fences.quiet(c.session, h.batch).await;
+                    timeline::mark(Step::FenceQuiet);
                 }
                 send_frame(
                     s,

@@ -16,6 +16,7 @@ use crate::control::wire::{
 use crate::error::TransferError;
 use crate::tcp::conn::Conn;
 use crate::tcp::split::Erased;
+use quiesce_runtime::timeline::{self, Step};
 use quiesce_runtime::IoBuf;
 
 /// A one-shot result slot with a waker.
@@ -181,7 +182,10 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                 let p = conn.state.borrow_mut().pending.remove(&h.task);
                 let res = match TransferError::from_status(st, h.segment, h.length) {
                     None => Ok(h.length),
-                    Some(e) => Err(e),
+                    Some(e) => {
+                        timeline::mark(Step::RefusalRead);
+                        Err(e)
+                    }
                 };
                 match p {
                     Some(Pending::Write(r)) => fill(&r, res),
@@ -251,6 +255,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                 }
             }
             Opcode::FenceAck => {
+                timeline::mark(Step::FenceAckRead);
                 let waiters = conn
                     .state
                     .borrow_mut()

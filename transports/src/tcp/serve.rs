@@ -12,6 +12,8 @@
 use std::io;
 use std::rc::Rc;
 
+use quiesce_runtime::timeline::{self, Step};
+
 use crate::control::frame::{send_frame, send_frame_filled};
 use crate::control::revoke::LandingGuard;
 use crate::control::server::{reject, status_frame, Closed, ServedConn};
@@ -91,7 +93,7 @@ impl ServedConn<'_> {
         Ok((seg, epoch))
     }
 
-    /// Answers a refused request; a refused write's payload goes to scratch.
+    /// Answers a refused request; a refused write's payload is dropped.
     pub(crate) async fn refuse(
         &mut self,
         h: &Header,
@@ -102,6 +104,7 @@ impl ServedConn<'_> {
         let c = &self.engine.counters.rejected;
         c.set(c.get() + 1);
         send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
+        timeline::mark(Step::RefusalSent);
         Ok(())
     }
 
