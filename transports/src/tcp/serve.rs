@@ -3,9 +3,10 @@
 //!
 //! Every request is checked before memory is touched — length, fence,
 //! proven token, segment, right, `offset + length` inside the segment
-//! without overflow — and a rejected write's payload is read into scratch
-//! memory, never into the segment. What was read ahead with a write's header
-//! (a small write's whole payload: `control/read_ahead.rs`) is copied into
+//! without overflow — and a rejected write's payload is dropped unread
+//! (`frame::discard`), never landed in the segment. What was read ahead
+//! with a write's header (a small write's whole payload:
+//! `control/read_ahead.rs`) is copied into
 //! the segment; the rest lands straight in it (receives into the
 //! destination range, no copy). Acknowledged after the last byte.
 
@@ -181,8 +182,8 @@ impl ServedConn<'_> {
         }
         let revoked = landed < len && landing.with(|l| l.grant.revoked());
         // The receive is reaped: a fence or revoke waiting for this write may
-        // resolve. The segment goes too: the rest of a cut write lands in
-        // scratch, and a stalled sender must not keep the memory (caller-owned
+        // resolve. The segment goes too: the rest of a cut write is dropped,
+        // and a stalled sender must not keep the memory (caller-owned
         // memory comes back only when no handle to it is left).
         drop(landing.0.borrow_mut().take());
         self.landing = Some(landing);
@@ -190,8 +191,7 @@ impl ServedConn<'_> {
         let st = if landed == len {
             Status::Ok
         } else {
-            // Fenced or revoked mid-way: the rest goes to scratch memory, not
-            // the segment.
+            // Fenced or revoked mid-way: the rest is dropped, not landed.
             self.rx.discard(self.s, len - landed).await?;
             cut_short(revoked, landed)
         };
