@@ -5,6 +5,7 @@
 
 mod compare;
 mod instructions;
+mod paired;
 mod quiesce_client;
 pub(crate) mod raw;
 mod rdma_client;
@@ -440,6 +441,8 @@ struct Row {
     target_allocs: Option<f64>,
     /// User-space instructions per iteration on the initiator (callgrind).
     instructions: Option<f64>,
+    /// `--compare`: each turn's figure ([`paired::turn_figure`]).
+    turns: Vec<f64>,
 }
 
 /// Options of `quiesce bench`.
@@ -603,6 +606,7 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
             ratio: 1.0,
             target_allocs: None,
             instructions: None,
+            turns: Vec::new(),
         });
     }
     write_json(a, &json)?;

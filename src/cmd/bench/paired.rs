@@ -1,0 +1,117 @@
+//! io_uring against a rival turn by turn.
+//!
+//! `--compare` runs the implementations in turns of a few milliseconds, so
+//! the two figures of one turn saw the same machine — on this VM, the same
+//! one of its two wake-up modes, which move a whole run's p50 by up to 2×.
+//! Pooling every turn's samples before comparing throws that pairing away:
+//! whichever implementation had more of its turns in the slow mode loses,
+//! and the verdict flips from run to run. Here each turn gives one lead
+//! (ours against theirs, > 1 where io_uring is ahead) and a sign test says
+//! whether io_uring was behind in more turns than chance allows.
+
+use super::Sample;
+
+/// One turn's figure: p50 µs for latency cases (lower is better), Gb/s
+/// otherwise (higher is better).
+pub(super) fn turn_figure(samples: &[Sample], by_latency: bool) -> f64 {
+    if by_latency {
+        let mut us: Vec<f64> = samples.iter().map(|s| s.took.as_secs_f64() * 1e6).collect();
+        us.sort_by(f64::total_cmp);
+        us.get(us.len() / 2).copied().unwrap_or(f64::NAN)
+    } else {
+        let bytes: u64 = samples.iter().map(|s| s.bytes).sum();
+        let secs: f64 = samples.iter().map(|s| s.took.as_secs_f64()).sum();
+        bytes as f64 * 8.0 / secs.max(1e-12) / 1e9
+    }
+}
+
+/// The turns compared.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Paired {
+    pub turns: usize,
+    /// Turns in which io_uring's figure was worse.
+    pub behind: usize,
+    /// The median of the turns' leads (> 1: io_uring ahead).
+    pub median_lead: f64,
+    /// The chance of being behind in at least `behind` of `turns` turns if
+    /// each turn were a coin toss (one-sided sign test).
+    pub p_behind: f64,
+}
+
+impl Paired {
+    /// Behind in more turns than chance allows (p < 0.05).
+    pub fn significantly_behind(&self) -> bool {
+        self.median_lead < 1.0 && self.p_behind < 0.05
+    }
+}
+
+/// Compares `ours` and `theirs`, one figure per turn, turn by turn.
+pub(super) fn paired(ours: &[f64], theirs: &[f64], by_latency: bool) -> Paired {
+    let mut leads: Vec<f64> = ours
+        .iter()
+        .zip(theirs)
+        .map(|(&o, &t)| if by_latency { t / o } else { o / t })
+        .filter(|l| l.is_finite())
+        .collect();
+    leads.sort_by(f64::total_cmp);
+    let turns = leads.len();
+    let behind = leads.iter().filter(|&&l| l < 1.0).count();
+    let median_lead = match turns {
+        0 => f64::NAN,
+        n if n % 2 == 1 => leads[n / 2],
+        n => (leads[n / 2 - 1] + leads[n / 2]) / 2.0,
+    };
+    Paired {
+        turns,
+        behind,
+        median_lead,
+        p_behind: coin_tail(turns, behind),
+    }
+}
+
+/// P(X ≥ k) for X ~ Binomial(n, 1/2).
+fn coin_tail(n: usize, k: usize) -> f64 {
+    // C(n, i) / 2^n, built up term by term in f64 (n is at most a few
+    // hundred turns).
+    let mut term = 0.5f64.powi(n as i32); // i = 0
+    let mut tail = if k == 0 { term } else { 0.0 };
+    for i in 1..=n {
+        term *= (n - i + 1) as f64 / i as f64;
+        if i >= k {
+            tail += term;
+        }
+    }
+    tail.min(1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_coin_tail_is_the_binomial_one() {
+        assert!((coin_tail(8, 0) - 1.0).abs() < 1e-12);
+        assert!((coin_tail(8, 7) - 9.0 / 256.0).abs() < 1e-12);
+        assert!((coin_tail(8, 8) - 1.0 / 256.0).abs() < 1e-12);
+        assert!((coin_tail(20, 15) - 21_700.0 / 1_048_576.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_lead_is_ours_against_theirs_turn_by_turn() {
+        // Latency: ours lower in 7 of 8 turns, though pooled it would not
+        // look so (one slow turn of ours).
+        let ours = [10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 90.0];
+        let theirs = [11.0, 12.0, 11.0, 11.0, 12.0, 11.0, 11.0, 20.0];
+        let p = paired(&ours, &theirs, true);
+        assert_eq!((p.turns, p.behind), (8, 1));
+        assert!(p.median_lead > 1.0 && !p.significantly_behind());
+        // Throughput the other way round: behind in every turn.
+        let p = paired(&[1.0; 8], &[2.0; 8], false);
+        assert_eq!((p.behind, p.median_lead), (8, 0.5));
+        assert!(p.significantly_behind(), "{p:?}");
+        // Behind in 5 of 8 is chance.
+        let p = paired(&[1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0], &[2.0; 8], false);
+        assert_eq!(p.behind, 5);
+        assert!(!p.significantly_behind(), "{p:?}");
+    }
+}
