@@ -11,7 +11,7 @@ use std::os::fd::RawFd;
 
 use io_uring::{opcode, types};
 
-use super::{cvt, sealed, Operation};
+use super::{cvt, sealed, unless_blocked, Operation};
 use crate::driver::shared_fd::{PendingRecv, SharedFd};
 use crate::driver::Interest;
 
@@ -61,10 +61,7 @@ impl Operation for Discard {
         if !self.try_first {
             return None;
         }
-        match self.poll_try() {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
-            res => Some(res),
-        }
+        unless_blocked(self.poll_try())
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {

@@ -75,6 +75,15 @@ pub trait Operation: sealed::Sealed + Unpin + 'static {
     fn parked_cqe(&mut self, _res: i32, _flags: u32) {}
 }
 
+/// A non-blocking try's result as [`Operation::try_first`] gives it:
+/// `None` (through the ring) if the call would have blocked.
+pub(crate) fn unless_blocked(res: io::Result<u32>) -> Option<io::Result<u32>> {
+    match res {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+        res => Some(res),
+    }
+}
+
 /// Turns a `-1`-style libc return into an `io::Result`.
 pub(crate) fn cvt(ret: isize) -> io::Result<u32> {
     if ret < 0 {

@@ -5,7 +5,7 @@ use std::os::fd::RawFd;
 
 use io_uring::{opcode, types};
 
-use super::{sealed, Operation};
+use super::{sealed, unless_blocked, Operation};
 use crate::buf::{BufResult, IoBufMut};
 use crate::driver::shared_fd::{PendingRecv, SharedFd};
 use crate::driver::socket::recv_dontwait;
@@ -75,10 +75,7 @@ impl<B: IoBufMut> Operation for Recv<B> {
         if !self.try_first {
             return None;
         }
-        match self.poll_try() {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
-            res => Some(res),
-        }
+        unless_blocked(self.poll_try())
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {

@@ -5,7 +5,7 @@ use std::os::fd::RawFd;
 
 use io_uring::{opcode, types};
 
-use super::{cvt, sealed, Operation};
+use super::{cvt, sealed, unless_blocked, Operation};
 use crate::buf::{BufResult, IoBuf};
 use crate::driver::shared_fd::{PendingSend, SharedFd};
 use crate::driver::Interest;
@@ -57,10 +57,7 @@ impl<B: IoBuf> Operation for Send<B> {
         if self.buf.bytes_init() > TRY_FIRST_MAX || !self.fd.alone() {
             return None;
         }
-        match self.poll_try() {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
-            res => Some(res),
-        }
+        unless_blocked(self.poll_try())
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
