@@ -147,8 +147,9 @@ mod recording {
             let n = THREADS.fetch_add(1, Ordering::Relaxed);
             let mut file = format!("{}.{n}", std::process::id());
             if let Some(name) = &self.name {
+                // A name is any string: no separator may leave the directory.
                 file.push('.');
-                file.push_str(name);
+                file.extend(name.chars().map(|c| if c == '/' { '_' } else { c }));
             }
             let path = s.dir.join(file);
             let mut out = String::with_capacity(self.steps.len() * 24);
@@ -159,8 +160,14 @@ mod recording {
             if let Err(e) =
                 std::fs::File::create(&path).and_then(|mut f| f.write_all(out.as_bytes()))
             {
-                // Not `tracing`: at the thread's exit its dispatcher may be gone.
-                eprintln!("quiesce: timeline {} not written: {e}", path.display());
+                // Not `tracing`, nor `eprintln!` (which panics if stderr
+                // fails): at the thread's exit its dispatcher may be gone,
+                // and a panic in a thread-local's destructor aborts.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "quiesce: timeline {} not written: {e}",
+                    path.display()
+                );
             }
         }
     }

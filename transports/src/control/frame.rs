@@ -34,10 +34,9 @@ pub(crate) async fn read_payload(s: &TcpStream, len: usize) -> io::Result<Vec<u8
 
 /// Drops the stream's next `len` bytes (the payload of a refused, fenced or
 /// cut write): nothing is copied (`recv(2)` with `MSG_TRUNC`), so skipping
-/// a megabyte a fence cut short takes the kernel's packet bookkeeping, not
-/// a copy — and the sender, whose data is gone from the socket, finishes
-/// its send sooner. The first try is at once (a refused payload follows its
-/// header); EOF first is `UnexpectedEof`.
+/// a megabyte a fence cut short costs the kernel's packet bookkeeping, not
+/// a copy, and no buffer is allocated. The first try is at once (a refused
+/// payload follows its header); EOF first is `UnexpectedEof`.
 pub(crate) async fn discard(s: &TcpStream, mut len: u64) -> io::Result<()> {
     let mut expected = true;
     while len > 0 {

@@ -6,9 +6,9 @@
 //! without overflow — and a rejected write's payload is dropped unread
 //! (`frame::discard`), never landed in the segment. What was read ahead
 //! with a write's header (a small write's whole payload:
-//! `control/read_ahead.rs`) is copied into
-//! the segment; the rest lands straight in it (receives into the
-//! destination range, no copy). Acknowledged after the last byte.
+//! `control/read_ahead.rs`) is copied into the segment; the rest lands
+//! straight in it (receives into the destination range, no copy).
+//! Acknowledged after the last byte.
 
 use std::io;
 use std::rc::Rc;
