@@ -448,16 +448,8 @@ fn goals(rows: &[Row]) {
             f / 1e3
         );
     }
-    // io_uring's lead over a rival, > 1 where it is ahead: the rival's
-    // p50 over its own for latency cases, its throughput over the
-    // rival's otherwise.
-    let lead = |case: &str, a: &Summary, b: &Summary| {
-        if by_latency(case) {
-            b.p50 / a.p50
-        } else {
-            a.gbps / b.gbps
-        }
-    };
+    // A case's pooled figure: p50 for latency cases, throughput otherwise.
+    let figure = |case: &str, s: &Summary| if by_latency(case) { s.p50 } else { s.gbps };
     let cases: std::collections::BTreeSet<&str> = rows.iter().map(|r| r.case.as_str()).collect();
     for rival in ["quiesce-epoll", "tokio"] {
         let mut pooled_behind = Vec::new();
@@ -467,7 +459,7 @@ fn goals(rows: &[Row]) {
             let (Some(u), Some(o)) = (get(c, q), get(c, rival)) else {
                 continue;
             };
-            let x = lead(c, &u.s, &o.s);
+            let x = paired::lead(figure(c, &u.s), figure(c, &o.s), by_latency(c));
             if x < 1.0 {
                 pooled_behind.push(format!("{c} {x:.3}"));
             }

@@ -25,6 +25,17 @@ pub(super) fn turn_figure(samples: &[Sample], by_latency: bool) -> f64 {
     }
 }
 
+/// io_uring's lead over a rival from one figure each (> 1: ahead): the
+/// rival's p50 over ours for latency cases, our throughput over theirs
+/// otherwise.
+pub(super) fn lead(ours: f64, theirs: f64, by_latency: bool) -> f64 {
+    if by_latency {
+        theirs / ours
+    } else {
+        ours / theirs
+    }
+}
+
 /// The turns compared.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Paired {
@@ -50,7 +61,7 @@ pub(super) fn paired(ours: &[f64], theirs: &[f64], by_latency: bool) -> Paired {
     let mut leads: Vec<f64> = ours
         .iter()
         .zip(theirs)
-        .map(|(&o, &t)| if by_latency { t / o } else { o / t })
+        .map(|(&o, &t)| lead(o, t, by_latency))
         .filter(|l| l.is_finite())
         .collect();
     leads.sort_by(f64::total_cmp);
