@@ -2,7 +2,7 @@
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
 use crate::buf::{BufResult, IoBuf, IoBufMut};
 use crate::context;
@@ -44,6 +44,13 @@ impl TcpListener {
     /// The bound address.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
         view::<std::net::TcpListener>(&self.fd).local_addr()
+    }
+
+    /// Sets the congestion-control algorithm (`TCP_CONGESTION`) that the
+    /// connections accepted from now on start with; see
+    /// [`TcpStream::set_congestion`].
+    pub fn set_congestion(&self, name: &str) -> io::Result<()> {
+        crate::driver::socket::set_congestion(&self.fd.raw(), name)
     }
 
     /// The accept operation (cancellable through [`Op::canceller`]).
@@ -264,6 +271,20 @@ impl TcpStream {
         crate::driver::socket::set_user_timeout(&self.fd.raw(), limit)
     }
 
+    /// Sets the kernel's congestion-control algorithm for this connection
+    /// (`TCP_CONGESTION`: `cubic`, `reno`, `bbr`, … — one the kernel has,
+    /// and for an unprivileged process one listed in
+    /// `net.ipv4.tcp_allowed_congestion_control`). Without it the socket
+    /// runs the system's default (`net.ipv4.tcp_congestion_control`).
+    pub fn set_congestion(&self, name: &str) -> io::Result<()> {
+        crate::driver::socket::set_congestion(&self.fd.raw(), name)
+    }
+
+    /// The congestion-control algorithm the kernel runs for this connection.
+    pub fn congestion(&self) -> io::Result<String> {
+        crate::driver::socket::congestion(&self.fd.raw())
+    }
+
     /// The peer's address.
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
         view::<std::net::TcpStream>(&self.fd).peer_addr()
@@ -306,4 +327,23 @@ impl AsRawFd for TcpStream {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.raw()
     }
+}
+
+/// Sets `TCP_CONGESTION` on any TCP socket (a `std` stream, another
+/// runtime's): see [`TcpStream::set_congestion`].
+pub fn set_tcp_congestion(fd: BorrowedFd<'_>, name: &str) -> io::Result<()> {
+    crate::driver::socket::set_congestion(&fd, name)
+}
+
+/// The congestion-control algorithm the kernel runs for any TCP socket.
+pub fn tcp_congestion(fd: BorrowedFd<'_>) -> io::Result<String> {
+    crate::driver::socket::congestion(&fd)
+}
+
+/// Whether this process may run `name` as its TCP congestion control here:
+/// sets it on a fresh, unconnected socket (an unknown name is `NotFound`,
+/// one the process may not choose `PermissionDenied`).
+pub fn check_tcp_congestion(name: &str) -> io::Result<()> {
+    let probe = tcp_socket(&SocketAddr::from(([127, 0, 0, 1], 0)), false)?;
+    crate::driver::socket::set_congestion(&probe, name)
 }

@@ -182,6 +182,67 @@ pub(crate) fn set_user_timeout(
     Ok(())
 }
 
+/// Longest congestion-control name the kernel keeps (`TCP_CA_NAME_MAX`,
+/// its NUL included).
+const CA_NAME_MAX: usize = 16;
+
+/// Sets `TCP_CONGESTION`: the congestion-control algorithm the kernel runs
+/// for this TCP socket (`cubic`, `reno`, `bbr`, … — one the kernel has; an
+/// unprivileged process only one listed in
+/// `net.ipv4.tcp_allowed_congestion_control`). A listening socket passes it
+/// on to the connections it accepts.
+pub(crate) fn set_congestion(fd: &impl AsRawFd, name: &str) -> io::Result<()> {
+    if name.is_empty() || name.len() >= CA_NAME_MAX || name.contains('\0') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{name:?} is not a congestion-control name (1 to 15 bytes, no NUL)"),
+        ));
+    }
+    // SAFETY: `name`'s bytes are live for the call and their length is
+    // passed; the kernel copies them and needs no NUL.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            name.as_ptr().cast(),
+            name.len() as libc::socklen_t,
+        )
+    } as isize)
+    .map_err(|e| {
+        let why = match e.raw_os_error() {
+            Some(libc::ENOENT) => "this kernel has no such algorithm \
+                                   (net.ipv4.tcp_available_congestion_control lists those it has)"
+                .to_string(),
+            Some(libc::EPERM) => "this process may not choose it \
+                                  (net.ipv4.tcp_allowed_congestion_control lists those it may)"
+                .to_string(),
+            _ => e.to_string(),
+        };
+        io::Error::new(e.kind(), format!("TCP congestion control {name:?}: {why}"))
+    })?;
+    Ok(())
+}
+
+/// The congestion-control algorithm the kernel runs for this TCP socket.
+pub(crate) fn congestion(fd: &impl AsRawFd) -> io::Result<String> {
+    let mut name = [0u8; CA_NAME_MAX];
+    let mut len = CA_NAME_MAX as libc::socklen_t;
+    // SAFETY: `name` is a live buffer of `len` bytes, `len` a live socklen_t.
+    cvt(unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            name.as_mut_ptr().cast(),
+            &mut len,
+        )
+    } as isize)?;
+    let name = &name[..(len as usize).min(CA_NAME_MAX)];
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    Ok(String::from_utf8_lossy(&name[..end]).into_owned())
+}
+
 /// Disconnects a TCP socket at once (`connect` to an `AF_UNSPEC` address:
 /// the kernel's `tcp_disconnect`): an RST goes out and both queues are
 /// dropped, whoever else holds the socket; every op on it ends.
