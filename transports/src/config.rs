@@ -53,6 +53,18 @@ pub struct EngineConfig {
     /// otherwise complete after the pause. `None` (or zero): the system's
     /// retransmission limits (many minutes).
     pub stall_timeout: Option<Duration>,
+    /// The kernel's congestion control for this engine's TCP connections,
+    /// both roles (`TCP_CONGESTION`: `"cubic"`, `"reno"`, `"bbr"`, … — one
+    /// the kernel has, and for an unprivileged process one listed in
+    /// `net.ipv4.tcp_allowed_congestion_control`; checked when the engine
+    /// is made). `None`: the system's default
+    /// (`net.ipv4.tcp_congestion_control`). Where that default paces —
+    /// BBR does, inside TCP when the device has no `fq` qdisc — a
+    /// connection sends at the bandwidth it estimated from its own past
+    /// traffic, and on loopback that estimate can stay far below what the
+    /// path carries: docs/BENCHMARKS.md measured a 64 × 64 KiB batch over
+    /// one such connection at a third of the speed it has under `cubic`.
+    pub tcp_congestion: Option<String>,
     /// Demonstrations only, never in production: acknowledge fences without
     /// applying them, so a fenced batch's bytes keep landing (what a target
     /// without fences does). `quiesce demo` uses it to show that quiesce's
@@ -103,6 +115,7 @@ impl Default for EngineConfig {
             max_fenced_per_session: 4096,
             max_connections_per_session: 64,
             stall_timeout: Some(Duration::from_secs(30)),
+            tcp_congestion: None,
             ignore_fences: false,
             local: LocalMode::Auto,
             mailbox: true,

@@ -95,6 +95,9 @@ fn check(config: &EngineConfig) -> io::Result<()> {
             "slice_size must be in 1..=max_frame",
         ));
     }
+    if let Some(name) = &config.tcp_congestion {
+        quiesce_runtime::net::check_tcp_congestion(name)?;
+    }
     Ok(())
 }
 
@@ -109,6 +112,10 @@ impl Engine {
     pub fn bind(config: EngineConfig) -> io::Result<Engine> {
         check(&config)?;
         let listener = TcpListener::bind(config.listen)?;
+        if let Some(name) = &config.tcp_congestion {
+            // Accepted connections start with the listener's.
+            listener.set_congestion(name)?;
+        }
         let engine = Engine::with_target(config, listener.local_addr()?);
         let inner = &engine.inner;
         let accept = crate::control::accept::accept_loop(
@@ -236,6 +243,7 @@ impl Engine {
             zc_threshold: c.zc_threshold,
             connect_timeout: c.connect_timeout,
             stall_timeout: c.stall_timeout,
+            tcp_congestion: c.tcp_congestion.clone(),
             local: c.local,
             mailbox: c.mailbox,
         }
@@ -267,5 +275,56 @@ impl Engine {
     pub fn shutdown(&self) {
         self.inner.shutdown();
         close_peers(&self.peers);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use quiesce_runtime::Runtime;
+
+    use crate::{Engine, EngineConfig};
+
+    /// An algorithm this kernel has other than the system's default (`reno`
+    /// is always built in), so that a setting that did nothing is seen.
+    fn not_the_default() -> String {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap().trim().to_string();
+        let default = read("/proc/sys/net/ipv4/tcp_congestion_control");
+        read("/proc/sys/net/ipv4/tcp_available_congestion_control")
+            .split_whitespace()
+            .find(|n| *n != default)
+            .expect("a second congestion-control algorithm")
+            .to_string()
+    }
+
+    /// Both roles: the initiator's connections, and the target's ends of
+    /// them (accepted from its listener).
+    #[test]
+    fn both_ends_of_a_peers_connections_run_the_configured_congestion_control() {
+        let other = not_the_default();
+        let config = EngineConfig {
+            tcp_congestion: Some(other.clone()),
+            ..EngineConfig::default()
+        };
+        Runtime::new().unwrap().block_on(async {
+            let target = Engine::bind(config.clone()).unwrap();
+            let initiator = Engine::initiator(config).unwrap();
+            let seg = target
+                .register("kv", vec![0u8; 4096], crate::Rights::WRITE)
+                .unwrap();
+            let peer = initiator.connect(target.local_addr()).await.unwrap();
+            // A write authenticates the data connection too.
+            let kv = peer.open("kv", seg.token()).await.unwrap();
+            assert_eq!(kv.write(0, vec![7u8; 64], 1).await.0.unwrap(), 64);
+            let control = peer.conn(0).await.unwrap();
+            let data = peer.conn(1).await.unwrap();
+            for c in [control, data] {
+                assert_eq!(c.stream.congestion().unwrap(), other, "initiator");
+            }
+            let served = target.inner.session_streams();
+            assert!(served.len() >= 2, "the target's ends of both");
+            for s in served {
+                assert_eq!(s.congestion().unwrap(), other, "target");
+            }
+        });
     }
 }

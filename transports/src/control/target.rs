@@ -258,3 +258,13 @@ impl Drop for SessionGuard<'_> {
         }
     }
 }
+
+#[cfg(test)]
+impl Target {
+    /// Every session's open connections (tests).
+    pub(crate) fn session_streams(&self) -> Vec<Rc<TcpStream>> {
+        let sessions = self.sessions.borrow();
+        let conns = sessions.values().flat_map(|s| s.conns.values());
+        conns.filter_map(std::rc::Weak::upgrade).collect()
+    }
+}

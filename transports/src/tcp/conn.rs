@@ -128,6 +128,8 @@ pub(crate) struct ConnParams<'a> {
     ///
     /// [`EngineConfig::stall_timeout`]: crate::EngineConfig::stall_timeout
     pub(crate) stall_timeout: Option<std::time::Duration>,
+    /// [`EngineConfig::tcp_congestion`](crate::EngineConfig::tcp_congestion).
+    pub(crate) tcp_congestion: Option<&'a str>,
     pub(crate) fenced: LocalFences,
     /// Set once the peer closed (its engine shut down): a connect that
     /// completes after it says nothing and resets.
@@ -159,6 +161,9 @@ impl Conn {
         stream
             .set_user_timeout(p.stall_timeout)
             .map_err(|e| hs(e.to_string()))?;
+        if let Some(name) = p.tcp_congestion {
+            stream.set_congestion(name).map_err(|e| hs(e.to_string()))?;
+        }
         let mut nonce = [0u8; 16];
         random_bytes(&mut nonce);
         let asked = p.session.get();

@@ -31,6 +31,8 @@ pub(crate) struct PeerParams {
     pub(crate) zc_threshold: Option<usize>,
     pub(crate) connect_timeout: Duration,
     pub(crate) stall_timeout: Option<Duration>,
+    /// [`EngineConfig::tcp_congestion`](crate::EngineConfig::tcp_congestion).
+    pub(crate) tcp_congestion: Option<String>,
     pub(crate) local: crate::LocalMode,
     /// Offer attached connections a mailbox for small requests.
     pub(crate) mailbox: bool,
@@ -381,6 +383,7 @@ fn conn_params<'a>(
         session: session.clone(),
         connect_timeout: p.connect_timeout,
         stall_timeout: p.stall_timeout,
+        tcp_congestion: p.tcp_congestion.as_deref(),
         fenced: fenced.clone(),
     }
 }
