@@ -138,6 +138,10 @@ enum Cmd {
         /// non-blocking socket (never blocks); tokio blocks.
         #[arg(long, default_value_t = 0)]
         spin_us: u64,
+        /// Every initiator's TCP congestion control (TCP_CONGESTION: cubic,
+        /// reno, bbr, …), and --compare's target's; default: the system's.
+        #[arg(long)]
+        tcp_congestion: Option<String>,
     },
     /// Serve segments `kv` (read-write, --size bytes), `ro` and `wo` to peers.
     Target {
@@ -171,6 +175,10 @@ enum Cmd {
         /// while requests keep coming; 0: block at once).
         #[arg(long, default_value_t = 0)]
         spin_us: u64,
+        /// The TCP congestion control of the connections it serves
+        /// (TCP_CONGESTION: cubic, reno, bbr, …); default: the system's.
+        #[arg(long)]
+        tcp_congestion: Option<String>,
     },
 }
 
@@ -228,7 +236,9 @@ fn main() -> ExitCode {
             node,
             max_frame,
             spin_us,
+            tcp_congestion,
         } => cmd::target::run(cmd::target::Options {
+            tcp_congestion,
             max_frame: max_frame as u64,
             spin: std::time::Duration::from_micros(spin_us),
             listen,
@@ -261,6 +271,7 @@ fn main() -> ExitCode {
             directory,
             peer,
             spin_us,
+            tcp_congestion,
         } => {
             let connect = match (directory, peer) {
                 (Some(url), Some(peer)) => match resolve(&url, &peer) {
@@ -297,6 +308,7 @@ fn main() -> ExitCode {
                 instructions: !no_instructions,
                 cases,
                 spin: std::time::Duration::from_micros(spin_us),
+                tcp_congestion,
             })
         }
     };

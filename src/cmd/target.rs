@@ -30,6 +30,8 @@ pub struct Options {
     pub directory: Option<(String, String)>,
     /// How long the reactor busy-polls before it blocks.
     pub spin: std::time::Duration,
+    /// `EngineConfig::tcp_congestion`.
+    pub tcp_congestion: Option<String>,
 }
 
 /// Serves `kv` (`size` bytes, read-write), `ro` (read-only) and `wo`
@@ -51,6 +53,7 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
         max_frame,
         directory,
         spin,
+        tcp_congestion,
     } = o;
     let published = match &directory {
         Some((url, node)) => {
@@ -72,6 +75,7 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
             listen,
             ignore_fences,
             max_frame,
+            tcp_congestion,
             ..Default::default()
         };
         let rdma = match rdma {

@@ -22,7 +22,7 @@ use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Rights};
 
 use super::{
     instructions, paired, progress, summarize, thread_cpu, write_json, BenchArgs, Case, Client,
-    Endpoint, Impl, Row, Sample, SegInfo, Summary,
+    Endpoint, Impl, Row, Sample, SegInfo, Setup, Summary,
 };
 
 /// What one chunk gives back.
@@ -40,18 +40,13 @@ struct Worker {
 }
 
 impl Worker {
-    fn start(
-        im: Impl,
-        t: Endpoint,
-        zc: Option<usize>,
-        spin: Duration,
-    ) -> Result<Worker, Box<dyn std::error::Error>> {
+    fn start(im: Impl, t: Endpoint, setup: Setup) -> Result<Worker, Box<dyn std::error::Error>> {
         let (jobs, job_rx) = mpsc::channel::<(Case, usize)>();
         let (done_tx, done) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(format!("bench-{}", im.name()))
             .spawn(move || {
-                let mut client = match Client::connect(im, &t, zc, spin) {
+                let mut client = match Client::connect(im, &t, &setup) {
                     Ok(c) => c,
                     Err(e) => {
                         let _ = done_tx.send(Err(format!("{}: connect: {e}", im.name())));
@@ -124,7 +119,7 @@ impl Target {
 }
 
 /// A target engine on its own thread (`--same-process`).
-fn start_thread_target(kv_len: usize) -> Endpoint {
+fn start_thread_target(kv_len: usize, tcp_congestion: Option<String>) -> Endpoint {
     let (tx, rx) = mpsc::channel();
     std::thread::Builder::new()
         .name("bench-target".into())
@@ -134,6 +129,7 @@ fn start_thread_target(kv_len: usize) -> Endpoint {
                 let cfg = EngineConfig {
                     node: "bench-target".into(),
                     max_frame: 128 << 20,
+                    tcp_congestion,
                     ..Default::default()
                 };
                 let e = Engine::bind(cfg).expect("bind");
@@ -196,6 +192,9 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         .filter(|c| a.cases.is_empty() || a.cases.contains(&c.name()))
         .collect();
     let exe = std::env::current_exe()?;
+    if let Some(name) = &a.tcp_congestion {
+        quiesce::runtime::net::check_tcp_congestion(name)?;
+    }
     // Where a thread runs decides its wake-up cost on this VM: a reply to a
     // thread on the same vCPU is a context switch (~15 µs round trip), one
     // to the other vCPU an IPI to a halted vCPU (~60 µs). Left to the
@@ -207,16 +206,18 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pinned = cpus >= 2 && quiesce::runtime::shard::pin_current_thread(cpus - 1).is_ok();
     let (mut target, t) = if a.same_process {
-        (Target::Thread, start_thread_target(KV_LEN))
+        (
+            Target::Thread,
+            start_thread_target(KV_LEN, a.tcp_congestion.clone()),
+        )
     } else {
         // Raw and tokio send a 64 MiB write as one frame.
         let spin = a.spin.as_micros().to_string();
-        let c = TargetChild::spawn_with(
-            &exe,
-            KV_LEN,
-            false,
-            &["--max-frame", "128M", "--spin-us", &spin],
-        )?;
+        let mut extra = vec!["--max-frame", "128M", "--spin-us", &spin];
+        if let Some(name) = &a.tcp_congestion {
+            extra.extend(["--tcp-congestion", name]);
+        }
+        let c = TargetChild::spawn_with(&exe, KV_LEN, false, &extra)?;
         let seg = |n: &str| SegInfo {
             id: c.ids[n],
             token: c.tokens[n],
@@ -238,7 +239,7 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
     };
     let workers = IMPLS
         .iter()
-        .map(|im| Worker::start(*im, t, a.zc_threshold, a.spin))
+        .map(|im| Worker::start(*im, t, a.setup()))
         .collect::<Result<Vec<_>, _>>()?;
     println!(
         "quiesce bench --compare: target on {} ({}{}); {} × the default iterations per case, \
@@ -255,6 +256,7 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         },
         a.rounds
     );
+    println!("TCP congestion control: {}", congestion_in_use(a));
     let mut rows = Vec::new();
     for case in cases {
         let total = a.iters.unwrap_or(case.default_iters()) * a.rounds;
@@ -328,6 +330,21 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         c.stop(Duration::from_secs(5));
     }
     Ok(true)
+}
+
+/// Which congestion control the run's TCP connections use, and why: it
+/// decides whether a connection paces its sends (BBR does, inside TCP
+/// without an `fq` qdisc), which on loopback can make one connection a
+/// third as fast as another for a whole run (docs/BENCHMARKS.md).
+fn congestion_in_use(a: &BenchArgs) -> String {
+    match &a.tcp_congestion {
+        Some(name) => format!("{name} (--tcp-congestion)"),
+        None => {
+            let default = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control");
+            let name = default.as_deref().map_or("unknown", str::trim);
+            format!("{name} (the system's default; --tcp-congestion to choose)")
+        }
+    }
 }
 
 /// Fills in instructions per iteration for the small single-transfer cases.

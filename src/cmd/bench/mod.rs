@@ -378,15 +378,19 @@ enum Client {
 }
 
 impl Client {
-    fn connect(
-        im: Impl,
-        t: &Endpoint,
-        zc: Option<usize>,
-        spin: Duration,
-    ) -> Result<Client, Box<dyn std::error::Error>> {
+    fn connect(im: Impl, t: &Endpoint, s: &Setup) -> Result<Client, Box<dyn std::error::Error>> {
+        let (zc, spin, congestion) = (s.zc_threshold, s.spin, s.tcp_congestion.as_deref());
         Ok(match im {
-            Impl::Raw => Client::Raw(raw::Raw::connect(t.addr, &t.kv, &t.ro, !spin.is_zero())?),
-            Impl::Tokio => Client::Tokio(tokio_client::Tokio::connect(t.addr, &t.kv, &t.ro)?),
+            Impl::Raw => Client::Raw(raw::Raw::connect(
+                t.addr,
+                &t.kv,
+                &t.ro,
+                !spin.is_zero(),
+                congestion,
+            )?),
+            Impl::Tokio => Client::Tokio(tokio_client::Tokio::connect(
+                t.addr, &t.kv, &t.ro, congestion,
+            )?),
             Impl::Uring | Impl::Epoll | Impl::Local | Impl::LocalSocket => {
                 let driver = match im {
                     Impl::Epoll => DriverKind::Epoll,
@@ -401,6 +405,7 @@ impl Client {
                     local,
                     mailbox: im != Impl::LocalSocket,
                     spin,
+                    tcp_congestion: s.tcp_congestion.clone(),
                 };
                 Client::Quiesce(quiesce_client::Quiesce::connect(
                     driver, t.addr, &t.kv, &t.ro, knobs,
@@ -476,6 +481,30 @@ pub struct BenchArgs {
     /// How long quiesce's reactors (initiators, and `--compare`'s target)
     /// busy-poll before they block.
     pub spin: Duration,
+    /// Every initiator's TCP congestion control (and `--compare`'s
+    /// target's); `None`: the system's default.
+    pub tcp_congestion: Option<String>,
+}
+
+impl BenchArgs {
+    fn setup(&self) -> Setup {
+        Setup {
+            zc_threshold: self.zc_threshold,
+            spin: self.spin,
+            tcp_congestion: self.tcp_congestion.clone(),
+        }
+    }
+}
+
+/// What every initiator of a run is set up with.
+#[derive(Clone)]
+struct Setup {
+    /// quiesce: send slices of at least this many bytes with SEND_ZC.
+    zc_threshold: Option<usize>,
+    /// How long quiesce's reactors busy-poll (raw spins when non-zero).
+    spin: Duration,
+    /// `TCP_CONGESTION` on every connection; `None`: the system's default.
+    tcp_congestion: Option<String>,
 }
 
 pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
@@ -559,7 +588,7 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
             .into())
         }
     };
-    let mut client = Client::connect(im, &Endpoint { addr, kv, ro }, a.zc_threshold, a.spin)?;
+    let mut client = Client::connect(im, &Endpoint { addr, kv, ro }, &a.setup())?;
     println!(
         "{:>10} {:>8} {:>10} {:>12} {:>10} {:>10} {:>11} {:>10} {:>10} {:>11}",
         "#bytes",

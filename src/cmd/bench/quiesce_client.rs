@@ -30,6 +30,8 @@ pub struct Knobs {
     pub mailbox: bool,
     /// How long the reactor busy-polls before it blocks.
     pub spin: Duration,
+    /// `EngineConfig::tcp_congestion`.
+    pub tcp_congestion: Option<String>,
 }
 
 impl Quiesce {
@@ -49,6 +51,7 @@ impl Quiesce {
                 zc_threshold: k.zc_threshold,
                 local: k.local,
                 mailbox: k.mailbox,
+                tcp_congestion: k.tcp_congestion,
                 ..Default::default()
             })?;
             let peer = engine.connect(addr).await?;

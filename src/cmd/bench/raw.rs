@@ -6,6 +6,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
 use std::time::Instant;
 
 use quiesce::transports::wire::{Header, HelloAck, Opcode, Status, HEADER_LEN};
@@ -62,9 +63,13 @@ impl Raw {
         kv: &SegInfo,
         ro: &SegInfo,
         spin: bool,
+        congestion: Option<&str>,
     ) -> std::io::Result<Raw> {
         let mut s = TcpStream::connect(addr)?;
         s.set_nodelay(true)?;
+        if let Some(name) = congestion {
+            quiesce::runtime::net::set_tcp_congestion(s.as_fd(), name)?;
+        }
         let nonce = [7u8; 16];
         s.write_all(&super::hello_frame(nonce, "raw"))?;
         let h = read_header(&mut s)?;

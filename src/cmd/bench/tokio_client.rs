@@ -2,6 +2,7 @@
 //! written the way a service would (one stream, `write_all`/`read_exact`).
 
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::time::Instant;
 
 use quiesce::transports::wire::{Header, HelloAck, Opcode, Status, HEADER_LEN};
@@ -24,9 +25,17 @@ async fn read_header(s: &mut TcpStream) -> std::io::Result<Header> {
 }
 
 impl Conn {
-    async fn connect(addr: SocketAddr, kv: &SegInfo, ro: &SegInfo) -> std::io::Result<Conn> {
+    async fn connect(
+        addr: SocketAddr,
+        kv: &SegInfo,
+        ro: &SegInfo,
+        congestion: Option<&str>,
+    ) -> std::io::Result<Conn> {
         let mut s = TcpStream::connect(addr).await?;
         s.set_nodelay(true)?;
+        if let Some(name) = congestion {
+            quiesce::runtime::net::set_tcp_congestion(s.as_fd(), name)?;
+        }
         let nonce = [3u8; 16];
         s.write_all(&super::hello_frame(nonce, "tokio")).await?;
         let h = read_header(&mut s).await?;
@@ -72,11 +81,16 @@ pub struct Tokio {
 
 impl Tokio {
     /// Starts the runtime, connects, says hello and proves the tokens.
-    pub fn connect(addr: SocketAddr, kv: &SegInfo, ro: &SegInfo) -> std::io::Result<Tokio> {
+    pub fn connect(
+        addr: SocketAddr,
+        kv: &SegInfo,
+        ro: &SegInfo,
+        congestion: Option<&str>,
+    ) -> std::io::Result<Tokio> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let c = rt.block_on(Conn::connect(addr, kv, ro))?;
+        let c = rt.block_on(Conn::connect(addr, kv, ro, congestion))?;
         Ok(Tokio { rt, c })
     }
 
