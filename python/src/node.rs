@@ -163,6 +163,21 @@ pub(crate) fn local_mode() -> LocalMode {
     }
 }
 
+/// The TCP congestion control of the engine's connections
+/// (`EngineConfig::tcp_congestion`): `QUIESCE_TCP_CONGESTION` (`cubic`,
+/// `reno`, `bbr`, …), checked here so a name the kernel lacks is reported
+/// with the variable that gave it; unset or empty, the system's default.
+pub(crate) fn tcp_congestion() -> Result<Option<String>, String> {
+    match std::env::var("QUIESCE_TCP_CONGESTION") {
+        Ok(name) if !name.is_empty() => {
+            quiesce_runtime::net::check_tcp_congestion(&name)
+                .map_err(|e| format!("QUIESCE_TCP_CONGESTION: {e}"))?;
+            Ok(Some(name))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// How long the engine and its callers busy-poll before they block:
 /// `QUIESCE_SPIN_US` microseconds (0: never), else the sync engine's default.
 pub(crate) fn spin() -> Duration {
@@ -226,6 +241,7 @@ impl Node {
             node: local_hostname.to_string(),
             listen: listen_addr(local_hostname)?,
             local: local_mode(),
+            tcp_congestion: tcp_congestion()?,
             ..Default::default()
         };
         let engine = match fabric {

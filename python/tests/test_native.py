@@ -356,3 +356,21 @@ def test_sixteen_threads_at_once(native_peer, eng):
     assert len(outs) == 160 and all(isinstance(o, quiesce.Completed) for o in outs)
     for i in range(16):
         assert t.count("kv", 1 + i) == 4 * chunk
+
+
+def test_the_engines_tcp_congestion_control_comes_from_the_environment(native_peer, monkeypatch):
+    # A name the kernel lacks: InvalidInput naming the variable, no engine.
+    monkeypatch.setenv("QUIESCE_TCP_CONGESTION", "no-such-cc")
+    with pytest.raises(quiesce.InvalidInput, match="QUIESCE_TCP_CONGESTION.*no-such-cc"):
+        quiesce.Engine(secret=SECRET)
+    # One it has (reno is always built in): transfers go as before.
+    monkeypatch.setenv("QUIESCE_TCP_CONGESTION", "reno")
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    try:
+        b = e.batch()
+        b.write(bytes([5]) * 8192, e.open(t.address, "kv"))
+        assert isinstance(b.run(), quiesce.Completed)
+        assert t.count("kv", 5) == 8192
+    finally:
+        e.close()

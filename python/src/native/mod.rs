@@ -23,7 +23,7 @@ use quiesce_directory::{Directory, DirectoryError, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
-use crate::node::{listen_addr, local_mode, lock, secret, spin};
+use crate::node::{listen_addr, local_mode, lock, secret, spin, tcp_congestion};
 
 pub(crate) mod batch;
 pub(crate) mod error;
@@ -356,6 +356,7 @@ impl NativeEngine {
             node: listen.to_string(),
             listen: listen_addr(listen).map_err(|e| invalid(py, &e))?,
             local: local_mode(),
+            tcp_congestion: tcp_congestion().map_err(|e| invalid(py, &e))?,
             ..Default::default()
         };
         // An etcd entry must say where peers reach this engine.
