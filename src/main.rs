@@ -138,9 +138,10 @@ enum Cmd {
         /// non-blocking socket (never blocks); tokio blocks.
         #[arg(long, default_value_t = 0)]
         spin_us: u64,
-        /// Every initiator's TCP congestion control (TCP_CONGESTION: cubic,
-        /// reno, bbr, …), and --compare's target's; default: the system's.
-        #[arg(long)]
+        /// --compare and --connect: every initiator's TCP congestion
+        /// control (TCP_CONGESTION: cubic, reno, bbr, …), and --compare's
+        /// target's; default: the system's.
+        #[arg(long, conflicts_with = "scale")]
         tcp_congestion: Option<String>,
     },
     /// Serve segments `kv` (read-write, --size bytes), `ro` and `wo` to peers.
