@@ -7,11 +7,14 @@
 # output and prints `callgrind_annotate --inclusive=no` of it (where they go).
 # Usage: scripts/callgrind-initiator.sh [N1 N2] (default 1000 6000; release
 # build of the `quiesce` binary first). QUIESCE_DRIVER picks the initiator's
-# driver (default io_uring); OP=read measures 4 KiB reads instead.
+# driver (default io_uring); OP=read measures 4 KiB reads instead; IMPL
+# picks `bench --impl` (default quiesce; IMPL=direct counts the TCP transport
+# without the batch layer, IMPL=raw the raw-socket baseline).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n1=${1:-1000} n2=${2:-6000}
 bin=target/release/quiesce
+impl=${IMPL:-quiesce}
 driver=${QUIESCE_DRIVER:-io_uring}
 op=${OP:-write}
 dir=$(mktemp -d)
@@ -28,7 +31,7 @@ token=$(awk '$1 == "segment" && $2 == "kv" {print $5}' "$dir/target")
 ir() {
     local n=$1 out=$dir/cg.$1
     valgrind --tool=callgrind --callgrind-out-file="$out" \
-        "$bin" bench --connect "$addr" --token "$token" --impl quiesce \
+        "$bin" bench --connect "$addr" --token "$token" --impl "$impl" \
         --driver "$driver" --op "$op" --size 4K --iters "$n" >/dev/null 2>"$dir/err.$n" \
         || { cat "$dir/err.$n" >&2; exit 1; }
     awk '/^(summary|totals):/ {print $2}' "$out" | tail -1

@@ -108,8 +108,9 @@ enum Cmd {
         /// Without --compare: the initiator to run (quiesce = TCP, local =
         /// quiesce's local transport, local-socket = the same with small
         /// requests on the socket rather than the shared-memory mailbox,
-        /// raw, tokio; rdma: quiesce, or direct = the transport without the
-        /// batch layer).
+        /// raw, tokio, direct = quiesce's TCP transport without the batch
+        /// layer (single writes and reads, --driver picks the driver);
+        /// rdma: quiesce, or direct = the same for RDMA).
         #[arg(long = "impl", default_value = "quiesce")]
         initiator: String,
         /// quiesce: send slices of at least this size with SEND_ZC (io_uring).

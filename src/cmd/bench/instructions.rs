@@ -16,6 +16,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use super::{Case, Endpoint, Impl};
+use quiesce::runtime::DriverKind;
 
 /// Iterations of the shorter run.
 const SHORT: usize = 100;
@@ -59,6 +60,8 @@ fn total(
         Impl::Epoll => ("quiesce", "epoll"),
         Impl::Local => ("local", "io_uring"),
         Impl::LocalSocket => ("local-socket", "io_uring"),
+        Impl::Direct(DriverKind::Epoll) => ("direct", "epoll"),
+        Impl::Direct(_) => ("direct", "io_uring"),
         Impl::Rdma { .. } => return Err("callgrind runs count the TCP initiators".into()),
     };
     let (op, size) = match case {

@@ -334,6 +334,9 @@ enum Impl {
     Local,
     /// The local transport with small requests on the socket.
     LocalSocket,
+    /// quiesce over TCP without the batch layer (`RemoteSegment::write`
+    /// and `read` called directly; single transfers only).
+    Direct(DriverKind),
     Rdma {
         busy_poll: bool,
         direct: bool,
@@ -349,6 +352,7 @@ impl Impl {
             Impl::Epoll => "quiesce-epoll",
             Impl::Local => "quiesce-local",
             Impl::LocalSocket => "quiesce-local-socket",
+            Impl::Direct(_) => "quiesce-direct",
             Impl::Rdma { direct: false, .. } => "quiesce-rdma",
             Impl::Rdma { direct: true, .. } => "quiesce-rdma-direct",
         }
@@ -391,9 +395,10 @@ impl Client {
             Impl::Tokio => Client::Tokio(tokio_client::Tokio::connect(
                 t.addr, &t.kv, &t.ro, congestion,
             )?),
-            Impl::Uring | Impl::Epoll | Impl::Local | Impl::LocalSocket => {
+            Impl::Uring | Impl::Epoll | Impl::Local | Impl::LocalSocket | Impl::Direct(_) => {
                 let driver = match im {
                     Impl::Epoll => DriverKind::Epoll,
+                    Impl::Direct(d) => d,
                     _ => DriverKind::IoUring,
                 };
                 let local = match im {
@@ -406,6 +411,7 @@ impl Client {
                     mailbox: im != Impl::LocalSocket,
                     spin,
                     tcp_congestion: s.tcp_congestion.clone(),
+                    direct: matches!(im, Impl::Direct(_)),
                 };
                 Client::Quiesce(quiesce_client::Quiesce::connect(
                     driver, t.addr, &t.kv, &t.ro, knobs,
@@ -581,9 +587,10 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         ("quiesce", _) => Impl::Uring,
         ("local", _) => Impl::Local,
         ("local-socket", _) => Impl::LocalSocket,
+        ("direct", d) => Impl::Direct(d),
         (other, _) => {
             return Err(format!(
-                "--impl {other:?}: one of quiesce, local, local-socket, raw, tokio"
+                "--impl {other:?}: one of quiesce, direct, local, local-socket, raw, tokio"
             )
             .into())
         }
