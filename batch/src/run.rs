@@ -30,7 +30,7 @@ use quiesce_runtime::time::{sleep_until, Sleep};
 use quiesce_runtime::timeline::{self, Step};
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinError, JoinHandle};
 use quiesce_transports::TransferError;
-use smallvec::SmallVec;
+use smallvec::{smallvec, SmallVec};
 
 use crate::options::{BatchOptions, FailurePolicy};
 use crate::outcome::{Handoff, Quiesced, RemoteState, TaskReport, TaskStatus};
@@ -138,6 +138,22 @@ pub(crate) struct Task<T: Transport, B> {
     pub(crate) attempts: u32,
     /// What the target confirmed about the last attempt.
     pub(crate) remote: RemoteState,
+}
+
+impl<T: Transport, B> Task<T, B> {
+    /// A terminal task's report and buffer.
+    fn into_report(self) -> (TaskReport, B) {
+        let TaskState::Done(status) = self.state else {
+            unreachable!("finish before quiescence")
+        };
+        let report = TaskReport {
+            status,
+            bytes: self.bytes,
+            attempts: self.attempts,
+            remote: self.remote,
+        };
+        (report, self.buf.expect("every terminal task holds its buffer"))
+    }
 }
 
 /// A remote fence of the current wire batch at one peer.
@@ -274,7 +290,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                         self.transport.retire(p, wire);
                     }
                 }
-                if !self.retry().await {
+                if !self.may_retry() || !self.retry().await {
                     break;
                 }
             }
@@ -316,6 +332,9 @@ impl<T: Transport, B: 'static> Driver<T, B> {
 
     /// Starts every other queued task's transfer.
     fn launch(&mut self, wire: u64) {
+        if self.tasks.len() < 2 {
+            return;
+        }
         let inline = self.tasks.len() <= INLINE_TASKS;
         for t in self.tasks.iter_mut().skip(1) {
             if !matches!(t.state, TaskState::Queued) {
@@ -606,6 +625,15 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         .await
     }
 
+    /// False if no task failed (the common case): nothing to retry, and no
+    /// [`retry`](Self::retry) future to build.
+    fn may_retry(&self) -> bool {
+        !self
+            .tasks
+            .iter()
+            .all(|t| matches!(t.state, TaskState::Done(TaskStatus::Completed)))
+    }
+
     /// After quiescence: re-queue failed tasks if the policy allows it.
     async fn retry(&mut self) -> bool {
         let attempt = self.tasks.iter().map(|t| t.attempts).max().unwrap_or(0);
@@ -655,20 +683,25 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     }
 
     fn finish(&mut self) -> Quiesced<B> {
-        let mut tasks = SmallVec::with_capacity(self.tasks.len());
-        let mut buffers = SmallVec::with_capacity(self.tasks.len());
-        for t in self.tasks.drain(..) {
-            let TaskState::Done(status) = t.state else {
-                unreachable!("finish before quiescence")
-            };
-            tasks.push(TaskReport {
-                status,
-                bytes: t.bytes,
-                attempts: t.attempts,
-                remote: t.remote,
-            });
-            buffers.push(t.buf.expect("every terminal task holds its buffer"));
-        }
+        let (tasks, buffers) = match self.tasks.len() {
+            // A one-task batch (most small transfers): its report and buffer
+            // go inline, without the general path's loop and growth checks.
+            1 => {
+                let t = self.tasks.pop().expect("one task");
+                let (report, buf) = t.into_report();
+                (smallvec![report], smallvec![buf])
+            }
+            n => {
+                let mut tasks = SmallVec::with_capacity(n);
+                let mut buffers = SmallVec::with_capacity(n);
+                for t in self.tasks.drain(..) {
+                    let (report, buf) = t.into_report();
+                    tasks.push(report);
+                    buffers.push(buf);
+                }
+                (tasks, buffers)
+            }
+        };
         Quiesced {
             tasks,
             buffers,
