@@ -18,8 +18,6 @@
 //! future resolved, which the transport promises happens only once the
 //! transfer quiesced; the outcome is built only from full slots.
 
-use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -32,6 +30,9 @@ use quiesce_runtime::{spawn_local, IoBuf, IoBufMut, JoinError, JoinHandle};
 use quiesce_transports::TransferError;
 use smallvec::{smallvec, SmallVec};
 
+mod fencing;
+
+use self::fencing::Fences;
 use crate::options::{BatchOptions, FailurePolicy};
 use crate::outcome::{Handoff, Quiesced, RemoteState, TaskReport, TaskStatus};
 use crate::transport::Transport;
@@ -120,11 +121,6 @@ impl<T: Transport, B: IoBufMut> Start<T, B> for Reads {
     }
 }
 
-/// The first pause before a failed confirming fence goes again; it doubles
-/// up to [`REFENCE_MAX`] while the grace lasts.
-const REFENCE_FIRST: Duration = Duration::from_millis(50);
-const REFENCE_MAX: Duration = Duration::from_secs(1);
-
 /// Batches up to this many tasks poll their transfers inline.
 const INLINE_TASKS: usize = 16;
 
@@ -152,22 +148,12 @@ impl<T: Transport, B> Task<T, B> {
             attempts: self.attempts,
             remote: self.remote,
         };
-        (report, self.buf.expect("every terminal task holds its buffer"))
+        (
+            report,
+            self.buf.expect("every terminal task holds its buffer"),
+        )
     }
 }
-
-/// A remote fence of the current wire batch at one peer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FenceState {
-    /// Sent; no answer yet.
-    Pending,
-    /// The peer acknowledged it: nothing more of the wire batch lands there.
-    Acked,
-    /// It failed (the peer is unreachable): nothing is confirmed.
-    Failed,
-}
-
-type Fences<P> = Rc<RefCell<HashMap<P, FenceState>>>;
 
 /// Why the driver woke.
 enum Event {
@@ -420,132 +406,6 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         timeline::mark(Step::BatchQuiesced);
         if let Some(s) = self.fence_started {
             self.fence_time.get_or_insert(s.elapsed());
-        }
-    }
-
-    fn inflight_peers(&self) -> HashSet<T::Peer> {
-        self.tasks
-            .iter()
-            .filter(|t| matches!(t.state, TaskState::InFlight(_)))
-            .map(|t| self.transport.peer(&t.target))
-            .collect()
-    }
-
-    fn start_fence(&mut self, wire: u64, hard: Instant, why: &'static str) {
-        let now = Instant::now();
-        tracing::info!(why, "fencing the batch");
-        timeline::mark(Step::FenceStarted);
-        self.fence_started = Some(now);
-        let soft = now + hard.saturating_duration_since(now) / 2;
-        self.soft = Some(sleep_until(soft));
-        self.hard = Some(sleep_until(hard));
-        self.hard_at = Some(hard);
-        for p in self.inflight_peers() {
-            self.fence_peer(p, wire, false);
-        }
-    }
-
-    /// Sends a remote fence of `wire` to `peer` (once per wire batch, or
-    /// again after a failed one with `again`); its answer is recorded in
-    /// `fences` and wakes the driver.
-    fn fence_peer(&mut self, peer: T::Peer, wire: u64, again: bool) {
-        let fences = self.fences.get_or_insert_with(Rc::default).clone();
-        match fences.borrow().get(&peer) {
-            None => {}
-            Some(FenceState::Failed) if again => {}
-            Some(_) => return,
-        }
-        fences
-            .borrow_mut()
-            .insert(peer.clone(), FenceState::Pending);
-        let f = self.transport.fence(&peer, wire);
-        let shared = self.shared.clone();
-        spawn_local(async move {
-            let state = match f.await {
-                Ok(()) => FenceState::Acked,
-                Err(e) => {
-                    tracing::debug!(error = %e, "remote fence failed");
-                    FenceState::Failed
-                }
-            };
-            fences.borrow_mut().insert(peer, state);
-            shared.wake_driver();
-        });
-    }
-
-    /// The tasks that ended without their target's answer.
-    fn unconfirmed(&self) -> impl Iterator<Item = &Task<T, B>> {
-        self.tasks
-            .iter()
-            .filter(|t| t.remote == RemoteState::Unconfirmed)
-    }
-
-    /// After local quiescence: every task that ended without its target's
-    /// answer (a lost or torn-down connection) is confirmed only by an
-    /// acknowledged fence of this wire batch at its peer. Fences those peers
-    /// (if not already) and waits for their answers until the fence's grace
-    /// ends (a fresh grace if the batch never fenced), then records each
-    /// task's [`RemoteState`].
-    async fn confirm_remote(&mut self, wire: u64) {
-        let lost: HashSet<T::Peer> = self
-            .unconfirmed()
-            .map(|t| self.transport.peer(&t.target))
-            .collect();
-        // A fence that failed (its control connection went down with the
-        // teardown at half grace, or the peer is unreachable) goes again on
-        // a fresh connection — and again, backing off, while the grace
-        // lasts: a partition that heals in time gets its confirmation (and
-        // the batch its retry).
-        let limit = self
-            .hard_at
-            .unwrap_or_else(|| Instant::now() + self.opts.fence_grace);
-        let mut backoff = REFENCE_FIRST;
-        let fences = loop {
-            for p in &lost {
-                self.fence_peer(p.clone(), wire, true);
-            }
-            let fences = self.fences.clone().expect("fenced just above");
-            let mut until = sleep_until(limit);
-            std::future::poll_fn(|cx| {
-                let answered = {
-                    let f = fences.borrow();
-                    lost.iter().all(|p| f.get(p) != Some(&FenceState::Pending))
-                };
-                if answered || Pin::new(&mut until).poll(cx).is_ready() {
-                    return Poll::Ready(());
-                }
-                *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
-                Poll::Pending
-            })
-            .await;
-            let failed = {
-                let f = fences.borrow();
-                lost.iter().any(|p| f.get(p) == Some(&FenceState::Failed))
-            };
-            let now = Instant::now();
-            if !failed || now >= limit {
-                break fences;
-            }
-            sleep_until((now + backoff).min(limit)).await;
-            backoff = (backoff * 2).min(REFENCE_MAX);
-            if Instant::now() >= limit {
-                break fences;
-            }
-        };
-        let fences = fences.borrow();
-        for t in &mut self.tasks {
-            let peer = self.transport.peer(&t.target);
-            if t.remote == RemoteState::Unconfirmed && fences.get(&peer) == Some(&FenceState::Acked)
-            {
-                t.remote = RemoteState::Fenced;
-            }
-        }
-        let unconfirmed = self.unconfirmed().count();
-        if unconfirmed > 0 {
-            tracing::warn!(
-                unconfirmed,
-                "tasks ended without their target's answer and no fence was acknowledged"
-            );
         }
     }
 
