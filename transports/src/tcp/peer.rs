@@ -186,7 +186,7 @@ impl Peer {
         })
     }
 
-    fn live(&self, i: usize) -> Option<Rc<Conn>> {
+    pub(crate) fn live(&self, i: usize) -> Option<Rc<Conn>> {
         self.inner.conns.borrow()[i]
             .clone()
             .filter(|c| !c.is_dead())

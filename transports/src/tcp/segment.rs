@@ -172,12 +172,21 @@ impl RemoteSegment {
 
     /// The next data connection, round-robin.
     async fn next_conn(&self) -> Result<Rc<Conn>, TransferError> {
+        match self.next_live_conn() {
+            Ok(c) => Ok(c),
+            Err(i) => self.peer.conn(i).await,
+        }
+    }
+
+    /// The next data connection, round-robin, if it is up; else its index,
+    /// for [`Peer::conn`] to open it. A small transfer's path: no future to
+    /// build when the connection is there.
+    fn next_live_conn(&self) -> Result<Rc<Conn>, usize> {
         let inner = &self.peer.inner;
         let i = inner.rr.get();
         inner.rr.set(i.wrapping_add(1));
-        self.peer
-            .conn(1 + i % inner.params.connections.max(1))
-            .await
+        let i = 1 + i % inner.params.connections.max(1);
+        self.peer.live(i).ok_or(i)
     }
 
     /// Writes the initialised bytes of `src` to `offset`, sliced and striped
@@ -228,9 +237,12 @@ impl RemoteSegment {
         if let Err(e) = self.check(offset, len) {
             return (Err(e), src);
         }
-        let conn = match self.next_conn().await {
+        let conn = match self.next_live_conn() {
             Ok(c) => c,
-            Err(e) => return (Err(e), src),
+            Err(i) => match self.peer.conn(i).await {
+                Ok(c) => c,
+                Err(e) => return (Err(e), src),
+            },
         };
         if conn.has_outbox() {
             let res = conn
