@@ -17,6 +17,7 @@ use std::fmt::Write as _;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use quiesce::runtime::DriverKind;
 use quiesce::target_child::TargetChild;
 use quiesce::transports::{AlignedBuf, Engine, EngineConfig, Rights};
 
@@ -157,14 +158,22 @@ fn start_thread_target(kv_len: usize, tcp_congestion: Option<String>) -> Endpoin
 }
 
 const KV_LEN: usize = 96 << 20;
-const IMPLS: [Impl; 6] = [
+const IMPLS: [Impl; 7] = [
     Impl::Raw,
     Impl::Tokio,
     Impl::Uring,
     Impl::Epoll,
     Impl::Local,
     Impl::LocalSocket,
+    Impl::Direct(DriverKind::IoUring),
 ];
+
+/// Whether `im` runs `case`: the transport alone (`quiesce-direct`, what
+/// quiesce-io_uring costs without its batch layer) makes single transfers
+/// only.
+fn runs(im: Impl, case: Case) -> bool {
+    !matches!(im, Impl::Direct(_)) || matches!(case, Case::Write(_) | Case::Read(_))
+}
 
 pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
     let cases = [
@@ -262,8 +271,10 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         let total = a.iters.unwrap_or(case.default_iters()) * a.rounds;
         let chunk = case.chunk().min(total).max(1);
         // One turn each to warm up, not counted.
-        for w in &workers {
-            w.run(case, chunk)?;
+        for (w, im) in workers.iter().zip(IMPLS) {
+            if runs(im, case) {
+                w.run(case, chunk)?;
+            }
         }
         let by_latency = by_latency(&case.name());
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); IMPLS.len()];
@@ -275,6 +286,9 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
             let n = chunk.min(left);
             for k in 0..IMPLS.len() {
                 let i = (turn + k) % IMPLS.len();
+                if !runs(IMPLS[i], case) {
+                    continue;
+                }
                 let before = target.allocations()?;
                 let c = workers[i].run(case, n)?;
                 let after = target.allocations()?;
@@ -297,6 +311,9 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
             .map(|(s, c)| summarize(s, *c))
             .collect();
         for (i, im) in IMPLS.iter().enumerate() {
+            if !runs(*im, case) {
+                continue;
+            }
             let ratio = if by_latency {
                 sums[i].p50 / sums[0].p50
             } else {
@@ -366,7 +383,7 @@ fn count_instructions(
         if !rows.iter().any(|r| r.case == case.name()) {
             continue;
         }
-        for im in IMPLS {
+        for im in IMPLS.into_iter().filter(|im| runs(*im, case)) {
             progress(&format!("callgrind {} {}…", case.name(), im.name()));
             let ir = instructions::per_iteration(exe, t, im, case)?;
             if let Some(r) = rows
@@ -440,6 +457,22 @@ fn goals(rows: &[Row]) {
             println!(
                 "goal write_4k <= 4000 user instructions including the batch: {} ({ir:.0})",
                 verdict(ir <= 4000.0)
+            );
+        }
+        // Where the time goes: the same write through the transport alone.
+        if let Some(d) = get("write_4k", "quiesce-direct") {
+            let ir = match (u.instructions, d.instructions) {
+                (Some(all), Some(alone)) => {
+                    format!(", {:.0} of the {all:.0} instructions", all - alone)
+                }
+                _ => String::new(),
+            };
+            println!(
+                "  split: the transport alone (quiesce-direct) t_min {:.2}, p50 {:.2} x raw; \
+                 the batch layer +{:.2} us p50{ir}",
+                d.s.min / r.s.min,
+                d.s.p50 / r.s.p50,
+                u.s.p50 - d.s.p50
             );
         }
         let tgt = u.target_allocs.map_or("-".into(), |a| format!("{a:.2}"));
