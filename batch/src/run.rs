@@ -137,6 +137,27 @@ pub(crate) struct Task<T: Transport, B> {
 }
 
 impl<T: Transport, B> Task<T, B> {
+    /// Makes the task terminal with its transfer's result; the buffer is
+    /// back.
+    fn record(&mut self, res: Result<u64, TransferError>, buf: B) {
+        self.buf = Some(buf);
+        self.remote = match &res {
+            Err(e) if !e.settles_remote() => RemoteState::Unconfirmed,
+            _ => RemoteState::Answered,
+        };
+        let (status, bytes) = match res {
+            Ok(n) => (TaskStatus::Completed, n),
+            // Flushed (RDMA, posted): fenced, and unconfirmed (it does
+            // not settle the remote) until a fence is acknowledged.
+            Err(TransferError::Fenced | TransferError::Flushed) => (TaskStatus::Fenced, 0),
+            Err(TransferError::FencedPartial { landed }) => (TaskStatus::Fenced, landed),
+            Err(e @ TransferError::Revoked { landed }) => (TaskStatus::Failed(e), landed),
+            Err(e) => (TaskStatus::Failed(e), 0),
+        };
+        self.bytes = bytes;
+        self.state = TaskState::Done(status);
+    }
+
     /// A terminal task's report and buffer.
     fn into_report(self) -> (TaskReport, B) {
         let TaskState::Done(status) = self.state else {
@@ -255,13 +276,31 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             let _e = span.enter();
             self.deadline_sleep = self.deadline.map(sleep_until);
             let mut first = std::pin::pin!(None);
+            let mut wire = next_wire_batch();
+            // A one-task batch's first attempt waits for its transfer
+            // without the general wait's events: a success is the outcome
+            // at once; anything else (a failure, abandonment, the deadline)
+            // goes on in the general wait, as if it had waited there.
+            let mut lean = self.tasks.len() == 1;
             loop {
-                let wire = next_wire_batch();
                 if let Some(buf) = self.take_queued_first() {
                     first.set(Some(K::start(&self.transport, &self.tasks[0], buf, wire)));
                 }
                 self.launch(wire);
                 timeline::mark(Step::BatchLaunched);
+                if std::mem::take(&mut lean) {
+                    if let Some((res, buf)) = self.first_result(first.as_mut()).await {
+                        let failed = res.is_err();
+                        self.tasks[0].record(res, buf);
+                        if !failed {
+                            // Completed, answered, never fenced: nothing
+                            // to confirm, retire or retry.
+                            timeline::mark(Step::BatchQuiesced);
+                            break;
+                        }
+                        self.on_progress(wire);
+                    }
+                }
                 self.wait_quiescent(wire, first.as_mut()).await;
                 if self.unconfirmed().next().is_some() {
                     // Rare (a lost connection): boxed, so that its state does
@@ -279,28 +318,35 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 if !self.may_retry() || !self.retry().await {
                     break;
                 }
+                wire = next_wire_batch();
             }
-            let q = self.finish();
-            let outcome = if q.all_completed() {
-                "completed"
-            } else {
-                "failed"
-            };
-            tracing::info!(
-                outcome,
-                unknown_first = self.shared.unknown.get(),
-                fence_us = q.fence_time().map(|d| d.as_micros() as u64),
-                elapsed_us = q.elapsed().as_micros() as u64,
-                "batch quiesced"
-            );
-            self.shared.finished.set(true);
-            if self.shared.abandoned.get() {
-                tracing::info!("abandoned batch drained; releasing its buffers");
-                drop(q);
-            } else {
-                *self.shared.final_result.borrow_mut() = Some(q);
-                self.shared.wake_waiter();
-            }
+            self.publish();
+        }
+    }
+
+    /// Builds the outcome from the terminal tasks and hands it over (or,
+    /// for an abandoned batch, releases the buffers).
+    fn publish(&mut self) {
+        let q = self.finish();
+        let outcome = if q.all_completed() {
+            "completed"
+        } else {
+            "failed"
+        };
+        tracing::info!(
+            outcome,
+            unknown_first = self.shared.unknown.get(),
+            fence_us = q.fence_time().map(|d| d.as_micros() as u64),
+            elapsed_us = q.elapsed().as_micros() as u64,
+            "batch quiesced"
+        );
+        self.shared.finished.set(true);
+        if self.shared.abandoned.get() {
+            tracing::info!("abandoned batch drained; releasing its buffers");
+            drop(q);
+        } else {
+            *self.shared.final_result.borrow_mut() = Some(q);
+            self.shared.wake_waiter();
         }
     }
 
@@ -351,6 +397,43 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         self.fence_started.is_some()
     }
 
+    /// The first task's transfer's result, or `None` once the batch was
+    /// abandoned or its deadline passed (which the general wait then
+    /// handles, the transfer still in flight). A one-task batch's wait: the
+    /// general one's events in its order, without its bookkeeping.
+    fn first_result<'a, F: Future<Output = Transferred<B>>>(
+        &'a mut self,
+        mut first: Pin<&'a mut Option<F>>,
+    ) -> impl Future<Output = Option<Transferred<B>>> + 'a {
+        std::future::poll_fn(move |cx| {
+            if let Poll::Ready(out) = poll_held(first.as_mut(), cx) {
+                return Poll::Ready(Some(out));
+            }
+            if self.shared.abandoned.get() {
+                return Poll::Ready(None);
+            }
+            if let Some(s) = self.deadline_sleep.as_mut() {
+                if Pin::new(s).poll(cx).is_ready() {
+                    return Poll::Ready(None);
+                }
+            }
+            *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+    }
+
+    /// After transfers finished: a FailFast batch with a failed task fences
+    /// what is still in flight.
+    fn on_progress(&mut self, wire: u64) {
+        let failed = self
+            .tasks
+            .iter()
+            .any(|t| matches!(t.state, TaskState::Done(TaskStatus::Failed(_))));
+        if failed && self.opts.policy == FailurePolicy::FailFast && !self.fencing() {
+            self.start_fence(wire, Instant::now() + self.opts.fence_grace, "task failed");
+        }
+    }
+
     /// Waits until every task is terminal, fencing on FailFast failures,
     /// the deadline, or abandonment.
     async fn wait_quiescent<F: Future<Output = Transferred<B>>>(
@@ -360,19 +443,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     ) {
         while !self.all_terminal() {
             match self.next_event(first.as_mut()).await {
-                Event::Progress => {
-                    let failed = self
-                        .tasks
-                        .iter()
-                        .any(|t| matches!(t.state, TaskState::Done(TaskStatus::Failed(_))));
-                    if failed && self.opts.policy == FailurePolicy::FailFast && !self.fencing() {
-                        self.start_fence(
-                            wire,
-                            Instant::now() + self.opts.fence_grace,
-                            "task failed",
-                        );
-                    }
-                }
+                Event::Progress => self.on_progress(wire),
                 Event::Deadline => {
                     self.deadline_sleep = None;
                     if !self.fencing() {
@@ -440,22 +511,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                         }
                     },
                 };
-                t.buf = Some(buf);
-                t.remote = match &res {
-                    Err(e) if !e.settles_remote() => RemoteState::Unconfirmed,
-                    _ => RemoteState::Answered,
-                };
-                let (status, bytes) = match res {
-                    Ok(n) => (TaskStatus::Completed, n),
-                    // Flushed (RDMA, posted): fenced, and unconfirmed (it does
-                    // not settle the remote) until a fence is acknowledged.
-                    Err(TransferError::Fenced | TransferError::Flushed) => (TaskStatus::Fenced, 0),
-                    Err(TransferError::FencedPartial { landed }) => (TaskStatus::Fenced, landed),
-                    Err(e @ TransferError::Revoked { landed }) => (TaskStatus::Failed(e), landed),
-                    Err(e) => (TaskStatus::Failed(e), 0),
-                };
-                t.bytes = bytes;
-                t.state = TaskState::Done(status);
+                t.record(res, buf);
                 progress = true;
             }
             if progress {
