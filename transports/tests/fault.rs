@@ -157,6 +157,10 @@ fn a_peer_killed_mid_transfer_fails_the_write_and_returns_the_buffer() {
             .open("kv", token)
             .await
             .unwrap();
+        // Stopped first, so the write cannot finish before the kill however
+        // late this thread's timer fires (a loaded machine ran it whole
+        // within the 5 ms): it stalls with the target's socket full.
+        target.signal(libc::SIGSTOP);
         let w = spawn_local(async move { kv.write(0, data, 1).await });
         time::sleep(Duration::from_millis(5)).await;
         target.child.kill().unwrap();
