@@ -1,7 +1,7 @@
 //! quiesce itself, through the batch API a user calls.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use quiesce::runtime::{DriverKind, Runtime};
 use quiesce::transports::{AlignedBuf, Engine, EngineConfig, LocalMode, Peer, RemoteSegment};
@@ -87,7 +87,19 @@ impl Quiesce {
         let small = Some(AlignedBuf::new(4096));
         if self.direct {
             let buf = bufs.into_iter().next().ok_or("no buffer")?;
-            return self.rt.block_on(direct(&self.kv, case, iters, buf));
+            let (kv, len) = (&self.kv, buf.len() as u64);
+            return self.rt.block_on(super::direct_loop(
+                case,
+                iters,
+                buf,
+                len,
+                |read, buf, wire| async move {
+                    match read {
+                        true => kv.read(0, len, buf, wire).await,
+                        false => kv.write(0, buf, wire).await,
+                    }
+                },
+            ));
         }
         self.rt.block_on(async {
             if matches!(case, Case::FailFast(_)) && self.ro.is_none() {
@@ -100,37 +112,6 @@ impl Quiesce {
             super::batch_loop(&self.kv, ro, case, iters, bufs, small).await
         })
     }
-}
-
-/// `iters` single writes or reads of `buf` through the transport alone
-/// (`--impl direct`): each a wire batch of its own, as a batch's would be.
-async fn direct(
-    kv: &RemoteSegment,
-    case: Case,
-    iters: usize,
-    mut buf: AlignedBuf,
-) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
-    let len = buf.len() as u64;
-    let mut out = Vec::with_capacity(iters);
-    for i in 0..iters {
-        let a0 = super::allocations();
-        let t0 = Instant::now();
-        let (r, b) = match case {
-            Case::Read(_) => kv.read(0, len, buf, 1 + i as u64).await,
-            Case::Write(_) => kv.write(0, buf, 1 + i as u64).await,
-            _ => return Err("--impl direct runs single writes and reads".into()),
-        };
-        let took = t0.elapsed();
-        r?;
-        buf = b;
-        out.push(Sample {
-            took,
-            bytes: len,
-            fence: None,
-            allocs: super::allocations() - a0,
-        });
-    }
-    Ok(out)
 }
 
 impl Drop for Quiesce {

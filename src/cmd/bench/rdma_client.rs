@@ -1,7 +1,7 @@
 //! quiesce over RDMA verbs, through the batch API a user calls.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use quiesce::runtime::Runtime;
 use quiesce::transports::rdma::{RdmaConfig, RdmaEngine};
@@ -45,27 +45,16 @@ pub fn run(
         if direct {
             // The transport alone (`RdmaSegment::write`/`read`), no batch:
             // shows what the batch layer costs.
-            let mut buf = bufs.pop().ok_or("no buffer")?;
+            let buf = bufs.pop().ok_or("no buffer")?;
             let len = buf.len() as u64;
-            let mut out = Vec::with_capacity(iters);
-            for i in 0..iters {
-                let a0 = super::allocations();
-                let t0 = Instant::now();
-                let (r, b) = match case {
-                    Case::Read(_) => kvs.read(0, len, buf, i as u64).await,
-                    Case::Write(_) => kvs.write(0, buf, i as u64).await,
-                    _ => return Err("--impl direct runs single writes and reads".into()),
-                };
-                let took = t0.elapsed();
-                r?;
-                buf = b;
-                out.push(Sample {
-                    took,
-                    bytes: len,
-                    fence: None,
-                    allocs: super::allocations() - a0,
-                });
-            }
+            let kvs = &kvs;
+            let out = super::direct_loop(case, iters, buf, len, |read, buf, wire| async move {
+                match read {
+                    true => kvs.read(0, len, buf, wire).await,
+                    false => kvs.write(0, buf, wire).await,
+                }
+            })
+            .await?;
             engine.shutdown(Duration::from_secs(5));
             return Ok(out);
         }
