@@ -397,10 +397,11 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         self.fence_started.is_some()
     }
 
-    /// The first task's transfer's result, or `None` once the batch was
-    /// abandoned or its deadline passed (which the general wait then
-    /// handles, the transfer still in flight). A one-task batch's wait: the
-    /// general one's events in its order, without its bookkeeping.
+    /// The first task's transfer's result, or `None` once another event
+    /// came (abandonment or the deadline: no fence has started yet), which
+    /// the general wait then takes, the transfer still in flight. A one-task
+    /// batch's wait: the general one's events in its order, without its
+    /// bookkeeping.
     fn first_result<'a, F: Future<Output = Transferred<B>>>(
         &'a mut self,
         mut first: Pin<&'a mut Option<F>>,
@@ -409,16 +410,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             if let Poll::Ready(out) = poll_held(first.as_mut(), cx) {
                 return Poll::Ready(Some(out));
             }
-            if self.shared.abandoned.get() {
-                return Poll::Ready(None);
-            }
-            if let Some(s) = self.deadline_sleep.as_mut() {
-                if Pin::new(s).poll(cx).is_ready() {
-                    return Poll::Ready(None);
-                }
-            }
-            *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
-            Poll::Pending
+            self.poll_other_events(cx).map(|_| None)
         })
     }
 
@@ -517,28 +509,35 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             if progress {
                 return Poll::Ready(Event::Progress);
             }
-            if self.shared.abandoned.get() && !self.fencing() {
-                return Poll::Ready(Event::Abandoned);
-            }
-            if let Some(s) = self.deadline_sleep.as_mut() {
-                if Pin::new(s).poll(cx).is_ready() {
-                    return Poll::Ready(Event::Deadline);
-                }
-            }
-            if let Some(s) = self.soft.as_mut() {
-                if Pin::new(s).poll(cx).is_ready() {
-                    return Poll::Ready(Event::SoftLimit);
-                }
-            }
-            if let Some(s) = self.hard.as_mut() {
-                if Pin::new(s).poll(cx).is_ready() {
-                    return Poll::Ready(Event::HardLimit);
-                }
-            }
-            *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
-            Poll::Pending
+            self.poll_other_events(cx)
         })
         .await
+    }
+
+    /// The events other than a transfer's end, in the order the driver
+    /// takes them (abandonment, the deadline, the fence's half and whole
+    /// grace); with none, the driver's waker is registered.
+    fn poll_other_events(&mut self, cx: &mut Context<'_>) -> Poll<Event> {
+        if self.shared.abandoned.get() && !self.fencing() {
+            return Poll::Ready(Event::Abandoned);
+        }
+        if let Some(s) = self.deadline_sleep.as_mut() {
+            if Pin::new(s).poll(cx).is_ready() {
+                return Poll::Ready(Event::Deadline);
+            }
+        }
+        if let Some(s) = self.soft.as_mut() {
+            if Pin::new(s).poll(cx).is_ready() {
+                return Poll::Ready(Event::SoftLimit);
+            }
+        }
+        if let Some(s) = self.hard.as_mut() {
+            if Pin::new(s).poll(cx).is_ready() {
+                return Poll::Ready(Event::HardLimit);
+            }
+        }
+        *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
+        Poll::Pending
     }
 
     /// False if no task failed (the common case): nothing to retry, and no
