@@ -270,11 +270,11 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
     for case in cases {
         let total = a.iters.unwrap_or(case.default_iters()) * a.rounds;
         let chunk = case.chunk().min(total).max(1);
+        // The implementations that run this case, by index.
+        let active: Vec<usize> = (0..IMPLS.len()).filter(|&i| runs(IMPLS[i], case)).collect();
         // One turn each to warm up, not counted.
-        for (w, im) in workers.iter().zip(IMPLS) {
-            if runs(im, case) {
-                w.run(case, chunk)?;
-            }
+        for &i in &active {
+            workers[i].run(case, chunk)?;
         }
         let by_latency = by_latency(&case.name());
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); IMPLS.len()];
@@ -284,11 +284,8 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         let (mut left, mut turn) = (total, 0);
         while left > 0 {
             let n = chunk.min(left);
-            for k in 0..IMPLS.len() {
-                let i = (turn + k) % IMPLS.len();
-                if !runs(IMPLS[i], case) {
-                    continue;
-                }
+            for k in 0..active.len() {
+                let i = active[(turn + k) % active.len()];
                 let before = target.allocations()?;
                 let c = workers[i].run(case, n)?;
                 let after = target.allocations()?;
@@ -310,10 +307,8 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
             .zip(&cpu)
             .map(|(s, c)| summarize(s, *c))
             .collect();
-        for (i, im) in IMPLS.iter().enumerate() {
-            if !runs(*im, case) {
-                continue;
-            }
+        for &i in &active {
+            let im = &IMPLS[i];
             let ratio = if by_latency {
                 sums[i].p50 / sums[0].p50
             } else {

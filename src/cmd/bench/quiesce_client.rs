@@ -84,7 +84,6 @@ impl Quiesce {
             _ => (1, case.size()),
         };
         let bufs: Vec<AlignedBuf> = (0..tasks).map(|_| AlignedBuf::new(task_size)).collect();
-        let small = Some(AlignedBuf::new(4096));
         if self.direct {
             let buf = bufs.into_iter().next().ok_or("no buffer")?;
             let (kv, len) = (&self.kv, buf.len() as u64);
@@ -101,6 +100,7 @@ impl Quiesce {
                 },
             ));
         }
+        let small = Some(AlignedBuf::new(4096));
         self.rt.block_on(async {
             if matches!(case, Case::FailFast(_)) && self.ro.is_none() {
                 self.ro = Some(self.peer.open("ro", self.ro_token).await?);
