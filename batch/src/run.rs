@@ -451,7 +451,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 }
                 Event::SoftLimit => {
                     self.soft = None;
-                    tracing::warn!("remote fence not done at half grace; tearing down connections");
+                    tracing::warn!(
+                        batch = self.id,
+                        "remote fence not done at half grace; tearing down connections"
+                    );
                     for p in self.inflight_peers() {
                         self.transport.abort(&p);
                     }
@@ -459,7 +462,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                 Event::HardLimit => {
                     self.hard = None;
                     if !self.shared.unknown.get() {
-                        tracing::warn!("fence not finished within grace: CompletionUnknown");
+                        tracing::warn!(
+                            batch = self.id,
+                            "fence not finished within grace: CompletionUnknown"
+                        );
                         self.shared.unknown.set(true);
                         self.shared.wake_waiter();
                     }
@@ -561,7 +567,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         // A retry rewrites what the old attempt may still deliver: only once
         // every target confirmed that nothing more of it lands.
         if self.unconfirmed().next().is_some() {
-            tracing::warn!("not retrying: a target did not confirm the failed attempt");
+            tracing::warn!(
+                batch = self.id,
+                "not retrying: a target did not confirm the failed attempt"
+            );
             return false;
         }
         if self.deadline.is_some_and(|d| Instant::now() >= d) {

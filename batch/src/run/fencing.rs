@@ -158,6 +158,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         let unconfirmed = self.unconfirmed().count();
         if unconfirmed > 0 {
             tracing::warn!(
+                batch = self.id,
                 unconfirmed,
                 "tasks ended without their target's answer and no fence was acknowledged"
             );
