@@ -30,8 +30,14 @@ fn info_events_reach_stderr_with_their_batch_span() {
         .find(|l| l.contains("batch quiesced"))
         .unwrap_or_else(|| panic!("no `batch quiesced` event on stderr:\n{err}"));
     assert!(line.contains(" INFO "), "{line}");
-    assert!(line.contains("batch{id="), "the batch span is missing: {line}");
-    assert!(line.contains("outcome="), "the event's fields are missing: {line}");
+    assert!(
+        line.contains("batch{id="),
+        "the batch span is missing: {line}"
+    );
+    assert!(
+        line.contains("outcome="),
+        "the event's fields are missing: {line}"
+    );
 }
 
 #[test]

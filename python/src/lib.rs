@@ -11,6 +11,7 @@
 
 use pyo3::prelude::*;
 
+mod log;
 mod managed;
 mod mooncake;
 mod native;
@@ -21,6 +22,12 @@ mod word;
 /// The extension module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    log::install();
+    m.add_function(wrap_pyfunction!(log::next_log_records, m)?)?;
+    m.add_function(wrap_pyfunction!(log::close_log_records, m)?)?;
+    m.add_function(wrap_pyfunction!(log::open_log_records, m)?)?;
+    m.add_function(wrap_pyfunction!(log::set_log_filter, m)?)?;
+    m.add("LOG_ENV", log::LOG_ENV)?;
     m.add_class::<mooncake::TransferEngine>()?;
     m.add_class::<opcode::TransferOpcode>()?;
     m.add_class::<native::NativeEngine>()?;

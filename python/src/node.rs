@@ -37,9 +37,9 @@ const TOKEN_LABEL: &str = "mooncake-node";
 /// How long `initialize` waits for the metadata server to hold this node.
 const PUBLISH_WAIT: Duration = Duration::from_secs(10);
 
-/// Prints why a call failed (Mooncake logs and returns -1 too).
+/// Logs why a call failed (a warning: Mooncake logs and returns -1 too).
 pub(crate) fn complain(what: &str) -> i32 {
-    eprintln!("quiesce: {what}");
+    tracing::warn!("{what}");
     SYNC_FAILED
 }
 
@@ -126,8 +126,8 @@ pub(crate) fn secret(explicit: Option<&[u8]>, open_cluster: bool) -> Result<Vec<
         return Ok(s.to_vec());
     }
     if open_cluster {
-        eprintln!(
-            "quiesce: open cluster: any peer that can connect may read and write registered memory"
+        tracing::warn!(
+            "open cluster: any peer that can connect may read and write registered memory"
         );
         return Ok(OPEN_CLUSTER_SECRET.to_vec());
     }
@@ -157,7 +157,7 @@ pub(crate) fn local_mode() -> LocalMode {
         Ok("required") => LocalMode::Required,
         Ok("auto") | Err(_) => LocalMode::Auto,
         Ok(other) => {
-            eprintln!("quiesce: QUIESCE_LOCAL={other:?} is not auto, off or required; using auto");
+            tracing::warn!("QUIESCE_LOCAL={other:?} is not auto, off or required; using auto");
             LocalMode::Auto
         }
     }
@@ -566,7 +566,7 @@ impl Node {
                     TaskStatus::Completed => None,
                 })
                 .collect();
-            eprintln!("quiesce: transfer to {target} failed: {}", why.join("; "));
+            tracing::warn!("transfer to {target} failed: {}", why.join("; "));
         }
         out.code
     }
@@ -601,7 +601,7 @@ impl Drop for Node {
         };
         if let Err(e) = engine.stop() {
             // Something may still touch the managed buffers: never free them.
-            eprintln!("quiesce: {e}; leaking the managed buffers rather than free memory in use");
+            tracing::error!("{e}; leaking the managed buffers rather than free memory in use");
             std::mem::forget(std::mem::take(&mut self.managed));
         }
     }

@@ -14,12 +14,18 @@ Peers prove access with a secret they share: set ``QUIESCE_SECRET`` (16 or
 more bytes, the same on every peer), or ``QUIESCE_OPEN_CLUSTER=1`` on a
 trusted network.
 
+Logs: the Rust side's warnings and errors go to Python's ``logging``
+(loggers ``quiesce.<crate>.<module>``); ``QUIESCE_LOG`` or
+:func:`set_log_filter` (``"info"``, ``"quiesce_batch=debug,warn"``) choose
+which events are made at all.
+
 ``quiesce.Engine`` is the native API: named segments lent from your
 buffers, batches over buffer-protocol objects, outcome objects
 (``Completed``, ``Failed``, ``CompletionUnknown``) and ``await``-able runs.
 """
 
-from quiesce._native import OPEN_CLUSTER_ENV, SECRET_ENV
+from quiesce._native import LOG_ENV, OPEN_CLUSTER_ENV, SECRET_ENV, set_log_filter
+from quiesce._logs import flush_logs
 from quiesce.engine import Batch, Engine, LocalSegment, RemoteSegment
 from quiesce import errors
 from quiesce.errors import (
@@ -47,6 +53,9 @@ __all__ = [
     "COMPLETION_UNKNOWN",
     "SECRET_ENV",
     "OPEN_CLUSTER_ENV",
+    "LOG_ENV",
+    "set_log_filter",
+    "flush_logs",
     "Engine",
     "Batch",
     "LocalSegment",

@@ -3,6 +3,22 @@ from typing import Any, Callable, List, Optional, Tuple
 
 SECRET_ENV: str
 OPEN_CLUSTER_ENV: str
+LOG_ENV: str
+
+def set_log_filter(directives: str) -> None:
+    """Which Rust-side events are made: ``tracing-subscriber`` ``Targets``
+    directives, as ``QUIESCE_LOG`` (``"warn"``, ``"info"``,
+    ``"quiesce_batch=debug,warn"``). ``ValueError`` if they do not parse."""
+
+def next_log_records(timeout: Optional[float] = None) -> List[Tuple[int, str, str]]:
+    """Waits (GIL released) for queued log records: ``(level, logger name,
+    message)``; empty once the queue closed or ``timeout`` passed."""
+
+def close_log_records() -> List[Tuple[int, str, str]]:
+    """Closes the log queue (later records go to stderr); returns what it held."""
+
+def open_log_records() -> None:
+    """Reopens the log queue (a forked child's new log thread)."""
 
 class TransferOpcode(IntEnum):
     Read = 0

@@ -1,0 +1,280 @@
+//! The crates' `tracing` events into Python's `logging`, without a Rust
+//! thread ever waiting for the GIL.
+//!
+//! Installed when the module loads (unless the process has a `tracing`
+//! subscriber already): events pass a filter — `QUIESCE_LOG` in
+//! `tracing-subscriber`'s `Targets` syntax (`warn`, `info`,
+//! `quiesce_batch=debug,warn`), default `warn`, changed at run time by
+//! `quiesce.set_log_filter` — are formatted with their spans' fields, and
+//! queued here. A daemon thread of the Python package (`quiesce._logs`)
+//! waits for them with the GIL released and hands each to
+//! `logging.getLogger("quiesce.<crate>.<module>")`. An engine thread that
+//! logs while a Python thread holds the GIL and waits for that engine (a
+//! blocking call that has not released it) would deadlock if it took the
+//! GIL itself; here it only takes the queue's lock.
+//!
+//! The queue keeps [`CAPACITY`] records; past that the oldest go, and the
+//! next batch handed to Python starts with a warning that counts them. Once
+//! the package's exit hook ran ([`close`]), records go straight to stderr:
+//! the interpreter is shutting down, and an engine dropped then still logs.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use tracing::{Level, Metadata};
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::prelude::*;
+use tracing_subscriber::{reload, Registry};
+
+use crate::node::lock;
+
+/// The variable that sets the filter when the module loads.
+pub const LOG_ENV: &str = "QUIESCE_LOG";
+/// The filter when [`LOG_ENV`] is unset (or does not parse).
+const DEFAULT: &str = "warn";
+/// Records held for Python at most.
+const CAPACITY: usize = 4096;
+
+/// One formatted event: Python's level number, logger name and message.
+type Record = (u32, String, String);
+
+struct Queue {
+    state: Mutex<QueueState>,
+    ready: Condvar,
+}
+
+struct QueueState {
+    records: VecDeque<Record>,
+    /// Records dropped (the oldest) since Python last took some.
+    dropped: u64,
+    /// The package's exit hook ran: nobody takes records any more.
+    closed: bool,
+}
+
+static QUEUE: Queue = Queue {
+    state: Mutex::new(QueueState {
+        records: VecDeque::new(),
+        dropped: 0,
+        closed: false,
+    }),
+    ready: Condvar::new(),
+};
+
+/// The installed filter, to change it; unset if another subscriber owns
+/// the process's events.
+static FILTER: OnceLock<reload::Handle<Targets, Registry>> = OnceLock::new();
+
+/// Installs the subscriber (once per process; a no-op if one is set).
+pub(crate) fn install() {
+    let (filter, bad) = match std::env::var(LOG_ENV) {
+        Ok(v) => match v.parse::<Targets>() {
+            Ok(f) => (f, None),
+            Err(e) => (default_filter(), Some((v, e))),
+        },
+        Err(_) => (default_filter(), None),
+    };
+    let (filter, handle) = reload::Layer::new(filter);
+    // Python's records carry the time, level and logger name.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(ToQueue)
+        .with_ansi(false)
+        .without_time()
+        .with_level(false)
+        .with_target(false);
+    if tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .try_init()
+        .is_ok()
+    {
+        let _ = FILTER.set(handle);
+    }
+    if let Some((v, e)) = bad {
+        tracing::warn!("{LOG_ENV}={v:?} is not a filter ({e}); logging at {DEFAULT}");
+    }
+}
+
+fn default_filter() -> Targets {
+    DEFAULT.parse().expect("the default filter parses")
+}
+
+/// Python's level number for a `tracing` level (TRACE below DEBUG).
+fn python_level(level: &Level) -> u32 {
+    match *level {
+        Level::ERROR => 40,
+        Level::WARN => 30,
+        Level::INFO => 20,
+        Level::DEBUG => 10,
+        Level::TRACE => 5,
+    }
+}
+
+/// `quiesce_batch::run::fencing` → `quiesce.batch.run.fencing`; this
+/// extension's `_native::node` → `quiesce.python.node`.
+fn logger_name(target: &str) -> String {
+    let (krate, path) = target.split_once("::").unwrap_or((target, ""));
+    let krate = match krate {
+        "_native" => "python",
+        k => k.strip_prefix("quiesce_").unwrap_or(k),
+    };
+    let mut name = format!("quiesce.{krate}");
+    for part in path.split("::").filter(|p| !p.is_empty()) {
+        name.push('.');
+        name.push_str(part);
+    }
+    name
+}
+
+/// The fmt layer's writer: one per event.
+struct ToQueue;
+
+impl<'a> MakeWriter<'a> for ToQueue {
+    type Writer = RecordWriter;
+
+    fn make_writer(&'a self) -> RecordWriter {
+        RecordWriter {
+            level: 20,
+            logger: "quiesce".into(),
+            text: Vec::new(),
+        }
+    }
+
+    fn make_writer_for(&'a self, meta: &Metadata<'_>) -> RecordWriter {
+        RecordWriter {
+            level: python_level(meta.level()),
+            logger: logger_name(meta.target()),
+            text: Vec::new(),
+        }
+    }
+}
+
+/// Collects one formatted event; queues it when dropped.
+struct RecordWriter {
+    level: u32,
+    logger: String,
+    text: Vec<u8>,
+}
+
+impl Write for RecordWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for RecordWriter {
+    fn drop(&mut self) {
+        let text = String::from_utf8_lossy(&self.text);
+        let message = text.trim_end().to_owned();
+        push((self.level, std::mem::take(&mut self.logger), message));
+    }
+}
+
+fn push(record: Record) {
+    let mut q = lock(&QUEUE.state);
+    if q.closed {
+        drop(q);
+        let (_, logger, message) = record;
+        eprintln!("{logger}: {message}");
+        return;
+    }
+    if q.records.len() >= CAPACITY {
+        q.records.pop_front();
+        q.dropped += 1;
+    }
+    q.records.push_back(record);
+    drop(q);
+    QUEUE.ready.notify_one();
+}
+
+/// Takes the queued records, waiting up to `wait` for the first (`None`:
+/// until there is one or the queue closes). A count of dropped records
+/// comes first, as a warning.
+fn take(wait: Option<Duration>) -> Vec<Record> {
+    let mut q = lock(&QUEUE.state);
+    let until = wait.map(|w| std::time::Instant::now() + w);
+    while q.records.is_empty() && q.dropped == 0 && !q.closed {
+        q = match until {
+            None => QUEUE.ready.wait(q).unwrap_or_else(|e| e.into_inner()),
+            Some(t) => {
+                let left = t.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                QUEUE
+                    .ready
+                    .wait_timeout(q, left)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0
+            }
+        };
+    }
+    let mut out = Vec::with_capacity(q.records.len() + 1);
+    if q.dropped > 0 {
+        let n = std::mem::take(&mut q.dropped);
+        out.push((
+            30,
+            "quiesce".to_owned(),
+            format!("{n} log records dropped: more than {CAPACITY} waited for Python's logging"),
+        ));
+    }
+    out.extend(q.records.drain(..));
+    out
+}
+
+/// Waits for the crates' log records with the GIL released: a list of
+/// `(level, logger_name, message)`, empty once the queue closed (or
+/// `timeout` seconds passed first). `None` waits without a limit.
+#[pyfunction]
+#[pyo3(signature = (timeout=None))]
+pub(crate) fn next_log_records(py: Python<'_>, timeout: Option<f64>) -> PyResult<Vec<Record>> {
+    let wait = match timeout {
+        None => None,
+        Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
+        Some(t) => return Err(PyValueError::new_err(format!("timeout {t} is not ≥ 0"))),
+    };
+    Ok(py.detach(|| take(wait)))
+}
+
+/// Closes the queue: a waiting `next_log_records` returns, and later records
+/// go to stderr. Returns what was still queued.
+#[pyfunction]
+pub(crate) fn close_log_records() -> Vec<Record> {
+    let out = {
+        let mut q = lock(&QUEUE.state);
+        q.closed = true;
+        drop(q);
+        take(Some(Duration::ZERO))
+    };
+    QUEUE.ready.notify_all();
+    out
+}
+
+/// Reopens the queue (a forked child starts its own pump).
+#[pyfunction]
+pub(crate) fn open_log_records() {
+    lock(&QUEUE.state).closed = false;
+}
+
+/// Sets which events are produced (`Targets` directives, as `QUIESCE_LOG`).
+#[pyfunction]
+pub(crate) fn set_log_filter(directives: &str) -> PyResult<()> {
+    let filter: Targets = directives
+        .parse()
+        .map_err(|e| PyValueError::new_err(format!("{directives:?} is not a filter: {e}")))?;
+    let handle = FILTER.get().ok_or_else(|| {
+        PyRuntimeError::new_err("another tracing subscriber handles this process's events")
+    })?;
+    handle
+        .reload(filter)
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
