@@ -58,3 +58,49 @@ fn a_filter_that_does_not_parse_is_reported_and_warn_is_used() {
     );
     assert!(!err.contains(" INFO "), "INFO events:\n{err}");
 }
+
+/// What a peer can make happen at will is not logged at will: 50
+/// connections that break the protocol in a burst give one warning, and
+/// the next one after the interval says how many were not logged.
+#[test]
+fn a_flood_of_bad_connections_is_one_warning_and_a_count() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::Stdio;
+
+    let mut target = Command::new(env!("CARGO_BIN_EXE_quiesce"))
+        .args(["target", "--size", "4096"])
+        .env_remove("QUIESCE_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the quiesce binary runs");
+    let mut lines = BufReader::new(target.stdout.take().unwrap()).lines();
+    let addr: std::net::SocketAddr = loop {
+        let line = lines.next().expect("target exited early").unwrap();
+        if let Some(a) = line.strip_prefix("listening ") {
+            break a.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    let bad = || {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(&[0xff; 64]).unwrap();
+        // The target answers and closes: read to the end.
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    };
+    for _ in 0..50 {
+        bad();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    bad();
+    drop(target.stdin.take()); // the target exits when its stdin closes
+    let out = target.wait_with_output().unwrap();
+    let err = stderr(&out);
+    let warnings: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("closing a connection"))
+        .collect();
+    assert_eq!(warnings.len(), 2, "{err}");
+    assert!(warnings[1].contains("suppressed=49"), "{}", warnings[1]);
+}

@@ -116,10 +116,13 @@ pub(crate) fn accept_loop(
             let cfg = &engine.config;
             let mut adm = admission.borrow_mut();
             if !adm.make_room(cfg.max_unauthenticated, cfg.max_connections) {
-                tracing::warn!(
-                    max = cfg.max_connections,
-                    "refusing a connection: every connection slot is authenticated"
-                );
+                if let Some(suppressed) = engine.refused_log.admit() {
+                    tracing::warn!(
+                        max = cfg.max_connections,
+                        suppressed,
+                        "refusing a connection: every connection slot is authenticated"
+                    );
+                }
                 c.refused.set(c.refused.get() + 1);
                 continue;
             }

@@ -135,7 +135,14 @@ pub(crate) async fn serve(engine: Rc<Target>, s: TcpStream, authenticated: Rc<Ce
         Ok(()) => tracing::debug!("peer closed the connection"),
         Err(Closed::Io(e)) => tracing::debug!(error = %e, "connection ended"),
         Err(Closed::Protocol(why)) => {
-            tracing::warn!(why, "closing a connection that broke the protocol")
+            if let Some(suppressed) = engine.closed_log.admit() {
+                tracing::warn!(
+                    ?peer,
+                    why,
+                    suppressed,
+                    "closing a connection that broke the protocol"
+                );
+            }
         }
     }
 }
