@@ -22,6 +22,9 @@ const PAGE: usize = 256 << 10;
 const PAGES: usize = 8;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // quiesce's warnings (a fence out of grace, an unconfirmed target) on
+    // stderr; QUIESCE_LOG=info adds every batch's outcome.
+    quiesce::logs::init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args
         .iter()

@@ -9,6 +9,7 @@
 #![deny(missing_docs)]
 
 pub mod cluster;
+pub mod logs;
 pub mod scenario;
 pub mod stale;
 pub mod target_child;

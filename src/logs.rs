@@ -1,5 +1,7 @@
-//! Where the command's `tracing` events go: stderr, one line each, filtered
-//! by `QUIESCE_LOG` (default `warn`).
+//! Where a program's `tracing` events go: stderr, one line each, filtered
+//! by `QUIESCE_LOG` (default `warn`). The `quiesce` command and the
+//! examples call [`init`]; a program embedding quiesce that has its own
+//! subscriber keeps it (quiesce's crates only emit events).
 //!
 //! Without a subscriber every warning the crates log — a fence that ran out
 //! of grace, a batch leaked because its runtime was gone, a peer refused —
@@ -16,8 +18,9 @@ pub const LOG_ENV: &str = "QUIESCE_LOG";
 /// The filter when [`LOG_ENV`] is unset.
 const DEFAULT: &str = "warn";
 
-/// Installs the stderr subscriber. A filter that does not parse is
-/// reported and replaced by the default, rather than silencing the logs.
+/// Installs the stderr subscriber, unless the process has one. A filter
+/// that does not parse is reported and replaced by the default, rather
+/// than silencing the logs.
 pub fn init() {
     let (filter, bad) = match std::env::var(LOG_ENV) {
         Ok(v) => match v.parse::<Targets>() {
@@ -29,7 +32,6 @@ pub fn init() {
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(false);
-    // Only fails if a subscriber is set already (none is, in this binary).
     let _ = tracing_subscriber::registry()
         .with(filter)
         .with(fmt)

@@ -10,8 +10,6 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static HEAP: quiesce::runtime::heap::CountingAlloc = quiesce::runtime::heap::CountingAlloc;
 
-mod logs;
-
 mod cmd {
     pub mod bench;
     pub mod demo;
@@ -209,7 +207,7 @@ fn resolve(url: &str, peer: &str) -> Result<SocketAddr, quiesce::directory::Dire
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logs::init();
+    quiesce::logs::init();
     let res = match cli.cmd.unwrap_or(Cmd::Demo {
         rounds: 50,
         size: 64 << 20,
