@@ -59,12 +59,9 @@ fn a_filter_that_does_not_parse_is_reported_and_warn_is_used() {
     assert!(!err.contains(" INFO "), "INFO events:\n{err}");
 }
 
-/// What a peer can make happen at will is not logged at will: 50
-/// connections that break the protocol in a burst give one warning, and
-/// the next one after the interval says how many were not logged.
-#[test]
-fn a_flood_of_bad_connections_is_one_warning_and_a_count() {
-    use std::io::{BufRead, BufReader, Read, Write};
+/// A `quiesce target` with stderr captured, and the address it listens on.
+fn target() -> (std::process::Child, std::net::SocketAddr) {
+    use std::io::{BufRead, BufReader};
     use std::process::Stdio;
 
     let mut target = Command::new(env!("CARGO_BIN_EXE_quiesce"))
@@ -76,12 +73,29 @@ fn a_flood_of_bad_connections_is_one_warning_and_a_count() {
         .spawn()
         .expect("the quiesce binary runs");
     let mut lines = BufReader::new(target.stdout.take().unwrap()).lines();
-    let addr: std::net::SocketAddr = loop {
+    let addr = loop {
         let line = lines.next().expect("target exited early").unwrap();
         if let Some(a) = line.strip_prefix("listening ") {
             break a.split_whitespace().next().unwrap().parse().unwrap();
         }
     };
+    (target, addr)
+}
+
+/// Stops a [`target`] (it exits when its stdin closes) and returns its stderr.
+fn stop(mut target: std::process::Child) -> String {
+    drop(target.stdin.take());
+    stderr(&target.wait_with_output().unwrap())
+}
+
+/// What a peer can make happen at will is not logged at will: 50
+/// connections that break the protocol in a burst give one warning, and
+/// the next one after the interval says how many were not logged.
+#[test]
+fn a_flood_of_bad_connections_is_one_warning_and_a_count() {
+    use std::io::{Read, Write};
+
+    let (target, addr) = target();
     let bad = || {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         s.write_all(&[0xff; 64]).unwrap();
@@ -94,13 +108,36 @@ fn a_flood_of_bad_connections_is_one_warning_and_a_count() {
     }
     std::thread::sleep(std::time::Duration::from_millis(1200));
     bad();
-    drop(target.stdin.take()); // the target exits when its stdin closes
-    let out = target.wait_with_output().unwrap();
-    let err = stderr(&out);
+    let err = stop(target);
     let warnings: Vec<&str> = err
         .lines()
         .filter(|l| l.contains("closing a connection"))
         .collect();
     assert_eq!(warnings.len(), 2, "{err}");
     assert!(warnings[1].contains("suppressed=49"), "{}", warnings[1]);
+}
+
+/// A proof the target refuses (a wrong token: peers with different
+/// secrets) is a warning at the target, naming the peer; the connection the
+/// refused initiator keeps until the handshake deadline is then closed
+/// without a claim that it broke the protocol.
+#[test]
+fn a_refused_proof_is_a_warning_and_its_connection_is_no_protocol_break() {
+    use quiesce::transports::{Engine, EngineConfig, Token};
+
+    let (target, addr) = target();
+    quiesce::Runtime::new().unwrap().block_on(async {
+        let e = Engine::initiator(EngineConfig::default()).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        assert!(peer.open("kv", Token::random()).await.is_err());
+        // Past the target's handshake deadline (5 s), connection still open.
+        quiesce::runtime::time::sleep(std::time::Duration::from_millis(5500)).await;
+        e.shutdown();
+    });
+    let err = stop(target);
+    let refused: Vec<&str> = err.lines().filter(|l| l.contains("refused")).collect();
+    assert_eq!(refused.len(), 1, "{err}");
+    assert!(refused[0].contains(" WARN "), "{}", refused[0]);
+    assert!(refused[0].contains("peer=127.0.0.1:"), "{}", refused[0]);
+    assert!(!err.contains("broke the protocol"), "{err}");
 }

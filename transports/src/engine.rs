@@ -12,7 +12,7 @@ use quiesce_runtime::net::TcpListener;
 use crate::config::EngineConfig;
 use crate::control::auth::Token;
 use crate::control::fence::FenceTable;
-use crate::control::log_limit::{LogLimit, PEER_WARNING_EVERY};
+use crate::control::log_limit::PeerLogs;
 use crate::control::target::{Counters, Target};
 use crate::error::TransferError;
 use crate::segment::{Rights, Segment, SegmentMemory};
@@ -152,8 +152,7 @@ impl Engine {
             admission: Rc::default(),
             counters: Counters::default(),
             qp_plane: RefCell::default(),
-            closed_log: LogLimit::new(PEER_WARNING_EVERY),
-            refused_log: LogLimit::new(PEER_WARNING_EVERY),
+            peer_logs: PeerLogs::default(),
         });
         let peers = Rc::new(RefCell::new(HashMap::new()));
         Engine {

@@ -116,7 +116,7 @@ pub(crate) fn accept_loop(
             let cfg = &engine.config;
             let mut adm = admission.borrow_mut();
             if !adm.make_room(cfg.max_unauthenticated, cfg.max_connections) {
-                if let Some(suppressed) = engine.refused_log.admit() {
+                if let Some(suppressed) = engine.peer_logs.no_slot.admit() {
                     tracing::warn!(
                         max = cfg.max_connections,
                         suppressed,

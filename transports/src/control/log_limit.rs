@@ -13,6 +13,27 @@ use std::time::{Duration, Instant};
 /// At most one warning of a kind per this long.
 pub(crate) const PEER_WARNING_EVERY: Duration = Duration::from_secs(1);
 
+/// The target's limited kinds: a connection closed for breaking the
+/// protocol, closed for going quiet (handshake deadline, idle limit; at
+/// info), refused for want of a slot, and a refused proof.
+pub(crate) struct PeerLogs {
+    pub(crate) broke_protocol: LogLimit,
+    pub(crate) timed_out: LogLimit,
+    pub(crate) no_slot: LogLimit,
+    pub(crate) refused_proof: LogLimit,
+}
+
+impl Default for PeerLogs {
+    fn default() -> PeerLogs {
+        PeerLogs {
+            broke_protocol: LogLimit::new(PEER_WARNING_EVERY),
+            timed_out: LogLimit::new(PEER_WARNING_EVERY),
+            no_slot: LogLimit::new(PEER_WARNING_EVERY),
+            refused_proof: LogLimit::new(PEER_WARNING_EVERY),
+        }
+    }
+}
+
 /// The state of one kind of warning.
 pub(crate) struct LogLimit {
     every: Duration,

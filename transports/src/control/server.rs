@@ -28,7 +28,14 @@ use crate::tcp::own_ids::OwnIdMap;
 #[derive(Debug)]
 pub(crate) enum Closed {
     Io(io::Error),
+    /// The peer broke the protocol (a bad frame, a request before its
+    /// proof, ...): logged as a warning.
     Protocol(String),
+    /// The peer said nothing in time: the handshake's deadline passed, or
+    /// an authenticated connection stayed idle past its limit. A client
+    /// may do either without fault (one whose proof was refused keeps its
+    /// connection until the deadline): logged at info.
+    TimedOut(String),
 }
 
 impl From<io::Error> for Closed {
@@ -135,16 +142,31 @@ pub(crate) async fn serve(engine: Rc<Target>, s: TcpStream, authenticated: Rc<Ce
         Ok(()) => tracing::debug!("peer closed the connection"),
         Err(Closed::Io(e)) => tracing::debug!(error = %e, "connection ended"),
         Err(Closed::Protocol(why)) => {
-            if let Some(suppressed) = engine.closed_log.admit() {
+            if let Some(suppressed) = engine.peer_logs.broke_protocol.admit() {
                 tracing::warn!(
-                    ?peer,
+                    peer = %peer_name(peer),
                     why,
                     suppressed,
                     "closing a connection that broke the protocol"
                 );
             }
         }
+        Err(Closed::TimedOut(why)) => {
+            if let Some(suppressed) = engine.peer_logs.timed_out.admit() {
+                tracing::info!(
+                    peer = %peer_name(peer),
+                    why,
+                    suppressed,
+                    "closing a connection that went quiet"
+                );
+            }
+        }
     }
+}
+
+/// A peer's address for a log line (`?` if the socket no longer has one).
+fn peer_name(peer: Option<std::net::SocketAddr>) -> String {
+    peer.map_or_else(|| "?".into(), |a| a.to_string())
 }
 
 pub(crate) async fn reject(s: &TcpStream, h: &Header, st: Status, why: String) -> Closed {
@@ -293,7 +315,7 @@ impl IdleLimit {
             }
             while std::pin::Pin::new(&mut *timer).poll(cx).is_ready() {
                 if Instant::now() >= due {
-                    return Poll::Ready(Err(Closed::Protocol(format!("idle for {d:?}"))));
+                    return Poll::Ready(Err(Closed::TimedOut(format!("idle for {d:?}"))));
                 }
                 // Armed for an earlier wait: this one began later.
                 timer.reset(due);
@@ -330,7 +352,7 @@ async fn by<T>(
 ) -> Result<T, Closed> {
     timeout(deadline.saturating_duration_since(Instant::now()), f)
         .await
-        .map_err(|_| Closed::Protocol("handshake not finished in time".into()))?
+        .map_err(|_| Closed::TimedOut("handshake not finished in time".into()))?
 }
 
 async fn serve_inner(
@@ -563,7 +585,18 @@ impl ServedConn<'_> {
                     }
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let refused = results.iter().filter(|(st, _)| *st != Status::Ok).count();
+        if refused > 0 {
+            if let Some(suppressed) = self.engine.peer_logs.refused_proof.admit() {
+                tracing::warn!(
+                    peer = %peer_name(self.s.peer_addr().ok()),
+                    refused,
+                    suppressed,
+                    "refused a peer's proof: a wrong token (a different secret?) or no such segment"
+                );
+            }
+        }
         let payload = match (AuthAck { results }).encode() {
             Ok(p) => p,
             Err(e) => return Err(Closed::Protocol(e.to_string())),

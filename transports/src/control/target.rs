@@ -14,7 +14,7 @@ use quiesce_runtime::JoinHandle;
 use crate::config::EngineConfig;
 use crate::control::auth::{random_u64, SessionKey};
 use crate::control::fence::FenceTable;
-use crate::control::log_limit::LogLimit;
+use crate::control::log_limit::PeerLogs;
 use crate::control::wire::Descriptor;
 use crate::segment::Segment;
 
@@ -50,11 +50,8 @@ pub(crate) struct Target {
     pub(crate) counters: Counters,
     /// The queue-pair plane an `RdmaEngine` wrapping this engine registers.
     pub(crate) qp_plane: RefCell<Option<Rc<dyn crate::control::QpPlane>>>,
-    /// Warnings about connections closed for breaking the protocol (or
-    /// stalling the handshake), and refused for want of a slot: at most one
-    /// of each per interval (`log_limit.rs`).
-    pub(crate) closed_log: LogLimit,
-    pub(crate) refused_log: LogLimit,
+    /// What peers can make the target log, limited (`log_limit.rs`).
+    pub(crate) peer_logs: PeerLogs,
 }
 
 impl Target {

@@ -215,7 +215,7 @@ impl ServedConn<'_> {
             if let (Some(l), Some(d)) = (limit.as_mut(), idle) {
                 if std::pin::Pin::new(&mut *l).poll(cx).is_ready() {
                     if !std::mem::take(&mut active) {
-                        return Poll::Ready(Err(Closed::Protocol(format!("idle for {d:?}"))));
+                        return Poll::Ready(Err(Closed::TimedOut(format!("idle for {d:?}"))));
                     }
                     l.reset(Instant::now() + d);
                     let _ = std::pin::Pin::new(&mut *l).poll(cx);
