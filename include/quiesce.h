@@ -94,6 +94,12 @@ int quiesce_batch_transfer_sync_read(quiesce_engine *e, const quiesce_task *task
 int quiesce_ticket_wait(quiesce_engine *e, uint64_t ticket, uint64_t timeout_ms);
 int quiesce_ticket_poll(quiesce_engine *e, uint64_t ticket);
 
+/* Log events (warnings by default) to stderr: filter is tracing-subscriber
+ * Targets directives ("warn", "info,quiesce_transports=debug"), or NULL for
+ * $QUIESCE_LOG (default "warn"). 0, or -1 if the filter does not parse or a
+ * subscriber is installed already. Call once, before starting engines. */
+int quiesce_log_to_stderr(const char *filter);
+
 /* The last error message of the calling thread ("" if none). */
 const char *quiesce_last_error(void);
 /* 1 if every target confirmed the last batch of this thread that returned 0

@@ -9,12 +9,12 @@
 #![deny(missing_docs)]
 
 pub mod cluster;
-pub mod logs;
 pub mod scenario;
 pub mod stale;
 pub mod target_child;
 
 pub use quiesce_batch as batch;
+pub use quiesce_batch::logs;
 pub use quiesce_directory as directory;
 pub use quiesce_runtime as runtime;
 pub use quiesce_runtime::{spawn_local, Runtime};

@@ -143,6 +143,36 @@ pub extern "C" fn quiesce_last_error() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
 }
 
+/// Sends quiesce's log events (warnings: a fence out of grace, a target
+/// that did not confirm, a leaked batch) to stderr, filtered by `filter` —
+/// `tracing-subscriber` `Targets` directives such as `"warn"` or
+/// `"info,quiesce_transports=debug"` — or, if null, by `QUIESCE_LOG`
+/// (default `warn`). 0, or -1 if the filter does not parse or the process
+/// has a `tracing` subscriber already (`quiesce_last_error` says which).
+///
+/// # Safety
+/// `filter` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn quiesce_log_to_stderr(filter: *const c_char) -> i32 {
+    let (filter, bad) = if filter.is_null() {
+        crate::logs::env_filter()
+    } else {
+        // SAFETY: the caller passes a NUL-terminated string.
+        let f = unsafe { CStr::from_ptr(filter) }.to_string_lossy();
+        match f.parse() {
+            Ok(t) => (t, None),
+            Err(e) => return set_error(format!("{f:?} is not a log filter: {e}")),
+        }
+    };
+    if !crate::logs::to_stderr(filter) {
+        return set_error("a tracing subscriber is installed already");
+    }
+    if let Some(why) = bad {
+        tracing::warn!("{why}");
+    }
+    0
+}
+
 /// Starts an engine named `node` (may be null). Null on failure.
 ///
 /// # Safety

@@ -20,6 +20,7 @@
 
 mod batch;
 pub mod ffi;
+pub mod logs;
 mod options;
 mod outcome;
 mod run;

@@ -163,6 +163,14 @@ fn the_c_abi_from_a_c_program() {
         String::from_utf8_lossy(&run.stderr)
     );
     assert!(stdout.contains("c abi: ok"));
+    // quiesce_log_to_stderr("info"): every batch's outcome, in its span.
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.lines().any(|l| l.contains(" INFO ")
+            && l.contains("batch{id=")
+            && l.contains("batch quiesced")),
+        "no INFO events from the C program on stderr:\n{stderr}"
+    );
 }
 
 /// A read destination whose `set_init` panics: called by the transport in

@@ -32,11 +32,8 @@ use tracing_subscriber::prelude::*;
 use tracing_subscriber::{reload, Registry};
 
 use crate::node::lock;
+pub(crate) use quiesce_batch::logs::LOG_ENV;
 
-/// The variable that sets the filter when the module loads.
-pub const LOG_ENV: &str = "QUIESCE_LOG";
-/// The filter when [`LOG_ENV`] is unset (or does not parse).
-const DEFAULT: &str = "warn";
 /// Records held for Python at most.
 const CAPACITY: usize = 4096;
 
@@ -71,13 +68,7 @@ static FILTER: OnceLock<reload::Handle<Targets, Registry>> = OnceLock::new();
 
 /// Installs the subscriber (once per process; a no-op if one is set).
 pub(crate) fn install() {
-    let (filter, bad) = match std::env::var(LOG_ENV) {
-        Ok(v) => match v.parse::<Targets>() {
-            Ok(f) => (f, None),
-            Err(e) => (default_filter(), Some((v, e))),
-        },
-        Err(_) => (default_filter(), None),
-    };
+    let (filter, bad) = quiesce_batch::logs::env_filter();
     let (filter, handle) = reload::Layer::new(filter);
     // Python's records carry the time, level and logger name.
     let fmt = tracing_subscriber::fmt::layer()
@@ -94,13 +85,9 @@ pub(crate) fn install() {
     {
         let _ = FILTER.set(handle);
     }
-    if let Some((v, e)) = bad {
-        tracing::warn!("{LOG_ENV}={v:?} is not a filter ({e}); logging at {DEFAULT}");
+    if let Some(why) = bad {
+        tracing::warn!("{why}");
     }
-}
-
-fn default_filter() -> Targets {
-    DEFAULT.parse().expect("the default filter parses")
 }
 
 /// Python's level number for a `tracing` level (TRACE below DEBUG).

@@ -17,6 +17,10 @@
 
 int main(int argc, char **argv) {
     if (argc != 4) return 2;
+    CHECK(quiesce_log_to_stderr("quiesce_batch=loud") == -1, "a bad log filter refused");
+    CHECK(strstr(quiesce_last_error(), "not a log filter") != NULL, "the bad filter's error");
+    CHECK(quiesce_log_to_stderr("info") == 0, "logs to stderr");
+    CHECK(quiesce_log_to_stderr(NULL) == -1, "a second subscriber refused");
     quiesce_engine *e = quiesce_engine_start("c-test");
     CHECK(e != NULL, "engine start");
     uint32_t kv = 99, ro = 99;
