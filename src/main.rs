@@ -295,7 +295,6 @@ fn main() -> ExitCode {
                 scale,
                 connect,
                 token,
-                ro_token: None,
                 transport,
                 busy_poll,
                 op,

@@ -33,8 +33,8 @@ pub fn round(
 ) -> std::io::Result<usize> {
     let pre = (round % 200) as u8 + 1;
     let src = Arc::new(Mutex::new(vec![pre; size]));
-    let mut big = Raw::connect(addr, kv, ro, false, None)?;
-    let mut small = Raw::connect(addr, kv, ro, false, None)?;
+    let mut big = Raw::connect(addr, kv, Some(ro), false, None)?;
+    let mut small = Raw::connect(addr, kv, Some(ro), false, None)?;
     let sender = {
         let src = src.clone();
         std::thread::spawn(move || -> std::io::Result<()> {

@@ -147,7 +147,7 @@ fn start_thread_target(kv_len: usize, tcp_congestion: Option<String>) -> Endpoin
                 tx.send(Endpoint {
                     addr: e.local_addr(),
                     kv: seg(&kv),
-                    ro: seg(&ro),
+                    ro: Some(seg(&ro)),
                 })
                 .expect("send");
                 std::future::pending::<()>().await;
@@ -234,7 +234,7 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
         let t = Endpoint {
             addr: c.addr,
             kv: seg("kv"),
-            ro: seg("ro"),
+            ro: Some(seg("ro")),
         };
         (Target::Process(Box::new(c)), t)
     };

@@ -54,6 +54,13 @@ pub fn hello_frame(nonce: [u8; 16], node: &str) -> Vec<u8> {
     out
 }
 
+/// The segments a raw or tokio client proves: `kv`, and `ro` if its token
+/// is known (without it, its id 0 names no segment: a write there is
+/// refused all the same, and nothing wrong is proven).
+pub fn proven<'a>(kv: &'a SegInfo, ro: Option<&'a SegInfo>) -> Vec<&'a SegInfo> {
+    std::iter::once(kv).chain(ro).collect()
+}
+
 /// The bytes of an `Auth` frame proving `segs` after `ack` (in the session
 /// the target chose for the connection).
 pub fn auth_frame(
@@ -206,7 +213,11 @@ impl Impl {
 struct Endpoint {
     addr: SocketAddr,
     kv: SegInfo,
-    ro: SegInfo,
+    /// The read-only segment, whose writes the target refuses (the
+    /// fail-fast case's first task). `None` with `--connect`: only
+    /// `--compare`, which starts the target, knows its token, and only its
+    /// fail-fast case writes there.
+    ro: Option<SegInfo>,
 }
 
 /// One initiator, connected once and kept across runs, so that runs can
@@ -230,12 +241,15 @@ impl Client {
             Impl::Raw => Client::Raw(raw::Raw::connect(
                 t.addr,
                 &t.kv,
-                &t.ro,
+                t.ro.as_ref(),
                 !spin.is_zero(),
                 congestion,
             )?),
             Impl::Tokio => Client::Tokio(tokio_client::Tokio::connect(
-                t.addr, &t.kv, &t.ro, congestion,
+                t.addr,
+                &t.kv,
+                t.ro.as_ref(),
+                congestion,
             )?),
             Impl::Uring | Impl::Epoll | Impl::Local | Impl::LocalSocket | Impl::Direct(_) => {
                 let driver = match im {
@@ -256,7 +270,11 @@ impl Client {
                     direct: matches!(im, Impl::Direct(_)),
                 };
                 Client::Quiesce(quiesce_client::Quiesce::connect(
-                    driver, t.addr, &t.kv, &t.ro, knobs,
+                    driver,
+                    t.addr,
+                    &t.kv,
+                    t.ro.as_ref(),
+                    knobs,
                 )?)
             }
             Impl::Rdma { busy_poll, direct } => Client::Rdma {
@@ -276,7 +294,15 @@ impl Client {
                 t,
                 busy_poll,
                 direct,
-            } => rdma_client::run(t.addr, &t.kv, &t.ro, case, iters, *busy_poll, *direct)?,
+            } => rdma_client::run(
+                t.addr,
+                &t.kv,
+                t.ro.as_ref(),
+                case,
+                iters,
+                *busy_poll,
+                *direct,
+            )?,
         })
     }
 }
@@ -305,7 +331,6 @@ pub struct BenchArgs {
     pub scale: bool,
     pub connect: Option<SocketAddr>,
     pub token: Option<Token>,
-    pub ro_token: Option<Token>,
     pub transport: String,
     /// rdma: busy-poll the completion queue.
     pub busy_poll: bool,
@@ -406,14 +431,10 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
     };
     // Segment ids as `quiesce target` registers them: kv, ro, wo.
     let kv = SegInfo { id: 1, token };
-    let ro = SegInfo {
+    let ro = child.as_ref().map(|c| SegInfo {
         id: 2,
-        token: child
-            .as_ref()
-            .map(|c| c.tokens["ro"])
-            .or(a.ro_token)
-            .unwrap_or(token),
-    };
+        token: c.tokens["ro"],
+    });
     let im = match (a.initiator.as_str(), a.driver) {
         ("direct", _) if rdma => Impl::Rdma {
             busy_poll: a.busy_poll,

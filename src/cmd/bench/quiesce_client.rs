@@ -15,7 +15,8 @@ pub struct Quiesce {
     kv: RemoteSegment,
     direct: bool,
     ro: Option<RemoteSegment>,
-    ro_token: quiesce::transports::Token,
+    /// `None` with `--connect` (see `Endpoint::ro`).
+    ro_token: Option<quiesce::transports::Token>,
     peer: Peer,
     engine: Engine,
     /// Dropped last, after everything that lives on it.
@@ -45,7 +46,7 @@ impl Quiesce {
         driver: DriverKind,
         addr: SocketAddr,
         kv: &SegInfo,
-        ro: &SegInfo,
+        ro: Option<&SegInfo>,
         k: Knobs,
     ) -> Result<Quiesce, Box<dyn std::error::Error>> {
         let rt = Runtime::builder().driver(driver).spin(k.spin).build()?;
@@ -66,7 +67,7 @@ impl Quiesce {
             kv: kvs,
             direct: k.direct,
             ro: None,
-            ro_token: ro.token,
+            ro_token: ro.map(|r| r.token),
             peer,
             engine,
             rt,
@@ -103,7 +104,10 @@ impl Quiesce {
         let small = Some(AlignedBuf::new(4096));
         self.rt.block_on(async {
             if matches!(case, Case::FailFast(_)) && self.ro.is_none() {
-                self.ro = Some(self.peer.open("ro", self.ro_token).await?);
+                let token = self
+                    .ro_token
+                    .ok_or("fail-fast needs the ro segment (--compare)")?;
+                self.ro = Some(self.peer.open("ro", token).await?);
             }
             let ro = self
                 .ro

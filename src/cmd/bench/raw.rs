@@ -61,7 +61,7 @@ impl Raw {
     pub fn connect(
         addr: SocketAddr,
         kv: &SegInfo,
-        ro: &SegInfo,
+        ro: Option<&SegInfo>,
         spin: bool,
         congestion: Option<&str>,
     ) -> std::io::Result<Raw> {
@@ -76,7 +76,7 @@ impl Raw {
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;
         let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
-        s.write_all(&super::auth_frame(&ack, nonce, &[kv, ro]))?;
+        s.write_all(&super::auth_frame(&ack, nonce, &super::proven(kv, ro)))?;
         let h = read_header(&mut s)?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;
@@ -84,7 +84,7 @@ impl Raw {
         Ok(Raw {
             s,
             kv: kv.id,
-            ro: ro.id,
+            ro: ro.map_or(0, |r| r.id),
             next: 1,
         })
     }

@@ -13,7 +13,7 @@ use super::{Case, Sample, SegInfo};
 pub fn run(
     addr: SocketAddr,
     kv: &SegInfo,
-    ro: &SegInfo,
+    ro: Option<&SegInfo>,
     case: Case,
     iters: usize,
     busy_poll: bool,
@@ -34,7 +34,10 @@ pub fn run(
         let peer = engine.connect(addr).await?;
         let kvs = peer.open("kv", kv.token).await?;
         let ros = match case {
-            Case::FailFast(_) => Some(peer.open("ro", ro.token).await?),
+            Case::FailFast(_) => {
+                let ro = ro.ok_or("fail-fast needs the ro segment (--compare)")?;
+                Some(peer.open("ro", ro.token).await?)
+            }
             _ => None,
         };
         let mut bufs = (0..tasks)

@@ -28,7 +28,7 @@ impl Conn {
     async fn connect(
         addr: SocketAddr,
         kv: &SegInfo,
-        ro: &SegInfo,
+        ro: Option<&SegInfo>,
         congestion: Option<&str>,
     ) -> std::io::Result<Conn> {
         let mut s = TcpStream::connect(addr).await?;
@@ -42,7 +42,7 @@ impl Conn {
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p).await?;
         let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
-        s.write_all(&super::auth_frame(&ack, nonce, &[kv, ro]))
+        s.write_all(&super::auth_frame(&ack, nonce, &super::proven(kv, ro)))
             .await?;
         let h = read_header(&mut s).await?;
         let mut p = vec![0u8; h.length as usize];
@@ -50,7 +50,7 @@ impl Conn {
         Ok(Conn {
             s,
             kv: kv.id,
-            ro: ro.id,
+            ro: ro.map_or(0, |r| r.id),
             next: 1,
         })
     }
@@ -84,7 +84,7 @@ impl Tokio {
     pub fn connect(
         addr: SocketAddr,
         kv: &SegInfo,
-        ro: &SegInfo,
+        ro: Option<&SegInfo>,
         congestion: Option<&str>,
     ) -> std::io::Result<Tokio> {
         let rt = tokio::runtime::Builder::new_current_thread()
