@@ -15,7 +15,7 @@
 //!
 //! The queue keeps [`CAPACITY`] records; past that the oldest go, and the
 //! next batch handed to Python starts with a warning that counts them. Once
-//! the package's exit hook ran ([`close`]), records go straight to stderr:
+//! the package's exit hook ran ([`close_log_records`]), records go straight to stderr:
 //! the interpreter is shutting down, and an engine dropped then still logs.
 
 use std::collections::VecDeque;
@@ -161,8 +161,14 @@ impl Write for RecordWriter {
 impl Drop for RecordWriter {
     fn drop(&mut self) {
         let text = String::from_utf8_lossy(&self.text);
-        let message = text.trim_end().to_owned();
-        push((self.level, std::mem::take(&mut self.logger), message));
+        let message = text.trim_end();
+        if !message.is_empty() {
+            push((
+                self.level,
+                std::mem::take(&mut self.logger),
+                message.to_owned(),
+            ));
+        }
     }
 }
 
