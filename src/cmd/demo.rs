@@ -112,6 +112,11 @@ pub fn run(
     ok &= own == 0;
     drop(open);
     let stale_rounds = rounds_n.min(5);
+    // Its warnings are expected: say so before they come.
+    println!(
+        "stale bytes: the target is stopped mid-write on purpose; warnings about it on \
+         stderr (remote fence not done, tasks unconfirmed) are expected"
+    );
     let mut target = TargetChild::spawn(&exe, size, false)?;
     let rt = Runtime::new()?;
     let (mut claimed, mut beat_stop, mut stale_without, mut stale_with) = (0, 0, 0, 0);
