@@ -4,6 +4,8 @@
 
 use std::process::{Command, Output};
 
+use quiesce::target_child::TargetChild;
+
 /// A one-round demo of 1 MiB writes: every batch logs "batch quiesced" at
 /// INFO, inside its `batch` span.
 fn demo(filter: Option<&str>) -> Output {
@@ -59,33 +61,27 @@ fn a_filter_that_does_not_parse_is_reported_and_warn_is_used() {
     assert!(!err.contains(" INFO "), "INFO events:\n{err}");
 }
 
-/// A `quiesce target` with stderr captured, and the address it listens on.
-fn target() -> (std::process::Child, std::net::SocketAddr) {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-
-    let mut target = Command::new(env!("CARGO_BIN_EXE_quiesce"))
-        .args(["target", "--size", "4096"])
-        .env_remove("QUIESCE_LOG")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the quiesce binary runs");
-    let mut lines = BufReader::new(target.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("target exited early").unwrap();
-        if let Some(a) = line.strip_prefix("listening ") {
-            break a.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
-    (target, addr)
+/// A `quiesce target` (the tests' usual `TargetChild`) whose stderr goes to
+/// a file, read back by [`stop`].
+fn target() -> (TargetChild, std::path::PathBuf) {
+    let log = std::env::temp_dir().join(format!(
+        "quiesce-logs-test-{}-{:?}.err",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_quiesce"));
+    cmd.env_remove("QUIESCE_LOG")
+        .stderr(std::fs::File::create(&log).unwrap());
+    let t = TargetChild::spawn_command(cmd, 4096, false, &[]).expect("the target starts");
+    (t, log)
 }
 
 /// Stops a [`target`] (it exits when its stdin closes) and returns its stderr.
-fn stop(mut target: std::process::Child) -> String {
-    drop(target.stdin.take());
-    stderr(&target.wait_with_output().unwrap())
+fn stop((target, log): (TargetChild, std::path::PathBuf)) -> String {
+    target.stop(std::time::Duration::from_secs(5));
+    let err = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_file(&log);
+    err
 }
 
 /// What a peer can make happen at will is not logged at will: 50
@@ -95,7 +91,8 @@ fn stop(mut target: std::process::Child) -> String {
 fn a_flood_of_bad_connections_is_one_warning_and_a_count() {
     use std::io::{Read, Write};
 
-    let (target, addr) = target();
+    let t = target();
+    let addr = t.0.addr;
     let bad = || {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         s.write_all(&[0xff; 64]).unwrap();
@@ -108,7 +105,7 @@ fn a_flood_of_bad_connections_is_one_warning_and_a_count() {
     }
     std::thread::sleep(std::time::Duration::from_millis(1200));
     bad();
-    let err = stop(target);
+    let err = stop(t);
     let warnings: Vec<&str> = err
         .lines()
         .filter(|l| l.contains("closing a connection"))
@@ -125,7 +122,8 @@ fn a_flood_of_bad_connections_is_one_warning_and_a_count() {
 fn a_refused_proof_is_a_warning_and_its_connection_is_no_protocol_break() {
     use quiesce::transports::{Engine, EngineConfig, Token};
 
-    let (target, addr) = target();
+    let t = target();
+    let addr = t.0.addr;
     quiesce::Runtime::new().unwrap().block_on(async {
         let e = Engine::initiator(EngineConfig::default()).unwrap();
         let peer = e.connect(addr).await.unwrap();
@@ -134,7 +132,7 @@ fn a_refused_proof_is_a_warning_and_its_connection_is_no_protocol_break() {
         quiesce::runtime::time::sleep(std::time::Duration::from_millis(5500)).await;
         e.shutdown();
     });
-    let err = stop(target);
+    let err = stop(t);
     let refused: Vec<&str> = err.lines().filter(|l| l.contains("refused")).collect();
     assert_eq!(refused.len(), 1, "{err}");
     assert!(refused[0].contains(" WARN "), "{}", refused[0]);

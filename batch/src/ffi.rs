@@ -154,21 +154,18 @@ pub extern "C" fn quiesce_last_error() -> *const c_char {
 /// `filter` is null or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn quiesce_log_to_stderr(filter: *const c_char) -> i32 {
-    let (filter, bad) = if filter.is_null() {
-        crate::logs::env_filter()
+    let installed = if filter.is_null() {
+        crate::logs::init()
     } else {
         // SAFETY: the caller passes a NUL-terminated string.
         let f = unsafe { CStr::from_ptr(filter) }.to_string_lossy();
         match f.parse() {
-            Ok(t) => (t, None),
+            Ok(t) => crate::logs::to_stderr(t),
             Err(e) => return set_error(format!("{f:?} is not a log filter: {e}")),
         }
     };
-    if !crate::logs::to_stderr(filter) {
+    if !installed {
         return set_error("a tracing subscriber is installed already");
-    }
-    if let Some(why) = bad {
-        tracing::warn!("{why}");
     }
     0
 }

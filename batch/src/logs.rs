@@ -56,12 +56,14 @@ pub fn to_stderr(filter: Targets) -> bool {
 
 /// [`to_stderr`] with the filter from [`LOG_ENV`]; a filter that does not
 /// parse is reported and replaced by the default, rather than silencing
-/// the logs.
-pub fn init() {
+/// the logs. False if the process has a subscriber already.
+pub fn init() -> bool {
     let (filter, bad) = env_filter();
-    if to_stderr(filter) {
-        if let Some(why) = bad {
-            tracing::warn!("{why}");
-        }
+    if !to_stderr(filter) {
+        return false;
     }
+    if let Some(why) = bad {
+        tracing::warn!("{why}");
+    }
+    true
 }
