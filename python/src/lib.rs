@@ -28,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(log::open_log_records, m)?)?;
     m.add_function(wrap_pyfunction!(log::set_log_filter, m)?)?;
     m.add("LOG_ENV", log::LOG_ENV)?;
+    m.add("DEFAULT_LOG_FILTER", log::DEFAULT_FILTER)?;
     m.add_class::<mooncake::TransferEngine>()?;
     m.add_class::<opcode::TransferOpcode>()?;
     m.add_class::<native::NativeEngine>()?;

@@ -5,7 +5,8 @@
 //! subscriber already): events pass a filter — `QUIESCE_LOG` in
 //! `tracing-subscriber`'s `Targets` syntax (`warn`, `info`,
 //! `quiesce_batch=debug,warn`), default `warn`, changed at run time by
-//! `quiesce.set_log_filter` — are formatted with their spans' fields, and
+//! `quiesce.set_log_filter` or, with neither, by the `quiesce` loggers'
+//! levels (`quiesce._logs`) — are formatted with their spans' fields, and
 //! queued here. A daemon thread of the Python package (`quiesce._logs`)
 //! waits for them with the GIL released and hands each to
 //! `logging.getLogger("quiesce.<crate>.<module>")`. An engine thread that
@@ -32,7 +33,7 @@ use tracing_subscriber::prelude::*;
 use tracing_subscriber::{reload, Registry};
 
 use crate::node::lock;
-pub(crate) use quiesce_batch::logs::LOG_ENV;
+pub(crate) use quiesce_batch::logs::{DEFAULT_FILTER, LOG_ENV};
 
 /// Records held for Python at most.
 const CAPACITY: usize = 4096;
@@ -225,17 +226,23 @@ fn take(wait: Option<Duration>) -> Vec<Record> {
 }
 
 /// Waits for the crates' log records with the GIL released: a list of
-/// `(level, logger_name, message)`, empty once the queue closed (or
-/// `timeout` seconds passed first). `None` waits without a limit.
+/// `(level, logger_name, message)` — empty if `timeout` seconds passed
+/// first (`None` waits without a limit) — or `None` once the queue closed
+/// and nothing is left in it.
 #[pyfunction]
 #[pyo3(signature = (timeout=None))]
-pub(crate) fn next_log_records(py: Python<'_>, timeout: Option<f64>) -> PyResult<Vec<Record>> {
+pub(crate) fn next_log_records(
+    py: Python<'_>,
+    timeout: Option<f64>,
+) -> PyResult<Option<Vec<Record>>> {
     let wait = match timeout {
         None => None,
         Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
         Some(t) => return Err(PyValueError::new_err(format!("timeout {t} is not ≥ 0"))),
     };
-    Ok(py.detach(|| take(wait)))
+    let records = py.detach(|| take(wait));
+    let closed = records.is_empty() && lock(&QUEUE.state).closed;
+    Ok((!closed).then_some(records))
 }
 
 /// Closes the queue: a waiting `next_log_records` returns, and later records

@@ -33,12 +33,35 @@ def test_a_failed_call_is_a_warning_on_a_quiesce_logger(peer_factory, local, cap
     assert r.name.startswith("quiesce.python"), r.name
 
 
-def test_info_events_come_with_their_batch_span_once_asked_for(peer_factory, local, caplog):
-    caplog.set_level(logging.INFO, logger="quiesce")
+def batch_quiesced(caplog):
+    return wait_for(caplog, lambda r: "batch quiesced" in r.getMessage())
+
+
+@pytest.fixture
+def quiesce_levels():
+    """Restores the levels of the ``quiesce`` loggers a test sets, and the
+    filter's link to them."""
+    names = ["quiesce", "quiesce.batch", "quiesce.transports"]
+    before = {n: logging.getLogger(n).level for n in names}
+    yield
+    for n, level in before.items():
+        logging.getLogger(n).setLevel(level)
+    quiesce.set_log_filter(None)
+    quiesce.flush_logs()
+
+
+def test_info_events_come_with_their_batch_span_once_asked_for(
+    peer_factory, local, caplog, quiesce_levels
+):
+    # Everything at INFO except the quiesce loggers, left at their default:
+    # a root level set for the application's own logs does not make every
+    # transfer log (a line per batch).
+    caplog.set_level(logging.INFO)
     target = peer_factory(4096)
     (a, _) = target.regions[0]
     e = engine()
     src = local.buffer(4096, 2)
+    quiesce.flush_logs()
     assert e.transfer_sync_write(target.session, src, a, 4096) == 0
     time.sleep(0.2)
     assert wait_for(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None, (
@@ -47,14 +70,74 @@ def test_info_events_come_with_their_batch_span_once_asked_for(peer_factory, loc
     quiesce.set_log_filter("info")
     try:
         assert e.transfer_sync_write(target.session, src, a, 4096) == 0
-        r = wait_for(caplog, lambda r: "batch quiesced" in r.getMessage())
+        r = batch_quiesced(caplog)
     finally:
-        quiesce.set_log_filter("warn")
+        quiesce.set_log_filter(None)
     assert r is not None, [(x.name, x.getMessage()) for x in caplog.records]
     assert r.levelno == logging.INFO
     assert r.name == "quiesce.batch.run", r.name
     assert "batch{id=" in r.getMessage(), r.getMessage()
     assert "outcome=" in r.getMessage(), r.getMessage()
+
+
+def test_the_quiesce_loggers_levels_choose_the_events(peer_factory, local, caplog, quiesce_levels):
+    """A level set on ``quiesce`` or one of its loggers is what the Rust side
+    makes, as it would be for a Python library (applied by ``flush_logs``,
+    or within a second)."""
+    caplog.set_level(logging.INFO)
+    target = peer_factory(4096)
+    (a, n) = target.regions[0]
+    e = engine()
+    src = local.buffer(4096, 3)
+
+    # Another crate's logger at INFO: not the batch's events.
+    logging.getLogger("quiesce.transports").setLevel(logging.INFO)
+    quiesce.flush_logs()
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    time.sleep(0.2)
+    assert wait_for(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None
+
+    # The batch crate's logger at INFO: they come, without a flush (the
+    # log thread applies the levels by itself).
+    logging.getLogger("quiesce.batch").setLevel(logging.INFO)
+    time.sleep(1.5)
+    caplog.clear()
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    r = batch_quiesced(caplog)
+    assert r is not None, [(x.name, x.getMessage()) for x in caplog.records]
+    assert r.name == "quiesce.batch.run", r.name
+
+    # ``quiesce`` at ERROR, the batch's logger back to its default: not
+    # even the warning of a failed call is made.
+    logging.getLogger("quiesce.batch").setLevel(logging.NOTSET)
+    logging.getLogger("quiesce").setLevel(logging.ERROR)
+    quiesce.flush_logs()
+    caplog.clear()
+    assert e.transfer_sync_write(target.session, src, a + n, 4096) == -1
+    time.sleep(0.2)
+    quiesce.flush_logs(0.2)
+    assert not [r for r in caplog.records if r.name.startswith("quiesce")], [
+        (x.name, x.getMessage()) for x in caplog.records
+    ]
+
+
+def test_an_explicit_filter_wins_over_the_levels(peer_factory, local, caplog, quiesce_levels):
+    caplog.set_level(logging.INFO)
+    target = peer_factory(4096)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(4096, 4)
+    quiesce.set_log_filter("warn")
+    logging.getLogger("quiesce").setLevel(logging.INFO)
+    quiesce.flush_logs()
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    time.sleep(0.2)
+    assert wait_for(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None
+    # None: follow the loggers' levels again.
+    quiesce.set_log_filter(None)
+    quiesce.flush_logs()
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    assert batch_quiesced(caplog) is not None
 
 
 def test_a_filter_that_does_not_parse_is_a_value_error():
@@ -86,3 +169,39 @@ def test_a_record_made_just_before_exit_is_not_lost():
     )
     assert out.returncode == 0, out.stderr
     assert "no registered memory" in out.stderr, out.stderr
+
+
+LEVELS_CODE = """
+import ctypes, logging, sys
+import quiesce
+from quiesce.mooncake import TransferEngine
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+logging.getLogger("quiesce").setLevel(logging.INFO)
+quiesce.flush_logs()  # applies the level now rather than within a second
+e = TransferEngine()
+assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+b = ctypes.create_string_buffer(8192)
+a = ctypes.addressof(b)
+assert e.batch_register_memory([a], [8192]) == 0
+assert e.transfer_sync_write(f"127.0.0.1:{e.get_rpc_port()}", a, a + 4096, 4096) == 0
+quiesce.flush_logs()
+"""
+
+
+@pytest.mark.parametrize("env", [None, "warn"])
+def test_quiesce_log_wins_over_the_levels(env):
+    """``QUIESCE_LOG`` is the operator's choice: the program's levels do not
+    override it (without it they apply)."""
+    import os
+    import subprocess
+    import sys
+
+    e = {k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"}
+    if env is not None:
+        e["QUIESCE_LOG"] = env
+    out = subprocess.run(
+        [sys.executable, "-c", LEVELS_CODE], capture_output=True, text=True, timeout=60, env=e
+    )
+    assert out.returncode == 0, out.stderr
+    made = "quiesce.batch.run" in out.stdout and "batch quiesced" in out.stdout
+    assert made == (env is None), out.stdout

@@ -15,17 +15,18 @@ more bytes, the same on every peer), or ``QUIESCE_OPEN_CLUSTER=1`` on a
 trusted network.
 
 Logs: the Rust side's warnings and errors go to Python's ``logging``
-(loggers ``quiesce.<crate>.<module>``); ``QUIESCE_LOG`` or
-:func:`set_log_filter` (``"info"``, ``"quiesce_batch=debug,warn"``) choose
-which events are made at all.
+(loggers ``quiesce.<crate>.<module>``). Which events are made at all:
+:func:`set_log_filter` (``"info"``, ``"quiesce_batch=debug,warn"``), else
+``QUIESCE_LOG``, else the levels set on the ``quiesce`` loggers
+(``logging.getLogger("quiesce").setLevel(logging.INFO)``).
 
 ``quiesce.Engine`` is the native API: named segments lent from your
 buffers, batches over buffer-protocol objects, outcome objects
 (``Completed``, ``Failed``, ``CompletionUnknown``) and ``await``-able runs.
 """
 
-from quiesce._native import LOG_ENV, OPEN_CLUSTER_ENV, SECRET_ENV, set_log_filter
-from quiesce._logs import flush_logs
+from quiesce._native import LOG_ENV, OPEN_CLUSTER_ENV, SECRET_ENV
+from quiesce._logs import flush_logs, set_log_filter
 from quiesce.engine import Batch, Engine, LocalSegment, RemoteSegment
 from quiesce import errors
 from quiesce.errors import (

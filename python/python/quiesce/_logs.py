@@ -1,7 +1,6 @@
 """The Rust crates' log records, into :mod:`logging`.
 
-The extension formats each ``tracing`` event that passes its filter
-(``QUIESCE_LOG``, default ``warn``; :func:`quiesce.set_log_filter`) and
+The extension formats each ``tracing`` event that passes its filter and
 queues it; a daemon thread started here waits for the queue with the GIL
 released and hands each record to ``logging.getLogger(name)``, where
 ``name`` is ``quiesce.<crate>.<module>`` (``quiesce.batch.run``,
@@ -10,6 +9,19 @@ configured, Python's last-resort handler prints warnings and errors to
 stderr. At exit the queue is closed and what it still holds is logged;
 records made after that (engines dropped while the interpreter shuts
 down) go to stderr directly.
+
+Which events are made at all, first match wins:
+
+1. :func:`set_log_filter` with directives;
+2. ``QUIESCE_LOG`` (the operator's choice, read at import);
+3. the levels set on the ``quiesce`` loggers, as for any Python library:
+   ``logging.getLogger("quiesce").setLevel(logging.INFO)`` makes the Rust
+   side's INFO events, ``logging.getLogger("quiesce.batch")`` only the
+   batch crate's; a ``quiesce`` logger left at ``NOTSET`` means warnings.
+   The log thread applies changed levels within a second
+   (:func:`flush_logs` at once). A level inherited from the root logger
+   does not count: ``logging.basicConfig(level=logging.INFO)`` for an
+   application's own logs would otherwise make a line per transfer.
 """
 
 import atexit
@@ -18,6 +30,85 @@ import os
 import threading
 
 from quiesce import _native
+
+# How often the log thread looks at the quiesce loggers' levels.
+_LEVELS_EVERY = 1.0
+
+# Python level → the least severe tracing level it lets through.
+_LEVELS = ((5, "trace"), (10, "debug"), (20, "info"), (30, "warn"), (40, "error"))
+
+_lock = threading.Lock()
+# Directives given to set_log_filter (they win), or None.
+_explicit = None
+# What the levels asked for when last applied (None: not applied yet).
+_applied = None
+
+
+def _tracing_level(level):
+    for most, name in _LEVELS:
+        if level <= most:
+            return name
+    return "off"
+
+
+def _target(logger):
+    """``quiesce.batch.run`` → ``quiesce_batch::run``;
+    ``quiesce.python.node`` → ``_native::node`` (this extension)."""
+    crate, *path = logger.split(".")[1:]
+    crate = "_native" if crate == "python" else "quiesce_" + crate
+    return "::".join([crate, *path])
+
+
+def levels_filter():
+    """The filter the ``quiesce`` loggers' own levels ask for."""
+    top = logging.getLogger("quiesce").level
+    directives = [_tracing_level(top) if top else _native.DEFAULT_LOG_FILTER]
+    for name, logger in sorted(list(logging.Logger.manager.loggerDict.items())):
+        if name.startswith("quiesce.") and isinstance(logger, logging.Logger) and logger.level:
+            directives.append(f"{_target(name)}={_tracing_level(logger.level)}")
+    return ",".join(directives)
+
+
+def _follow_levels():
+    """Applies the loggers' levels if nothing more explicit chose the filter
+    and they changed since last applied."""
+    global _applied
+    if _native.LOG_ENV in os.environ:
+        return
+    with _lock:
+        if _explicit is not None:
+            return
+        wanted = levels_filter()
+        if wanted != _applied:
+            try:
+                _native.set_log_filter(wanted)
+            except RuntimeError:  # another tracing subscriber owns the events
+                pass
+            _applied = wanted
+
+
+def set_log_filter(directives):
+    """Chooses which Rust-side events are made: ``tracing-subscriber``
+    ``Targets`` directives, as ``QUIESCE_LOG`` (``"warn"``, ``"info"``,
+    ``"quiesce_batch=debug,warn"``); ``ValueError`` if they do not parse.
+    They win over ``QUIESCE_LOG`` and the loggers' levels until
+    ``set_log_filter(None)``, which goes back to those."""
+    global _explicit, _applied
+    with _lock:
+        if directives is not None:
+            _native.set_log_filter(directives)
+            _explicit = directives
+            return
+        _explicit = None
+        _applied = None
+        env = os.environ.get(_native.LOG_ENV)
+    if env is not None:
+        try:
+            _native.set_log_filter(env)
+        except ValueError:  # reported when the module loaded
+            _native.set_log_filter(_native.DEFAULT_LOG_FILTER)
+    else:
+        _follow_levels()
 
 
 def _emit(records):
@@ -30,10 +121,11 @@ def _emit(records):
 
 def _pump():
     while True:
-        records = _native.next_log_records(None)
-        if not records:  # closed
+        records = _native.next_log_records(_LEVELS_EVERY)
+        if records is None:  # closed
             return
         _emit(records)
+        _follow_levels()
 
 
 _thread = None
@@ -42,15 +134,17 @@ _thread = None
 def _start():
     global _thread
     _native.open_log_records()
+    _follow_levels()
     _thread = threading.Thread(target=_pump, name="quiesce-logs", daemon=True)
     _thread.start()
 
 
 def flush_logs(timeout=0.0):
-    """Logs the records queued so far now, in the calling thread (waiting up
-    to ``timeout`` seconds for the first), rather than when the log thread
-    gets to them."""
-    _emit(_native.next_log_records(timeout))
+    """Applies the ``quiesce`` loggers' levels and logs the records queued
+    so far, in the calling thread (waiting up to ``timeout`` seconds for the
+    first), rather than when the log thread gets to them."""
+    _follow_levels()
+    _emit(_native.next_log_records(timeout) or [])
 
 
 def _close():
@@ -60,6 +154,13 @@ def _close():
     _emit(records)
 
 
+def _start_in_child():
+    # Another thread of the parent may have held the lock when it forked.
+    global _lock
+    _lock = threading.Lock()
+    _start()
+
+
 _start()
 atexit.register(_close)
-os.register_at_fork(after_in_child=_start)
+os.register_at_fork(after_in_child=_start_in_child)

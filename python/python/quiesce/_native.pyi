@@ -4,15 +4,17 @@ from typing import Any, Callable, List, Optional, Tuple
 SECRET_ENV: str
 OPEN_CLUSTER_ENV: str
 LOG_ENV: str
+DEFAULT_LOG_FILTER: str
 
 def set_log_filter(directives: str) -> None:
     """Which Rust-side events are made: ``tracing-subscriber`` ``Targets``
     directives, as ``QUIESCE_LOG`` (``"warn"``, ``"info"``,
     ``"quiesce_batch=debug,warn"``). ``ValueError`` if they do not parse."""
 
-def next_log_records(timeout: Optional[float] = None) -> List[Tuple[int, str, str]]:
+def next_log_records(timeout: Optional[float] = None) -> Optional[List[Tuple[int, str, str]]]:
     """Waits (GIL released) for queued log records: ``(level, logger name,
-    message)``; empty once the queue closed or ``timeout`` passed."""
+    message)``; empty if ``timeout`` passed first, ``None`` once the queue
+    closed and is empty."""
 
 def close_log_records() -> List[Tuple[int, str, str]]:
     """Closes the log queue (later records go to stderr); returns what it held."""
