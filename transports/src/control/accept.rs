@@ -116,12 +116,9 @@ pub(crate) fn accept_loop(
             let cfg = &engine.config;
             let mut adm = admission.borrow_mut();
             if !adm.make_room(cfg.max_unauthenticated, cfg.max_connections) {
-                if let Some(suppressed) = engine.peer_logs.no_slot.admit() {
-                    tracing::warn!(
-                        max = cfg.max_connections,
-                        suppressed,
-                        "refusing a connection: every connection slot is authenticated"
-                    );
+                let limit = &engine.peer_logs.no_slot;
+                if let Some(suppressed) = limit.admit() {
+                    tracing::warn!(max = cfg.max_connections, suppressed, "{}", limit.what());
                 }
                 c.refused.set(c.refused.get() + 1);
                 continue;

@@ -142,22 +142,26 @@ pub(crate) async fn serve(engine: Rc<Target>, s: TcpStream, authenticated: Rc<Ce
         Ok(()) => tracing::debug!("peer closed the connection"),
         Err(Closed::Io(e)) => tracing::debug!(error = %e, "connection ended"),
         Err(Closed::Protocol(why)) => {
-            if let Some(suppressed) = engine.peer_logs.broke_protocol.admit() {
+            let limit = &engine.peer_logs.broke_protocol;
+            if let Some(suppressed) = limit.admit() {
                 tracing::warn!(
                     peer = %peer_name(peer),
                     why,
                     suppressed,
-                    "closing a connection that broke the protocol"
+                    "{}",
+                    limit.what()
                 );
             }
         }
         Err(Closed::TimedOut(why)) => {
-            if let Some(suppressed) = engine.peer_logs.timed_out.admit() {
+            let limit = &engine.peer_logs.timed_out;
+            if let Some(suppressed) = limit.admit() {
                 tracing::info!(
                     peer = %peer_name(peer),
                     why,
                     suppressed,
-                    "closing a connection that went quiet"
+                    "{}",
+                    limit.what()
                 );
             }
         }
@@ -588,12 +592,14 @@ impl ServedConn<'_> {
             .collect::<Vec<_>>();
         let refused = results.iter().filter(|(st, _)| *st != Status::Ok).count();
         if refused > 0 {
-            if let Some(suppressed) = self.engine.peer_logs.refused_proof.admit() {
+            let limit = &self.engine.peer_logs.refused_proof;
+            if let Some(suppressed) = limit.admit() {
                 tracing::warn!(
                     peer = %peer_name(self.s.peer_addr().ok()),
                     refused,
                     suppressed,
-                    "refused a peer's proof: a wrong token (a different secret?) or no such segment"
+                    "{}",
+                    limit.what()
                 );
             }
         }
