@@ -25,7 +25,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     log::install();
     m.add_function(wrap_pyfunction!(log::next_log_records, m)?)?;
     m.add_function(wrap_pyfunction!(log::close_log_records, m)?)?;
-    m.add_function(wrap_pyfunction!(log::open_log_records, m)?)?;
+    m.add_function(wrap_pyfunction!(log::hold_log_records_for_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(log::release_log_records_after_fork, m)?)?;
     m.add_function(wrap_pyfunction!(log::set_log_filter, m)?)?;
     m.add("LOG_ENV", log::LOG_ENV)?;
     m.add("DEFAULT_LOG_FILTER", log::DEFAULT_FILTER)?;

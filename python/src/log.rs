@@ -19,9 +19,10 @@
 //! the package's exit hook ran ([`close_log_records`]), records go straight to stderr:
 //! the interpreter is shutting down, and an engine dropped then still logs.
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::Write;
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -259,10 +260,38 @@ pub(crate) fn close_log_records() -> Vec<Record> {
     out
 }
 
-/// Reopens the queue (a forked child starts its own pump).
+thread_local! {
+    /// The queue's lock, held by the thread that forks from just before the
+    /// fork to just after (see [`hold_log_records_for_fork`]).
+    static HELD_FOR_FORK: RefCell<Option<MutexGuard<'static, QueueState>>> =
+        const { RefCell::new(None) };
+}
+
+/// Takes the queue's lock before `os.fork()`, so that no engine thread
+/// holds it when the process is copied: the child has none of those
+/// threads, and a lock copied held would stay held in it for ever (its log
+/// thread hung at the first record). Taken with the GIL held: the lock's
+/// other holders (an engine thread queuing a record, the log thread taking
+/// them with the GIL released) never wait for the GIL while they hold it.
 #[pyfunction]
-pub(crate) fn open_log_records() {
-    lock(&QUEUE.state).closed = false;
+pub(crate) fn hold_log_records_for_fork() {
+    let guard = lock(&QUEUE.state);
+    HELD_FOR_FORK.with(|h| *h.borrow_mut() = Some(guard));
+}
+
+/// Releases the lock [`hold_log_records_for_fork`] took, after the fork
+/// (or its failure). In the child the queue is emptied — the parent logs
+/// what it held — and open again for the child's own log thread.
+#[pyfunction]
+pub(crate) fn release_log_records_after_fork(child: bool) {
+    let Some(mut q) = HELD_FOR_FORK.with(|h| h.borrow_mut().take()) else {
+        return;
+    };
+    if child {
+        q.records.clear();
+        q.dropped = 0;
+        q.closed = false;
+    }
 }
 
 /// Sets which events are produced (`Targets` directives, as `QUIESCE_LOG`).

@@ -205,3 +205,60 @@ def test_quiesce_log_wins_over_the_levels(env):
     assert out.returncode == 0, out.stderr
     made = "quiesce.batch.run" in out.stdout and "batch quiesced" in out.stdout
     assert made == (env is None), out.stdout
+
+
+FORK_CODE = """
+import ctypes, os, signal, sys, threading, time
+import quiesce
+from quiesce.mooncake import TransferEngine
+quiesce.set_log_filter("info")  # a record per batch, made on the engine's thread
+e = TransferEngine()
+assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+b = ctypes.create_string_buffer(8192)
+a = ctypes.addressof(b)
+assert e.batch_register_memory([a], [8192]) == 0
+session = f"127.0.0.1:{e.get_rpc_port()}"
+stop = False
+def flood():
+    while not stop:
+        assert e.transfer_sync_write(session, a, a + 4096, 64) == 0
+threading.Thread(target=flood, daemon=True).start()
+time.sleep(0.2)
+for i in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        # The child's first look at the queue: not held, and without the
+        # parent's records (the parent logs those).
+        os._exit(3 if quiesce._native.next_log_records(0) else 0)
+    until = time.monotonic() + 5
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > until:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            print(f"fork {i}: the child hung", flush=True)
+            os._exit(1)
+        time.sleep(0.0005)
+    if os.waitstatus_to_exitcode(done[1]) != 0:
+        print(f"fork {i}: the child found the parent's records", flush=True)
+        os._exit(1)
+stop = True
+print("ok", flush=True)
+"""
+
+
+def test_a_fork_while_an_engine_thread_logs_does_not_hang_the_child():
+    """A child forked while an engine thread held the log queue's lock (it
+    logs a record per batch here) must not find the lock held for ever, nor
+    log the parent's queued records a second time."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_CODE, "400"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"},
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -133,7 +133,6 @@ _thread = None
 
 def _start():
     global _thread
-    _native.open_log_records()
     _follow_levels()
     _thread = threading.Thread(target=_pump, name="quiesce-logs", daemon=True)
     _thread.start()
@@ -155,12 +154,18 @@ def _close():
 
 
 def _start_in_child():
-    # Another thread of the parent may have held the lock when it forked.
+    # The parent's log thread is not in the child, and another of its
+    # threads may have held this lock when it forked.
     global _lock
+    _native.release_log_records_after_fork(True)
     _lock = threading.Lock()
     _start()
 
 
 _start()
 atexit.register(_close)
-os.register_at_fork(after_in_child=_start_in_child)
+os.register_at_fork(
+    before=_native.hold_log_records_for_fork,
+    after_in_parent=lambda: _native.release_log_records_after_fork(False),
+    after_in_child=_start_in_child,
+)

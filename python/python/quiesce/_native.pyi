@@ -19,8 +19,13 @@ def next_log_records(timeout: Optional[float] = None) -> Optional[List[Tuple[int
 def close_log_records() -> List[Tuple[int, str, str]]:
     """Closes the log queue (later records go to stderr); returns what it held."""
 
-def open_log_records() -> None:
-    """Reopens the log queue (a forked child's new log thread)."""
+def hold_log_records_for_fork() -> None:
+    """Takes the log queue's lock before ``os.fork()`` (no engine thread holds
+    it when the process is copied)."""
+
+def release_log_records_after_fork(child: bool) -> None:
+    """Releases it after the fork; in the child, empties the queue and opens
+    it for the child's log thread."""
 
 class TransferOpcode(IntEnum):
     Read = 0
