@@ -28,6 +28,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 
 from quiesce import _native
 
@@ -63,8 +64,10 @@ def levels_filter():
     """The filter the ``quiesce`` loggers' own levels ask for."""
     top = logging.getLogger("quiesce").level
     directives = [_tracing_level(top) if top else _native.DEFAULT_LOG_FILTER]
-    for name, logger in sorted(list(logging.Logger.manager.loggerDict.items())):
-        if name.startswith("quiesce.") and isinstance(logger, logging.Logger) and logger.level:
+    every = list(logging.Logger.manager.loggerDict.items())
+    ours = [(name, logger) for name, logger in every if name.startswith("quiesce.")]
+    for name, logger in sorted(ours, key=lambda item: item[0]):
+        if isinstance(logger, logging.Logger) and logger.level:
             directives.append(f"{_target(name)}={_tracing_level(logger.level)}")
     return ",".join(directives)
 
@@ -120,12 +123,15 @@ def _emit(records):
 
 
 def _pump():
+    looked = time.monotonic()
     while True:
         records = _native.next_log_records(_LEVELS_EVERY)
         if records is None:  # closed
             return
         _emit(records)
-        _follow_levels()
+        if time.monotonic() - looked >= _LEVELS_EVERY:
+            looked = time.monotonic()
+            _follow_levels()
 
 
 _thread = None
