@@ -335,7 +335,11 @@ unsafe fn batch(
             len: t.len as usize,
         },
     });
-    answer(engine.0.batch(dir, tasks, options(opts)), ticket_out)
+    // The caller's array is the batch's bound, not the Rust API's default
+    // limit (a KV cache's blocks times its layers pass 4,096).
+    let opts = options(opts);
+    let opts = opts.max_tasks(n.max(opts.max_tasks));
+    answer(engine.0.batch(dir, tasks, opts), ticket_out)
 }
 
 /// Writes every task's buffer to its remote range as one batch.

@@ -416,6 +416,17 @@ impl Node {
         Ok(Prepared { peer, tasks, used })
     }
 
+    /// The options of a call's batch: room for all of its tasks. Mooncake
+    /// takes a batch of any length, and vLLM and SGLang pass one entry per
+    /// KV block and layer — past the native limit (4,096) on long prompts.
+    /// The caller's own lists bound it; it holds up to about 2 KiB per
+    /// entry while it runs (262,144 entries of 256 bytes, initiator and
+    /// target in one process: 0.75 s and ~500 MiB over the buffers).
+    fn options_for(&self, tasks: &SyncTasks<RawBuf>) -> BatchOptions {
+        self.options
+            .max_tasks(tasks.len().max(self.options.max_tasks))
+    }
+
     /// A batch of `dir` tasks to `target`, blocking until its outcome: 0,
     /// -1, or -2 (its ticket kept pending).
     pub(crate) fn run(
@@ -430,7 +441,8 @@ impl Node {
             Ok(p) => p,
             Err(e) => return complain(&format!("transfer: {e}")),
         };
-        match self.engine().run(p.tasks, self.options) {
+        let opts = self.options_for(&p.tasks);
+        match self.engine().run(p.tasks, opts) {
             Ok(out) => self.settle(target, p.peer, &p.used, out),
             Err(e) => complain(&format!("transfer: {e}")),
         }
@@ -452,7 +464,8 @@ impl Node {
                 return 0;
             }
         };
-        match self.engine().submit_each(p.tasks, self.options) {
+        let opts = self.options_for(&p.tasks);
+        match self.engine().submit_each(p.tasks, opts) {
             Ok(outcome) => {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let o = Outstanding {

@@ -1,6 +1,7 @@
 """quiesce.mooncake.TransferEngine used as vLLM and SGLang use Mooncake's,
 against targets in other processes (tests/peer.py)."""
 
+import ctypes
 import signal
 import threading
 import time
@@ -43,6 +44,54 @@ def test_read_mirror(peer_factory, local):
     import ctypes
 
     assert ctypes.string_at(dst, 64 << 10) == b"\x7e" * (64 << 10)
+
+
+def test_a_call_with_more_entries_than_a_native_batch_holds(peer_factory, local):
+    """Mooncake takes a batch of any length; vLLM and SGLang pass one entry
+    per KV block and layer, past the native batch's 4,096 tasks on long
+    prompts (which answered -1, "batch is full")."""
+    n, size = 10_000, 512
+    target = peer_factory(n * size)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(n * size, 0x5A)
+    assert e.register_memory(src, n * size) == 0
+    offsets = [i * size for i in range(n)]
+    srcs = [src + o for o in offsets]
+    dsts = [a + o for o in offsets]
+    assert e.batch_transfer_sync_write(target.session, srcs, dsts, [size] * n) == 0
+    assert target.count(a, n * size, 0x5A) == n * size
+    ctypes.memset(src, 0x3C, n * size)
+    bid = e.batch_transfer_async_write(target.session, srcs, dsts, [size] * n)
+    assert bid > 0
+    assert e.get_batch_transfer_status([bid]) == 0
+    assert target.count(a, n * size, 0x3C) == n * size
+    back = local.buffer(n * size)
+    backs = [back + o for o in offsets]
+    assert e.batch_transfer_sync_read(target.session, backs, dsts, [size] * n) == 0
+    assert ctypes.string_at(back, n * size) == b"\x3c" * (n * size)
+
+
+def test_a_refused_entry_fences_a_call_of_ten_thousand(peer_factory, local):
+    """The seed scenario at that size: one entry the target refuses among
+    10,000 valid ones. -1 means the fence covered every one of them: the
+    sources rewritten at once never reach the target."""
+    n, size = 10_000, 4096
+    target = peer_factory(4096, n * size)
+    (small, _), (big, _) = target.regions
+    e = engine()
+    probe = local.buffer(4096, 1)
+    src = local.buffer(n * size)
+    assert e.transfer_sync_write(target.session, probe, small, 4096) == 0
+    assert target.ask(f"unregister {small}") == "0"
+    target.fill(big, n * size, 0)
+    ctypes.memset(src, 0xAA, n * size)
+    srcs = [probe] + [src + i * size for i in range(n)]
+    dsts = [small] + [big + i * size for i in range(n)]
+    assert e.batch_transfer_sync_write(target.session, srcs, dsts, [size] * (n + 1)) == -1
+    ctypes.memset(src, 0xBB, n * size)
+    time.sleep(0.1)
+    assert target.count(big, n * size, 0xBB) == 0
 
 
 def test_seed_scenario_minus_one_means_nothing_touches_the_source(peer_factory, local):

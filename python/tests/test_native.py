@@ -80,6 +80,30 @@ def test_write_then_read_back(native_peer, eng):
     assert mv == bytes([7]) * 4096
 
 
+def test_a_batch_of_many_small_tasks(native_peer, eng):
+    """A batch holds as many tasks as its caller adds (no hidden limit of
+    4,096: a KV cache's blocks times its layers pass it)."""
+    n, size = 5000, 256
+    t = native_peer(kv=n * size)
+    kv = eng.open(t.address, "kv")
+    b = eng.batch()
+    for i in range(n):
+        b.write(bytes([11]) * size, kv, offset=i * size)
+    out = b.run()
+    assert isinstance(out, quiesce.Completed), out
+    assert len(out.tasks) == n
+    assert t.count("kv", 11) == n * size
+
+    async def run():
+        b = eng.batch()
+        for i in range(n):
+            b.write(bytes([12]) * size, kv, offset=i * size)
+        return await b.run_async()
+
+    assert isinstance(asyncio.run(run()), quiesce.Completed)
+    assert t.count("kv", 12) == n * size
+
+
 def test_a_batch_holds_its_buffers_from_add_to_outcome(native_peer, eng):
     t = native_peer(kv=MiB)
     kv = eng.open(t.address, "kv")

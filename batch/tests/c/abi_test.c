@@ -53,6 +53,22 @@ int main(int argc, char **argv) {
     quiesce_task reads[1] = {{kv, 4096, dst, len}};
     CHECK(quiesce_batch_transfer_sync_read(e, reads, 1, NULL, NULL) == 0, "batch read");
 
+    /* More tasks than a Rust batch holds by default (4,096): a C caller's
+       array is its own bound, as Mooncake's callers' lists are. */
+    size_t many = 5000, piece = 128;
+    quiesce_task *lots = calloc(many, sizeof *lots);
+    CHECK(lots != NULL, "calloc");
+    for (size_t i = 0; i < many; i++) {
+        quiesce_task t = {kv, i * piece, src + i * piece, piece};
+        lots[i] = t;
+    }
+    memset(src, 0x5C, many * piece);
+    CHECK(quiesce_batch_transfer_sync_write(e, lots, many, NULL, NULL) == 0, "a batch of 5000 tasks");
+    memset(dst, 0, len);
+    CHECK(quiesce_transfer_sync_read(e, kv, 0, dst, many * piece, NULL, NULL) == 0, "read the 5000 back");
+    CHECK(memcmp(src, dst, many * piece) == 0, "the 5000 tasks' bytes");
+    free(lots);
+
     /* An unknown ticket must not read as "drained" (-1): it has its own code. */
     CHECK(quiesce_ticket_poll(e, 12345) == QUIESCE_UNKNOWN_HANDLE, "unknown ticket");
     CHECK(quiesce_ticket_wait(e, 12345, 1) == QUIESCE_UNKNOWN_HANDLE, "unknown ticket (wait)");

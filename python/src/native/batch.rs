@@ -79,7 +79,7 @@ impl NativeBatch {
         Ok(tasks.len() - 1)
     }
 
-    fn __len__(&self) -> usize {
+    pub(crate) fn __len__(&self) -> usize {
         self.tasks.as_ref().map_or(0, Vec::len)
     }
 }

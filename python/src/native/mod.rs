@@ -136,7 +136,10 @@ pub struct NativeEngine {
     core: Arc<Core>,
 }
 
-fn options(py: Python<'_>, policy: &str, deadline: f64) -> PyResult<BatchOptions> {
+/// A batch's options: `policy`, `deadline` (seconds), and room for its
+/// `tasks` (a batch holds what its caller adds: a KV cache's blocks times
+/// its layers pass the native default of 4,096).
+fn options(py: Python<'_>, policy: &str, deadline: f64, tasks: usize) -> PyResult<BatchOptions> {
     let policy = match policy {
         "fail_fast" => FailurePolicy::FailFast,
         "drain" => FailurePolicy::Drain,
@@ -151,7 +154,8 @@ fn options(py: Python<'_>, policy: &str, deadline: f64) -> PyResult<BatchOptions
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| invalid(py, "the deadline must be a positive number of seconds"))?;
-    Ok(BatchOptions::default().policy(policy).deadline(deadline))
+    let opts = BatchOptions::default().policy(policy).deadline(deadline);
+    Ok(opts.max_tasks(tasks.max(opts.max_tasks)))
 }
 
 fn report(out: &SyncOutcome<RawBuf>) -> Report {
@@ -523,7 +527,7 @@ impl NativeEngine {
         policy: &str,
         deadline: f64,
     ) -> PyResult<Report> {
-        let opts = options(py, policy, deadline)?;
+        let opts = options(py, policy, deadline, batch.__len__())?;
         let (tasks, held) = batch.take(py)?;
         let r = py.detach(|| self.core.with(|e| e.run(tasks, opts)));
         match r {
@@ -551,7 +555,7 @@ impl NativeEngine {
         deadline: f64,
         callback: Py<PyAny>,
     ) -> PyResult<()> {
-        let opts = options(py, policy, deadline)?;
+        let opts = options(py, policy, deadline, batch.__len__())?;
         let (tasks, held) = batch.take(py)?;
         let tx = self.deliveries(py)?;
         let key = self.core.next.fetch_add(1, Ordering::Relaxed);
