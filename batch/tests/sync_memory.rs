@@ -198,3 +198,47 @@ fn authed(addr: std::net::SocketAddr, token: Token, base: u64) -> TcpStream {
     s.read_exact(&mut p).unwrap();
     s
 }
+
+/// An anonymous mapping of `len` bytes with protection `prot`.
+fn map(len: usize, prot: libc::c_int) -> u64 {
+    // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    p as u64
+}
+
+/// Lending is refused, with a typed error, for a range that is not memory
+/// this process may read and write: a device's reserved addresses (a CUDA
+/// pointer is `PROT_NONE` here), read-only memory, a range running past
+/// its mapping. Registered, the first crashed the process at the first
+/// transfer from it, and the target at the first write into it.
+#[test]
+fn only_host_memory_this_process_can_read_and_write_is_lent() {
+    let e = engine();
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let page = 4096u64;
+    let none = map(LEN, libc::PROT_NONE);
+    let ro = map(LEN, libc::PROT_READ);
+    let rw = map(LEN, libc::PROT_READ | libc::PROT_WRITE);
+    for (addr, len) in [
+        (none, LEN as u64),
+        (ro, LEN as u64),
+        (rw + page, LEN as u64),
+    ] {
+        // SAFETY: refused before anything is registered (asserted).
+        let r = unsafe { e.lend("x", addr, len, token) };
+        assert_eq!(r, Err(SyncError::NotHostMemory { addr, len }), "{addr:#x}");
+    }
+    // SAFETY: `rw` stays mapped (never unmapped) until the engine stops.
+    unsafe { e.lend("rw", rw, LEN as u64, token).unwrap() };
+    assert_eq!(e.reclaim(rw, Duration::from_secs(5)), Ok(true));
+}

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import quiesce
 from conftest import engine, seed_round
 from quiesce.mooncake import TransferEngine
 
@@ -207,6 +208,31 @@ def test_addresses_and_lengths_are_ints_of_at_most_64_bits(peer_factory, local):
     # address outside every segment, not mistaken for an error marker).
     assert e.transfer_sync_write(s, buf, (1 << 64) - 1, 4096) == -1
     assert target.count(a + 16384, n - 16384, 0) == n - 16384, "a refused call landed"
+
+
+def test_memory_this_process_cannot_read_and_write_is_not_registered(local, caplog):
+    """A GPU pointer handed to the TCP drop-in (vLLM's KV caches live on the
+    device) is a reserved, inaccessible range in this process: registering
+    it is -1 with a message that says so, rather than 0 and a crash at the
+    first transfer (the process died in the copy of a 4 KiB write from it)."""
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    private_anonymous = 0x22
+    n = 1 << 20
+    reserved = libc.mmap(None, n, 0, private_anonymous, -1, 0)  # PROT_NONE
+    read_only = libc.mmap(None, n, 1, private_anonymous, -1, 0)  # PROT_READ
+    assert reserved not in (None, ctypes.c_void_p(-1).value)
+    assert read_only not in (None, ctypes.c_void_p(-1).value)
+    e = engine()
+    assert e.register_memory(reserved, n) == -1
+    assert e.register_memory(read_only, n) == -1
+    assert e.batch_register_memory([local.buffer(n), reserved], [n, n]) == -1
+    ok = local.buffer(n)
+    assert e.register_memory(ok, n) == 0
+    assert e.unregister_memory(ok) == 0
+    quiesce.flush_logs()
+    assert any("not memory this process can read and write" in r.getMessage() for r in caplog.records)
 
 
 def test_another_secret_opens_nothing(peer_factory, local, monkeypatch):

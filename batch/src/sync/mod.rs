@@ -186,6 +186,20 @@ pub enum SyncError {
     /// No memory was lent at this address.
     #[error("no memory lent at {0:#x}")]
     NotLent(u64),
+    /// The range is not memory this process may read and write (device
+    /// memory — a CUDA pointer is a reserved, inaccessible range here —,
+    /// read-only memory, or a range past its mapping): lent, it would crash
+    /// this process or the peers' writes would fail in it.
+    #[error(
+        "{addr:#x}..+{len} is not memory this process can read and write \
+         (device memory? quiesce moves host memory)"
+    )]
+    NotHostMemory {
+        /// The range's start.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
     /// The address is lent already, or not yet reclaimed to the end.
     #[error("memory at {0:#x} is lent already (or not yet reclaimed)")]
     StillLent(u64),

@@ -34,9 +34,10 @@ pub(crate) fn zero_length(py: Python<'_>, msg: &str) -> PyErr {
 pub(crate) fn from_sync(py: Python<'_>, e: &SyncError) -> PyErr {
     let kind = match e {
         SyncError::Stopped => "EngineClosed",
-        SyncError::UnknownSegment(_) | SyncError::UnknownTicket(_) | SyncError::NotLent(_) => {
-            "InvalidInput"
-        }
+        SyncError::UnknownSegment(_)
+        | SyncError::UnknownTicket(_)
+        | SyncError::NotLent(_)
+        | SyncError::NotHostMemory { .. } => "InvalidInput",
         SyncError::StillLent(_) => "StillLent",
         SyncError::Batch(BatchError::Empty) => "ZeroLength",
         SyncError::Batch(_) | SyncError::Revoke(_) | SyncError::Register(_) => "InvalidInput",
