@@ -202,13 +202,25 @@ fn options() -> BatchOptions {
 }
 
 pub(crate) fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
-    let (host, port) = match local_hostname.rsplit_once(':') {
-        Some((h, p)) if !h.contains(':') || h.starts_with('[') => (
-            h.trim_start_matches('[').trim_end_matches(']'),
-            p.parse::<u16>()
-                .map_err(|_| format!("bad port in {local_hostname:?}"))?,
-        ),
-        _ => (local_hostname, 0),
+    let bad_port = || format!("bad port in {local_hostname:?}");
+    // "[v6]:port", "[v6]", "host:port", "host", or a bare IPv6 address.
+    let (host, port) = if let Some(rest) = local_hostname.strip_prefix('[') {
+        let (host, after) = rest
+            .split_once(']')
+            .ok_or_else(|| format!("no ']' in {local_hostname:?}"))?;
+        let port = match after {
+            "" => 0,
+            p => p
+                .strip_prefix(':')
+                .and_then(|p| p.parse::<u16>().ok())
+                .ok_or_else(bad_port)?,
+        };
+        (host, port)
+    } else {
+        match local_hostname.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') => (h, p.parse::<u16>().map_err(|_| bad_port())?),
+            _ => (local_hostname, 0),
+        }
     };
     let addrs: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()

@@ -235,6 +235,34 @@ def test_memory_this_process_cannot_read_and_write_is_not_registered(local, capl
     assert any("not memory this process can read and write" in r.getMessage() for r in caplog.records)
 
 
+def ipv6_loopback():
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("hostname", ["::1", "[::1]", "[::1]:0"])
+def test_an_ipv6_host_as_sglang_writes_it(hostname, local):
+    """SGLang builds session ids with NetworkAddress(...).to_host_port_str(),
+    "[::1]:port", and may pass the host bracketed to initialize."""
+    t = TransferEngine()
+    assert t.initialize(hostname, "P2PHANDSHAKE", "tcp", "") == 0
+    dst = local.buffer(4096)
+    assert t.register_memory(dst, 4096) == 0
+    e = engine()
+    src = local.buffer(4096, 0x61)
+    assert e.transfer_sync_write(f"[::1]:{t.get_rpc_port()}", src, dst, 4096) == 0
+    assert ctypes.string_at(dst, 4096) == b"\x61" * 4096
+    for bad in ("[::1", "[::1]x", "[::1]:port"):
+        assert TransferEngine().initialize(bad, "P2PHANDSHAKE", "tcp", "") == -1, bad
+
+
 def test_another_secret_opens_nothing(peer_factory, local, monkeypatch):
     target = peer_factory(MiB)
     (a, _) = target.regions[0]
