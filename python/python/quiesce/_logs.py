@@ -38,6 +38,9 @@ _LEVELS_EVERY = 1.0
 # Python level → the least severe tracing level it lets through.
 _LEVELS = ((5, "trace"), (10, "debug"), (20, "info"), (30, "warn"), (40, "error"))
 
+# QUIESCE_LOG as the extension read it when it loaded (None: unset).
+_ENV = os.environ.get(_native.LOG_ENV)
+
 _lock = threading.Lock()
 # Directives given to set_log_filter (they win), or None.
 _explicit = None
@@ -60,7 +63,7 @@ def _target(logger):
     return "::".join([crate, *path])
 
 
-def levels_filter():
+def _levels_filter():
     """The filter the ``quiesce`` loggers' own levels ask for."""
     top = logging.getLogger("quiesce").level
     directives = [_tracing_level(top) if top else _native.DEFAULT_LOG_FILTER]
@@ -76,12 +79,12 @@ def _follow_levels():
     """Applies the loggers' levels if nothing more explicit chose the filter
     and they changed since last applied."""
     global _applied
-    if _native.LOG_ENV in os.environ:
+    if _ENV is not None:
         return
     with _lock:
         if _explicit is not None:
             return
-        wanted = levels_filter()
+        wanted = _levels_filter()
         if wanted != _applied:
             try:
                 _native.set_log_filter(wanted)
@@ -104,10 +107,9 @@ def set_log_filter(directives):
             return
         _explicit = None
         _applied = None
-        env = os.environ.get(_native.LOG_ENV)
-    if env is not None:
+    if _ENV is not None:
         try:
-            _native.set_log_filter(env)
+            _native.set_log_filter(_ENV)
         except ValueError:  # reported when the module loaded
             _native.set_log_filter(_native.DEFAULT_LOG_FILTER)
     else:
