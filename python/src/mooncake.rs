@@ -59,6 +59,9 @@ impl TransferEngine {
         if self.node().is_some() {
             return complain("initialize: already initialised");
         }
+        // Mooncake's switch (SGLang sets it and keeps protocol "rdma"): TCP
+        // whatever the protocol says.
+        let protocol = if force_tcp() { "tcp" } else { protocol };
         let fabric = match protocol {
             "tcp" => Fabric::Tcp,
             "rdma" => Fabric::Rdma {
@@ -611,4 +614,14 @@ impl TransferEngine {
         let t = Duration::from_secs_f64(timeout.max(0.0));
         py.detach(|| node.quiesce_pending(t))
     }
+}
+
+/// `MC_FORCE_TCP` set to `1`, `true`, `yes` or `on` (any case).
+fn force_tcp() -> bool {
+    std::env::var("MC_FORCE_TCP").is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    })
 }

@@ -14,7 +14,9 @@ use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{
     Direction, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask, SyncTasks,
 };
-use quiesce_batch::{BatchOptions, FailurePolicy, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+use quiesce_batch::{
+    BatchOptions, FailurePolicy, TaskReport, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN,
+};
 use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, LocalMode, Token};
@@ -84,6 +86,8 @@ struct Prepared {
     /// Paired with their direction as the sync engine takes them (no
     /// second vector to pair them there).
     tasks: SyncTasks<RawBuf>,
+    /// The bytes they move.
+    bytes: u64,
     /// The segments the tasks use (inline for a few: no allocation).
     used: SmallVec<[u32; 4]>,
 }
@@ -189,8 +193,9 @@ pub(crate) fn spin() -> Duration {
 
 /// Fail-fast, as Mooncake returns at a batch's first failure — but after
 /// fencing the rest, so the -1 is safe. Mooncake's `MC_TRANSFER_TIMEOUT`
-/// (seconds, 5 to 1800; 30 by default) is each batch's deadline, so every
-/// batch has an outcome well within `get_batch_transfer_status`'s hour.
+/// (seconds, 5 to 1800; 30 by default) is each batch's deadline, plus its
+/// size ([`Node::options_for`]), so every batch of less than ~1.8 TB has an
+/// outcome within `get_batch_transfer_status`'s hour.
 fn options() -> BatchOptions {
     let secs = std::env::var("MC_TRANSFER_TIMEOUT")
         .ok()
@@ -405,13 +410,21 @@ impl Node {
         if buffers.is_empty() {
             return Err("no buffers".into());
         }
-        if let Some(i) = (0..buffers.len()).find(|&i| buffers[i] == 0 || lengths[i] == 0) {
-            return Err(format!("task {i} has a null buffer or zero length"));
+        // A zero-length entry moves nothing: Mooncake completes it as a
+        // no-op, and SGLang sends them (a model's state item of 0 bytes, with
+        // whatever pointer it has, among its others). A call with nothing
+        // else is bad input.
+        if lengths.iter().all(|&l| l == 0) {
+            return Err("zero length: every task is empty".into());
+        }
+        if let Some(i) = (0..buffers.len()).find(|&i| buffers[i] == 0 && lengths[i] != 0) {
+            return Err(format!("task {i} has a null buffer"));
         }
         let peer = self.peer(target)?;
         let mut tasks = SyncTasks::with_capacity(buffers.len());
         let mut used = SmallVec::with_capacity(buffers.len());
-        for ((&buf, &at), &len) in buffers.iter().zip(peer_addresses).zip(lengths) {
+        let entries = buffers.iter().zip(peer_addresses).zip(lengths);
+        for ((&buf, &at), &len) in entries.filter(|(_, &len)| len != 0) {
             let seg = self.segment(peer, at as u64, len as u64)?;
             used.push(seg.segment);
             let task = SyncTask {
@@ -425,7 +438,13 @@ impl Node {
             };
             tasks.push((dir, task));
         }
-        Ok(Prepared { peer, tasks, used })
+        let bytes = lengths.iter().map(|&l| l as u64).sum();
+        Ok(Prepared {
+            peer,
+            tasks,
+            used,
+            bytes,
+        })
     }
 
     /// The options of a call's batch: room for all of its tasks. Mooncake
@@ -434,9 +453,16 @@ impl Node {
     /// The caller's own lists bound it; it holds up to about 2 KiB per
     /// entry while it runs (262,144 entries of 256 bytes, initiator and
     /// target in one process: 0.75 s and ~500 MiB over the buffers).
-    fn options_for(&self, tasks: &SyncTasks<RawBuf>) -> BatchOptions {
-        self.options
-            .max_tasks(tasks.len().max(self.options.max_tasks))
+    ///
+    /// Its deadline grows with its size as Mooncake's does:
+    /// `MC_TRANSFER_TIMEOUT` plus a nanosecond per byte (a second per GB),
+    /// so a whole rank's weights read at start-up are not cut at 30 s.
+    fn options_for(&self, p: &Prepared) -> BatchOptions {
+        let mut opts = self
+            .options
+            .max_tasks(p.tasks.len().max(self.options.max_tasks));
+        opts.deadline = opts.deadline.map(|d| d + Duration::from_nanos(p.bytes));
+        opts
     }
 
     /// A batch of `dir` tasks to `target`, blocking until its outcome: 0,
@@ -453,7 +479,7 @@ impl Node {
             Ok(p) => p,
             Err(e) => return complain(&format!("transfer: {e}")),
         };
-        let opts = self.options_for(&p.tasks);
+        let opts = self.options_for(&p);
         match self.engine().run(p.tasks, opts) {
             Ok(out) => self.settle(target, p.peer, &p.used, out),
             Err(e) => complain(&format!("transfer: {e}")),
@@ -476,7 +502,7 @@ impl Node {
                 return 0;
             }
         };
-        let opts = self.options_for(&p.tasks);
+        let opts = self.options_for(&p);
         match self.engine().submit_each(p.tasks, opts) {
             Ok(outcome) => {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -582,16 +608,7 @@ impl Node {
             if let Some(v) = lock(&self.opened).get_mut(&peer) {
                 v.retain(|s| !used.contains(&s.segment));
             }
-            let why: Vec<String> = out
-                .tasks
-                .iter()
-                .filter_map(|t| match &t.status {
-                    TaskStatus::Failed(e) => Some(e.to_string()),
-                    TaskStatus::Fenced => Some("fenced".into()),
-                    TaskStatus::Completed => None,
-                })
-                .collect();
-            tracing::warn!("transfer to {target} failed: {}", why.join("; "));
+            tracing::warn!("transfer to {target} failed: {}", failures(&out.tasks));
         }
         out.code
     }
@@ -630,4 +647,35 @@ impl Drop for Node {
             std::mem::forget(std::mem::take(&mut self.managed));
         }
     }
+}
+
+/// Most distinct reasons a failed batch's warning names.
+const REASONS_SHOWN: usize = 8;
+
+/// A failed batch's tasks for one log line: how many failed, and each
+/// reason once with its count (a batch can have hundreds of thousands).
+fn failures(tasks: &[TaskReport]) -> String {
+    let mut reasons: Vec<(String, usize)> = Vec::new();
+    let mut failed = 0;
+    for t in tasks {
+        let why = match &t.status {
+            TaskStatus::Failed(e) => e.to_string(),
+            TaskStatus::Fenced => "fenced".to_string(),
+            TaskStatus::Completed => continue,
+        };
+        failed += 1;
+        match reasons.iter_mut().find(|(r, _)| *r == why) {
+            Some((_, n)) => *n += 1,
+            None => reasons.push((why, 1)),
+        }
+    }
+    let mut line = format!("{failed} of {} tasks", tasks.len());
+    for (i, (why, n)) in reasons.iter().enumerate() {
+        if i == REASONS_SHOWN {
+            line.push_str(&format!("; {} more reasons", reasons.len() - i));
+            break;
+        }
+        line.push_str(&format!("; {why} (×{n})"));
+    }
+    line
 }

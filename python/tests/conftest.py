@@ -157,3 +157,19 @@ def seed_round(e, target, probe, src, small, big, length):
     ctypes.memset(src, 0xBB, length)
     time.sleep(0.1)
     return target.count(big, length, 0xBB) != 0
+
+
+def logged(caplog, pred, timeout=5.0):
+    """The first captured record for which ``pred`` holds, waiting up to
+    ``timeout`` s: the log thread hands records to ``logging`` on its own
+    time (it may hold one it took from the queue when ``flush_logs`` runs)."""
+    import quiesce
+
+    until = time.monotonic() + timeout
+    while True:
+        quiesce.flush_logs(0.05)
+        for r in caplog.records:
+            if pred(r):
+                return r
+        if time.monotonic() >= until:
+            return None

@@ -7,19 +7,7 @@ import time
 import pytest
 
 import quiesce
-from conftest import engine
-
-
-def wait_for(caplog, pred, timeout=5.0):
-    """The first captured record for which ``pred`` holds (the log thread
-    hands records over asynchronously)."""
-    until = time.monotonic() + timeout
-    while time.monotonic() < until:
-        quiesce.flush_logs(0.05)
-        for r in caplog.records:
-            if pred(r):
-                return r
-    return None
+from conftest import engine, logged
 
 
 def test_a_failed_call_is_a_warning_on_a_quiesce_logger(peer_factory, local, caplog):
@@ -28,13 +16,13 @@ def test_a_failed_call_is_a_warning_on_a_quiesce_logger(peer_factory, local, cap
     e = engine()
     src = local.buffer(4096, 1)
     assert e.transfer_sync_write(target.session, src, a + n, 4096) == -1
-    r = wait_for(caplog, lambda r: r.levelno == logging.WARNING and "no registered memory" in r.getMessage())
+    r = logged(caplog, lambda r: r.levelno == logging.WARNING and "no registered memory" in r.getMessage())
     assert r is not None, [(x.name, x.getMessage()) for x in caplog.records]
     assert r.name.startswith("quiesce.python"), r.name
 
 
 def batch_quiesced(caplog):
-    return wait_for(caplog, lambda r: "batch quiesced" in r.getMessage())
+    return logged(caplog, lambda r: "batch quiesced" in r.getMessage())
 
 
 @pytest.fixture
@@ -64,7 +52,7 @@ def test_info_events_come_with_their_batch_span_once_asked_for(
     quiesce.flush_logs()
     assert e.transfer_sync_write(target.session, src, a, 4096) == 0
     time.sleep(0.2)
-    assert wait_for(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None, (
+    assert logged(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None, (
         "INFO events under the default filter"
     )
     quiesce.set_log_filter("info")
@@ -95,7 +83,7 @@ def test_the_quiesce_loggers_levels_choose_the_events(peer_factory, local, caplo
     quiesce.flush_logs()
     assert e.transfer_sync_write(target.session, src, a, 4096) == 0
     time.sleep(0.2)
-    assert wait_for(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None
+    assert logged(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None
 
     # The batch crate's logger at INFO: they come, without a flush (the
     # log thread applies the levels by itself).
@@ -132,7 +120,7 @@ def test_an_explicit_filter_wins_over_the_levels(peer_factory, local, caplog, qu
     quiesce.flush_logs()
     assert e.transfer_sync_write(target.session, src, a, 4096) == 0
     time.sleep(0.2)
-    assert wait_for(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None
+    assert logged(caplog, lambda r: "batch quiesced" in r.getMessage(), 0.2) is None
     # None: follow the loggers' levels again.
     quiesce.set_log_filter(None)
     quiesce.flush_logs()

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-import quiesce
-from conftest import engine, seed_round
+from conftest import engine, logged, seed_round
 from quiesce.mooncake import TransferEngine
 
 MiB = 1 << 20
@@ -173,6 +172,58 @@ def test_bad_input_is_a_clear_code_and_loses_nothing(peer_factory, local, monkey
     assert target.count(a, 4096, 9) == 4096
 
 
+def test_zero_length_entries_among_others_are_no_ops(peer_factory, local):
+    """SGLang sends a model's state items in one batch, and an item can be 0
+    bytes (a conv-only model's SSM state), with whatever pointer it has.
+    Mooncake completes such an entry as a no-op; so does the drop-in. A call
+    of nothing but zero lengths is still bad input."""
+    target = peer_factory(MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(8192, 0x21)
+    s = target.session
+    assert e.batch_transfer_sync_write(s, [src, 0, src + 4096], [a, a + 4096, a + 8192], [4096, 0, 4096]) == 0
+    assert target.count(a, 4096, 0x21) == 4096
+    assert target.count(a + 4096, 4096, 0) == 4096
+    assert target.count(a + 8192, 4096, 0x21) == 4096
+    bid = e.batch_transfer_async_write(s, [src, src], [a, a], [0, 4096])
+    assert bid > 0 and e.get_batch_transfer_status([bid]) == 0
+    assert e.batch_transfer_sync_write(s, [src, src], [a, a], [0, 0]) == -1, "nothing to move"
+
+
+def test_a_failed_batch_is_one_short_warning(peer_factory, local, caplog):
+    """Each reason once, with its count: a failed batch of 10,000 entries
+    made a warning line naming every entry (5 MB for 262,144)."""
+    n = 10_000
+    target = peer_factory(4096, n * 64)
+    (small, _), (big, _) = target.regions
+    e = engine()
+    src = local.buffer(n * 64)
+    assert e.transfer_sync_write(target.session, src, small, 4096) == 0
+    assert target.ask(f"unregister {small}") == "0"
+    srcs = [src] + [src + i * 64 for i in range(n)]
+    dsts = [small] + [big + i * 64 for i in range(n)]
+    caplog.clear()
+    assert e.batch_transfer_sync_write(target.session, srcs, dsts, [64] * (n + 1)) == -1
+    r = logged(caplog, lambda r: "failed:" in r.getMessage())
+    assert r is not None, [x.getMessage() for x in caplog.records]
+    assert f"of {n + 1} tasks" in r.getMessage(), r.getMessage()
+    assert len(r.getMessage()) < 1000, len(r.getMessage())
+
+
+def test_mc_force_tcp_makes_an_rdma_engine_a_tcp_one(peer_factory, local, monkeypatch):
+    """SGLang's switch: with MC_FORCE_TCP=1 it blanks the device and keeps
+    protocol "rdma" (its default), and Mooncake installs TCP."""
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    target = peer_factory(4096)
+    (a, _) = target.regions[0]
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    src = local.buffer(4096, 0x33)
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    assert target.count(a, 4096, 0x33) == 4096
+
+
 def test_addresses_and_lengths_are_ints_of_at_most_64_bits(peer_factory, local):
     """Addresses and lengths are read as Mooncake's binding reads them:
     any non-negative int of 64 bits (a list or a tuple of them in the batch
@@ -231,8 +282,7 @@ def test_memory_this_process_cannot_read_and_write_is_not_registered(local, capl
     ok = local.buffer(n)
     assert e.register_memory(ok, n) == 0
     assert e.unregister_memory(ok) == 0
-    quiesce.flush_logs()
-    assert any("not memory this process can read and write" in r.getMessage() for r in caplog.records)
+    assert logged(caplog, lambda r: "not memory this process can read and write" in r.getMessage())
 
 
 def ipv6_loopback():
