@@ -242,3 +242,31 @@ fn only_host_memory_this_process_can_read_and_write_is_lent() {
     unsafe { e.lend("rw", rw, LEN as u64, token).unwrap() };
     assert_eq!(e.reclaim(rw, Duration::from_secs(5)), Ok(true));
 }
+
+/// The check the Python binding makes of a call's local buffers: memory
+/// this process may read and write passes (and is remembered, by its
+/// mapping); a reserved range, a read-only one, one running past its
+/// mapping or past the end of the address space is named.
+#[test]
+fn host_ranges_name_the_first_buffer_that_is_not_host_memory() {
+    use quiesce_batch::sync::HostRanges;
+
+    let none = map(LEN, libc::PROT_NONE);
+    let ro = map(LEN, libc::PROT_READ);
+    let rw = map(LEN, libc::PROT_READ | libc::PROT_WRITE);
+    let check = HostRanges::new();
+    let len = LEN as u64;
+    assert_eq!(check.first_bad([(rw, len), (rw + 4096, 4096)]), None);
+    assert_eq!(
+        check.first_bad([(rw, 4096), (none, 4096)]),
+        Some((none, 4096))
+    );
+    assert_eq!(check.first_bad([(ro + 8, 16)]), Some((ro + 8, 16)));
+    assert_eq!(check.first_bad([(rw, len + 4096)]), Some((rw, len + 4096)));
+    assert_eq!(
+        check.first_bad([(u64::MAX - 8, 16)]),
+        Some((u64::MAX - 8, 16))
+    );
+    // Known by its mapping now: a buffer elsewhere in it passes too.
+    assert_eq!(check.first_bad([(rw + len - 64, 64)]), None);
+}

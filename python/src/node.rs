@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use fnv::FnvHashMap;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{
-    Direction, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask, SyncTasks,
+    Direction, HostRanges, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask, SyncTasks,
 };
 use quiesce_batch::{
     BatchOptions, FailurePolicy, TaskReport, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN,
@@ -105,6 +105,8 @@ pub(crate) struct Node {
     /// stopped, or leaked if its drain failed.
     pub(crate) managed: ManagedBuffers,
     options: BatchOptions,
+    /// The local memory found readable and writable so far.
+    host: HostRanges,
     /// Peer segments opened so far, by peer. (FNV: both maps are looked up
     /// on every transfer, by keys this process chose, where SipHash's
     /// flood resistance buys nothing and costs ~200 instructions a lookup.)
@@ -291,6 +293,7 @@ impl Node {
             token,
             managed: ManagedBuffers::default(),
             options: options(),
+            host: HostRanges::new(),
             opened: Mutex::default(),
             peers: Mutex::default(),
             pending: Mutex::default(),
@@ -419,6 +422,19 @@ impl Node {
         }
         if let Some(i) = (0..buffers.len()).find(|&i| buffers[i] == 0 && lengths[i] != 0) {
             return Err(format!("task {i} has a null buffer"));
+        }
+        // The caller's word is Mooncake's contract, but a GPU pointer (SGLang
+        // goes on to transfer from its KV caches after their registration
+        // failed) would crash this process in the first copy.
+        let locals = buffers.iter().zip(lengths).filter(|(_, &l)| l != 0);
+        if let Some((b, l)) = self
+            .host
+            .first_bad(locals.map(|(&b, &l)| (b as u64, l as u64)))
+        {
+            return Err(format!(
+                "local buffer {b:#x}..+{l} is not memory this process can read and write \
+                 (device memory? quiesce moves host memory)"
+            ));
         }
         let peer = self.peer(target)?;
         let mut tasks = SyncTasks::with_capacity(buffers.len());

@@ -313,6 +313,49 @@ def test_an_ipv6_host_as_sglang_writes_it(hostname, local):
         assert TransferEngine().initialize(bad, "P2PHANDSHAKE", "tcp", "") == -1, bad
 
 
+BAD_LOCAL_CODE = """
+import ctypes, sys
+from quiesce.mooncake import TransferEngine
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+n = 1 << 20
+reserved = libc.mmap(None, n, 0, 0x22, -1, 0)  # PROT_NONE: a GPU pointer's look here
+read_only = libc.mmap(None, n, 1, 0x22, -1, 0)
+t = TransferEngine(); assert t.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+dst = ctypes.create_string_buffer(n); assert t.register_memory(ctypes.addressof(dst), n) == 0
+e = TransferEngine(); assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+s = f"127.0.0.1:{t.get_rpc_port()}"
+d = ctypes.addressof(dst)
+ok = ctypes.create_string_buffer(b"\\x44" * 4096, 4096)
+codes = [
+    e.transfer_sync_write(s, reserved, d, 4096),
+    e.transfer_sync_write(s, reserved, d, n),
+    e.batch_transfer_sync_write(s, [ctypes.addressof(ok), reserved], [d, d + 4096], [4096, 4096]),
+    e.transfer_sync_read(s, read_only, d, 4096),
+    e.transfer_sync_read(s, reserved + n - 2048, d, 4096),
+]
+assert dst.raw[:8192] == bytes(8192), "a refused batch moved bytes"
+codes.append(e.transfer_sync_write(s, ctypes.addressof(ok), d, 4096))
+print(codes, flush=True)
+"""
+
+
+def test_a_local_buffer_this_process_cannot_touch_is_refused_not_a_crash():
+    """SGLang ignores a failed registration and then transfers from the same
+    GPU pointers: the drop-in copied from them and the process died
+    (SIGSEGV). A local source or destination that is not memory this
+    process may read and write is now -1, and the engine goes on."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", BAD_LOCAL_CODE], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.strip() == "[-1, -1, -1, -1, -1, 0]", out.stdout + out.stderr[-2000:]
+
+
 def test_another_secret_opens_nothing(peer_factory, local, monkeypatch):
     target = peer_factory(MiB)
     (a, _) = target.regions[0]

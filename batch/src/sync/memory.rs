@@ -13,7 +13,7 @@ use std::time::Duration;
 use quiesce_runtime::spawn_local;
 use quiesce_transports::{ForeignMemory, Token};
 
-use super::{Lent, SegmentBy, SyncEngine, SyncError};
+use super::{host, Lent, SegmentBy, SyncEngine, SyncError};
 
 /// Where a lent range stands (the caller's side of it).
 pub(crate) enum Lending {
@@ -61,7 +61,7 @@ impl SyncEngine {
         len: u64,
         token: Token,
     ) -> Result<u64, SyncError> {
-        if !host_memory(addr, len) {
+        if host::span(addr, len).is_none() {
             return Err(SyncError::NotHostMemory { addr, len });
         }
         let (released_tx, released_rx) = mpsc::channel();
@@ -202,43 +202,4 @@ impl SyncEngine {
         // A poisoned map is still the right map: nothing in it panics.
         self.released.lock().unwrap_or_else(|e| e.into_inner())
     }
-}
-
-/// Whether every byte of `addr..addr + len` lies in mappings of this
-/// process that it may read and write (`/proc/self/maps`, whose lines run
-/// in address order). Memory a device reserved in the process's address
-/// space (a CUDA allocation is an inaccessible range here) is not. If the
-/// table cannot be read, the caller's word is taken, as before the check.
-fn host_memory(addr: u64, len: u64) -> bool {
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return true;
-    };
-    let Some(end) = addr.checked_add(len) else {
-        return false;
-    };
-    let mut at = addr;
-    for line in maps.lines() {
-        let mut fields = line.split_ascii_whitespace();
-        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
-            continue;
-        };
-        let Some((lo, hi)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
-            continue;
-        };
-        if hi <= at {
-            continue;
-        }
-        // A gap before `at`'s mapping, or one it may not read and write.
-        if lo > at || !perms.starts_with("rw") {
-            return false;
-        }
-        at = hi;
-        if at >= end {
-            return true;
-        }
-    }
-    false
 }

@@ -43,6 +43,7 @@ use smallvec::SmallVec;
 use crate::{BatchOptions, Outcome, Quiesced, TaskReport, Ticket, SYNC_UNKNOWN};
 
 mod fabric;
+mod host;
 mod lane;
 mod memory;
 
@@ -51,6 +52,7 @@ use lane::{LaneKey, Lanes};
 
 pub use lane::{LANE_MAX_BYTES, LANE_MAX_TASKS};
 
+pub use host::HostRanges;
 pub use memory::OpenedSegment;
 
 /// Which direction a sync batch moves data.
