@@ -105,6 +105,9 @@ pub(crate) struct Node {
     /// stopped, or leaked if its drain failed.
     pub(crate) managed: ManagedBuffers,
     options: BatchOptions,
+    /// How long a sync call that would answer -2 waits for its batch to
+    /// drain first ([`QUIESCE_WAIT_UNKNOWN`]).
+    wait_unknown: Duration,
     /// The local memory found readable and writable so far.
     host: HostRanges,
     /// Peer segments opened so far, by peer. (FNV: both maps are looked up
@@ -181,6 +184,33 @@ pub(crate) fn tcp_congestion() -> Result<Option<String>, String> {
             Ok(Some(name))
         }
         _ => Ok(None),
+    }
+}
+
+/// The variable that makes a sync call wait for a batch whose completion is
+/// unknown before it answers.
+pub(crate) const QUIESCE_WAIT_UNKNOWN: &str = "QUIESCE_WAIT_UNKNOWN";
+
+/// How long a sync call that would answer -2 first waits for its batch to
+/// drain: [`QUIESCE_WAIT_UNKNOWN`] seconds, 0 (answer -2 at once) if unset.
+/// vLLM and SGLang take -2 for a failure and reuse the memory at once,
+/// never calling `wait_for_quiescence()`; with a wait, the call answers the
+/// drained outcome instead, after which nothing touches the memory.
+fn wait_unknown() -> Duration {
+    let Ok(v) = std::env::var(QUIESCE_WAIT_UNKNOWN) else {
+        return Duration::ZERO;
+    };
+    match v
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+    {
+        Some(d) => d,
+        None => {
+            tracing::warn!("{QUIESCE_WAIT_UNKNOWN}={v:?} is not a number of seconds; not waiting");
+            Duration::ZERO
+        }
     }
 }
 
@@ -293,6 +323,7 @@ impl Node {
             token,
             managed: ManagedBuffers::default(),
             options: options(),
+            wait_unknown: wait_unknown(),
             host: HostRanges::new(),
             opened: Mutex::default(),
             peers: Mutex::default(),
@@ -497,8 +528,36 @@ impl Node {
         };
         let opts = self.options_for(&p);
         match self.engine().run(p.tasks, opts) {
-            Ok(out) => self.settle(target, p.peer, &p.used, out),
+            Ok(out) => {
+                let out = self.drained_within(out, self.wait_unknown);
+                self.settle(target, p.peer, &p.used, out)
+            }
             Err(e) => complain(&format!("transfer: {e}")),
+        }
+    }
+
+    /// A -2 outcome waited on for up to `limit`: the drained outcome (0 or
+    /// -1, nothing touching the memory) if it drained in time, else `out`
+    /// (its ticket goes to `pending`). Anything else as it is.
+    fn drained_within(&self, out: SyncOutcome<RawBuf>, limit: Duration) -> SyncOutcome<RawBuf> {
+        let (SYNC_UNKNOWN, Some(ticket)) = (out.code, out.ticket) else {
+            return out;
+        };
+        if limit.is_zero() {
+            return out;
+        }
+        match self.engine().wait::<RawBuf>(ticket, limit) {
+            Ok(Some(drained)) => {
+                tracing::info!(
+                    code = drained.code,
+                    "a batch whose completion was unknown drained within {QUIESCE_WAIT_UNKNOWN}"
+                );
+                drained
+            }
+            // Not yet, or the engine stopped (after reaping every
+            // operation: then the ticket is gone and -2 would pin nothing,
+            // but nothing says whether it completed either).
+            Ok(None) | Err(_) => out,
         }
     }
 

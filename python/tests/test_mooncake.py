@@ -420,6 +420,38 @@ def test_a_stopped_target_with_a_deadline(peer_factory, local, monkeypatch):
     print(f"stopped target: {ret} after {took:.2f} s")
 
 
+def test_quiesce_wait_unknown_turns_a_minus_two_into_the_drained_outcome(
+    peer_factory, local, monkeypatch
+):
+    """vLLM and SGLang treat -2 as a failure and reuse the memory at once,
+    never calling wait_for_quiescence(). With QUIESCE_WAIT_UNKNOWN=seconds a
+    call that would answer -2 first waits that long for its batch to drain,
+    and answers the drained outcome (0 or -1): nothing touches the memory
+    when it returns. (A stopped target on this host gives -2: it holds the
+    source lent through the local transport.)"""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    monkeypatch.setenv("QUIESCE_WAIT_UNKNOWN", "30")
+    target = peer_factory(64 * MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(64 * MiB, 6)
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    target.signal(signal.SIGSTOP)
+    out = []
+    t = threading.Thread(
+        target=lambda: out.append(e.transfer_sync_write(target.session, src, a, 64 * MiB))
+    )
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(7)  # past the deadline and the fence's grace: -2 without the wait
+    assert not out, f"answered {out} while the target is stopped"
+    target.signal(signal.SIGCONT)
+    t.join(30)
+    assert out and out[0] in (0, -1), out
+    assert time.monotonic() - t0 < 30
+    assert e.wait_for_quiescence(0) == 0, "a ticket left pending"
+
+
 def test_get_first_buffer_address(peer_factory, local, monkeypatch):
     """The peer's first registered buffer, as Mooncake's callers locate a
     peer's memory; the next one once it is withdrawn; 0 when nothing is open
