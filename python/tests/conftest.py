@@ -173,3 +173,18 @@ def logged(caplog, pred, timeout=5.0):
                 return r
         if time.monotonic() >= until:
             return None
+
+
+def stopped_target(peer_factory, local, monkeypatch, byte):
+    """A target of 64 MiB, an engine whose transfers have a 5 s deadline
+    and that wrote to it once (connected), and a 64 MiB source of ``byte``;
+    the target then stopped (SIGSTOP). Returns (target, its range's
+    address, engine, source)."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    target = peer_factory(64 << 20)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(64 << 20, byte)
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    target.signal(signal.SIGSTOP)
+    return target, a, e, src

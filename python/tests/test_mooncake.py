@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import engine, logged, seed_round
+from conftest import engine, logged, seed_round, stopped_target
 from quiesce.mooncake import TransferEngine
 
 MiB = 1 << 20
@@ -393,13 +393,7 @@ def test_a_stopped_target_with_a_deadline(peer_factory, local, monkeypatch):
     """MC_TRANSFER_TIMEOUT=5: a SIGSTOPped target gives -1 or -2 soon after the
     deadline, never 0 and never a hang; after -2 the memory stays pinned until
     the target resumes and the batch drains."""
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
-    target = peer_factory(64 * MiB)
-    (a, _) = target.regions[0]
-    e = engine()
-    src = local.buffer(64 * MiB, 6)
-    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
-    target.signal(signal.SIGSTOP)
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
     t0 = time.monotonic()
     ret = e.transfer_sync_write(target.session, src, a, 64 * MiB)
     took = time.monotonic() - t0
@@ -429,14 +423,8 @@ def test_quiesce_wait_unknown_turns_a_minus_two_into_the_drained_outcome(
     and answers the drained outcome (0 or -1): nothing touches the memory
     when it returns. (A stopped target on this host gives -2: it holds the
     source lent through the local transport.)"""
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
     monkeypatch.setenv("QUIESCE_WAIT_UNKNOWN", "30")
-    target = peer_factory(64 * MiB)
-    (a, _) = target.regions[0]
-    e = engine()
-    src = local.buffer(64 * MiB, 6)
-    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
-    target.signal(signal.SIGSTOP)
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
     out = []
     t = threading.Thread(
         target=lambda: out.append(e.transfer_sync_write(target.session, src, a, 64 * MiB))

@@ -4,7 +4,7 @@ status, managed buffers, probes."""
 import ctypes
 import time
 
-from conftest import engine
+from conftest import engine, stopped_target
 from quiesce.mooncake import TransferEngine, TransferOpcode
 
 MiB = 1 << 20
@@ -131,13 +131,7 @@ def test_a_second_status_call_while_one_waits_says_running(peer_factory, local, 
     import signal
     import threading
 
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
-    target = peer_factory(64 * MiB)
-    (a, _) = target.regions[0]
-    e = engine()
-    src = local.buffer(64 * MiB, 9)
-    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
-    target.signal(signal.SIGSTOP)
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 9)
     bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
     assert bid > 0
     waited = []
