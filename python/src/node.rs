@@ -191,8 +191,9 @@ pub(crate) fn tcp_congestion() -> Result<Option<String>, String> {
 /// unknown before it answers.
 pub(crate) const QUIESCE_WAIT_UNKNOWN: &str = "QUIESCE_WAIT_UNKNOWN";
 
-/// How long a sync call that would answer -2 first waits for its batch to
-/// drain: [`QUIESCE_WAIT_UNKNOWN`] seconds, 0 (answer -2 at once) if unset.
+/// How long a sync call that would answer -2 (or `get_batch_transfer_status`
+/// on such a batch) first waits for its batch to drain:
+/// [`QUIESCE_WAIT_UNKNOWN`] seconds, 0 (answer -2 at once) if unset.
 /// vLLM and SGLang take -2 for a failure and reuse the memory at once,
 /// never calling `wait_for_quiescence()`; with a wait, the call answers the
 /// drained outcome instead, after which nothing touches the memory.
@@ -614,6 +615,9 @@ impl Node {
         match rx.recv_timeout(wait) {
             Ok(out) => {
                 lock(&self.outstanding).remove(&id);
+                // A caller that waits (get_batch_transfer_status) waits out
+                // a -2 as a sync call does; one that polls does not.
+                let out = self.drained_within(out, self.wait_unknown.min(wait));
                 Progress::Done(self.settle(&target, peer, &used, out))
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
