@@ -188,3 +188,24 @@ def stopped_target(peer_factory, local, monkeypatch, byte):
     assert e.transfer_sync_write(target.session, src, a, 4096) == 0
     target.signal(signal.SIGSTOP)
     return target, a, e, src
+
+
+def answers_after_resume(target, e, call):
+    """Runs ``call`` (a transfer call on ``e`` to the stopped ``target``) in
+    a thread; checks that it is still waiting 7 s in — past a 5 s deadline
+    and the fence's grace, where a -2 would have come — then resumes the
+    target and checks that the call answers 0 or -1 and leaves nothing
+    pending."""
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(call()))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(7)
+    assert not out, f"answered {out} while the target is stopped"
+    target.signal(signal.SIGCONT)
+    t.join(30)
+    assert out and out[0] in (0, -1), out
+    assert time.monotonic() - t0 < 37
+    assert e.wait_for_quiescence(0) == 0, "a ticket left pending"

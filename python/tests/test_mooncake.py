@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import engine, logged, seed_round, stopped_target
+from conftest import answers_after_resume, engine, logged, seed_round, stopped_target
 from quiesce.mooncake import TransferEngine
 
 MiB = 1 << 20
@@ -425,19 +425,7 @@ def test_quiesce_wait_unknown_turns_a_minus_two_into_the_drained_outcome(
     source lent through the local transport.)"""
     monkeypatch.setenv("QUIESCE_WAIT_UNKNOWN", "30")
     target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
-    out = []
-    t = threading.Thread(
-        target=lambda: out.append(e.transfer_sync_write(target.session, src, a, 64 * MiB))
-    )
-    t0 = time.monotonic()
-    t.start()
-    time.sleep(7)  # past the deadline and the fence's grace: -2 without the wait
-    assert not out, f"answered {out} while the target is stopped"
-    target.signal(signal.SIGCONT)
-    t.join(30)
-    assert out and out[0] in (0, -1), out
-    assert time.monotonic() - t0 < 30
-    assert e.wait_for_quiescence(0) == 0, "a ticket left pending"
+    answers_after_resume(target, e, lambda: e.transfer_sync_write(target.session, src, a, 64 * MiB))
 
 
 def test_get_first_buffer_address(peer_factory, local, monkeypatch):

@@ -4,7 +4,7 @@ status, managed buffers, probes."""
 import ctypes
 import time
 
-from conftest import engine, stopped_target
+from conftest import answers_after_resume, engine, stopped_target
 from quiesce.mooncake import TransferEngine, TransferOpcode
 
 MiB = 1 << 20
@@ -148,19 +148,8 @@ def test_a_second_status_call_while_one_waits_says_running(peer_factory, local, 
 def test_quiesce_wait_unknown_holds_get_batch_transfer_status_too(peer_factory, local, monkeypatch):
     """The asynchronous form of test_mooncake's QUIESCE_WAIT_UNKNOWN test:
     get_batch_transfer_status waits out a -2 as a sync call does."""
-    import signal
-    import threading
-
     monkeypatch.setenv("QUIESCE_WAIT_UNKNOWN", "30")
     target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 10)
     bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
     assert bid > 0
-    out = []
-    t = threading.Thread(target=lambda: out.append(e.get_batch_transfer_status([bid])))
-    t.start()
-    time.sleep(7)  # past the deadline and the fence's grace: -2 without the wait
-    assert not out, f"answered {out} while the target is stopped"
-    target.signal(signal.SIGCONT)
-    t.join(30)
-    assert out and out[0] in (0, -1), out
-    assert e.wait_for_quiescence(0) == 0, "a ticket left pending"
+    answers_after_resume(target, e, lambda: e.get_batch_transfer_status([bid]))
