@@ -216,6 +216,18 @@ fn map(len: usize, prot: libc::c_int) -> u64 {
     p as u64
 }
 
+/// `len` bytes of read-write memory with an inaccessible page after them,
+/// so that whatever another test maps next to it, a range running past
+/// the end is never host memory, and the mapping never merges with a
+/// neighbour.
+fn map_rw_guarded(len: usize) -> u64 {
+    let at = map(len + 4096, libc::PROT_READ | libc::PROT_WRITE);
+    // SAFETY: the last page of the mapping just made; nothing refers to it.
+    let rc = unsafe { libc::mprotect((at + len as u64) as *mut _, 4096, libc::PROT_NONE) };
+    assert_eq!(rc, 0);
+    at
+}
+
 /// Lending is refused, with a typed error, for a range that is not memory
 /// this process may read and write: a device's reserved addresses (a CUDA
 /// pointer is `PROT_NONE` here), read-only memory, a range running past
@@ -228,7 +240,7 @@ fn only_host_memory_this_process_can_read_and_write_is_lent() {
     let page = 4096u64;
     let none = map(LEN, libc::PROT_NONE);
     let ro = map(LEN, libc::PROT_READ);
-    let rw = map(LEN, libc::PROT_READ | libc::PROT_WRITE);
+    let rw = map_rw_guarded(LEN);
     for (addr, len) in [
         (none, LEN as u64),
         (ro, LEN as u64),
@@ -253,7 +265,7 @@ fn host_ranges_name_the_first_buffer_that_is_not_host_memory() {
 
     let none = map(LEN, libc::PROT_NONE);
     let ro = map(LEN, libc::PROT_READ);
-    let rw = map(LEN, libc::PROT_READ | libc::PROT_WRITE);
+    let rw = map_rw_guarded(LEN);
     let check = HostRanges::new();
     let len = LEN as u64;
     assert_eq!(check.first_bad([(rw, len), (rw + 4096, 4096)]), None);
@@ -269,4 +281,26 @@ fn host_ranges_name_the_first_buffer_that_is_not_host_memory() {
     );
     // Known by its mapping now: a buffer elsewhere in it passes too.
     assert_eq!(check.first_bad([(rw + len - 64, 64)]), None);
+}
+
+/// A call whose buffers lie in many mappings reads the kernel's table once,
+/// not once per mapping: a process with a large table (a PyTorch worker's
+/// runs to thousands of lines) passing one buffer per allocation would
+/// otherwise read and parse it for every entry of the call.
+#[test]
+fn host_ranges_read_the_table_once_per_call() {
+    use quiesce_batch::sync::HostRanges;
+
+    // Each buffer its own mapping.
+    let pages: Vec<u64> = (0..100).map(|_| map_rw_guarded(4096)).collect();
+    let check = HostRanges::new();
+    assert_eq!(check.first_bad(pages.iter().map(|&p| (p, 4096))), None);
+    assert_eq!(check.table_reads(), 1, "one call, one read of the table");
+    // More mappings than it keeps: the next call reads it once more at most.
+    assert_eq!(check.first_bad(pages.iter().map(|&p| (p, 4096))), None);
+    assert!(check.table_reads() <= 2, "{} reads", check.table_reads());
+    // And a bad one among them is still named.
+    let none = map(4096, libc::PROT_NONE);
+    let with_bad = pages.iter().map(|&p| (p, 4096)).chain([(none, 16)]);
+    assert_eq!(check.first_bad(with_bad), Some((none, 16)));
 }

@@ -7,49 +7,67 @@
 //! killed the process; the check makes it a refusal. The kernel's table of
 //! mappings (`/proc/self/maps`) says what is readable and writable;
 //! [`HostRanges`] keeps the spans it found good, so that a program reusing
-//! its buffers reads the table once per mapping, not once per call.
+//! its buffers does not read the table at all, and one that does not reads
+//! it once per call, however many mappings the call's buffers lie in.
 
 use std::sync::Mutex;
 
-/// The span of `[lo, hi)` mappings, each readable and writable and each
-/// starting where the one before ends, that holds `addr..addr + len`;
-/// `None` if a byte of it lies outside such mappings. If the table cannot
-/// be read, the range alone is taken on the caller's word (as before the
-/// check existed).
-pub(super) fn span(addr: u64, len: u64) -> Option<(u64, u64)> {
+/// One line of the kernel's table: `[lo, hi)` and whether this process
+/// may read and write it.
+#[derive(Clone, Copy)]
+struct Mapping {
+    lo: u64,
+    hi: u64,
+    rw: bool,
+}
+
+/// The kernel's table of this process's mappings, in address order; `None`
+/// if it cannot be read.
+fn table() -> Option<Vec<Mapping>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let parse = |line: &str| {
+        let mut fields = line.split_ascii_whitespace();
+        let (lo, hi) = fields.next()?.split_once('-')?;
+        let rw = fields.next()?.starts_with("rw");
+        let lo = u64::from_str_radix(lo, 16).ok()?;
+        let hi = u64::from_str_radix(hi, 16).ok()?;
+        Some(Mapping { lo, hi, rw })
+    };
+    Some(maps.lines().filter_map(parse).collect())
+}
+
+/// The span of `[lo, hi)` mappings in `table`, each readable and writable
+/// and each starting where the one before ends, that holds
+/// `addr..addr + len`; `None` if a byte of it lies outside such mappings.
+/// Without a table the range alone is taken on the caller's word (as before
+/// the check existed).
+fn span_in(table: Option<&[Mapping]>, addr: u64, len: u64) -> Option<(u64, u64)> {
     let end = addr.checked_add(len)?;
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+    let Some(table) = table else {
         return Some((addr, end));
     };
+    // The first mapping that ends after `addr`; the table is sorted.
+    let from = table.partition_point(|m| m.hi <= addr);
     let mut first = None;
     let mut at = addr;
-    // The table's lines run in address order.
-    for line in maps.lines() {
-        let mut fields = line.split_ascii_whitespace();
-        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
-            continue;
-        };
-        let Some((lo, hi)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
-            continue;
-        };
-        if hi <= at {
-            continue;
-        }
+    for m in &table[from..] {
         // A gap before `at`'s mapping, or one this process may not read
         // and write.
-        if lo > at || !perms.starts_with("rw") {
+        if m.lo > at || !m.rw {
             return None;
         }
-        first.get_or_insert(lo);
-        at = hi;
+        first.get_or_insert(m.lo);
+        at = m.hi;
         if at >= end {
-            return first.map(|lo| (lo, hi));
+            return first.map(|lo| (lo, m.hi));
         }
     }
     None
+}
+
+/// [`span_in`] a fresh read of the table.
+pub(super) fn span(addr: u64, len: u64) -> Option<(u64, u64)> {
+    span_in(table().as_deref(), addr, len)
 }
 
 /// Most spans a [`HostRanges`] keeps (the oldest goes first).
@@ -64,7 +82,13 @@ const KEPT: usize = 64;
 /// a guard against every use-after-free.
 #[derive(Default)]
 pub struct HostRanges {
-    known: Mutex<Vec<(u64, u64)>>,
+    known: Mutex<Known>,
+}
+
+#[derive(Default)]
+struct Known {
+    spans: Vec<(u64, u64)>,
+    table_reads: u64,
 }
 
 impl HostRanges {
@@ -77,21 +101,36 @@ impl HostRanges {
     /// process may read and write, or `None` if each one is.
     pub fn first_bad(&self, ranges: impl IntoIterator<Item = (u64, u64)>) -> Option<(u64, u64)> {
         let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        // Read once, when the first range not known yet needs it.
+        let mut table: Option<Option<Vec<Mapping>>> = None;
         for (addr, len) in ranges {
             let Some(end) = addr.checked_add(len) else {
                 return Some((addr, len));
             };
-            if known.iter().any(|&(lo, hi)| lo <= addr && end <= hi) {
+            if known.spans.iter().any(|&(lo, hi)| lo <= addr && end <= hi) {
                 continue;
             }
-            let Some(found) = span(addr, len) else {
+            let table = table.get_or_insert_with(|| {
+                known.table_reads += 1;
+                self::table()
+            });
+            let Some(found) = span_in(table.as_deref(), addr, len) else {
                 return Some((addr, len));
             };
-            if known.len() == KEPT {
-                known.remove(0);
+            if known.spans.len() == KEPT {
+                known.spans.remove(0);
             }
-            known.push(found);
+            known.spans.push(found);
         }
         None
+    }
+
+    /// How many times this check has read the kernel's table of mappings:
+    /// its cost, which tests and benchmarks count.
+    pub fn table_reads(&self) -> u64 {
+        self.known
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .table_reads
     }
 }
