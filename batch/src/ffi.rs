@@ -337,8 +337,7 @@ unsafe fn batch(
     });
     // The caller's array is the batch's bound, not the Rust API's default
     // limit (a KV cache's blocks times its layers pass 4,096).
-    let opts = options(opts);
-    let opts = opts.max_tasks(n.max(opts.max_tasks));
+    let opts = options(opts).room_for(n);
     answer(engine.0.batch(dir, tasks, opts), ticket_out)
 }
 

@@ -89,4 +89,20 @@ impl BatchOptions {
         self.max_tasks = n;
         self
     }
+
+    /// Raises the task limit to hold `n` tasks, never lowers it: for a
+    /// call whose own array of `n` entries is the batch's bound (the C
+    /// ABI's and Python's calls; a KV cache's blocks times its layers pass
+    /// the default of 4,096).
+    ///
+    /// ```
+    /// use quiesce_batch::BatchOptions;
+    /// let opts = BatchOptions::default().max_tasks(64);
+    /// assert_eq!(opts.room_for(10_000).max_tasks, 10_000);
+    /// assert_eq!(opts.room_for(8).max_tasks, 64);
+    /// ```
+    pub fn room_for(self, n: usize) -> Self {
+        let at_least = n.max(self.max_tasks);
+        self.max_tasks(at_least)
+    }
 }

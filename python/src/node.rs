@@ -506,9 +506,7 @@ impl Node {
     /// `MC_TRANSFER_TIMEOUT` plus a nanosecond per byte (a second per GB),
     /// so a whole rank's weights read at start-up are not cut at 30 s.
     fn options_for(&self, p: &Prepared) -> BatchOptions {
-        let mut opts = self
-            .options
-            .max_tasks(p.tasks.len().max(self.options.max_tasks));
+        let mut opts = self.options.room_for(p.tasks.len());
         opts.deadline = opts.deadline.map(|d| d + Duration::from_nanos(p.bytes));
         opts
     }

@@ -155,7 +155,7 @@ fn options(py: Python<'_>, policy: &str, deadline: f64, tasks: usize) -> PyResul
         .filter(|d| !d.is_zero())
         .ok_or_else(|| invalid(py, "the deadline must be a positive number of seconds"))?;
     let opts = BatchOptions::default().policy(policy).deadline(deadline);
-    Ok(opts.max_tasks(tasks.max(opts.max_tasks)))
+    Ok(opts.room_for(tasks))
 }
 
 fn report(out: &SyncOutcome<RawBuf>) -> Report {
