@@ -414,6 +414,22 @@ def test_a_stopped_target_with_a_deadline(peer_factory, local, monkeypatch):
     print(f"stopped target: {ret} after {took:.2f} s")
 
 
+def test_the_deadline_grows_with_the_batch_size(peer_factory, local, monkeypatch):
+    """As Mooncake's, a batch's deadline is MC_TRANSFER_TIMEOUT plus a
+    nanosecond per byte, so a large read at start-up is not cut at the
+    timeout: 32 entries of 64 MiB (2 GiB, +2.1 s) to a stopped target answer
+    no sooner than 5 + 2.1 s, where a fixed deadline answers at 5.2 s."""
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
+    n = 32
+    t0 = time.monotonic()
+    ret = e.batch_transfer_sync_write(target.session, [src] * n, [a] * n, [64 * MiB] * n)
+    took = time.monotonic() - t0
+    assert ret in (-1, -2), ret
+    assert took >= 5 + n * 64 * MiB / 1e9 - 0.05, f"answered after {took:.2f} s"
+    target.signal(signal.SIGCONT)
+    assert e.wait_for_quiescence(30) == 0
+
+
 def test_quiesce_wait_unknown_turns_a_minus_two_into_the_drained_outcome(
     peer_factory, local, monkeypatch
 ):
