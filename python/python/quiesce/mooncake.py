@@ -5,6 +5,9 @@ Switching a caller is an import change::
     # from mooncake.engine import TransferEngine
     from quiesce.mooncake import TransferEngine
 
+or, for a caller whose import you cannot edit (vLLM's and SGLang's
+connectors), ``quiesce.as_mooncake``'s directory first on ``PYTHONPATH``.
+
 Same method names, argument order and return conventions as Mooncake's
 binding, for the calls vLLM's and SGLang's connectors make. What differs is
 what the codes promise: ``-1`` means nothing touches your memory any more
