@@ -590,17 +590,28 @@ impl TransferEngine {
             })
     }
 
-    /// Whether the peer `peer_server_name` (`"host:port"`) accepts a
+    /// Whether the peer `peer_server_name` — a session name, found as a
+    /// transfer finds it (`"host:port"`, or a name in etcd) — accepts a
     /// connection within 2 s: 0 if so, -1 otherwise.
     fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i32 {
+        let node = self.node();
         py.detach(|| {
-            let addr = match peer_server_name.to_socket_addrs().map(|mut a| a.next()) {
-                Ok(Some(a)) => a,
-                _ => return complain(&format!("send_probe: cannot resolve {peer_server_name:?}")),
+            let addr = match &node {
+                Some(node) => node.peer(peer_server_name),
+                // Before `initialize` only an address can be probed.
+                None => peer_server_name
+                    .to_socket_addrs()
+                    .ok()
+                    .and_then(|mut a| a.next())
+                    .ok_or_else(|| format!("cannot resolve {peer_server_name:?}")),
+            };
+            let addr = match addr {
+                Ok(a) => a,
+                Err(e) => return complain(&format!("send_probe: {e}")),
             };
             match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
                 Ok(_) => SYNC_OK,
-                Err(e) => complain(&format!("send_probe {peer_server_name}: {e}")),
+                Err(e) => complain(&format!("send_probe {peer_server_name} ({addr}): {e}")),
             }
         })
     }

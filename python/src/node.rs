@@ -366,7 +366,9 @@ impl Node {
             .withdraw_segment(&self.name, &format!("{addr:#x}"));
     }
 
-    fn peer(&self, target: &str) -> Result<SocketAddr, String> {
+    /// The address of session `target`: the name itself for P2P, its
+    /// entry in the directory for etcd.
+    pub(crate) fn peer(&self, target: &str) -> Result<SocketAddr, String> {
         if let Some(a) = lock(&self.peers).get(target) {
             return Ok(*a);
         }

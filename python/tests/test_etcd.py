@@ -77,6 +77,9 @@ def test_engines_find_each_other_by_name_through_etcd(etcd):
         src2 = other.allocate_managed_buffer(4096)
         other.write_bytes_to_buffer(src2, b"\x5a" * 4096, 4096)
         assert other.get_first_buffer_address("127.0.0.2") == dst
+        # A probe finds the peer by its name, as a transfer does.
+        assert other.send_probe("127.0.0.2") == 0
+        assert other.send_probe("127.0.0.9") == -1
         assert other.transfer_sync_write("127.0.0.2", src2, dst, 4096) == 0
         assert target.read_bytes_from_buffer(dst, 4096) == b"\x5a" * 4096
         assert other.transfer_sync_write("127.0.0.9", src2, dst, 4096) == -1
