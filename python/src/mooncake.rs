@@ -20,6 +20,7 @@ use quiesce_batch::sync::{Direction, SyncError};
 use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_runtime::timeline::{self, Step};
 
+use crate::managed::Free;
 use crate::node::{complain, Fabric, Node, Progress};
 use crate::opcode::{direction, refuse_notify, TransferOpcode};
 use crate::word::{Word, Words};
@@ -515,27 +516,38 @@ impl TransferEngine {
     }
 
     /// Unregisters and frees a managed buffer: 0 once freed, -1 if there is
-    /// no such buffer, -2 if something still held it (it stays allocated;
-    /// call again).
+    /// no such buffer (of that length), -2 if something still holds it — a
+    /// peer, or a batch of this engine whose outcome is not final (one
+    /// that answered -2 and has not drained): it stays allocated; call
+    /// again (after `wait_for_quiescence()` for a -2).
     fn free_managed_buffer(&self, py: Python<'_>, buffer_addr: usize, length: usize) -> i32 {
         let Some(node) = self.not_ready() else {
             return SYNC_FAILED;
         };
-        if !node.managed.holds(buffer_addr, length) {
+        if !node.managed.is_buffer(buffer_addr, length) {
             return complain(&format!(
-                "free_managed_buffer: no managed buffer at {buffer_addr:#x}"
+                "free_managed_buffer: no managed buffer of {length} bytes at {buffer_addr:#x}"
             ));
+        }
+        // Registered still, so that a batch's retry finds it where it was.
+        if node.managed.in_use(buffer_addr) {
+            return SYNC_UNKNOWN;
         }
         let reclaimed = py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT));
         match reclaimed {
             // Nothing holds it now — or nothing was lent there any more (an
             // earlier unregister_memory took it back to the end).
-            Ok(true) | Err(SyncError::NotLent(_)) => match node.managed.free(buffer_addr, length) {
-                true => SYNC_OK,
-                false => complain(&format!(
-                    "free_managed_buffer: {length} bytes is not its length"
-                )),
-            },
+            Ok(true) | Err(SyncError::NotLent(_)) => {
+                node.withdrawn(buffer_addr as u64);
+                match node.managed.free(buffer_addr, length) {
+                    Free::Done => SYNC_OK,
+                    // A batch started on it meanwhile.
+                    Free::InUse => SYNC_UNKNOWN,
+                    Free::NoSuchBuffer => complain(&format!(
+                        "free_managed_buffer: {buffer_addr:#x} was freed meanwhile"
+                    )),
+                }
+            }
             Ok(false) => SYNC_UNKNOWN,
             Err(e) => complain(&format!("free_managed_buffer {buffer_addr:#x}: {e}")),
         }
@@ -622,7 +634,8 @@ impl TransferEngine {
     #[pyo3(signature = (timeout = 30.0))]
     fn wait_for_quiescence(&self, py: Python<'_>, timeout: f64) -> usize {
         let Some(node) = self.node() else { return 0 };
-        let t = Duration::from_secs_f64(timeout.max(0.0));
+        // Infinite or past what a Duration holds: no limit.
+        let t = Duration::try_from_secs_f64(timeout.max(0.0)).unwrap_or(Duration::MAX);
         py.detach(|| node.quiesce_pending(t))
     }
 }

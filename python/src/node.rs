@@ -22,7 +22,7 @@ use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, LocalMode, Token};
 use smallvec::SmallVec;
 
-use crate::managed::ManagedBuffers;
+use crate::managed::{ManagedBuffers, Uses};
 
 /// The environment variable holding the cluster's shared secret (at least
 /// 16 bytes; the same on every peer).
@@ -64,10 +64,20 @@ pub(crate) enum Fabric {
 /// An asynchronous batch: its outcome's channel (taken out by the one call
 /// that waits on it), and what it used.
 struct Outstanding {
+    /// `None` while a status call waits on it (the batch runs on, as far as
+    /// any other call is told).
     outcome: Option<mpsc::Receiver<SyncOutcome<RawBuf>>>,
     target: String,
     peer: SocketAddr,
     used: SmallVec<[u32; 4]>,
+    uses: Uses,
+}
+
+/// A batch that answered -2: its ticket, and the managed buffers it holds
+/// until it drains.
+struct Pinned {
+    ticket: u64,
+    uses: Uses,
 }
 
 /// How an asynchronous batch stands.
@@ -90,6 +100,8 @@ struct Prepared {
     bytes: u64,
     /// The segments the tasks use (inline for a few: no allocation).
     used: SmallVec<[u32; 4]>,
+    /// The managed buffers its local buffers lie in.
+    uses: Uses,
 }
 
 pub(crate) struct Node {
@@ -116,8 +128,8 @@ pub(crate) struct Node {
     opened: Mutex<FnvHashMap<SocketAddr, Vec<OpenedSegment>>>,
     /// P2P session names resolved so far.
     peers: Mutex<FnvHashMap<String, SocketAddr>>,
-    /// Tickets of batches that returned -2: their memory stays pinned.
-    pub(crate) pending: Mutex<Vec<u64>>,
+    /// Batches that returned -2: their memory stays pinned.
+    pending: Mutex<Vec<Pinned>>,
     /// Held by the one `quiesce_pending` that waits.
     waiting: Mutex<()>,
     /// Asynchronous batches without a reported outcome, by id.
@@ -489,11 +501,15 @@ impl Node {
             tasks.push((dir, task));
         }
         let bytes = lengths.iter().map(|&l| l as u64).sum();
+        // Last: nothing after it fails, so the uses always reach an outcome.
+        let locals = buffers.iter().zip(lengths).filter(|(_, &l)| l != 0);
+        let uses = self.managed.take_uses(locals.map(|(&b, _)| b));
         Ok(Prepared {
             peer,
             tasks,
             used,
             bytes,
+            uses,
         })
     }
 
@@ -531,9 +547,14 @@ impl Node {
         match self.engine().run(p.tasks, opts) {
             Ok(out) => {
                 let out = self.drained_within(out, self.wait_unknown);
-                self.settle(target, p.peer, &p.used, out)
+                self.settle(target, p.peer, &p.used, p.uses, out)
             }
-            Err(e) => complain(&format!("transfer: {e}")),
+            Err(e) => {
+                // Never started, or the engine stopped after reaping every
+                // operation.
+                self.managed.release(p.uses);
+                complain(&format!("transfer: {e}"))
+            }
         }
     }
 
@@ -587,11 +608,13 @@ impl Node {
                     target: target.to_string(),
                     peer: p.peer,
                     used: p.used,
+                    uses: p.uses,
                 };
                 lock(&self.outstanding).insert(id, o);
                 id
             }
             Err(e) => {
+                self.managed.release(p.uses);
                 complain(&format!("transfer: {e}"));
                 0
             }
@@ -614,11 +637,12 @@ impl Node {
         };
         match rx.recv_timeout(wait) {
             Ok(out) => {
-                lock(&self.outstanding).remove(&id);
                 // A caller that waits (get_batch_transfer_status) waits out
-                // a -2 as a sync call does; one that polls does not.
+                // a -2 as a sync call does; one that polls does not. The
+                // batch stays listed meanwhile, running to any other call.
                 let out = self.drained_within(out, self.wait_unknown.min(wait));
-                Progress::Done(self.settle(&target, peer, &used, out))
+                let uses = lock(&self.outstanding).remove(&id).map(|o| o.uses);
+                Progress::Done(self.settle(&target, peer, &used, uses.unwrap_or_default(), out))
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if let Some(o) = lock(&self.outstanding).get_mut(&id) {
@@ -628,7 +652,9 @@ impl Node {
             }
             // The engine thread is gone; its runtime reaped every op first.
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                lock(&self.outstanding).remove(&id);
+                if let Some(o) = lock(&self.outstanding).remove(&id) {
+                    self.managed.release(o.uses);
+                }
                 Progress::Done(complain(
                     "transfer: the engine stopped before the batch had an outcome",
                 ))
@@ -675,14 +701,19 @@ impl Node {
         target: &str,
         peer: SocketAddr,
         used: &[u32],
+        uses: Uses,
         out: SyncOutcome<RawBuf>,
     ) -> i32 {
         if out.code == SYNC_UNKNOWN {
-            if let Some(t) = out.ticket {
-                lock(&self.pending).push(t);
+            match out.ticket {
+                Some(ticket) => lock(&self.pending).push(Pinned { ticket, uses }),
+                // No ticket: the engine stopped, after reaping every
+                // operation.
+                None => self.managed.release(uses),
             }
             return SYNC_UNKNOWN;
         }
+        self.managed.release(uses);
         if out.code != SYNC_OK {
             if let Some(v) = lock(&self.opened).get_mut(&peer) {
                 v.retain(|s| !used.contains(&s.segment));
@@ -697,17 +728,28 @@ impl Node {
     /// gets the count at once (its tickets stay listed until they drained, so
     /// nobody is told 0 while one is out).
     pub(crate) fn quiesce_pending(&self, timeout: Duration) -> usize {
-        let Ok(_only) = self.waiting.try_lock() else {
-            return lock(&self.pending).len();
+        // (A waiter that panicked left nothing half-done: the lock orders
+        // waiters, it guards no data.)
+        let _only = match self.waiting.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(g)) => g.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return lock(&self.pending).len(),
         };
-        let deadline = Instant::now() + timeout;
-        let tickets = lock(&self.pending).clone();
+        let deadline = Instant::now().checked_add(timeout);
+        let tickets: Vec<u64> = lock(&self.pending).iter().map(|p| p.ticket).collect();
         for t in tickets {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
             match self.engine().wait::<RawBuf>(t, left) {
                 // Drained; or the engine stopped, after its runtime reaped
                 // every operation.
-                Ok(Some(_)) | Err(SyncError::Stopped) => lock(&self.pending).retain(|&p| p != t),
+                Ok(Some(_)) | Err(SyncError::Stopped) => {
+                    let mut pending = lock(&self.pending);
+                    if let Some(i) = pending.iter().position(|p| p.ticket == t) {
+                        self.managed.release(pending.swap_remove(i).uses);
+                    }
+                }
                 Ok(None) | Err(_) => {}
             }
         }

@@ -2,6 +2,7 @@
 status, managed buffers, probes."""
 
 import ctypes
+import signal
 import time
 
 from conftest import answers_after_resume, engine, stopped_target
@@ -106,6 +107,11 @@ def test_managed_buffers(peer_factory):
         raise AssertionError("read outside a managed buffer")
     except ValueError:
         pass
+    # A failed batch (past the target's range: -1) gives its use back too,
+    # and a wrong length frees (and unregisters) nothing.
+    assert e.transfer_sync_write(target.session, buf, a + MiB - 8, 16) == -1
+    assert e.free_managed_buffer(buf, MiB // 2) == -1
+    assert engine().get_first_buffer_address(f"127.0.0.1:{e.get_rpc_port()}") == buf
     assert e.free_managed_buffer(buf, MiB) == 0
     assert e.free_managed_buffer(buf, MiB) == -1, "freed twice"
 
@@ -153,3 +159,69 @@ def test_quiesce_wait_unknown_holds_get_batch_transfer_status_too(peer_factory, 
     bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
     assert bid > 0
     answers_after_resume(target, e, lambda: e.get_batch_transfer_status([bid]))
+
+
+def test_a_managed_buffer_a_minus_two_batch_holds_is_not_freed(peer_factory, local, monkeypatch):
+    """-2 means the memory stays pinned: free_managed_buffer must not hand
+    a managed buffer back to the allocator while a batch that answered -2
+    still has it as its source (the stopped target holds it lent), and
+    frees it once wait_for_quiescence() said the batch drained."""
+    target, a, e, _ = stopped_target(peer_factory, local, monkeypatch, 6)
+    b = e.allocate_managed_buffer(64 * MiB)
+    assert b
+    assert e.transfer_sync_write(target.session, b, a, 64 * MiB) == -2
+    assert e.free_managed_buffer(b, 64 * MiB) == -2, "freed under a -2 batch"
+    target.signal(signal.SIGCONT)
+    assert e.wait_for_quiescence(20) == 0
+    assert e.free_managed_buffer(b, 64 * MiB) == 0
+
+
+def test_an_asynchronous_batch_in_flight_keeps_its_managed_buffer(peer_factory, local, monkeypatch):
+    """The same for a batch started with batch_transfer_async_write and not
+    yet reported: its buffer is not freed under it."""
+    target, a, e, _ = stopped_target(peer_factory, local, monkeypatch, 6)
+    b = e.allocate_managed_buffer(MiB)
+    bid = e.batch_transfer_async_write(target.session, [b], [a], [MiB])
+    assert bid
+    assert e.free_managed_buffer(b, MiB) == -2, "freed under a running batch"
+    target.signal(signal.SIGCONT)
+    assert e.get_batch_transfer_status([bid]) in (0, -2)
+    assert e.wait_for_quiescence(20) == 0
+    assert e.free_managed_buffer(b, MiB) == 0
+
+
+def test_a_batch_waited_on_is_running_to_every_other_caller(peer_factory, local, monkeypatch):
+    """While get_batch_transfer_status waits out a -2 (QUIESCE_WAIT_UNKNOWN),
+    another thread asking about the same batch hears 'running' (0), never
+    -1: -1 would tell it the memory is free while the target may still
+    read it."""
+    import threading
+
+    monkeypatch.setenv("QUIESCE_WAIT_UNKNOWN", "30")
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
+    bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
+    assert bid
+    out = []
+    t = threading.Thread(target=lambda: out.append(e.get_batch_transfer_status([bid])))
+    t.start()
+    time.sleep(7)  # past the 5 s deadline and the fence: the -2 is being waited out
+    assert not out
+    assert e.transfer_check_status(bid) == 0, "the waited-on batch is unknown to others"
+    target.signal(signal.SIGCONT)
+    t.join(30)
+    assert out and out[0] in (0, -1), out
+    assert e.wait_for_quiescence(0) == 0
+
+
+def test_wait_for_quiescence_takes_any_timeout(peer_factory, local, monkeypatch):
+    """An infinite or huge timeout waits (it used to raise a PanicException
+    and, for 1e19, leave wait_for_quiescence() answering 'pending' for good
+    after the next -2)."""
+    e0 = engine()
+    assert e0.wait_for_quiescence(float("inf")) == 0
+    assert e0.wait_for_quiescence(1e19) == 0
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
+    assert e.wait_for_quiescence(1e19) == 0
+    assert e.transfer_sync_write(target.session, src, a, 64 * MiB) == -2
+    target.signal(signal.SIGCONT)
+    assert e.wait_for_quiescence(1e19) == 0
