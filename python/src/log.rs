@@ -179,7 +179,8 @@ fn push(record: Record) {
     if q.closed {
         drop(q);
         let (_, logger, message) = record;
-        eprintln!("{logger}: {message}");
+        // Not `eprintln!`, which panics if stderr is gone (a closed pipe).
+        let _ = writeln!(std::io::stderr(), "{logger}: {message}");
         return;
     }
     if q.records.len() >= CAPACITY {
@@ -192,11 +193,17 @@ fn push(record: Record) {
 }
 
 /// Takes the queued records, waiting up to `wait` for the first (`None`:
-/// until there is one or the queue closes). A count of dropped records
-/// comes first, as a warning.
-fn take(wait: Option<Duration>) -> Vec<Record> {
+/// until there is one or the queue closes), and whether the queue is
+/// closed. A count of dropped records comes first, as a warning.
+///
+/// Only ever called with the GIL released: the lock is held across Python
+/// code by [`hold_log_records_for_fork`], where the GIL passes to other
+/// threads, so a thread waiting for it with the GIL held would hang the
+/// process.
+fn take(wait: Option<Duration>) -> (Vec<Record>, bool) {
     let mut q = lock(&QUEUE.state);
-    let until = wait.map(|w| std::time::Instant::now() + w);
+    // Past what an Instant holds: no limit.
+    let until = wait.and_then(|w| std::time::Instant::now().checked_add(w));
     while q.records.is_empty() && q.dropped == 0 && !q.closed {
         q = match until {
             None => QUEUE.ready.wait(q).unwrap_or_else(|e| e.into_inner()),
@@ -223,7 +230,7 @@ fn take(wait: Option<Duration>) -> Vec<Record> {
         ));
     }
     out.extend(q.records.drain(..));
-    out
+    (out, q.closed)
 }
 
 /// Waits for the crates' log records with the GIL released: a list of
@@ -238,24 +245,24 @@ pub(crate) fn next_log_records(
 ) -> PyResult<Option<Vec<Record>>> {
     let wait = match timeout {
         None => None,
-        Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
+        // An infinite or huge one waits without a limit.
+        Some(t) if t >= 0.0 => Duration::try_from_secs_f64(t).ok(),
         Some(t) => return Err(PyValueError::new_err(format!("timeout {t} is not ≥ 0"))),
     };
-    let records = py.detach(|| take(wait));
-    let closed = records.is_empty() && lock(&QUEUE.state).closed;
-    Ok((!closed).then_some(records))
+    let (records, closed) = py.detach(|| take(wait));
+    Ok((!(closed && records.is_empty())).then_some(records))
 }
 
 /// Closes the queue: a waiting `next_log_records` returns, and later records
 /// go to stderr. Returns what was still queued.
 #[pyfunction]
-pub(crate) fn close_log_records() -> Vec<Record> {
-    let out = {
-        let mut q = lock(&QUEUE.state);
-        q.closed = true;
-        drop(q);
+pub(crate) fn close_log_records(py: Python<'_>) -> Vec<Record> {
+    // With the GIL released, as every other wait for the queue's lock
+    // ([`take`]).
+    let (out, _) = py.detach(|| {
+        lock(&QUEUE.state).closed = true;
         take(Some(Duration::ZERO))
-    };
+    });
     QUEUE.ready.notify_all();
     out
 }
@@ -272,7 +279,9 @@ thread_local! {
 /// threads, and a lock copied held would stay held in it for ever (its log
 /// thread hung at the first record). Taken with the GIL held: the lock's
 /// other holders (an engine thread queuing a record, the log thread taking
-/// them with the GIL released) never wait for the GIL while they hold it.
+/// them with the GIL released) never wait for the GIL while they hold it,
+/// and nothing waits for the lock with the GIL held (the hooks between
+/// this and the release run Python code, where the GIL passes on).
 #[pyfunction]
 pub(crate) fn hold_log_records_for_fork() {
     let guard = lock(&QUEUE.state);

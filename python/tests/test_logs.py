@@ -250,3 +250,120 @@ def test_a_fork_while_an_engine_thread_logs_does_not_hang_the_child():
         env={k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"},
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+FORK_IDLE_CODE = """
+import os, sys, threading
+import quiesce
+
+sys.setswitchinterval(1e-6)
+stop = False
+
+
+def flusher():
+    # Nothing is logged: each flush finds the queue empty.
+    while not stop:
+        quiesce.flush_logs()
+
+
+t = threading.Thread(target=flusher, daemon=True)
+t.start()
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+stop = True
+print("ok", flush=True)
+"""
+
+
+def test_a_fork_while_another_thread_finds_the_queue_empty_does_not_hang():
+    """The fork hooks hold the log queue's lock across Python code, where
+    the GIL passes to other threads: a thread that then waited for the same
+    lock holding the GIL (an empty flush_logs, the log thread's idle
+    timeout) hung the parent for good."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", FORK_IDLE_CODE, "300"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"},
+        )
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the parent hung in a fork")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_logger_name_that_is_not_a_target_does_not_stop_the_log_thread(quiesce_levels):
+    """A ``quiesce.*`` logger whose name cannot be a tracing target (here
+    with '='), given a level, is left out of the filter; it used to raise
+    from the log thread (which died) and from every flush_logs()."""
+    import threading
+
+    bad = logging.getLogger("quiesce.a=b")
+    bad.setLevel(logging.INFO)
+    try:
+        quiesce.flush_logs()
+        quiesce.flush_logs()
+        time.sleep(1.5)  # the log thread looks at the levels once a second
+        assert any(t.name == "quiesce-logs" and t.is_alive() for t in threading.enumerate())
+    finally:
+        bad.setLevel(logging.NOTSET)
+
+
+def test_flush_logs_takes_any_timeout():
+    """A huge or infinite timeout waits for the first record instead of
+    raising a PanicException."""
+    import threading
+
+    from quiesce.mooncake import TransferEngine
+
+    stop = threading.Event()
+
+    def warn():
+        # Not initialised: a warning from Rust, every 10 ms (the log
+        # thread takes some of them; flush_logs gets one soon).
+        while not stop.wait(0.01):
+            TransferEngine().transfer_sync_write("x:1", 0, 0, 1)
+
+    t = threading.Thread(target=warn, daemon=True)
+    t.start()
+    try:
+        for timeout in (1e20, float("inf")):
+            quiesce.flush_logs(timeout)
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_a_record_after_close_with_stderr_gone_is_dropped_not_a_panic():
+    """After the queue closed (at exit) records go to stderr; with stderr a
+    pipe nobody reads any more, writing one used to panic in the thread
+    that logged (here the caller's, inside a call: a PanicException)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import time, quiesce, quiesce._native as n\n"
+        "from quiesce.mooncake import TransferEngine\n"
+        "n.close_log_records()\n"
+        "time.sleep(0.5)\n"  # the reader below has closed its end by now
+        "print(TransferEngine().transfer_sync_write('x:1', 0, 0, 1), flush=True)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"},
+    )
+    p.stderr.close()
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0 and out.strip() == "-1", (p.returncode, out)

@@ -63,6 +63,10 @@ def _target(logger):
     return "::".join([crate, *path])
 
 
+# What a directive's target cannot hold.
+_NOT_IN_A_TARGET = set("=,[]{} \t\n")
+
+
 def _levels_filter():
     """The filter the ``quiesce`` loggers' own levels ask for."""
     top = logging.getLogger("quiesce").level
@@ -70,7 +74,9 @@ def _levels_filter():
     every = list(logging.Logger.manager.loggerDict.items())
     ours = [(name, logger) for name, logger in every if name.startswith("quiesce.")]
     for name, logger in sorted(ours, key=lambda item: item[0]):
-        if isinstance(logger, logging.Logger) and logger.level:
+        # A name no tracing target can have ("quiesce.a=b") chooses nothing.
+        ok = isinstance(logger, logging.Logger) and not _NOT_IN_A_TARGET & set(name)
+        if ok and logger.level:
             directives.append(f"{_target(name)}={_tracing_level(logger.level)}")
     return ",".join(directives)
 
@@ -90,6 +96,8 @@ def _follow_levels():
                 _native.set_log_filter(wanted)
             except RuntimeError:  # another tracing subscriber owns the events
                 pass
+            except ValueError as e:  # never raised from the log thread
+                logging.getLogger("quiesce").warning("the loggers' levels: %s", e)
             _applied = wanted
 
 
