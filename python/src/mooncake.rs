@@ -27,9 +27,13 @@ use crate::word::{Word, Words};
 
 /// How long `unregister_memory` waits for nothing to hold the range.
 const RECLAIM_WAIT: Duration = Duration::from_secs(30);
-/// How long `get_batch_transfer_status` waits at most (past every batch's
-/// own deadline, which ends it first).
-const STATUS_WAIT: Duration = Duration::from_secs(3600);
+/// How long `get_batch_transfer_status` waits at most: without a limit, as
+/// Mooncake's does. Every batch has an outcome by its own deadline and
+/// fence (`MC_TRANSFER_TIMEOUT` plus a nanosecond per byte, then the fence's
+/// grace): 0, -1, or -2 with its ticket kept for `wait_for_quiescence()`.
+/// (A fixed hour answered -2 for a batch with a later deadline, and left it
+/// where `wait_for_quiescence()` did not look.)
+const STATUS_WAIT: Duration = Duration::MAX;
 
 /// Mooncake's `TransferEngine`, whose codes keep quiesce's contract.
 ///

@@ -665,11 +665,14 @@ impl Node {
     /// Waits for every batch in `ids`: 0 if all completed, else the worst
     /// code (-2 before -1). Unknown ids count as -1.
     pub(crate) fn wait_all(&self, ids: &[u64], timeout: Duration) -> i32 {
-        let deadline = Instant::now() + timeout;
+        // Past what an Instant holds: no limit.
+        let deadline = Instant::now().checked_add(timeout);
         let mut worst = SYNC_OK;
         for &id in ids {
             loop {
-                let left = deadline.saturating_duration_since(Instant::now());
+                let left = deadline.map_or(Duration::MAX, |d| {
+                    d.saturating_duration_since(Instant::now())
+                });
                 match self.progress(id, left.max(Duration::from_millis(1))) {
                     Progress::Done(c) => {
                         worst = worst.min(c);
@@ -679,7 +682,7 @@ impl Node {
                         worst = worst.min(complain(&format!("no batch {id}")));
                         break;
                     }
-                    Progress::Running if Instant::now() >= deadline => {
+                    Progress::Running if deadline.is_some_and(|d| Instant::now() >= d) => {
                         // Still running past the wait (only if another call
                         // waits on it too, or its deadline is beyond the
                         // wait): its memory is not back, and the batch stays
