@@ -96,7 +96,15 @@ impl TransferEngine {
         };
         match py.detach(|| Node::start(local_hostname, &metadata, fabric)) {
             Ok(n) => {
-                *self.node.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(n));
+                let mut slot = self.node.write().unwrap_or_else(|e| e.into_inner());
+                if slot.is_some() {
+                    // Another thread's initialize won meanwhile: this node,
+                    // which nothing used, stops as it drops.
+                    drop(slot);
+                    py.detach(|| drop(n));
+                    return complain("initialize: already initialised");
+                }
+                *slot = Some(Arc::new(n));
                 SYNC_OK
             }
             Err(e) => complain(&format!("initialize: {e}")),

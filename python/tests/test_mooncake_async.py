@@ -225,3 +225,25 @@ def test_wait_for_quiescence_takes_any_timeout(peer_factory, local, monkeypatch)
     assert e.transfer_sync_write(target.session, src, a, 64 * MiB) == -2
     target.signal(signal.SIGCONT)
     assert e.wait_for_quiescence(1e19) == 0
+
+
+def test_initialize_from_two_threads_at_once_starts_one_engine():
+    """Both calls checked 'not initialised' before either stored its engine,
+    so both answered 0 and the second engine replaced the first (memory
+    registered on it in between vanished)."""
+    import threading
+
+    e = TransferEngine()
+    go = threading.Barrier(2)
+    codes = []
+
+    def init():
+        go.wait()
+        codes.append(e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""))
+
+    ts = [threading.Thread(target=init) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert sorted(codes) == [-1, 0], codes
