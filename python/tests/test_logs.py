@@ -195,6 +195,26 @@ def test_quiesce_log_wins_over_the_levels(env):
     assert made == (env is None), out.stdout
 
 
+def runs_ok(code, n, timeout):
+    """Runs ``code`` with argument ``n`` in a fresh interpreter (without
+    ``QUIESCE_LOG``); it must print "ok" within ``timeout`` seconds."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(n)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"},
+        )
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"hung: no answer in {timeout} s")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
 FORK_CODE = """
 import ctypes, os, signal, sys, threading, time
 import quiesce
@@ -238,18 +258,7 @@ def test_a_fork_while_an_engine_thread_logs_does_not_hang_the_child():
     """A child forked while an engine thread held the log queue's lock (it
     logs a record per batch here) must not find the lock held for ever, nor
     log the parent's queued records a second time."""
-    import os
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", FORK_CODE, "400"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"},
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]
+    runs_ok(FORK_CODE, 400, timeout=300)
 
 
 FORK_IDLE_CODE = """
@@ -283,21 +292,7 @@ def test_a_fork_while_another_thread_finds_the_queue_empty_does_not_hang():
     the GIL passes to other threads: a thread that then waited for the same
     lock holding the GIL (an empty flush_logs, the log thread's idle
     timeout) hung the parent for good."""
-    import os
-    import subprocess
-    import sys
-
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", FORK_IDLE_CODE, "300"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"},
-        )
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the parent hung in a fork")
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]
+    runs_ok(FORK_IDLE_CODE, 300, timeout=60)
 
 
 def test_a_logger_name_that_is_not_a_target_does_not_stop_the_log_thread(quiesce_levels):
