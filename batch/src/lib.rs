@@ -29,7 +29,7 @@ pub mod sync;
 mod transport;
 
 pub use batch::{Batch, BatchError, Rejected};
-pub use options::{BatchOptions, FailurePolicy, RetryPolicy};
+pub use options::{BatchOptions, FailurePolicy, RetryPolicy, LONGEST_WAIT};
 pub use outcome::{
     Buffers, Outcome, Quiesced, RemoteState, Submitted, TaskReport, TaskStatus, Ticket,
 };

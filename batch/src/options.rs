@@ -30,6 +30,12 @@ impl Default for RetryPolicy {
     }
 }
 
+/// The longest wait a batch keeps (~136 years): a deadline, fence grace or
+/// retry backoff past it is taken as it — no limit in practice, and one an
+/// `Instant` holds (`Duration::MAX` past now overflows it, and a C caller's
+/// `UINT64_MAX` milliseconds or Python's `1e19` seconds nearly do).
+pub const LONGEST_WAIT: Duration = Duration::from_secs(1 << 32);
+
 /// Batch settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchOptions {
@@ -60,6 +66,15 @@ impl Default for BatchOptions {
 }
 
 impl BatchOptions {
+    /// These options with every wait at most [`LONGEST_WAIT`]: what a
+    /// batch runs with, however its fields were set.
+    pub(crate) fn bounded(mut self) -> Self {
+        self.deadline = self.deadline.map(|d| d.min(LONGEST_WAIT));
+        self.fence_grace = self.fence_grace.min(LONGEST_WAIT);
+        self.retry.backoff = self.retry.backoff.min(LONGEST_WAIT);
+        self
+    }
+
     /// Sets the deadline.
     pub fn deadline(mut self, d: Duration) -> Self {
         self.deadline = Some(d);

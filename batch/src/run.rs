@@ -103,6 +103,8 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         id: u64,
         started: Instant,
     ) -> Self {
+        // Every sum of an Instant and these below holds.
+        let opts = opts.bounded();
         Driver {
             transport,
             deadline: opts.deadline.map(|d| started + d),
@@ -457,7 +459,11 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         if !any {
             return false;
         }
-        let backoff = self.opts.retry.backoff * 2u32.saturating_pow(attempt.saturating_sub(1));
+        let backoff = self
+            .opts
+            .retry
+            .backoff
+            .saturating_mul(2u32.saturating_pow(attempt.saturating_sub(1)));
         tracing::info!(attempt, ?backoff, "retrying failed tasks after quiescence");
         quiesce_runtime::time::sleep(backoff).await;
         for t in &mut self.tasks {

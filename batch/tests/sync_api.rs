@@ -258,3 +258,31 @@ fn a_panic_in_the_engine_thread_aborts_never_answers() {
         "{stderr}"
     );
 }
+
+/// A deadline or fence grace too long for an `Instant` (a C caller's
+/// `deadline_ms` of `UINT64_MAX`, Python's `deadline=1e19`) is no limit,
+/// not a panic: it panicked in the batch's driver (`started + deadline`)
+/// and where the fence starts (`now + fence_grace`), on the engine's thread,
+/// which aborts the process with a batch in flight.
+#[test]
+fn deadlines_past_what_an_instant_holds_are_no_limit() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    let ro = e.open(t.addr, "ro", t.ro).unwrap();
+    let opts = BatchOptions::default()
+        .deadline(Duration::MAX)
+        .fence_grace(Duration::MAX);
+    let one = |segment| SyncTask {
+        segment,
+        offset: 0,
+        buf: vec![5u8; 4096],
+    };
+    let out = e.batch(Direction::Write, vec![one(kv)], opts).unwrap();
+    assert_eq!(out.code, SYNC_OK);
+    // A refused task fences the rest, with that grace.
+    let out = e
+        .batch(Direction::Write, vec![one(ro), one(kv)], opts)
+        .unwrap();
+    assert_eq!(out.code, SYNC_FAILED);
+}

@@ -217,10 +217,15 @@ pub fn sleep_until(deadline: Instant) -> Sleep {
     }
 }
 
-/// Waits for `duration`.
+/// Waits for `duration` (one past what an `Instant` holds: for ever, as far
+/// as anyone will see).
 pub fn sleep(duration: Duration) -> Sleep {
-    sleep_until(Instant::now() + duration)
+    let now = Instant::now();
+    sleep_until(now.checked_add(duration).unwrap_or(now + NEVER))
 }
+
+/// A wait no program outlives (~136 years), which an `Instant` holds.
+const NEVER: Duration = Duration::from_secs(1 << 32);
 
 /// The deadline of a [`timeout`] passed first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
