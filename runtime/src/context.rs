@@ -59,6 +59,9 @@ pub(crate) struct Context {
     /// Set when the `Runtime` shuts down: nothing runs tasks or reaps ops any
     /// more, so new ones are refused.
     pub(crate) closed: Cell<bool>,
+    /// Values leaked by [`strand`](crate::strand) on this runtime: counted
+    /// in its shutdown's undrained total, as live operations are.
+    pub(crate) stranded: Cell<usize>,
 }
 
 thread_local! {

@@ -57,7 +57,7 @@ pub use driver::{Canceller, DriverKind, Op};
 pub use executor::{
     spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle, TaskPoll,
 };
-pub use runtime::{spin_time, tasks_ready, BuildError, Builder, Runtime, Undrained};
+pub use runtime::{spin_time, strand, tasks_ready, BuildError, Builder, Runtime, Undrained};
 pub use stats::{stats, try_stats, Stats};
 
 /// False once this thread's thread-locals are being torn down (the thread

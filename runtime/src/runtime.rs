@@ -202,6 +202,7 @@ impl Builder {
             budget: Cell::new(OP_BUDGET),
             deferred: RefCell::new(Vec::new()),
             tick_bytes: Cell::new(0),
+            stranded: Cell::new(0),
             spin: self.spin,
             crowding: Crowding::default(),
             closed: Cell::new(false),
@@ -467,6 +468,22 @@ fn spin(cx: &Context, timeout: Option<Duration>) -> Spun {
     }
 }
 
+/// Leaks `value`, which memory outside this process's operations may still
+/// reach (a buffer lent to a peer's process), because its holder goes away
+/// before that ended (its task dropped, as a shutdown drops every task).
+/// The current runtime counts it: its [`shutdown`](Runtime::shutdown)
+/// answers [`Undrained`], as for an operation still in the kernel's hands,
+/// so that nobody frees memory the value points into either. Outside a
+/// runtime it is only leaked.
+pub fn strand<T>(value: T) {
+    std::mem::forget(value);
+    context::try_with(|cx| {
+        if let Some(cx) = cx {
+            cx.stranded.set(cx.stranded.get() + 1);
+        }
+    });
+}
+
 impl Runtime {
     /// Shuts the runtime down as dropping it does (tasks dropped, every op
     /// cancelled and reaped), and says how it went: `Err(live)` when `live`
@@ -511,9 +528,18 @@ impl Runtime {
         cx.closed.set(true);
         let sources = std::mem::take(&mut *cx.sources.borrow_mut());
         drop(sources);
+        // Memory a peer's process may still reach, whose holders the tasks'
+        // drop stranded (`strand`): leaked, and owed like a live op.
+        let stranded = cx.stranded.get();
+        if stranded > 0 {
+            tracing::error!(
+                stranded,
+                "buffers lent to another process were not let go before the shutdown; leaking them"
+            );
+        }
         let mut d = cx.driver.borrow_mut();
         let Driver::Uring(u) = &mut *d else {
-            return 0;
+            return stranded;
         };
         let live = u.drain(self.drain_timeout, &cx.counters);
         let released = std::mem::take(&mut u.events.released);
@@ -526,7 +552,7 @@ impl Runtime {
         }
         drop(d);
         drop(released);
-        live
+        stranded + live
     }
 }
 

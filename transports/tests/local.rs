@@ -208,3 +208,32 @@ fn a_fence_stops_a_large_copy_between_chunks() {
         assert!(cut > 0, "no fence stopped a copy in progress");
     });
 }
+
+/// A runtime shut down while a buffer is lent to a stopped target (the
+/// write's future, then the task that waits for the target to let go,
+/// dropped by the shutdown) must not free it, and must say so: its
+/// shutdown answers `Undrained`, as for an operation still in the kernel's
+/// hands. It answered `Ok`, having freed the buffer the target could still
+/// read (or, for a read, write) once resumed.
+#[test]
+fn a_runtime_shut_down_with_a_buffer_lent_to_a_stopped_target_does_not_free_it() {
+    let t = TargetProcess::spawn(&["--segment", "kv:67108864:rw"]);
+    let seg = t.seg("kv").clone();
+    const LEN: usize = 4 << 20;
+    let rt = Runtime::new().unwrap();
+    rt.block_on(async {
+        let engine = initiator(LocalMode::Required);
+        let peer = engine.connect(t.addr).await.unwrap();
+        let kv = peer.open("kv", seg.token).await.unwrap();
+        assert!(peer.is_local());
+        t.signal(libc::SIGSTOP);
+        spawn_local(async move { kv.read(0, LEN as u64, vec![0u8; LEN], 7).await });
+        time::sleep(Duration::from_millis(50)).await;
+    });
+    let shut = rt.shutdown();
+    t.signal(libc::SIGCONT);
+    assert!(
+        shut.is_err(),
+        "shut down clean with a buffer lent to a stopped target"
+    );
+}

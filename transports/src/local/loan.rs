@@ -13,7 +13,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use quiesce_runtime::time::{sleep, timeout};
-use quiesce_runtime::try_spawn_local;
+use quiesce_runtime::{strand, try_spawn_local};
 
 use crate::control::wire::Opcode;
 use crate::error::TransferError;
@@ -64,6 +64,7 @@ impl<T: 'static> Drop for Loan<T> {
             Stage::Releasing => None,
         };
         let (peer, batch) = (self.peer.clone(), self.batch);
+        let held = StillLent(Some(held));
         let waits = async move {
             let answered = match asked {
                 Some(reply) => !wait(&reply).await.as_ref().is_err_and(unsettled),
@@ -72,12 +73,33 @@ impl<T: 'static> Drop for Loan<T> {
             if !answered {
                 released(&peer, batch).await;
             }
-            drop(held);
+            drop(held.let_go());
         };
         if let Err(f) = try_spawn_local(waits) {
             // No runtime to wait on: leak the buffer rather than free it
             // while the target may still reach it.
-            std::mem::forget(f);
+            strand(f);
+        }
+    }
+}
+
+/// A lent buffer in the task that waits for the target to let go of it:
+/// freed through [`let_go`](Self::let_go) only. Dropped before that — its
+/// task dropped, as a runtime's shutdown drops every task — it is
+/// stranded: leaked, and counted in the shutdown's undrained total.
+struct StillLent<T>(Option<T>);
+
+impl<T> StillLent<T> {
+    /// The target let go: the buffer is the caller's again.
+    fn let_go(mut self) -> T {
+        self.0.take().expect("let go once")
+    }
+}
+
+impl<T> Drop for StillLent<T> {
+    fn drop(&mut self) {
+        if let Some(held) = self.0.take() {
+            strand(held);
         }
     }
 }
