@@ -330,7 +330,14 @@ def test_a_killed_target_gives_an_outcome(native_peer, eng):
         t.close()
 
 
-def test_close_answers_batches_in_flight(native_peer):
+@pytest.mark.parametrize("local", ["off", "auto"])
+def test_close_answers_batches_in_flight(native_peer, monkeypatch, local):
+    """close() answers a batch in flight to a stopped target. Over TCP it
+    drains (the kernel copied the bytes): True, and the buffer is the
+    caller's. On this host (auto: the local transport) the target's own
+    process reads the buffer, and a stopped one may still: close() says
+    False and the buffer stays held for good (it said True and let it go)."""
+    monkeypatch.setenv("QUIESCE_LOCAL", local)
     t = native_peer(kv=64 * MiB)
     e = quiesce.Engine(secret=SECRET)
     kv = e.open(t.address, "kv")
@@ -342,7 +349,7 @@ def test_close_answers_batches_in_flight(native_peer):
         b.write(src, kv)
         task = asyncio.ensure_future(b.run_async())
         await asyncio.sleep(0.1)
-        assert e.close()
+        assert e.close() == (local == "off")
         try:
             return await asyncio.wait_for(task, 10)
         except quiesce.EngineClosed as err:
@@ -350,7 +357,10 @@ def test_close_answers_batches_in_flight(native_peer):
 
     got = asyncio.run(main())
     assert isinstance(got, (quiesce.EngineClosed, quiesce.Failed)), got
-    assert resizable(src), "closed and drained, yet the buffer is held"
+    if local == "off":
+        assert resizable(src), "closed and drained, yet the buffer is held"
+    else:
+        assert not resizable(src), "let go while the stopped target can still read it"
     with pytest.raises(quiesce.EngineClosed):
         e.open(t.address, "kv")
     t.signal(signal.SIGCONT)
@@ -398,3 +408,31 @@ def test_the_engines_tcp_congestion_control_comes_from_the_environment(native_pe
         assert t.count("kv", 5) == 8192
     finally:
         e.close()
+
+
+def test_a_batch_started_on_a_closed_engine_gives_its_buffers_back(native_peer):
+    """EngineClosed from run_async (or run) means the batch took nothing:
+    its buffers are the caller's again. run_async took them before it
+    learned the engine was closed, and kept them for good."""
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    src = bytearray(4096)
+    b = e.batch()
+    b.write(src, kv)
+    assert e.close()
+    with pytest.raises(quiesce.EngineClosed):
+        asyncio.run(b.run_async())
+    assert resizable(src), "the batch raised EngineClosed, yet holds the buffer"
+
+
+def test_a_deadline_past_what_a_clock_holds_is_no_limit(native_peer, eng):
+    """deadline=1e19 passed the check and panicked (PanicException, or a
+    dead engine thread) where the batch added it to the clock."""
+    t = native_peer(kv=MiB)
+    kv = eng.open(t.address, "kv")
+    for run in ("run", "run_async"):
+        b = eng.batch(deadline=1e19)
+        b.write(bytearray(b"\x42" * 4096), kv)
+        out = b.run() if run == "run" else asyncio.run(b.run_async())
+        assert isinstance(out, quiesce.Completed), (run, out)

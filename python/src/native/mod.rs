@@ -557,7 +557,15 @@ impl NativeEngine {
     ) -> PyResult<()> {
         let opts = options(py, policy, deadline, batch.__len__())?;
         let (tasks, held) = batch.take(py)?;
-        let tx = self.deliveries(py)?;
+        // Used up, as by `run`, and nothing started: the buffers are the
+        // caller's again.
+        let tx = match self.deliveries(py) {
+            Ok(tx) => tx,
+            Err(e) => {
+                held.into_iter().for_each(|h| h.release(py));
+                return Err(e);
+            }
+        };
         let key = self.core.next.fetch_add(1, Ordering::Relaxed);
         lock(&self.core.flights).insert(key, Flight { held, callback });
         let r = py.detach(|| {
