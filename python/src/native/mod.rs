@@ -70,7 +70,7 @@ struct Core {
     /// Memory of batches whose completion is unknown, by ticket.
     tickets: Mutex<HashMap<u64, Vec<Held>>>,
     /// Lent segments' memory, by address.
-    lent: Mutex<HashMap<u64, Held>>,
+    lent: Mutex<HashMap<u64, Lending>>,
     /// Where submitted batches' outcomes go (started with the first).
     deliveries: Mutex<Option<mpsc::Sender<Delivery>>>,
     ending: Mutex<Ending>,
@@ -83,7 +83,7 @@ struct Core {
     /// This engine's node name in the directory.
     node: String,
     /// Lent segments' names, by address (to withdraw them).
-    names: Mutex<HashMap<u64, String>>,
+    names: Mutex<HashMap<u64, (u64, String)>>,
 }
 
 /// How long `NativeEngine::new` waits for the directory to hold its entry.
@@ -121,6 +121,18 @@ trait Release {
 impl Release for Held {
     fn release(self, py: Python<'_>) {
         Held::release(self, py)
+    }
+}
+
+/// A lent segment's memory, and which lending of its address it is.
+struct Lending {
+    segment: u64,
+    held: Held,
+}
+
+impl Release for Lending {
+    fn release(self, py: Python<'_>) {
+        self.held.release(py)
     }
 }
 
@@ -232,19 +244,23 @@ impl Core {
     fn keep<H: Release>(&self, py: Python<'_>, map: &Mutex<HashMap<u64, H>>, key: u64, held: H) {
         // The map's lock first: `close` sets the ending before it empties
         // the maps, so an entry put in while it reads `Running` is emptied.
-        let left = {
+        let (left, replaced) = {
             let mut map = lock(map);
             match *lock(&self.ending) {
-                Ending::Running => {
-                    map.insert(key, held);
-                    None
-                }
-                ending => Some((ending, held)),
+                // A value it replaces is one the engine let go of already:
+                // a lending at this address the engine took back (it lends
+                // an address once at a time), whose reclaim call has not
+                // removed it yet (and, seeing another lending, will not).
+                Ending::Running => (None, map.insert(key, held)),
+                ending => (Some((ending, held)), None),
             }
         };
         // Released with no lock held: letting go of an object may run
         // Python code (a finaliser) that calls back into this engine.
         // (Undrained: dropped unreleased, kept for good.)
+        if let Some(old) = replaced {
+            old.release(py);
+        }
         if let Some((Ending::Drained, held)) = left {
             held.release(py);
         }
@@ -318,7 +334,7 @@ impl Core {
                     .take(),
             );
             let mut held: Vec<Held> = lock(&self.tickets).drain().flat_map(|(_, h)| h).collect();
-            held.extend(lock(&self.lent).drain().map(|(_, h)| h));
+            held.extend(lock(&self.lent).drain().map(|(_, l)| l.held));
             Ok((drained, held))
         });
         match stopped {
@@ -453,8 +469,9 @@ impl NativeEngine {
         });
         match r {
             Ok(id) => {
-                self.core.keep(py, &self.core.lent, addr, held);
-                lock(&self.core.names).insert(addr, name.to_string());
+                let lending = Lending { segment: id, held };
+                self.core.keep(py, &self.core.lent, addr, lending);
+                lock(&self.core.names).insert(addr, (id, name.to_string()));
                 // Publishing only queues (a helper thread writes etcd).
                 let rec = SegmentRecord {
                     node: self.core.node.clone(),
@@ -480,6 +497,10 @@ impl NativeEngine {
     /// Revokes and takes back the segment lent at `address`, waiting up to
     /// `timeout` s: True once nothing can touch it (its buffer is let go).
     fn reclaim(&self, py: Python<'_>, address: u64, timeout: f64) -> PyResult<bool> {
+        // The lending this takes back: once the engine let go of it, the
+        // address may be lent again (by another thread) before the entries
+        // below are removed, and those are not this call's to remove.
+        let segment = lock(&self.core.lent).get(&address).map(|l| l.segment);
         let deadline = Instant::now() + seconds(timeout);
         let back = py
             .detach(|| loop {
@@ -491,12 +512,25 @@ impl NativeEngine {
             })
             .map_err(|e| from_sync(py, &e))?;
         if back {
-            let held = lock(&self.core.lent).remove(&address);
+            let ours = |id: u64| Some(id) == segment;
+            let held = {
+                let mut lent = lock(&self.core.lent);
+                match lent.get(&address) {
+                    Some(l) if ours(l.segment) => lent.remove(&address),
+                    _ => None,
+                }
+            };
             if let Some(h) = held {
                 h.release(py);
             }
-            let name = lock(&self.core.names).remove(&address);
-            if let Some(n) = name {
+            let name = {
+                let mut names = lock(&self.core.names);
+                match names.get(&address) {
+                    Some((id, _)) if ours(*id) => names.remove(&address),
+                    _ => None,
+                }
+            };
+            if let Some((_, n)) = name {
                 let _ = self
                     .core
                     .directory(|d| d.withdraw_segment(&self.core.node, &n));
