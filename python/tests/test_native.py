@@ -436,3 +436,28 @@ def test_a_deadline_past_what_a_clock_holds_is_no_limit(native_peer, eng):
         b.write(bytearray(b"\x42" * 4096), kv)
         out = b.run() if run == "run" else asyncio.run(b.run_async())
         assert isinstance(out, quiesce.Completed), (run, out)
+
+
+def test_an_abandoned_wait_async_does_not_lose_the_outcome(native_peer, eng):
+    """asyncio.wait_for(out.wait_async(30), 0.5) gives up, but its worker
+    thread waits on and takes the drained outcome; a later out.wait() then
+    raised InvalidInput ('unknown ticket') instead of answering it."""
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    src = bytearray(64 * MiB)
+    t.signal(signal.SIGSTOP)
+    b = eng.batch(deadline=1.0)
+    b.write(src, kv)
+    out = b.run()
+    assert isinstance(out, quiesce.CompletionUnknown), out  # lent on this host
+
+    async def abandon():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(out.wait_async(30), 0.5)
+        t.signal(signal.SIGCONT)
+
+    asyncio.run(abandon())  # returns once the abandoned worker is done
+    got = out.wait(30)
+    assert isinstance(got, (quiesce.Completed, quiesce.Failed)), got
+    assert out.wait(0) is got
+    assert resizable(src)

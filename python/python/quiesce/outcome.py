@@ -9,6 +9,7 @@ ticket drains). Codes are Mooncake's and the C ABI's: 0, -1, -2.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
@@ -75,15 +76,31 @@ class CompletionUnknown:
     _engine: Any = field(repr=False, compare=False)
     _buffers: List[Any] = field(repr=False, compare=False)
     code: int = -2
+    # The drained outcome once one wait has it (the engine answers a ticket
+    # once), and the lock that lets one wait at a time ask the engine.
+    _drained: List[Any] = field(default_factory=list, repr=False, compare=False)
+    _asking: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __bool__(self) -> bool:
         return False
 
     def wait(self, timeout: float = 30.0) -> Optional[Union[Completed, Failed]]:
         """Blocks (without the GIL) up to ``timeout`` s for the batch to
-        drain: its outcome, or None if it still has not."""
-        r = self._engine.wait(self.ticket, timeout)
-        return None if r is None else outcome(r, self._buffers, self._engine)
+        drain: its outcome, or None if it still has not. Every wait after
+        the batch drained answers the same outcome — also one made while a
+        wait abandoned by its caller (``asyncio.wait_for``) still ran."""
+        if not self._asking.acquire(timeout=min(max(timeout, 0.0), threading.TIMEOUT_MAX)):
+            return self._drained[0] if self._drained else None
+        try:
+            if self._drained:
+                return self._drained[0]
+            r = self._engine.wait(self.ticket, timeout)
+            if r is None:
+                return None
+            self._drained.append(outcome(r, self._buffers, self._engine))
+            return self._drained[0]
+        finally:
+            self._asking.release()
 
     async def wait_async(self, timeout: float = 30.0) -> Optional[Union[Completed, Failed]]:
         """``wait`` for asyncio (on a worker thread)."""
