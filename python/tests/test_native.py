@@ -461,3 +461,48 @@ def test_an_abandoned_wait_async_does_not_lose_the_outcome(native_peer, eng):
     assert isinstance(got, (quiesce.Completed, quiesce.Failed)), got
     assert out.wait(0) is got
     assert resizable(src)
+
+
+def test_a_close_waiting_for_a_blocking_call_does_not_freeze_python(native_peer):
+    """While one thread's run() blocks on a stopped target and another's
+    close() waits for it, reading eng.address waited for the engine's lock
+    with the GIL held: every Python thread stalled until the run ended."""
+    import threading
+
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+    gaps, stop = [], threading.Event()
+
+    def heartbeat():
+        last = time.monotonic()
+        while not stop.is_set():
+            time.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    def run():
+        b = e.batch(deadline=3.0)
+        b.write(bytearray(4096), kv)
+        b.run()
+
+    beat = threading.Thread(target=heartbeat)
+    runner = threading.Thread(target=run)
+    closer = threading.Thread(target=e.close)
+    beat.start()
+    runner.start()
+    time.sleep(0.3)
+    closer.start()
+    time.sleep(0.3)
+    try:
+        e.address
+    except quiesce.EngineClosed:
+        pass
+    runner.join()
+    closer.join()
+    stop.set()
+    beat.join()
+    t.signal(signal.SIGCONT)
+    assert max(gaps) < 1.0, f"Python stalled for {max(gaps):.1f} s"

@@ -444,8 +444,10 @@ impl NativeEngine {
     /// Where peers connect ("ip:port").
     #[getter]
     fn address(&self, py: Python<'_>) -> PyResult<String> {
-        self.core
-            .with(|e| Ok(e.local_addr().to_string()))
+        // Without the GIL, as every wait for the engine's lock: a `close`
+        // waiting for its write lock holds new readers back until the
+        // blocking calls in flight finish.
+        py.detach(|| self.core.with(|e| Ok(e.local_addr().to_string())))
             .map_err(|e| from_sync(py, &e))
     }
 
@@ -482,7 +484,7 @@ impl NativeEngine {
                     read: true,
                     write: true,
                 };
-                if let Err(e) = self.core.directory(|d| d.publish_segment(&rec)) {
+                if let Err(e) = py.detach(|| self.core.directory(|d| d.publish_segment(&rec))) {
                     tracing::warn!(error = %e, segment = name, "not published");
                 }
                 Ok((id, addr, len))
@@ -531,9 +533,10 @@ impl NativeEngine {
                 }
             };
             if let Some((_, n)) = name {
-                let _ = self
-                    .core
-                    .directory(|d| d.withdraw_segment(&self.core.node, &n));
+                let _ = py.detach(|| {
+                    self.core
+                        .directory(|d| d.withdraw_segment(&self.core.node, &n))
+                });
             }
         }
         Ok(back)
@@ -663,27 +666,32 @@ impl NativeEngine {
 impl NativeEngine {
     /// The delivery thread's sender, starting the thread with the first.
     fn deliveries(&self, py: Python<'_>) -> PyResult<mpsc::Sender<Delivery>> {
-        let mut d = lock(&self.core.deliveries);
-        if let Some(tx) = d.as_ref() {
-            return Ok(tx.clone());
-        }
-        if self
-            .core
-            .engine
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
-        {
-            return Err(from_sync(py, &SyncError::Stopped));
-        }
-        let (tx, rx) = mpsc::channel();
-        let core = self.core.clone();
-        std::thread::Builder::new()
-            .name("quiesce-deliver".into())
-            .spawn(move || core.deliver(rx))
-            .map_err(|e| raise(py, "QuiesceError", &format!("delivery thread: {e}")))?;
-        *d = Some(tx.clone());
-        Ok(tx)
+        // Without the GIL throughout: the engine's read lock may wait (a
+        // `close` waiting to write holds new readers back), and a thread
+        // holding the GIL must never wait for this mutex's holder.
+        let r = py.detach(|| -> Result<mpsc::Sender<Delivery>, Option<String>> {
+            let mut d = lock(&self.core.deliveries);
+            if let Some(tx) = d.as_ref() {
+                return Ok(tx.clone());
+            }
+            let engine = self.core.engine.read().unwrap_or_else(|e| e.into_inner());
+            if engine.is_none() {
+                return Err(None);
+            }
+            drop(engine);
+            let (tx, rx) = mpsc::channel();
+            let core = self.core.clone();
+            std::thread::Builder::new()
+                .name("quiesce-deliver".into())
+                .spawn(move || core.deliver(rx))
+                .map_err(|e| Some(e.to_string()))?;
+            *d = Some(tx.clone());
+            Ok(tx)
+        });
+        r.map_err(|e| match e {
+            None => from_sync(py, &SyncError::Stopped),
+            Some(e) => raise(py, "QuiesceError", &format!("delivery thread: {e}")),
+        })
     }
 }
 
