@@ -69,9 +69,18 @@ impl BatchOptions {
     /// These options with every wait at most [`LONGEST_WAIT`]: what a
     /// batch runs with, however its fields were set.
     pub(crate) fn bounded(mut self) -> Self {
-        self.deadline = self.deadline.map(|d| d.min(LONGEST_WAIT));
-        self.fence_grace = self.fence_grace.min(LONGEST_WAIT);
-        self.retry.backoff = self.retry.backoff.min(LONGEST_WAIT);
+        // Whole seconds decide it (cheaper than comparing Durations, on
+        // every batch).
+        let bound = |d: &mut Duration| {
+            if d.as_secs() >= LONGEST_WAIT.as_secs() {
+                *d = LONGEST_WAIT;
+            }
+        };
+        if let Some(d) = &mut self.deadline {
+            bound(d);
+        }
+        bound(&mut self.fence_grace);
+        bound(&mut self.retry.backoff);
         self
     }
 

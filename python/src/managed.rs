@@ -8,6 +8,7 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use smallvec::SmallVec;
@@ -27,6 +28,9 @@ struct Managed {
 #[derive(Default)]
 pub(crate) struct ManagedBuffers {
     live: Mutex<BTreeMap<usize, Managed>>,
+    /// How many are live: a batch of the caller's own memory, with none
+    /// allocated, counts its uses without the lock.
+    count: AtomicUsize,
 }
 
 /// The managed buffers one batch uses (by address, each once): taken when
@@ -60,6 +64,7 @@ impl ManagedBuffers {
             return None;
         }
         lock(&self.live).insert(p as usize, Managed { len, uses: 0 });
+        self.count.fetch_add(1, Ordering::Release);
         Some(p as usize)
     }
 
@@ -74,6 +79,7 @@ impl ManagedBuffers {
             None => return Free::NoSuchBuffer,
         }
         live.remove(&addr);
+        self.count.fetch_sub(1, Ordering::Release);
         let layout = Layout::from_size_align(len, ALIGN).expect("allocated with this layout");
         // SAFETY: `addr` came from `alloc_zeroed` with this layout (the map
         // says so) and is removed from the map, so it is freed once; no
@@ -94,11 +100,18 @@ impl ManagedBuffers {
 
     /// Counts a batch's use of the managed buffers its local buffers (by
     /// address) lie in.
+    #[inline]
     pub(crate) fn take_uses(&self, buffers: impl Iterator<Item = usize>) -> Uses {
-        let mut live = lock(&self.live);
-        if live.is_empty() {
+        // A buffer a batch uses was allocated before the batch was made (its
+        // address came back from `allocate`): none live, none used.
+        if self.count.load(Ordering::Acquire) == 0 {
             return Uses::default();
         }
+        self.count_uses(buffers)
+    }
+
+    fn count_uses(&self, buffers: impl Iterator<Item = usize>) -> Uses {
+        let mut live = lock(&self.live);
         let mut uses = Uses::default();
         for addr in buffers {
             // The buffer the range starts in (a range crossing its end was
@@ -116,10 +129,14 @@ impl ManagedBuffers {
 
     /// Gives a batch's uses back: its outcome is final (0 or -1), or its
     /// -2 drained.
+    #[inline]
     pub(crate) fn release(&self, uses: Uses) {
-        if uses.0.is_empty() {
-            return;
+        if !uses.0.is_empty() {
+            self.give_back(uses);
         }
+    }
+
+    fn give_back(&self, uses: Uses) {
         let mut live = lock(&self.live);
         for start in uses.0 {
             if let Some(m) = live.get_mut(&start) {
