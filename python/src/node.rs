@@ -669,6 +669,8 @@ impl Node {
         let deadline = Instant::now().checked_add(timeout);
         let mut worst = SYNC_OK;
         for &id in ids {
+            // Whether this call saw the batch running while another waited.
+            let mut seen = false;
             loop {
                 let left = deadline.map_or(Duration::MAX, |d| {
                     d.saturating_duration_since(Instant::now())
@@ -676,6 +678,14 @@ impl Node {
                 match self.progress(id, left.max(Duration::from_millis(1))) {
                     Progress::Done(c) => {
                         worst = worst.min(c);
+                        break;
+                    }
+                    // Another call took its outcome meanwhile, which this one
+                    // cannot know: -1 would say the memory is free, and the
+                    // outcome may have been -2. wait_for_quiescence() says
+                    // when nothing is pinned.
+                    Progress::Unknown if seen => {
+                        worst = SYNC_UNKNOWN;
                         break;
                     }
                     Progress::Unknown => {
@@ -690,7 +700,10 @@ impl Node {
                         return SYNC_UNKNOWN;
                     }
                     // Another call holds its channel: look again shortly.
-                    Progress::Running => std::thread::sleep(Duration::from_micros(200)),
+                    Progress::Running => {
+                        seen = true;
+                        std::thread::sleep(Duration::from_micros(200))
+                    }
                 }
             }
         }

@@ -247,3 +247,29 @@ def test_initialize_from_two_threads_at_once_starts_one_engine():
     for t in ts:
         t.join()
     assert sorted(codes) == [-1, 0], codes
+
+
+def test_two_status_calls_on_one_batch_never_hear_minus_one_for_a_minus_two(
+    peer_factory, local, monkeypatch
+):
+    """Two threads wait on the same batch with get_batch_transfer_status;
+    the one that takes its outcome hears -2 (a stopped target on this host
+    holds the source); the other heard -1 ('no batch'), which says the
+    memory is free. It hears -2 too: wait_for_quiescence() says when."""
+    import threading
+
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
+    bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
+    assert bid
+    codes = []
+    ts = [
+        threading.Thread(target=lambda: codes.append(e.get_batch_transfer_status([bid])))
+        for _ in range(2)
+    ]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert codes == [-2, -2], codes
+    target.signal(signal.SIGCONT)
+    assert e.wait_for_quiescence(20) == 0
