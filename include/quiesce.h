@@ -80,7 +80,9 @@ int quiesce_engine_stop(quiesce_engine *e);
  * segment named name; stores a handle in *handle_out. 0 or -1. */
 int quiesce_open(quiesce_engine *e, const char *addr, const char *name, const char *token, uint32_t *handle_out);
 
-/* opts may be NULL (defaults); ticket_out may be NULL if -2 is not expected.
+/* opts may be NULL (defaults); ticket_out may be NULL if -2 is not expected:
+ * a -2 answered without one leaves its memory pinned for good (there is no
+ * ticket to wait on), so pass one wherever the memory is to be reused.
  * A batch call takes any n > 0 (about 2 KiB per task while it runs). */
 int quiesce_transfer_sync_write(quiesce_engine *e, uint32_t segment, uint64_t offset, const void *src, uint64_t len,
                                 const quiesce_options *opts, uint64_t *ticket_out);

@@ -195,20 +195,24 @@ def test_quiesce_log_wins_over_the_levels(env):
     assert made == (env is None), out.stdout
 
 
-def runs_ok(code, n, timeout):
-    """Runs ``code`` with argument ``n`` in a fresh interpreter (without
-    ``QUIESCE_LOG``); it must print "ok" within ``timeout`` seconds."""
+def runs_ok(code, n, timeout, quiesce_log=None):
+    """Runs ``code`` with argument ``n`` in a fresh interpreter (with
+    ``QUIESCE_LOG`` only if given); it must print "ok" within ``timeout``
+    seconds."""
     import os
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"}
+    if quiesce_log is not None:
+        env["QUIESCE_LOG"] = quiesce_log
     try:
         out = subprocess.run(
             [sys.executable, "-c", code, str(n)],
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"},
+            env=env,
         )
     except subprocess.TimeoutExpired:
         raise AssertionError(f"hung: no answer in {timeout} s")
@@ -362,3 +366,48 @@ def test_a_record_after_close_with_stderr_gone_is_dropped_not_a_panic():
     p.stderr.close()
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 0 and out.strip() == "-1", (p.returncode, out)
+
+
+ENV_RACE_CODE = """
+import threading
+import quiesce
+from quiesce import _logs
+
+applied = []
+real = _logs._native
+
+
+class Native:
+    # The native module, recording each filter applied; the first time the
+    # environment's filter is applied, another thread's set_log_filter runs
+    # first (given half a second: with the fix it waits for the lock).
+    def __getattr__(self, name):
+        return getattr(real, name)
+
+    def set_log_filter(self, directives):
+        if directives == _logs._ENV and not applied:
+            applied.append("-")
+            t = threading.Thread(target=quiesce.set_log_filter, args=("debug",))
+            t.start()
+            t.join(0.5)
+        applied.append(directives)
+        real.set_log_filter(directives)
+
+
+_logs._native = Native()
+quiesce.set_log_filter(None)
+for t in threading.enumerate():
+    if t is not threading.current_thread() and t.name != "quiesce-logs":
+        t.join()
+assert _logs._explicit == "debug", _logs._explicit
+assert applied[-1] == "debug", applied
+print("ok", flush=True)
+"""
+
+
+def test_set_log_filter_none_does_not_undo_another_threads_filter():
+    """With QUIESCE_LOG set, set_log_filter(None) applied the environment's
+    filter after letting go of its lock: another thread's
+    set_log_filter("debug") in between was undone on the Rust side while
+    it stayed the explicit choice on the Python side."""
+    runs_ok(ENV_RACE_CODE, 0, timeout=60, quiesce_log="warn")

@@ -115,13 +115,15 @@ def set_log_filter(directives):
             return
         _explicit = None
         _applied = None
-    if _ENV is not None:
-        try:
-            _native.set_log_filter(_ENV)
-        except ValueError:  # reported when the module loaded
-            _native.set_log_filter(_native.DEFAULT_LOG_FILTER)
-    else:
-        _follow_levels()
+        # Under the lock: another thread's set_log_filter(directives) between
+        # the two would be undone by this one while it stayed 'explicit'.
+        if _ENV is not None:
+            try:
+                _native.set_log_filter(_ENV)
+            except ValueError:  # reported when the module loaded
+                _native.set_log_filter(_native.DEFAULT_LOG_FILTER)
+            return
+    _follow_levels()
 
 
 def _emit(records):
