@@ -506,3 +506,30 @@ def test_a_close_waiting_for_a_blocking_call_does_not_freeze_python(native_peer)
     beat.join()
     t.signal(signal.SIGCONT)
     assert max(gaps) < 1.0, f"Python stalled for {max(gaps):.1f} s"
+
+
+def test_a_batch_used_while_it_runs_is_a_typed_error(native_peer, eng):
+    """run() held the batch borrowed through the whole transfer, so another
+    thread's write() or run() on it raised pyo3's RuntimeError ('Already
+    borrowed') instead of quiesce's InvalidInput; and an offset past 64
+    bits raised OverflowError instead of OutOfBounds."""
+    import threading
+
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    b = eng.batch(deadline=5.0)
+    b.write(bytearray(64 * MiB), kv)
+    t.signal(signal.SIGSTOP)  # the run blocks until its deadline
+    runner = threading.Thread(target=b.run)
+    runner.start()
+    time.sleep(0.3)
+    try:
+        with pytest.raises(quiesce.InvalidInput):
+            b.write(bytearray(16), kv)
+        with pytest.raises(quiesce.InvalidInput):
+            b.run()
+    finally:
+        t.signal(signal.SIGCONT)
+        runner.join()
+    with pytest.raises(quiesce.OutOfBounds):
+        eng.batch().write(bytearray(16), kv, offset=2**64)

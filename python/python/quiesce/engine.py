@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Union
 
 from quiesce import _native
-from quiesce.errors import InvalidInput
+from quiesce.errors import InvalidInput, OutOfBounds
 from quiesce.outcome import Outcome, outcome
 
 __all__ = ["Engine", "Batch", "LocalSegment", "RemoteSegment"]
@@ -100,6 +100,8 @@ class Batch:
             raise InvalidInput(f"expected a RemoteSegment from Engine.open, got {type(seg).__name__}")
         if offset < 0:
             raise InvalidInput("the offset must not be negative")
+        if offset >= 1 << 64:
+            raise OutOfBounds(f"offset {offset} is past any segment (64 bits)")
         i = self._native.add(write, buf, seg._handle, seg.length, offset)
         self._buffers.append(buf)
         return i

@@ -29,7 +29,7 @@ pub(crate) mod batch;
 pub(crate) mod error;
 mod pin;
 
-use batch::NativeBatch;
+use batch::{Moves, NativeBatch};
 use error::{from_sync, invalid, raise};
 use pin::{Access, Held};
 
@@ -149,6 +149,22 @@ pub struct NativeEngine {
 }
 
 /// A batch's options: `policy`, `deadline` (seconds), and room for its
+/// A batch's options and its tasks, taken out to run: borrowed only for
+/// that, so that another thread's use of it while it runs is a typed error
+/// (it has run already), not pyo3's 'Already borrowed'.
+fn take(
+    py: Python<'_>,
+    batch: &Bound<'_, NativeBatch>,
+    policy: &str,
+    deadline: f64,
+) -> PyResult<(BatchOptions, (Moves, Vec<Held>))> {
+    let mut b = batch
+        .try_borrow_mut()
+        .map_err(|_| invalid(py, "this batch is being changed by another thread"))?;
+    let opts = options(py, policy, deadline, b.__len__())?;
+    Ok((opts, b.take(py)?))
+}
+
 /// `tasks` (a batch holds what its caller adds: a KV cache's blocks times
 /// its layers pass the native default of 4,096).
 fn options(py: Python<'_>, policy: &str, deadline: f64, tasks: usize) -> PyResult<BatchOptions> {
@@ -560,12 +576,11 @@ impl NativeEngine {
     fn run(
         &self,
         py: Python<'_>,
-        batch: &mut NativeBatch,
+        batch: &Bound<'_, NativeBatch>,
         policy: &str,
         deadline: f64,
     ) -> PyResult<Report> {
-        let opts = options(py, policy, deadline, batch.__len__())?;
-        let (tasks, held) = batch.take(py)?;
+        let (opts, (tasks, held)) = take(py, batch, policy, deadline)?;
         let r = py.detach(|| self.core.with(|e| e.run(tasks, opts)));
         match r {
             Ok(out) => {
@@ -587,13 +602,12 @@ impl NativeEngine {
     fn submit(
         &self,
         py: Python<'_>,
-        batch: &mut NativeBatch,
+        batch: &Bound<'_, NativeBatch>,
         policy: &str,
         deadline: f64,
         callback: Py<PyAny>,
     ) -> PyResult<()> {
-        let opts = options(py, policy, deadline, batch.__len__())?;
-        let (tasks, held) = batch.take(py)?;
+        let (opts, (tasks, held)) = take(py, batch, policy, deadline)?;
         // Used up, as by `run`, and nothing started: the buffers are the
         // caller's again.
         let tx = match self.deliveries(py) {
