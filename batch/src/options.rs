@@ -30,11 +30,9 @@ impl Default for RetryPolicy {
     }
 }
 
-/// The longest wait a batch keeps (~136 years): a deadline, fence grace or
-/// retry backoff past it is taken as it — no limit in practice, and one an
-/// `Instant` holds (`Duration::MAX` past now overflows it, and a C caller's
-/// `UINT64_MAX` milliseconds or Python's `1e19` seconds nearly do).
-pub const LONGEST_WAIT: Duration = Duration::from_secs(1 << 32);
+/// The longest wait a batch keeps: a deadline, fence grace or retry backoff
+/// past it is taken as it.
+pub use quiesce_runtime::time::LONGEST_WAIT;
 
 /// Batch settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -202,8 +202,7 @@ fn push(record: Record) {
 /// process.
 fn take(wait: Option<Duration>) -> (Vec<Record>, bool) {
     let mut q = lock(&QUEUE.state);
-    // Past what an Instant holds: no limit.
-    let until = wait.and_then(|w| std::time::Instant::now().checked_add(w));
+    let until = wait.map(quiesce_runtime::time::deadline_in);
     while q.records.is_empty() && q.dropped == 0 && !q.closed {
         q = match until {
             None => QUEUE.ready.wait(q).unwrap_or_else(|e| e.into_inner()),

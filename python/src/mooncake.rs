@@ -21,7 +21,7 @@ use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_runtime::timeline::{self, Step};
 
 use crate::managed::Free;
-use crate::node::{complain, Fabric, Node, Progress};
+use crate::node::{complain, seconds, Fabric, Node, Progress};
 use crate::opcode::{direction, refuse_notify, TransferOpcode};
 use crate::word::{Word, Words};
 
@@ -646,8 +646,7 @@ impl TransferEngine {
     #[pyo3(signature = (timeout = 30.0))]
     fn wait_for_quiescence(&self, py: Python<'_>, timeout: f64) -> usize {
         let Some(node) = self.node() else { return 0 };
-        // Infinite or past what a Duration holds: no limit.
-        let t = Duration::try_from_secs_f64(timeout.max(0.0)).unwrap_or(Duration::MAX);
+        let t = seconds(timeout);
         py.detach(|| node.quiesce_pending(t))
     }
 }

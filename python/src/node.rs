@@ -18,6 +18,7 @@ use quiesce_batch::{
     BatchOptions, FailurePolicy, TaskReport, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN,
 };
 use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
+use quiesce_runtime::time::{deadline_in, LONGEST_WAIT};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, LocalMode, Token};
 use smallvec::SmallVec;
@@ -197,6 +198,17 @@ pub(crate) fn tcp_congestion() -> Result<Option<String>, String> {
         }
         _ => Ok(None),
     }
+}
+
+/// A timeout of `timeout` seconds from Python: none if not positive (or
+/// NaN), inf and huge values [`LONGEST_WAIT`].
+pub(crate) fn seconds(timeout: f64) -> Duration {
+    if timeout.is_nan() || timeout <= 0.0 {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(timeout)
+        .unwrap_or(LONGEST_WAIT)
+        .min(LONGEST_WAIT)
 }
 
 /// The variable that makes a sync call wait for a batch whose completion is
@@ -665,16 +677,13 @@ impl Node {
     /// Waits for every batch in `ids`: 0 if all completed, else the worst
     /// code (-2 before -1). Unknown ids count as -1.
     pub(crate) fn wait_all(&self, ids: &[u64], timeout: Duration) -> i32 {
-        // Past what an Instant holds: no limit.
-        let deadline = Instant::now().checked_add(timeout);
+        let deadline = deadline_in(timeout);
         let mut worst = SYNC_OK;
         for &id in ids {
             // Whether this call saw the batch running while another waited.
             let mut seen = false;
             loop {
-                let left = deadline.map_or(Duration::MAX, |d| {
-                    d.saturating_duration_since(Instant::now())
-                });
+                let left = deadline.saturating_duration_since(Instant::now());
                 match self.progress(id, left.max(Duration::from_millis(1))) {
                     Progress::Done(c) => {
                         worst = worst.min(c);
@@ -692,7 +701,7 @@ impl Node {
                         worst = worst.min(complain(&format!("no batch {id}")));
                         break;
                     }
-                    Progress::Running if deadline.is_some_and(|d| Instant::now() >= d) => {
+                    Progress::Running if Instant::now() >= deadline => {
                         // Still running past the wait (only if another call
                         // waits on it too, or its deadline is beyond the
                         // wait): its memory is not back, and the batch stays
@@ -751,12 +760,10 @@ impl Node {
             Err(std::sync::TryLockError::Poisoned(g)) => g.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return lock(&self.pending).len(),
         };
-        let deadline = Instant::now().checked_add(timeout);
+        let deadline = deadline_in(timeout);
         let tickets: Vec<u64> = lock(&self.pending).iter().map(|p| p.ticket).collect();
         for t in tickets {
-            let left = deadline.map_or(Duration::MAX, |d| {
-                d.saturating_duration_since(Instant::now())
-            });
+            let left = deadline.saturating_duration_since(Instant::now());
             match self.engine().wait::<RawBuf>(t, left) {
                 // Drained; or the engine stopped, after its runtime reaped
                 // every operation.

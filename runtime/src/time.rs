@@ -217,15 +217,22 @@ pub fn sleep_until(deadline: Instant) -> Sleep {
     }
 }
 
-/// Waits for `duration` (one past what an `Instant` holds: for ever, as far
-/// as anyone will see).
+/// Waits for `duration` (at most [`LONGEST_WAIT`]).
 pub fn sleep(duration: Duration) -> Sleep {
-    let now = Instant::now();
-    sleep_until(now.checked_add(duration).unwrap_or(now + NEVER))
+    sleep_until(deadline_in(duration))
 }
 
-/// A wait no program outlives (~136 years), which an `Instant` holds.
-const NEVER: Duration = Duration::from_secs(1 << 32);
+/// The longest wait anything here keeps (~136 years): no program outlives
+/// it, and an `Instant` holds it, where `Duration::MAX` past now (or a C
+/// caller's `UINT64_MAX` milliseconds, or Python's `1e19` seconds)
+/// overflows one.
+pub const LONGEST_WAIT: Duration = Duration::from_secs(1 << 32);
+
+/// `duration` from now, capped at [`LONGEST_WAIT`]: a deadline for any
+/// wait a caller asks for, however long.
+pub fn deadline_in(duration: Duration) -> Instant {
+    Instant::now() + duration.min(LONGEST_WAIT)
+}
 
 /// The deadline of a [`timeout`] passed first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

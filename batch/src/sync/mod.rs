@@ -445,14 +445,11 @@ impl SyncEngine {
         id: u64,
         timeout: Duration,
     ) -> Result<Option<SyncOutcome<B>>, SyncError> {
-        // Past what an Instant holds: no limit.
-        let deadline = std::time::Instant::now().checked_add(timeout);
+        let deadline = quiesce_runtime::time::deadline_in(timeout);
         loop {
             match self.poll::<B>(id)? {
                 Some(o) => return Ok(Some(o)),
-                None if deadline.is_some_and(|d| std::time::Instant::now() >= d) => {
-                    return Ok(None)
-                }
+                None if std::time::Instant::now() >= deadline => return Ok(None),
                 None => thread::sleep(Duration::from_micros(200)),
             }
         }

@@ -23,7 +23,7 @@ use quiesce_directory::{Directory, DirectoryError, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
-use crate::node::{listen_addr, local_mode, lock, secret, spin, tcp_congestion};
+use crate::node::{listen_addr, local_mode, lock, seconds, secret, spin, tcp_congestion};
 
 pub(crate) mod batch;
 pub(crate) mod error;
@@ -102,16 +102,6 @@ fn from_directory(py: Python<'_>, e: &DirectoryError) -> PyErr {
 
 /// How long one wait holds the engine's read lock (a `close` waits for it).
 const WAIT_SLICE: Duration = Duration::from_millis(100);
-
-/// `timeout` seconds (none if not positive; inf and huge values saturate).
-fn seconds(timeout: f64) -> Duration {
-    if timeout.is_nan() || timeout <= 0.0 {
-        return Duration::ZERO;
-    }
-    Duration::try_from_secs_f64(timeout)
-        .unwrap_or(Duration::MAX)
-        .min(Duration::from_secs(1 << 32))
-}
 
 /// Held memory, one buffer or a batch's.
 trait Release {
