@@ -62,6 +62,59 @@ fn lent_memory_is_written_by_peer_address_and_reclaimed() {
     assert!(init.open_at(target.local_addr(), base, wrong).is_err());
 }
 
+/// Opening a segment this engine already opened (by address again after a
+/// failed batch, or `get_first_buffer_address` on every call) gives back
+/// its handle: the engine's table grows with the segments peers serve, not
+/// with how often they are opened. Memory lent again at the same address is
+/// another segment, with a handle of its own, and the old handle fails.
+#[test]
+fn opening_a_segment_again_reuses_its_handle() {
+    let target = engine();
+    let init = engine();
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let mut mem = vec![0u8; LEN].into_boxed_slice();
+    let base = mem.as_mut_ptr() as u64;
+    // SAFETY: `mem` lives until after the last `reclaim` answered true.
+    unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    let peer = target.local_addr();
+    let first = init.open_at(peer, base, token).unwrap();
+    for i in 0..200u64 {
+        let again = init.open_at(peer, base + i * 4096, token).unwrap();
+        assert_eq!(again, first, "open {i} by address made a new handle");
+        assert_eq!(init.open_first(peer, token).unwrap(), first);
+        assert_eq!(init.open_named(peer, "m", token).unwrap(), first);
+    }
+    let mut src = vec![0x5au8; 4096];
+    let write = |segment: u32, src: &mut Vec<u8>| {
+        // SAFETY: `src` outlives the batch (its outcome is final below).
+        let buf = unsafe { RawBuf::new(src.as_mut_ptr(), src.len()) };
+        let task = SyncTask {
+            segment,
+            offset: 0,
+            buf,
+        };
+        let opts = BatchOptions::default().deadline(Duration::from_secs(5));
+        init.batch(Direction::Write, vec![task], opts).unwrap().code
+    };
+    assert_eq!(write(first.segment, &mut src), SYNC_OK);
+    // The same address lent again: a new segment, a new handle.
+    assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
+    // SAFETY: as above.
+    unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    let second = init.open_at(peer, base, token).unwrap();
+    assert_ne!(second.segment, first.segment);
+    assert_ne!(
+        write(first.segment, &mut src),
+        SYNC_OK,
+        "the old segment is gone"
+    );
+    src.fill(0x6b);
+    assert_eq!(write(second.segment, &mut src), SYNC_OK);
+    assert_eq!(init.open_at(peer, base, token).unwrap(), second);
+    assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
+    assert!(mem[..4096].iter().all(|&b| b == 0x6b));
+}
+
 /// A peer that starts a write into lent memory and stalls does not keep it:
 /// reclaim revokes the range, the landing write is cut, and the memory comes
 /// back while the peer is still connected.

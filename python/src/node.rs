@@ -422,7 +422,13 @@ impl Node {
                 let s = self.engine().open_at(peer, addr, self.token).map_err(|e| {
                     format!("{peer}: no registered memory at {addr:#x} open to this secret ({e})")
                 })?;
-                lock(&self.opened).entry(peer).or_default().push(s);
+                // (Another thread may have opened it meanwhile: the engine
+                // gave it the same handle.)
+                let mut opened = lock(&self.opened);
+                let known = opened.entry(peer).or_default();
+                if !known.contains(&s) {
+                    known.push(s);
+                }
                 s
             }
         };

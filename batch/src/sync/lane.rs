@@ -283,11 +283,11 @@ type Copied = Slice<Vec<u8>>;
 enum LaneSegment {
     /// Opened here, as the engine opened it.
     Open(RemoteSegment),
-    /// Cannot be opened here as the engine did (another segment by now, or
-    /// refused): its batches run on the engine's thread.
-    Refused,
-    /// Opening it did not finish in time: batches run on the engine's
-    /// thread until then, when the lane tries again.
+    /// The name or address is another segment by now (the engine's handle
+    /// names one that is gone): its batches run on the engine's thread.
+    Another,
+    /// Opening it failed or did not finish in time: batches run on the
+    /// engine's thread until then, when the lane tries again.
     Slow(Instant),
 }
 
@@ -424,7 +424,7 @@ impl Lane {
             let known = self.opened.get(t.segment as usize).cloned().flatten();
             let seg = match known {
                 Some(LaneSegment::Open(s)) => s,
-                Some(LaneSegment::Refused) => return (None, spent),
+                Some(LaneSegment::Another) => return (None, spent),
                 Some(LaneSegment::Slow(until)) if now < until => return (None, spent),
                 Some(LaneSegment::Slow(_)) | None => {
                     let started = Instant::now();
@@ -467,9 +467,11 @@ impl Lane {
             None => Some(self.rt.block_on(opening)),
         };
         let state = match opened {
-            Some(Some(s)) => LaneSegment::Open(s),
-            Some(None) => LaneSegment::Refused,
-            None => LaneSegment::Slow(Instant::now() + OPEN_BACKOFF),
+            Some(Ok(s)) => LaneSegment::Open(s),
+            Some(Err(LaneOpen::Another)) => LaneSegment::Another,
+            // Not reached, refused, or not in time: tried again later (the
+            // engine keeps this handle when it opens the segment again).
+            Some(Err(LaneOpen::Failed)) | None => LaneSegment::Slow(Instant::now() + OPEN_BACKOFF),
         };
         let h = handle as usize;
         if self.opened.len() <= h {
@@ -489,15 +491,27 @@ impl Lane {
     }
 }
 
-/// Opens the segment `key` names on the lane's engine: `None` if it cannot
-/// be, or is no longer the segment the engine opened.
-async fn open(net: &Engine, key: &LaneKey) -> Option<RemoteSegment> {
-    let peer = net.connect(key.peer).await.ok()?;
+/// Why a lane could not open a segment as the engine did.
+enum LaneOpen {
+    /// The peer was not reached, or refused (perhaps for now).
+    Failed,
+    /// The name or address is another segment by now: never the engine's.
+    Another,
+}
+
+/// Opens the segment `key` names on the lane's engine.
+async fn open(net: &Engine, key: &LaneKey) -> Result<RemoteSegment, LaneOpen> {
+    let peer = net.connect(key.peer).await.map_err(|_| LaneOpen::Failed)?;
     let seg = match &key.name {
-        Some(n) => peer.open(n, key.token).await.ok()?,
-        None => peer.open_at(key.base, key.token).await.ok()?,
-    };
-    (seg.id() == key.id).then_some(seg)
+        Some(n) => peer.open(n, key.token).await,
+        None => peer.open_at(key.base, key.token).await,
+    }
+    .map_err(|_| LaneOpen::Failed)?;
+    if seg.id() == key.id {
+        Ok(seg)
+    } else {
+        Err(LaneOpen::Another)
+    }
 }
 
 /// Copies a completed read's bytes into the caller's buffer.

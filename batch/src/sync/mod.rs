@@ -107,6 +107,10 @@ struct State {
     engine: Engine,
     fabric: Fabric,
     segments: Rc<RefCell<Vec<Opened>>>,
+    /// The handle of each segment opened so far, by what makes it the same
+    /// segment: its peer, its id there and its extent (a peer that restarts
+    /// numbers its segments anew), and the token it was opened with.
+    handles: Rc<RefCell<HashMap<(SocketAddr, u64, u64, u64), Vec<(Token, u32)>>>>,
     /// Caller memory lent as segments ([`SyncEngine::lend`]), by address.
     lent: Rc<RefCell<HashMap<u64, Lent>>>,
     /// Tickets of batches whose completion is unknown, by id.
@@ -118,7 +122,10 @@ struct State {
 
 impl State {
     /// Keeps a segment opened at `peer` with `token` (by `name`, or by
-    /// address); batches name it by the returned handle.
+    /// address); batches name it by the returned handle. A segment opened
+    /// before keeps its handle (the fresh opening replaces the old one), so
+    /// opening again after a failure, or on every
+    /// `get_first_buffer_address`, does not grow the table.
     fn keep(
         &self,
         seg: Opened,
@@ -127,19 +134,32 @@ impl State {
         name: Option<String>,
     ) -> OpenedSegment {
         let (base, len) = seg.extent();
-        let key = match &seg {
-            Opened::Tcp(s) => Some(LaneKey {
-                peer,
-                token,
-                name,
-                id: s.id(),
-                base,
-            }),
-            Opened::Rdma(_) => None,
+        let id = match &seg {
+            Opened::Tcp(s) => s.id(),
+            Opened::Rdma(s) => s.id(),
         };
+        let key = matches!(seg, Opened::Tcp(_)).then(|| LaneKey {
+            peer,
+            token,
+            name,
+            id,
+            base,
+        });
         let mut segs = self.segments.borrow_mut();
-        segs.push(seg);
-        let segment = segs.len() as u32 - 1;
+        let mut handles = self.handles.borrow_mut();
+        let same = handles.entry((peer, id, base, len)).or_default();
+        let segment = match same.iter().find(|(t, _)| *t == token) {
+            Some(&(_, h)) => {
+                segs[h as usize] = seg;
+                h
+            }
+            None => {
+                segs.push(seg);
+                let h = segs.len() as u32 - 1;
+                same.push((token, h));
+                h
+            }
+        };
         self.lanes.record(segment, key);
         OpenedSegment { segment, base, len }
     }
@@ -268,6 +288,7 @@ impl SyncEngine {
                         engine,
                         fabric,
                         segments: Rc::default(),
+                        handles: Rc::default(),
                         lent: Rc::default(),
                         tickets: Rc::default(),
                         next_ticket: Rc::new(Cell::new(1)),
