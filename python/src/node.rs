@@ -474,14 +474,13 @@ impl Node {
         if buffers.len() != peer_addresses.len() || buffers.len() != lengths.len() {
             return Err("buffers, peer addresses and lengths differ in count".into());
         }
-        if buffers.is_empty() {
-            return Err("no buffers".into());
-        }
         // A zero-length entry moves nothing: Mooncake completes it as a
         // no-op, and SGLang sends them (a model's state item of 0 bytes, with
         // whatever pointer it has, among its others). A call with nothing
-        // else is bad input.
-        if lengths.iter().all(|&l| l == 0) {
+        // else is bad input. A call with no entries at all is not: Mooncake
+        // answers 0 for it, and a caller that lists the blocks left to send
+        // makes one (its tasks are empty, and `run`/`submit` complete it).
+        if !lengths.is_empty() && lengths.iter().all(|&l| l == 0) {
             return Err("zero length: every task is empty".into());
         }
         if let Some(i) = (0..buffers.len()).find(|&i| buffers[i] == 0 && lengths[i] != 0) {
@@ -561,6 +560,9 @@ impl Node {
             Ok(p) => p,
             Err(e) => return complain(&format!("transfer: {e}")),
         };
+        if p.tasks.is_empty() {
+            return SYNC_OK;
+        }
         let opts = self.options_for(&p);
         match self.engine().run(p.tasks, opts) {
             Ok(out) => {
@@ -618,7 +620,21 @@ impl Node {
             }
         };
         let opts = self.options_for(&p);
-        match self.engine().submit_each(p.tasks, opts) {
+        let started = if p.tasks.is_empty() {
+            // Nothing to move: its outcome is ready.
+            let (tx, rx) = mpsc::channel();
+            let _ = tx.send(SyncOutcome {
+                code: SYNC_OK,
+                buffers: Some(SmallVec::new()),
+                tasks: SmallVec::new(),
+                ticket: None,
+                remote_confirmed: true,
+            });
+            Ok(rx)
+        } else {
+            self.engine().submit_each(p.tasks, opts)
+        };
+        match started {
             Ok(outcome) => {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let o = Outstanding {

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import answers_after_resume, engine, logged, seed_round, stopped_target
-from quiesce.mooncake import TransferEngine
+from quiesce.mooncake import TransferEngine, TransferOpcode
 
 MiB = 1 << 20
 
@@ -191,6 +191,29 @@ def test_zero_length_entries_among_others_are_no_ops(peer_factory, local):
     assert e.batch_transfer_sync_write(s, [src, src], [a, a], [0, 0]) == -1, "nothing to move"
 
 
+def test_a_batch_of_no_entries_completes(peer_factory, local):
+    """Mooncake answers 0 for a batch with no entries (the status of a
+    batch of no tasks is COMPLETED), sync or not; a caller that builds its
+    lists from the blocks left to send (vLLM's sender) can make one, and -1
+    there raises and strands the request. A session whose name does not
+    resolve is still -1."""
+    target = peer_factory(MiB)
+    e = engine()
+    s = target.session
+    assert e.batch_transfer_sync_write(s, [], [], []) == 0
+    assert e.batch_transfer_sync_read(s, [], [], []) == 0
+    assert e.batch_transfer_sync(s, [], [], [], TransferOpcode.Write) == 0
+    for submit in (e.batch_transfer_async_write, e.batch_transfer_async_read):
+        bid = submit(s, [], [], [])
+        assert bid > 0
+        assert e.get_batch_transfer_status([bid]) == 0
+    bid = e.batch_transfer_async(s, [], [], [], TransferOpcode.Read)
+    assert bid > 0 and e.transfer_check_status(bid) == 1
+    assert e.batch_transfer_sync_write("no-such-host.invalid:1", [], [], []) == -1
+    assert e.batch_transfer_async_write("no-such-host.invalid:1", [], [], []) == 0
+    assert e.wait_for_quiescence(1.0) == 0
+
+
 def test_a_failed_batch_is_one_short_warning(peer_factory, local, caplog):
     """Each reason once, with its count: a failed batch of 10,000 entries
     made a warning line naming every entry (5 MB for 262,144)."""
@@ -315,7 +338,7 @@ def test_an_ipv6_host_as_sglang_writes_it(hostname, local):
 
 BAD_LOCAL_CODE = """
 import ctypes, sys
-from quiesce.mooncake import TransferEngine
+from quiesce.mooncake import TransferEngine, TransferOpcode
 libc = ctypes.CDLL(None)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
