@@ -235,6 +235,50 @@ fn a_connection_that_keeps_sending_is_never_idle() {
     );
 }
 
+/// The idle limit covers a frame until it is served, not only the wait for
+/// its header: a peer that sends a write's header and part of its payload
+/// and then goes silent (stopped, or its host gone without a FIN) is closed
+/// after the limit like an idle one, instead of holding the connection (and
+/// its landing write's hold on the segment) for good.
+#[test]
+fn a_connection_silent_mid_frame_is_closed_after_the_idle_limit() {
+    use quiesce_transports::wire::{Header, Opcode};
+    let (t, mut c) = idle_target();
+    let h = Header {
+        batch: 1,
+        task: 1,
+        segment: t.seg("kv").id,
+        offset: 0,
+        length: 4096,
+        ..Header::new(Opcode::Write)
+    };
+    c.send(&h, &[7u8; 100]);
+    let t0 = Instant::now();
+    assert!(
+        c.recv().is_none(),
+        "a connection silent mid-frame is closed"
+    );
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(3),
+        "closed after {waited:?}"
+    );
+    // The same for a proof's payload (up to 256 KiB read before it is
+    // checked) on an authenticated connection.
+    let mut c = RawClient::connect(t.addr);
+    c.auth(t.seg("kv").id, t.seg("kv").token);
+    let h = Header {
+        length: 1000,
+        ..Header::new(Opcode::Auth)
+    };
+    c.send(&h, &[1u8; 10]);
+    let t0 = Instant::now();
+    assert!(c.recv().is_none(), "a proof that stops coming is closed");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(t.stats().connections, 0);
+}
+
 /// A fenced batch's entry stays while a connection of its session that
 /// could still carry a frame of it is open and has not said `Forget`, and
 /// goes once the last one does (or closes); a session that piles up fenced

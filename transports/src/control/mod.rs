@@ -10,6 +10,7 @@ pub(crate) mod auth;
 pub(crate) mod batch_hash;
 pub(crate) mod fence;
 pub(crate) mod frame;
+pub(crate) mod idle;
 pub(crate) mod log_limit;
 pub(crate) mod read_ahead;
 pub(crate) mod revoke;

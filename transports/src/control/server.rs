@@ -16,6 +16,7 @@ use quiesce_runtime::timeline::{self, Step};
 
 use crate::control::auth::{random_bytes, SessionKey};
 use crate::control::frame::{read_header, read_payload, send_frame};
+use crate::control::idle::IdleLimit;
 use crate::control::read_ahead::ReadAhead;
 use crate::control::target::Target;
 use crate::control::wire::{
@@ -74,6 +75,8 @@ pub(crate) struct ServedConn<'a> {
     /// What was received ahead of the frame being served: every read of
     /// the connection after its handshake goes through it.
     pub(crate) rx: ReadAhead,
+    /// How long it may stay silent, between frames and inside one.
+    pub(crate) idle: IdleLimit,
 }
 
 /// How a connection enters its session.
@@ -268,6 +271,7 @@ async fn handshake<'a>(
         local: None,
         inbox: None,
         rx: ReadAhead::default(),
+        idle: IdleLimit::new(engine.config.idle_timeout),
     })
 }
 
@@ -278,56 +282,6 @@ fn unknown_segment_token() -> crate::control::auth::Token {
         static T: crate::control::auth::Token = crate::control::auth::Token::random();
     }
     T.with(|t| *t)
-}
-
-/// The idle timeout of an authenticated connection: a wait for its next
-/// frame that lasts the engine's idle timeout closes it. One timer serves
-/// the connection's life — re-arming one per frame cost a timer insert and
-/// removal and two clock reads on every request. Each wait notes when it
-/// began; the timer, armed for an earlier wait, is pushed to this wait's
-/// start + the limit when it fires early, so the limit is exact and the
-/// timer fires at most about once per limit.
-struct IdleLimit {
-    limit: Option<std::time::Duration>,
-    timer: Option<quiesce_runtime::time::Sleep>,
-}
-
-impl IdleLimit {
-    fn new(limit: Option<std::time::Duration>) -> IdleLimit {
-        IdleLimit { limit, timer: None }
-    }
-
-    /// Reads the next frame with `f`, or closes the connection once the
-    /// wait has lasted the limit.
-    async fn wait<T>(
-        &mut self,
-        f: impl std::future::Future<Output = io::Result<T>>,
-    ) -> Result<T, Closed> {
-        use std::future::Future as _;
-        use std::task::Poll;
-        let Some(d) = self.limit else {
-            return f.await.map_err(Closed::Io);
-        };
-        let due = Instant::now() + d;
-        let timer = self
-            .timer
-            .get_or_insert_with(|| quiesce_runtime::time::sleep_until(due));
-        let mut f = std::pin::pin!(f);
-        std::future::poll_fn(|cx| {
-            if let Poll::Ready(r) = f.as_mut().poll(cx) {
-                return Poll::Ready(r.map_err(Closed::Io));
-            }
-            while std::pin::Pin::new(&mut *timer).poll(cx).is_ready() {
-                if Instant::now() >= due {
-                    return Poll::Ready(Err(Closed::TimedOut(format!("idle for {d:?}"))));
-                }
-                // Armed for an earlier wait: this one began later.
-                timer.reset(due);
-            }
-            Poll::Pending
-        })
-        .await
-    }
 }
 
 /// The header read (`None`: the peer closed), or the connection closed with
@@ -405,13 +359,12 @@ async fn serve_inner(
             .await)
         }
     };
-    let mut idle = IdleLimit::new(engine.config.idle_timeout);
     loop {
         // Out of `c` while it reads: `next_frame` serves the mailbox meanwhile.
         let mut rx = std::mem::take(&mut c.rx);
         let read = match c.inbox.is_some() {
             true => c.next_frame(rx.header(s)).await,
-            false => idle.wait(rx.header(s)).await,
+            false => c.idle.wait(rx.header(s)).await,
         };
         c.rx = rx;
         let Some(h) = next_header(s, read?).await? else {
@@ -479,7 +432,12 @@ impl ServedConn<'_> {
         if h.length as usize > MAX_QP_PAYLOAD {
             return Err(reject(self.s, h, Status::BadFrame, "qp payload too large".into()).await);
         }
-        let req = match QpConnect::decode(&self.rx.payload(self.s, h.length as usize).await?) {
+        let req = match QpConnect::decode(
+            &self
+                .idle
+                .within(self.rx.payload(self.s, h.length as usize))
+                .await??,
+        ) {
             Ok(r) => r,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };
@@ -540,7 +498,12 @@ impl ServedConn<'_> {
         if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
             return Err(reject(self.s, h, Status::BadFrame, "auth payload too large".into()).await);
         }
-        let req = match AuthRequest::decode(&self.rx.payload(self.s, h.length as usize).await?) {
+        let req = match AuthRequest::decode(
+            &self
+                .idle
+                .within(self.rx.payload(self.s, h.length as usize))
+                .await??,
+        ) {
             Ok(r) => r,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };

@@ -78,7 +78,10 @@ impl ServedConn<'_> {
         if h.length != MAILBOX_PAYLOAD as u64 {
             return Err(reject(self.s, h, Status::BadFrame, "bad mailbox payload".into()).await);
         }
-        let p = self.rx.payload(self.s, MAILBOX_PAYLOAD).await?;
+        let p = self
+            .idle
+            .within(self.rx.payload(self.s, MAILBOX_PAYLOAD))
+            .await??;
         let opened = match (&self.local, &self.inbox) {
             (Some(a), None) => Mailbox::open(a.process(), &p).map_err(|e| e.to_string()),
             (None, _) => Err("the connection is not attached".into()),

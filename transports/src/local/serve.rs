@@ -45,7 +45,10 @@ impl ServedConn<'_> {
         if h.length != ATTACH_PAYLOAD as u64 {
             return Err(reject(self.s, h, Status::BadFrame, "bad attach payload".into()).await);
         }
-        let p = self.rx.payload(self.s, ATTACH_PAYLOAD).await?;
+        let p = self
+            .idle
+            .within(self.rx.payload(self.s, ATTACH_PAYLOAD))
+            .await??;
         let pid = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
         let probe = u64::from_le_bytes(p[4..12].try_into().expect("8 bytes"));
         let (st, me) = match self.verify(pid, probe) {

@@ -101,7 +101,7 @@ impl ServedConn<'_> {
         st: Status,
         payload: u64,
     ) -> Result<(), Closed> {
-        self.rx.discard(self.s, payload).await?;
+        self.idle.within(self.rx.discard(self.s, payload)).await??;
         let c = &self.engine.counters.rejected;
         c.set(c.get() + 1);
         send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
@@ -167,11 +167,14 @@ impl ServedConn<'_> {
                 l.fence.set_canceller(Some(canceller.clone()));
                 l.grant.set_canceller(Some(canceller));
             });
-            let (res, _window) = op.await;
+            // A payload that stops coming closes the connection after the
+            // idle limit (the parked receive keeps the registrations).
+            let received = self.idle.within(op).await;
             landing.with(|l| {
                 l.fence.set_canceller(None);
                 l.grant.set_canceller(None);
             });
+            let (res, _window) = received?;
             match res {
                 Ok(0) => return Err(Closed::Io(io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => landed += n as u64,
@@ -192,7 +195,9 @@ impl ServedConn<'_> {
             Status::Ok
         } else {
             // Fenced or revoked mid-way: the rest is dropped, not landed.
-            self.rx.discard(self.s, len - landed).await?;
+            self.idle
+                .within(self.rx.discard(self.s, len - landed))
+                .await??;
             cut_short(revoked, landed)
         };
         let c = &self.engine.counters;
