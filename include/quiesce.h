@@ -22,7 +22,8 @@
  *
  * A panic inside the engine while a call waits for its batch aborts the
  * process; one in a batch whose -2 ticket is out leaves that ticket at -2 for
- * good (its memory stays pinned). No call ever returns 0 or -1 without the
+ * good (its memory stays pinned), and so does one that ends the engine's
+ * thread: every ticket of it then answers -2. No call ever returns 0 or -1 without the
  * batch having quiesced.
  *
  * Link with -lquiesce_batch (the cdylib of the quiesce-batch crate).

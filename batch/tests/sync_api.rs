@@ -201,6 +201,74 @@ unsafe impl quiesce_runtime::IoBufMut for PanicsWhenFilled {
     }
 }
 
+/// A buffer whose `bytes_total` panics on any thread but the one that made
+/// it: the engine's thread dies building the batch.
+struct PanicsOffItsThread(Vec<u8>, std::thread::ThreadId);
+
+// SAFETY: delegates to a Vec, whose heap storage never moves.
+unsafe impl quiesce_runtime::IoBuf for PanicsOffItsThread {
+    fn stable_ptr(&self) -> *const u8 {
+        self.0.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.0.len()
+    }
+    fn bytes_total(&self) -> usize {
+        assert_eq!(
+            std::thread::current().id(),
+            self.1,
+            "injected: the engine's thread dies"
+        );
+        self.0.len()
+    }
+}
+
+// SAFETY: as above.
+unsafe impl quiesce_runtime::IoBufMut for PanicsOffItsThread {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr()
+    }
+    unsafe fn set_init(&mut self, _pos: usize) {}
+}
+
+/// A -2 ticket of an engine whose thread died stays -2: whether its batch
+/// drained (the dying runtime's drain may have run out of time and left its
+/// operations live) is not known, so it is never reported as settled (the
+/// C ABI turned the error into -1, "nothing touches your memory").
+#[test]
+fn a_ticket_outliving_its_engine_thread_stays_unknown() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    e.caller_lanes(false);
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    t.stall(Duration::from_millis(300));
+    let opts = BatchOptions::default()
+        .deadline(Duration::from_millis(20))
+        .fence_grace(Duration::ZERO);
+    let task = SyncTask {
+        segment: kv,
+        offset: 0,
+        buf: vec![5u8; 4 << 20],
+    };
+    let out = e.batch(Direction::Write, vec![task], opts).unwrap();
+    assert_eq!(out.code, SYNC_UNKNOWN);
+    let ticket = out.ticket.unwrap();
+    let task = SyncTask {
+        segment: kv,
+        offset: 0,
+        buf: PanicsOffItsThread(vec![0u8; 4096], std::thread::current().id()),
+    };
+    let dead = e.batch(Direction::Write, vec![task], BatchOptions::default());
+    assert!(dead.is_err(), "the engine's thread is gone");
+    let polled = e.poll::<Vec<u8>>(ticket).map(|o| o.map(|o| o.code));
+    assert_eq!(polled, Ok(None), "a dead engine's ticket was settled");
+    let t0 = std::time::Instant::now();
+    let waited = e.wait::<Vec<u8>>(ticket, Duration::from_secs(5));
+    assert_eq!(waited.map(|o| o.map(|o| o.code)), Ok(None));
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    std::thread::sleep(Duration::from_millis(400));
+}
+
 const PANIC_CHILD: &str = "QUIESCE_TEST_PANIC_CHILD";
 
 /// The child half of [`a_panic_in_the_engine_thread_aborts_never_answers`]:

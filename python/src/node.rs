@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use fnv::FnvHashMap;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{
-    Direction, HostRanges, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask, SyncTasks,
+    Direction, HostRanges, OpenedSegment, SyncEngine, SyncOutcome, SyncTask, SyncTasks,
 };
 use quiesce_batch::{
     BatchOptions, FailurePolicy, TaskReport, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN,
@@ -684,14 +684,18 @@ impl Node {
                 }
                 Progress::Running
             }
-            // The engine thread is gone; its runtime reaped every op first.
+            // The engine's thread died (a live node's engine stops only
+            // with the node) before the batch had an outcome: whether its
+            // operations were reaped is not known (the dying runtime's
+            // drain may have run out of time), so it is -2 for good and its
+            // managed buffers stay pinned.
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                if let Some(o) = lock(&self.outstanding).remove(&id) {
-                    self.managed.release(o.uses);
-                }
-                Progress::Done(complain(
-                    "transfer: the engine stopped before the batch had an outcome",
-                ))
+                lock(&self.outstanding).remove(&id);
+                tracing::error!(
+                    "transfer: the engine's thread died before the batch had an outcome; \
+                     its memory stays pinned"
+                );
+                Progress::Done(SYNC_UNKNOWN)
             }
         }
     }
@@ -754,9 +758,9 @@ impl Node {
         if out.code == SYNC_UNKNOWN {
             match out.ticket {
                 Some(ticket) => lock(&self.pending).push(Pinned { ticket, uses }),
-                // No ticket: the engine stopped, after reaping every
-                // operation.
-                None => self.managed.release(uses),
+                // (The engine gives every -2 a ticket.) Without one nothing
+                // says when it drains: its managed buffers stay pinned.
+                None => drop(uses),
             }
             return SYNC_UNKNOWN;
         }
@@ -787,9 +791,9 @@ impl Node {
         for t in tickets {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.engine().wait::<RawBuf>(t, left) {
-                // Drained; or the engine stopped, after its runtime reaped
-                // every operation.
-                Ok(Some(_)) | Err(SyncError::Stopped) => {
+                // Drained. (A ticket of an engine whose thread died is
+                // never drained: `Ok(None)`.)
+                Ok(Some(_)) => {
                     let mut pending = lock(&self.pending);
                     if let Some(i) = pending.iter().position(|p| p.ticket == t) {
                         self.managed.release(pending.swap_remove(i).uses);

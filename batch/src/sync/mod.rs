@@ -468,7 +468,12 @@ impl SyncEngine {
     ) -> Result<Option<SyncOutcome<B>>, SyncError> {
         let deadline = quiesce_runtime::time::deadline_in(timeout);
         loop {
-            match self.poll::<B>(id)? {
+            let polled = match self.poll_ticket::<B>(id) {
+                // Never drains now (see `poll`): no use waiting.
+                Err(SyncError::Stopped) => return Ok(None),
+                r => r?,
+            };
+            match polled {
                 Some(o) => return Ok(Some(o)),
                 None if std::time::Instant::now() >= deadline => return Ok(None),
                 None => thread::sleep(Duration::from_micros(200)),
@@ -476,8 +481,22 @@ impl SyncEngine {
         }
     }
 
-    /// The outcome of ticket `id` if its batch has drained.
+    /// The outcome of ticket `id` if its batch has drained. `Ok(None)` for
+    /// good once the engine's thread is gone (it died: a live engine stops
+    /// only when dropped): whether the batch drained is then not known —
+    /// the dying runtime's drain may have run out of time and left its
+    /// operations live — so the code stays -2, the memory pinned.
     pub fn poll<B: IoBufMut + Send>(&self, id: u64) -> Result<Option<SyncOutcome<B>>, SyncError> {
+        match self.poll_ticket(id) {
+            Err(SyncError::Stopped) => Ok(None),
+            r => r,
+        }
+    }
+
+    fn poll_ticket<B: IoBufMut + Send>(
+        &self,
+        id: u64,
+    ) -> Result<Option<SyncOutcome<B>>, SyncError> {
         self.call(move |st, tx| {
             let mut tickets = st.tickets.borrow_mut();
             let Some(ticket) = tickets.remove(&id) else {
