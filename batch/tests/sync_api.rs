@@ -292,6 +292,94 @@ fn panic_child() {
     println!("ANSWERED: {:?}", r.map(|o| o.code));
 }
 
+/// A write source whose `stable_ptr` panics on any thread but the one that
+/// made it: the engine's thread panics while the batch's first poll sends
+/// from it (after `build`, with the batch's first operations started).
+struct PanicsWhenSent(Vec<u8>, std::thread::ThreadId);
+
+// SAFETY: delegates to a Vec, whose heap storage never moves.
+unsafe impl quiesce_runtime::IoBuf for PanicsWhenSent {
+    fn stable_ptr(&self) -> *const u8 {
+        assert_eq!(
+            std::thread::current().id(),
+            self.1,
+            "injected: a panic in the engine thread mid-batch"
+        );
+        self.0.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.0.len()
+    }
+    fn bytes_total(&self) -> usize {
+        self.0.len()
+    }
+}
+
+// SAFETY: as above.
+unsafe impl quiesce_runtime::IoBufMut for PanicsWhenSent {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr()
+    }
+    unsafe fn set_init(&mut self, _pos: usize) {}
+}
+
+const PANIC_FIRST_POLL: &str = "QUIESCE_TEST_PANIC_FIRST_POLL";
+
+/// The child half of [`a_panic_in_a_batchs_first_poll_aborts_never_answers`].
+#[test]
+fn panic_first_poll_child() {
+    if std::env::var_os(PANIC_FIRST_POLL).is_none() {
+        return;
+    }
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    e.caller_lanes(false);
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    let task = SyncTask {
+        segment: kv,
+        offset: 0,
+        buf: PanicsWhenSent(vec![1u8; 1 << 20], std::thread::current().id()),
+    };
+    let r = e.batch(Direction::Write, vec![task], BatchOptions::default());
+    println!("ANSWERED: {:?}", r.map(|o| o.code));
+}
+
+/// The same for a panic in the batch's first poll, which starts its first
+/// operations on the job's own stack (before it is a task): an answer there
+/// (the C ABI's -1) could be a guess too, so the process aborts.
+#[test]
+fn a_panic_in_a_batchs_first_poll_aborts_never_answers() {
+    use std::os::unix::process::ExitStatusExt;
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "panic_first_poll_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(PANIC_FIRST_POLL, "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        !stdout.contains("ANSWERED"),
+        "the caller got an answer after a panic: {stdout}"
+    );
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGABRT),
+        "the child should abort: {:?}\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(
+        stderr.contains("injected: a panic in the engine thread"),
+        "{stderr}"
+    );
+}
+
 /// A panic in the engine thread while a batch holds the caller's memory
 /// must not become an answer (the C ABI's -1 says nothing touches the
 /// memory, which a panic cannot know): the process aborts.

@@ -12,7 +12,7 @@ use quiesce_transports::{
     Engine, EngineConfig, ForeignMemory, RemoteSegment, Rights, Segment, Token, TransferError,
 };
 
-use super::{Direction, SyncError, SyncTasks};
+use super::{AbortOnUnwind, Direction, SyncError, SyncTasks};
 use crate::transport::{OneSided, Range, Segments};
 use crate::{Batch, BatchOptions, Rdma, Submitted, Tcp};
 
@@ -171,7 +171,7 @@ impl Fabric {
         tasks: SyncTasks<B>,
         opts: BatchOptions,
         segment: impl Fn(u32) -> Option<Opened>,
-    ) -> Result<Submitted<B>, SyncError> {
+    ) -> Result<(Submitted<B>, AbortOnUnwind), SyncError> {
         match self {
             Fabric::Tcp => build(Tcp, tasks, opts, |h| match segment(h)? {
                 Opened::Tcp(s) => Some(s),
@@ -190,7 +190,7 @@ fn build<S: OneSided, B: IoBufMut>(
     tasks: SyncTasks<B>,
     opts: BatchOptions,
     segment: impl Fn(u32) -> Option<S>,
-) -> Result<Submitted<B>, SyncError> {
+) -> Result<(Submitted<B>, AbortOnUnwind), SyncError> {
     let mut batch = Batch::new(transport, opts);
     for (dir, t) in tasks {
         let Some(seg) = segment(t.segment) else {
@@ -205,5 +205,9 @@ fn build<S: OneSided, B: IoBufMut>(
             return Err(SyncError::Batch(r.reason));
         }
     }
-    Ok(batch.submit())
+    // Submitting polls the batch in place, which starts its first
+    // operations: a panic from here on would drop the caller's reply while
+    // they may hold its memory (one before it started nothing).
+    let pinned = AbortOnUnwind("a batch holding the caller's memory");
+    Ok((batch.submit(), pinned))
 }

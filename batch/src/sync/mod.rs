@@ -554,15 +554,15 @@ fn launch<B: IoBufMut + Send>(
     opts: BatchOptions,
     done: impl FnOnce(SyncOutcome<B>) + 'static,
 ) -> Result<(), SyncError> {
-    let sub = st.fabric.submit(tasks, opts, |h| {
+    // The guard is armed before the batch's first poll (inside `submit`):
+    // a panic from there on would drop the reply and the caller would read
+    // -1 while the batch may still hold its memory. It moves into the task:
+    // a panic elsewhere on this thread before the task's first poll drops
+    // the task, and with it this guard, while unwinding.
+    let (sub, pinned) = st.fabric.submit(tasks, opts, |h| {
         st.segments.borrow().get(h as usize).cloned()
     })?;
     let st = st.clone();
-    // A panic past this point would drop the reply and the caller would read
-    // -1 while the batch may still hold its memory. Made before the spawn: a
-    // panic elsewhere on this thread before the task's first poll drops the
-    // task, and with it this guard, while unwinding.
-    let pinned = AbortOnUnwind("a batch holding the caller's memory");
     spawn_local(async move {
         let _pinned = pinned;
         let out = match sub.await {
@@ -587,7 +587,7 @@ fn launch<B: IoBufMut + Send>(
 
 /// Aborts the process if dropped while unwinding: for code whose caller must
 /// never see an answer (0 or -1) that a panic made up.
-struct AbortOnUnwind(&'static str);
+pub(crate) struct AbortOnUnwind(&'static str);
 
 impl Drop for AbortOnUnwind {
     fn drop(&mut self) {
