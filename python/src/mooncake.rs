@@ -69,13 +69,25 @@ impl TransferEngine {
         let protocol = if force_tcp() { "tcp" } else { protocol };
         let fabric = match protocol {
             "tcp" => Fabric::Tcp,
-            "rdma" => Fabric::Rdma {
-                device: device_name
+            "rdma" => {
+                let device = device_name
                     .split(',')
                     .map(str::trim)
                     .find(|d| !d.is_empty())
-                    .map(str::to_string),
-            },
+                    .map(str::to_string);
+                match (&device, rdma_missing()) {
+                    // Mooncake installs TCP when it finds no RDMA device,
+                    // and "rdma" is vLLM's and SGLang's default protocol.
+                    (None, Some(why)) => {
+                        tracing::warn!(
+                            "initialize: protocol \"rdma\", but {why}: using TCP, as Mooncake \
+                             does (MC_FORCE_TCP=1 or protocol \"tcp\" says so)"
+                        );
+                        Fabric::Tcp
+                    }
+                    _ => Fabric::Rdma { device },
+                }
+            }
             _ => {
                 return complain(&format!(
                     "initialize: protocol {protocol:?}: \"tcp\" and \"rdma\" are supported"
@@ -648,6 +660,16 @@ impl TransferEngine {
         let Some(node) = self.node() else { return 0 };
         let t = seconds(timeout);
         py.detach(|| node.quiesce_pending(t))
+    }
+}
+
+/// Why this machine has no RDMA device to use, if it has none (no verbs
+/// library, no kernel support, or no device).
+fn rdma_missing() -> Option<String> {
+    match quiesce_transports::rdma::device_names() {
+        Ok(names) if names.is_empty() => Some("this machine has no RDMA device".into()),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
     }
 }
 

@@ -247,6 +247,29 @@ def test_mc_force_tcp_makes_an_rdma_engine_a_tcp_one(peer_factory, local, monkey
     assert target.count(a, 4096, 0x33) == 4096
 
 
+def test_rdma_on_a_machine_without_rdma_is_tcp_as_in_mooncake(peer_factory, local, monkeypatch, caplog):
+    """vLLM's default protocol is "rdma". Mooncake, finding no RDMA device,
+    installs TCP and answers 0 (checked with mooncake-transfer-engine in
+    this venv); so does the drop-in, with a warning that says so. A device
+    named that is not there is -1."""
+    import os
+
+    if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
+        pytest.skip("this machine has RDMA devices")
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    target = peer_factory(4096)
+    (a, _) = target.regions[0]
+    e = TransferEngine()
+    caplog.clear()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    r = logged(caplog, lambda r: "using TCP" in r.getMessage())
+    assert r is not None and r.levelname == "WARNING", [x.getMessage() for x in caplog.records]
+    src = local.buffer(4096, 0x34)
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    assert target.count(a, 4096, 0x34) == 4096
+    assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_9") == -1
+
+
 def test_addresses_and_lengths_are_ints_of_at_most_64_bits(peer_factory, local):
     """Addresses and lengths are read as Mooncake's binding reads them:
     any non-negative int of 64 bits (a list or a tuple of them in the batch
