@@ -9,6 +9,7 @@
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
+use std::net::ToSocketAddrs;
 use std::time::Duration;
 
 use quiesce_runtime::{IoBuf, IoBufMut};
@@ -224,7 +225,8 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, i32> {
         .map_err(|_| set_error(format!("{what} is not UTF-8")))
 }
 
-/// Connects to `addr` ("host:port"), proves `token` (32 hex digits) for
+/// Connects to `addr` ("host:port": an address, or a name that resolves,
+/// its addresses tried in turn), proves `token` (32 hex digits) for
 /// segment `name`, and stores a handle in `*handle_out`. 0 or -1.
 ///
 /// # Safety
@@ -246,13 +248,26 @@ pub unsafe extern "C" fn quiesce_open(
     let (Ok(addr), Ok(name), Ok(token)) = texts else {
         return set_error("a null or non-UTF-8 argument");
     };
-    let Ok(addr) = addr.parse() else {
-        return set_error("addr is not host:port");
-    };
     let Ok(token) = token.parse::<Token>() else {
         return set_error("token is not 32 hex digits");
     };
-    match engine.0.open(addr, name, token) {
+    // A name resolves as `getaddrinfo` resolves it; its addresses are tried
+    // in that order (`localhost` may be ::1 first, a target 127.0.0.1).
+    let Ok(addrs) = addr.to_socket_addrs() else {
+        return set_error(format!(
+            "addr {addr:?} is not host:port, or does not resolve"
+        ));
+    };
+    let mut opened = Err(crate::sync::SyncError::Setup(format!(
+        "{addr:?} resolves to nothing"
+    )));
+    for a in addrs {
+        opened = engine.0.open(a, name, token);
+        if opened.is_ok() {
+            break;
+        }
+    }
+    match opened {
         Ok(h) => {
             if !handle_out.is_null() {
                 // SAFETY: the caller passes a writable u32.

@@ -27,6 +27,12 @@ int main(int argc, char **argv) {
     CHECK(quiesce_open(e, argv[1], "kv", argv[2], &kv) == 0, "open kv");
     CHECK(quiesce_open(e, argv[1], "ro", argv[3], &ro) == 0, "open ro");
     CHECK(quiesce_open(e, argv[1], "kv", "00000000000000000000000000000000", &kv) == -1, "wrong token refused");
+    /* A host name resolves ("localhost" may be ::1 first: each address is tried). */
+    char named[64];
+    snprintf(named, sizeof named, "localhost%s", strrchr(argv[1], ':'));
+    uint32_t by_name = 0;
+    CHECK(quiesce_open(e, named, "kv", argv[2], &by_name) == 0, "open by host name");
+    CHECK(quiesce_open(e, "no-such-host.invalid:1", "kv", argv[2], &by_name) == -1, "a name that does not resolve");
 
     size_t len = 1 << 20;
     unsigned char *src = malloc(len), *dst = malloc(len);
