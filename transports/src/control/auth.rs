@@ -8,7 +8,6 @@
 //! proof of its key ([`SessionKey`]).
 
 use std::fmt;
-use std::io::Read;
 use std::str::FromStr;
 
 use hmac::{Hmac, Mac};
@@ -22,11 +21,12 @@ type HmacSha256 = Hmac<Sha256>;
 const DOMAIN: &[u8] = b"quiesce-auth-v2";
 const JOIN_DOMAIN: &[u8] = b"quiesce-join-v1";
 
-/// Fills `out` from the kernel's CSPRNG.
+/// Fills `out` from the kernel's CSPRNG (`getrandom(2)`: no file
+/// descriptor, so a process at its `RLIMIT_NOFILE` still gets its bytes).
 pub(crate) fn random_bytes(out: &mut [u8]) {
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(out))
-        .expect("reading /dev/urandom");
+    // Fails only on a kernel without getrandom(2) (before 3.17) whose
+    // /dev/urandom cannot be opened either: nothing to make keys from.
+    getrandom::fill(out).expect("the kernel's CSPRNG (getrandom(2))");
 }
 
 /// A random 64-bit id.
@@ -224,6 +224,51 @@ impl FromStr for Token {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Nonces, session keys and random tokens need no file descriptor: a
+    /// target at its `RLIMIT_NOFILE` (a flood of connections) still says
+    /// hello to the one it accepted last, and an initiator out of
+    /// descriptors gets an error, not a panic. The check runs in a child
+    /// process, whose limit is 0.
+    #[test]
+    fn random_bytes_need_no_file_descriptor() {
+        const CHILD: &str = "QUIESCE_TEST_NO_FDS";
+        if std::env::var_os(CHILD).is_some() {
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: `lim` is a valid rlimit to fill, then to set; this
+            // process is the child's.
+            unsafe {
+                assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+                lim.rlim_cur = 0;
+                assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+            }
+            assert!(std::fs::File::open("/dev/null").is_err(), "the limit holds");
+            let (mut a, mut b) = ([0u8; 32], [0u8; 32]);
+            random_bytes(&mut a);
+            random_bytes(&mut b);
+            println!("RANDOM OK {}", a != b);
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "control::auth::tests::random_bytes_need_no_file_descriptor",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("RANDOM OK true"),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 
     #[test]
     fn proofs_verify_only_with_the_right_token_and_nonces() {
