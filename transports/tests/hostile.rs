@@ -279,6 +279,29 @@ fn a_connection_silent_mid_frame_is_closed_after_the_idle_limit() {
     assert_eq!(t.stats().connections, 0);
 }
 
+/// A `First` proof is checked against every segment the target serves: a
+/// request of many (4,096 fit one `Auth`) would make one frame from a peer
+/// that proved nothing cost the target's thread thousands of HMACs per
+/// segment. One per request is all an initiator sends (`open_first`); more
+/// is a bad frame, and the connection is closed.
+#[test]
+fn an_auth_with_more_than_one_first_proof_is_a_bad_frame() {
+    use quiesce_transports::wire::{Opcode, SegmentRef, Status};
+    use quiesce_transports::Rights;
+    let t = ShardTarget::start(tcp(), &[("kv", 4096, Rights::READ | Rights::WRITE)]);
+    let token = t.seg("kv").token;
+    let mut c = RawClient::connect(t.addr);
+    c.send_auth(&[(SegmentRef::First, token)]);
+    let h = c.recv().expect("an answer");
+    assert_eq!(h.op, Opcode::AuthAck, "one First proof is served: {h:?}");
+    let mut c = RawClient::connect(t.addr);
+    c.send_auth(&[(SegmentRef::First, token), (SegmentRef::First, token)]);
+    let h = c.recv().expect("an answer before the close");
+    assert_eq!(h.op, Opcode::Status, "two First proofs were served: {h:?}");
+    assert_eq!(h.status(), Ok(Status::BadFrame));
+    assert!(c.recv().is_none(), "the connection is closed");
+}
+
 /// A fenced batch's entry stays while a connection of its session that
 /// could still carry a frame of it is open and has not said `Forget`, and
 /// goes once the last one does (or closes); a session that piles up fenced

@@ -507,6 +507,17 @@ impl ServedConn<'_> {
             Ok(r) => r,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };
+        // A `First` proof is checked against every segment served: one per
+        // request (all `open_first` sends), or one frame from a peer that
+        // proved nothing could cost thousands of HMACs per segment.
+        let firsts = req
+            .proofs
+            .iter()
+            .filter(|(r, _)| matches!(r, SegmentRef::First));
+        if firsts.count() > 1 {
+            let why = "more than one First proof in one Auth".into();
+            return Err(reject(self.s, h, Status::BadFrame, why).await);
+        }
         // Joining a live session takes its key: checked on the first Auth,
         // before any proof counts.
         if matches!(self.entry, SessionEntry::Join) {

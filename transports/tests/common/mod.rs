@@ -461,6 +461,29 @@ impl RawClient {
         AuthAck::decode(&b).unwrap()
     }
 
+    /// Sends one `Auth` proving each token for its segment reference (the
+    /// answer is left to `recv`).
+    pub fn send_auth(&mut self, refs: &[(SegmentRef, Token)]) {
+        let proofs = refs
+            .iter()
+            .map(|(seg, token)| {
+                let p = prove(token, &self.ack.nonce, &self.nonce, self.ack.session, seg);
+                (seg.clone(), p)
+            })
+            .collect();
+        let p = AuthRequest {
+            join: self.join,
+            proofs,
+        }
+        .encode()
+        .unwrap();
+        let h = Header {
+            length: p.len() as u64,
+            ..Header::new(Opcode::Auth)
+        };
+        send(&mut self.s, &h, &p);
+    }
+
     pub fn send(&mut self, h: &Header, payload: &[u8]) {
         send(&mut self.s, h, payload)
     }
