@@ -199,6 +199,80 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
     assert_eq!(t.snapshot("kv", 0, 4), vec![6u8; 4]);
 }
 
+/// A connection that reopens proves every segment the peer opened; one the
+/// target has since deregistered is refused. That refusal must not fail the
+/// reconnect: the other segments are still served, and transfers to them
+/// go on (before, every transfer to the target failed from then on).
+#[test]
+fn a_reconnect_survives_a_segment_the_target_dropped() {
+    use quiesce_transports::Rights;
+    let cfg = EngineConfig {
+        idle_timeout: Some(Duration::from_millis(300)),
+        ..tcp()
+    };
+    let rw = Rights::READ | Rights::WRITE;
+    let t = ShardTarget::start(cfg, &[("a", 65536, rw), ("b", 65536, rw)]);
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let a = peer.open("a", t.seg("a").token).await.unwrap();
+        let b = peer.open("b", t.seg("b").token).await.unwrap();
+        let (r, _) = a.write(0, vec![1u8; 4096], 1).await;
+        r.unwrap();
+        assert!(t.deregister("a"));
+        // The target closes the idle connections; the next write reconnects.
+        time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(t.stats().connections, 0, "idle connections closed");
+        let (r, _) = b.write(0, vec![2u8; 4096], 2).await;
+        r.expect("a write to a live segment after the reconnect");
+        let (r, _) = a.write(0, vec![3u8; 4096], 3).await;
+        assert!(r.is_err(), "a write to the dropped segment");
+        let (r, _) = b.write(4096, vec![4u8; 4096], 4).await;
+        r.expect("and the next one");
+        e.shutdown();
+    });
+    assert_eq!(t.snapshot("b", 0, 4), vec![2u8; 4]);
+    assert_eq!(t.snapshot("b", 4096, 4), vec![4u8; 4]);
+}
+
+/// A reconnect proves what the peer opened in requests of a bounded size:
+/// 1,000 segments with 250-byte names make an answer past the 256 KiB an
+/// `AuthAck` may be, which the target refused to send, closing the
+/// connection — so an initiator that had opened that many could never
+/// reconnect.
+#[test]
+fn a_reconnect_proves_a_thousand_long_named_segments() {
+    use quiesce_transports::Rights;
+    let cfg = EngineConfig {
+        idle_timeout: Some(Duration::from_millis(500)),
+        ..tcp()
+    };
+    let names: Vec<String> = (0..1000).map(|i| format!("{i:0>250}")).collect();
+    let segs: Vec<(&str, usize, Rights)> = names
+        .iter()
+        .map(|n| (n.as_str(), 64, Rights::READ | Rights::WRITE))
+        .collect();
+    let t = ShardTarget::start(cfg, &segs);
+    Runtime::new().unwrap().block_on(async {
+        let config = EngineConfig {
+            connections_per_peer: 1,
+            ..EngineConfig::default()
+        };
+        let e = Engine::bind(config).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let mut opened = Vec::new();
+        for n in &names {
+            opened.push(peer.open(n, t.seg(n).token).await.unwrap());
+        }
+        time::sleep(Duration::from_millis(900)).await;
+        assert_eq!(t.stats().connections, 0, "idle connections closed");
+        let (r, _) = opened[999].write(0, vec![7u8; 64], 1).await;
+        r.expect("a write after reconnecting with 1,000 segments to prove");
+        e.shutdown();
+    });
+    assert_eq!(t.snapshot(&names[999], 0, 4), vec![7u8; 4]);
+}
+
 /// The idle limit counts from the start of each wait for a frame, not from
 /// the connection's first one: a connection that writes every 100 ms keeps
 /// its 300 ms limit for 1.2 s (the target's one timer, armed for an earlier

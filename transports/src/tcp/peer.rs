@@ -228,37 +228,49 @@ impl Peer {
             TransferError::Handshake(h) => TransferError::ConnectionLost(h.reason),
             e => e,
         })?;
-        let tokens: Vec<(SegmentRef, Token)> = self
+        let tokens: Vec<(u64, Token)> = self
             .inner
             .opened
             .borrow()
             .iter()
-            .map(|(k, v)| (SegmentRef::Id(*k), *v))
+            .map(|(k, v)| (*k, *v))
             .collect();
         if !tokens.is_empty() {
             // Bounded like the rest of the handshake: a target that answers
             // the hello and then never the auth must not hold the transfer
             // (and the caller's buffer) for ever.
-            let ack = match timeout(self.inner.params.connect_timeout, c.auth(&tokens)).await {
-                Ok(ack) => ack,
+            let limit = self.inner.params.connect_timeout;
+            let refused = match timeout(limit, reprove(&c, &tokens)).await {
+                Ok(Ok(refused)) => refused,
+                Ok(Err(e)) => {
+                    c.kill("authentication failed on reconnect");
+                    return Err(e);
+                }
                 Err(_) => {
                     c.kill("no auth ack within the connect timeout");
                     return Err(TransferError::ConnectionLost(format!(
-                        "reconnecting to {}: no auth ack within {:?}",
-                        self.inner.addr, self.inner.params.connect_timeout
+                        "reconnecting to {}: no auth ack within {limit:?}",
+                        self.inner.addr
                     )));
                 }
             };
-            let ids: Vec<u64> = tokens
-                .iter()
-                .filter_map(|(r, _)| match r {
-                    SegmentRef::Id(id) => Some(*id),
-                    SegmentRef::Name(_) | SegmentRef::Address(_) | SegmentRef::First => None,
-                })
-                .collect();
-            if let Err(e) = ack.and_then(|ack| check_auth(&ids, &ack.results)) {
-                c.kill("authentication failed on reconnect");
-                return Err(e);
+            if !refused.is_empty() {
+                // Deregistered since (or the target restarted): they are
+                // not proven again, and transfers to them fail as refused;
+                // the rest go on.
+                let mut opened = self.inner.opened.borrow_mut();
+                for id in &refused {
+                    opened.remove(id);
+                }
+                tracing::info!(
+                    target = %self.inner.addr,
+                    ?refused,
+                    "segments the target no longer serves to this peer"
+                );
+                if refused.len() == tokens.len() {
+                    c.kill("no token proven on reconnect");
+                    return Err(TransferError::Forbidden(refused[0]));
+                }
             }
         }
         if i > 0 {
@@ -386,6 +398,36 @@ fn conn_params<'a>(
         tcp_congestion: p.tcp_congestion.as_deref(),
         fenced: fenced.clone(),
     }
+}
+
+/// The most proofs a reconnect sends in one `Auth`: the answer carries a
+/// descriptor per proof (up to ~290 bytes with a long name), and an
+/// `AuthAck` is at most 256 KiB, a request at most 4,096 proofs.
+const REPROVE_CHUNK: usize = 512;
+
+/// Proves `tokens` (segment id, token) on a new connection, in requests of
+/// [`REPROVE_CHUNK`]; the ids the target refused.
+async fn reprove(c: &Conn, tokens: &[(u64, Token)]) -> Result<Vec<u64>, TransferError> {
+    let mut refused = Vec::new();
+    for chunk in tokens.chunks(REPROVE_CHUNK) {
+        let proofs: Vec<(SegmentRef, Token)> = chunk
+            .iter()
+            .map(|&(id, t)| (SegmentRef::Id(id), t))
+            .collect();
+        let ack = c.auth(&proofs).await?;
+        if ack.results.len() != chunk.len() {
+            return Err(TransferError::BadFrame(
+                "an AuthAck with the wrong count".into(),
+            ));
+        }
+        let answers = chunk.iter().zip(&ack.results);
+        refused.extend(
+            answers
+                .filter(|(_, (st, _))| *st != Status::Ok)
+                .map(|((id, _), _)| *id),
+        );
+    }
+    Ok(refused)
 }
 
 fn check_auth(ids: &[u64], results: &[(Status, Option<Descriptor>)]) -> Result<(), TransferError> {
