@@ -790,16 +790,13 @@ impl Node {
         let tickets: Vec<u64> = lock(&self.pending).iter().map(|p| p.ticket).collect();
         for t in tickets {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.engine().wait::<RawBuf>(t, left) {
-                // Drained. (A ticket of an engine whose thread died is
-                // never drained: `Ok(None)`.)
-                Ok(Some(_)) => {
-                    let mut pending = lock(&self.pending);
-                    if let Some(i) = pending.iter().position(|p| p.ticket == t) {
-                        self.managed.release(pending.swap_remove(i).uses);
-                    }
+            // Drained? (A ticket of an engine whose thread died never is:
+            // `Ok(None)`.)
+            if let Ok(Some(_)) = self.engine().wait::<RawBuf>(t, left) {
+                let mut pending = lock(&self.pending);
+                if let Some(i) = pending.iter().position(|p| p.ticket == t) {
+                    self.managed.release(pending.swap_remove(i).uses);
                 }
-                Ok(None) | Err(_) => {}
             }
         }
         lock(&self.pending).len()

@@ -100,6 +100,11 @@ pub struct SyncOutcome<B> {
 
 type Job = Box<dyn FnOnce(&State) + Send>;
 
+/// The handle of each segment opened, by what makes two openings the same
+/// segment (the peer, the segment's id there, its base and its length),
+/// for each token it was opened with.
+type Handles = HashMap<(SocketAddr, u64, u64, u64), Vec<(Token, u32)>>;
+
 /// What the engine thread keeps. Shared with the tasks it spawns.
 #[derive(Clone)]
 struct State {
@@ -110,7 +115,7 @@ struct State {
     /// The handle of each segment opened so far, by what makes it the same
     /// segment: its peer, its id there and its extent (a peer that restarts
     /// numbers its segments anew), and the token it was opened with.
-    handles: Rc<RefCell<HashMap<(SocketAddr, u64, u64, u64), Vec<(Token, u32)>>>>,
+    handles: Rc<RefCell<Handles>>,
     /// Caller memory lent as segments ([`SyncEngine::lend`]), by address.
     lent: Rc<RefCell<HashMap<u64, Lent>>>,
     /// Tickets of batches whose completion is unknown, by id.
