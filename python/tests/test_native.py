@@ -533,3 +533,43 @@ def test_a_batch_used_while_it_runs_is_a_typed_error(native_peer, eng):
         runner.join()
     with pytest.raises(quiesce.OutOfBounds):
         eng.batch().write(bytearray(16), kv, offset=2**64)
+
+
+def test_a_segment_of_another_engine_is_refused(native_peer):
+    """A RemoteSegment names a handle of the engine that opened it; every
+    engine numbers its handles from 0, so another engine's batch took it as
+    its own segment with that number and wrote the bytes there."""
+    t = native_peer(a=MiB, b=MiB)
+    e1 = quiesce.Engine(secret=SECRET)
+    e2 = quiesce.Engine(secret=SECRET)
+    try:
+        a = e1.open(t.address, "a")
+        e2.open(t.address, "b")
+        b = e2.batch()
+        with pytest.raises(quiesce.InvalidInput):
+            b.write(bytearray([9]) * 4096, a)
+        assert len(b) == 0
+        assert t.count("a", 9) == 0 and t.count("b", 9) == 0
+    finally:
+        e1.close()
+        e2.close()
+
+
+def test_a_stale_revoke_leaves_a_new_lending_alone(native_peer, eng):
+    """revoke() of a segment already revoked must not take back what was
+    lent at the same address since: it raised nothing and revoked the new
+    segment (peers refused, the buffer resizable while still lent)."""
+    buf = bytearray(MiB)
+    s1 = eng.register("a", buf)
+    assert s1.revoke()
+    s2 = eng.register("b", buf)
+    with pytest.raises(quiesce.InvalidInput):
+        s1.revoke()
+    assert not resizable(buf), "the new lending was taken back"
+    peer = quiesce.Engine(secret=SECRET)
+    try:
+        peer.open(eng.address, "b")
+    finally:
+        peer.close()
+    assert s2.revoke()
+    assert resizable(buf)

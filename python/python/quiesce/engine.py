@@ -31,7 +31,8 @@ lock a bytearray's size; tensors cannot be locked: do not resize them).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
 from quiesce import _native
@@ -51,6 +52,8 @@ class RemoteSegment:
     address: int
     length: int
     _handle: int
+    #: The engine that opened it: handles are numbered per engine.
+    _owner: Any = field(default=None, repr=False, compare=False)
 
 
 class LocalSegment:
@@ -67,7 +70,7 @@ class LocalSegment:
         True, no byte of any earlier write lands in it, whoever sent it, and
         no peer reads it — the buffer is yours again. False: something still
         holds it after ``timeout`` s (call again; do not reuse it yet)."""
-        return self._engine._native.reclaim(self.address, timeout)
+        return self._engine._native.reclaim(self.address, timeout, self.id)
 
     def __repr__(self) -> str:
         return f"LocalSegment({self.name!r}, address={self.address:#x}, length={self.length})"
@@ -84,6 +87,7 @@ class Batch:
         self._deadline = deadline
         self._native = _native.NativeBatch()
         self._buffers: List[Any] = []
+        self._adding = threading.Lock()
 
     def write(self, source: Any, to: RemoteSegment, offset: int = 0) -> int:
         """Adds a task writing all of ``source`` into ``to`` at ``offset``;
@@ -98,12 +102,16 @@ class Batch:
     def _add(self, write: bool, buf: Any, seg: RemoteSegment, offset: int) -> int:
         if not isinstance(seg, RemoteSegment):
             raise InvalidInput(f"expected a RemoteSegment from Engine.open, got {type(seg).__name__}")
+        if seg._owner is not self._engine:
+            raise InvalidInput(f"{seg!r} was opened by another engine: open it with this one")
         if offset < 0:
             raise InvalidInput("the offset must not be negative")
         if offset >= 1 << 64:
             raise OutOfBounds(f"offset {offset} is past any segment (64 bits)")
-        i = self._native.add(write, buf, seg._handle, seg.length, offset)
-        self._buffers.append(buf)
+        # One at a time: the buffer's place in the list is its task's index.
+        with self._adding:
+            i = self._native.add(write, buf, seg._handle, seg.length, offset)
+            self._buffers.append(buf)
         return i
 
     def __len__(self) -> int:
@@ -209,7 +217,7 @@ class Engine:
             if not peer or not name:
                 raise InvalidInput(f"{path!r}: a path is node/segment")
         handle, address, length = self._native.open(peer, name)
-        return RemoteSegment(peer, name, address, length, handle)
+        return RemoteSegment(peer, name, address, length, handle, self)
 
     def batch(self, *, policy: str = "fail_fast", deadline: float = 30.0) -> Batch:
         """A new batch. ``policy``: "fail_fast" (the first failure fences the

@@ -502,19 +502,41 @@ impl NativeEngine {
         }
     }
 
-    /// Revokes and takes back the segment lent at `address`, waiting up to
-    /// `timeout` s: True once nothing can touch it (its buffer is let go).
-    fn reclaim(&self, py: Python<'_>, address: u64, timeout: f64) -> PyResult<bool> {
+    /// Revokes and takes back the segment lent at `address` — segment
+    /// `segment` if given: a lending of that address made since is not
+    /// this call's, and the call raises — waiting up to `timeout` s: True
+    /// once nothing can touch it (its buffer is let go).
+    #[pyo3(signature = (address, timeout, segment = None))]
+    fn reclaim(
+        &self,
+        py: Python<'_>,
+        address: u64,
+        timeout: f64,
+        segment: Option<u64>,
+    ) -> PyResult<bool> {
         // The lending this takes back: once the engine let go of it, the
         // address may be lent again (by another thread) before the entries
         // below are removed, and those are not this call's to remove.
-        let segment = lock(&self.core.lent).get(&address).map(|l| l.segment);
+        let lent = lock(&self.core.lent).get(&address).map(|l| l.segment);
+        if segment.is_some() && lent != segment {
+            return Err(from_sync(py, &SyncError::NotLent(address)));
+        }
+        let segment = lent;
         let deadline = Instant::now() + seconds(timeout);
         let back = py
             .detach(|| loop {
                 let left = deadline.saturating_duration_since(Instant::now());
+                let began = Instant::now();
                 match self.core.with(|e| e.reclaim(address, left.min(WAIT_SLICE))) {
-                    Ok(false) if !left.is_zero() => continue,
+                    Ok(false) if !left.is_zero() => {
+                        // Another call is taking it back and this one was
+                        // answered at once: wait, do not spin on the engine.
+                        if began.elapsed() < Duration::from_millis(1) {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                    // That other call took it back: the engine let go.
+                    Err(SyncError::NotLent(_)) if segment.is_some() => return Ok(true),
                     r => return r,
                 }
             })
