@@ -165,7 +165,10 @@ pub(crate) async fn attach_data(
                             "the target's connections are held by different processes".into(),
                         ));
                     }
-                    Some(p) if p.pid() == process.pid() => {}
+                    // The same process (a pid reused by a new target after
+                    // the old one exited is not: its loans must wait on the
+                    // live one, and `released` looks at this one).
+                    Some(p) if p.pid() == process.pid() && !p.exited() => {}
                     // The first attach, or a target that restarted.
                     _ => *known = Some(Rc::new(process)),
                 }

@@ -154,6 +154,12 @@ impl ServedConn<'_> {
         let process = &self.local.as_ref().expect("attached").process;
         let (len, mut moved, mut unreachable) = (h.length, 0u64, false);
         while moved < len && !fence.fenced() && !revoked() {
+            // Looked at before every chunk, not only before the first: the
+            // copies go by pid, and the request yields between chunks.
+            if moved > 0 && process.exited() {
+                unreachable = true;
+                break;
+            }
             let n = (len - moved).min(CHUNK as u64) as usize;
             let mut w = Window::new(seg.inner.mem.clone(), (h.offset + moved) as usize, n);
             let (done, r) = match way {
