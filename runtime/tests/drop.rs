@@ -199,3 +199,29 @@ fn shutdown_drains_and_says_so() {
     assert!(log.borrow().dropped, "the buffer came back with the drain");
     drop(a);
 }
+
+/// `close()` of a socket its runtime no longer drives (shut down, the
+/// close refused) still closes the descriptor: it leaked, and the peer
+/// never saw the end of the stream.
+#[test]
+fn a_close_its_runtime_refuses_still_closes_the_fd() {
+    use std::io::Read;
+    let rt = Runtime::new().unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let s = rt
+        .block_on(quiesce_runtime::net::TcpStream::connect(addr))
+        .unwrap();
+    let (mut peer, _) = listener.accept().unwrap();
+    assert_eq!(rt.shutdown(), Ok(()));
+    let rt2 = Runtime::new().unwrap();
+    assert!(
+        rt2.block_on(s.close()).is_err(),
+        "refused: its runtime is gone"
+    );
+    // (Whether the number is still open says nothing: tests running
+    // alongside reuse it.) The peer sees the end of the stream.
+    peer.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut b = [0u8; 1];
+    assert_eq!(peer.read(&mut b).ok(), Some(0), "the descriptor leaked");
+}

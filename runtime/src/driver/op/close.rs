@@ -8,16 +8,17 @@ use io_uring::{opcode, types};
 use super::{cvt, sealed, Operation};
 use crate::driver::Interest;
 
-/// Closes a descriptor (the caller gives up ownership).
+/// Closes a descriptor (the caller gives up ownership). Owned until it is
+/// handed to the kernel (`IORING_OP_CLOSE` submitted, or `close(2)` called):
+/// a close that never runs — refused by a runtime that shut down, or an
+/// epoll op dropped before its turn — closes it as it drops.
 pub struct Close {
-    fd: RawFd,
+    fd: Option<OwnedFd>,
 }
 
 impl Close {
     pub(crate) fn new(fd: OwnedFd) -> Self {
-        Close {
-            fd: fd.into_raw_fd(),
-        }
+        Close { fd: Some(fd) }
     }
 }
 
@@ -27,7 +28,9 @@ impl Operation for Close {
     type Output = io::Result<()>;
 
     fn uring_entry(&mut self) -> io_uring::squeue::Entry {
-        opcode::Close::new(types::Fd(self.fd)).build()
+        // Built once, right before it is submitted: the kernel closes it now.
+        let fd = self.fd.take().expect("a close is submitted once");
+        opcode::Close::new(types::Fd(fd.into_raw_fd())).build()
     }
 
     fn complete(self, res: io::Result<u32>, _flags: u32) -> Self::Output {
@@ -39,7 +42,11 @@ impl Operation for Close {
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
-        // SAFETY: we own the descriptor; it is closed exactly once.
-        cvt(unsafe { libc::close(self.fd) } as isize)
+        let Some(fd) = self.fd.take() else {
+            return Ok(0);
+        };
+        // SAFETY: the descriptor was ours (taken out above): closed exactly
+        // once, here.
+        cvt(unsafe { libc::close(fd.into_raw_fd()) } as isize)
     }
 }
