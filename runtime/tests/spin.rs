@@ -172,3 +172,36 @@ fn a_spinning_reactor_arms_its_sources_only_when_it_blocks() {
         assert_eq!(arms.get(), 0, "armed while spinning");
     });
 }
+
+/// With `sqpoll`, a kernel thread takes the submissions, and once idle it
+/// sleeps until an `io_uring_enter` wakes it (`IORING_ENTER_SQ_WAKEUP`). A
+/// spinning reactor parks with a zero timeout; that park entered without
+/// the flag, so what was queued after the thread fell asleep waited for
+/// the spin to end.
+#[test]
+fn a_spinning_reactor_wakes_a_sleeping_sqpoll_thread() {
+    let rt = match Runtime::builder()
+        .sqpoll(Duration::from_millis(1))
+        .spin(Duration::from_secs(5))
+        .build()
+    {
+        Ok(rt) if is_uring(&rt) => rt,
+        _ => return, // no io_uring (or no SQPOLL) here: nothing to check
+    };
+    let took = rt.block_on(async {
+        let (a, b) = pair().await;
+        // The SQ thread idles past its 1 ms and sleeps.
+        time::sleep(Duration::from_millis(30)).await;
+        let t0 = Instant::now();
+        let (r, _) = a.write_all(vec![7u8; 64]).await;
+        r.unwrap();
+        let (r, buf) = b.read(vec![0u8; 64]).await;
+        assert_eq!(r.unwrap(), 64);
+        assert_eq!(buf[0], 7);
+        t0.elapsed()
+    });
+    assert!(
+        took < Duration::from_secs(2),
+        "queued until the spin ended: {took:?}"
+    );
+}

@@ -26,6 +26,8 @@ const WAKE_TOKEN: u64 = (1 << 63) | 1;
 const SOURCE_TAG: u64 = 1 << 62;
 /// `IORING_ENTER_GETEVENTS` (the crate keeps its `sys` module private).
 const ENTER_GETEVENTS: u32 = 1;
+/// `IORING_ENTER_SQ_WAKEUP`: wakes an SQPOLL thread that fell asleep.
+const ENTER_SQ_WAKEUP: u32 = 2;
 
 /// Ring set-up knobs (see `Builder`).
 #[derive(Debug, Clone, Copy)]
@@ -52,6 +54,8 @@ pub(crate) struct Uring {
     /// SQEs pushed since the last submit.
     unsubmitted: u32,
     defer_taskrun: bool,
+    /// A kernel thread polls the SQ (`IORING_SETUP_SQPOLL`).
+    sqpoll: bool,
     wake_fd: RawFd,
     wake_armed: bool,
     pub(crate) events: ParkEvents,
@@ -101,6 +105,7 @@ impl Uring {
             ops: Slab::with_capacity(cfg.entries as usize),
             unsubmitted: 0,
             defer_taskrun: cfg.defer_taskrun,
+            sqpoll: cfg.sqpoll_idle.is_some(),
             wake_fd,
             wake_armed: false,
             events: ParkEvents::default(),
@@ -264,20 +269,27 @@ impl Uring {
         }
         let res = match timeout {
             Some(d) if d.is_zero() => {
-                let pending_work = {
+                let sqpoll = self.sqpoll;
+                let (pending_work, wake_sq) = {
                     let sq = self.ring.submission();
-                    sq.taskrun() || sq.cq_overflow()
+                    // (Read after the SQ tail was written: `need_wakeup`
+                    // fences, so a thread falling asleep meanwhile is seen.)
+                    (sq.taskrun() || sq.cq_overflow(), sqpoll && sq.need_wakeup())
                 };
-                if self.unsubmitted == 0 && !pending_work && !self.defer_taskrun {
+                if self.unsubmitted == 0 && !pending_work && !self.defer_taskrun && !wake_sq {
                     // Nothing to submit and no deferred completions: just read the CQ.
                     Ok(0)
                 } else {
+                    // An SQPOLL thread that fell asleep takes what is queued
+                    // only once woken; the blocking parks below wake it
+                    // through the crate, this one must say so itself.
+                    let flags = ENTER_GETEVENTS | if wake_sq { ENTER_SQ_WAKEUP } else { 0 };
                     // SAFETY: no signal mask or argument pointers are passed.
                     unsafe {
                         self.ring.submitter().enter::<libc::sigset_t>(
                             self.unsubmitted,
                             0,
-                            ENTER_GETEVENTS,
+                            flags,
                             None,
                         )
                     }
