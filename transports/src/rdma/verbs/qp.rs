@@ -257,8 +257,14 @@ impl Qp {
         if rc == 0 {
             return Ok(());
         }
+        // An error with no `bad` request: rxe answers so when its doorbell
+        // failed after every request went into the send queue (or, for a
+        // QP without one, before any did). Counted as all posted: then they
+        // flush once the QP is moved to error, and nothing is released on
+        // the guess that the NIC never saw them (a broken QP's batch ends
+        // unknown instead).
         let posted = if bad.is_null() {
-            0
+            wrs.len()
         } else {
             // SAFETY: `bad` points into `list` when set.
             (unsafe { bad.offset_from(base) }) as usize
