@@ -135,6 +135,43 @@ fn poll_add_waits_for_readability() {
     });
 }
 
+/// A poll for readable *or* writable wakes on either, on both drivers: on
+/// epoll it waited as a reader only, so a full pipe's write end becoming
+/// writable never woke it.
+#[test]
+fn poll_for_either_wakes_once_writable() {
+    use std::os::fd::AsRawFd;
+    for kind in [
+        quiesce_runtime::DriverKind::IoUring,
+        quiesce_runtime::DriverKind::Epoll,
+    ] {
+        let Ok(rt) = quiesce_runtime::Runtime::builder().driver(kind).build() else {
+            continue;
+        };
+        rt.block_on(async {
+            let (mut r, mut w) = std::io::pipe().unwrap();
+            for end in [r.as_raw_fd(), w.as_raw_fd()] {
+                // SAFETY: F_SETFL on a pipe end this test owns.
+                unsafe { libc::fcntl(end, libc::F_SETFL, libc::O_NONBLOCK) };
+            }
+            while w.write(&[1u8; 65536]).is_ok() {}
+            let w = Fd::new(OwnedFd::from(w)).unwrap();
+            let either = (libc::POLLIN | libc::POLLOUT) as u32;
+            let waiter = spawn_local(async move { w.poll(either).await });
+            time::sleep(Duration::from_millis(10)).await;
+            assert!(!waiter.is_finished(), "{kind:?}: writable while full");
+            let mut sink = vec![0u8; 65536];
+            while r.read(&mut sink).is_ok_and(|n| n > 0) {}
+            let ev = time::timeout(Duration::from_secs(1), waiter)
+                .await
+                .unwrap_or_else(|_| panic!("{kind:?}: not woken once writable"))
+                .unwrap()
+                .unwrap();
+            assert!(ev & libc::POLLOUT as u32 != 0, "{kind:?}: {ev:#x}");
+        });
+    }
+}
+
 #[test]
 fn kernel_timeout_op_fires() {
     rt().block_on(async {

@@ -66,6 +66,8 @@ pub enum Interest {
     Read,
     /// Writable (or closed for writing).
     Write,
+    /// Either (a `poll` for both).
+    Either,
 }
 
 /// What a park reported besides operation completions.

@@ -94,12 +94,15 @@ impl Poller {
             }
         };
         let slot = &mut self.io[key];
-        let list = match interest {
-            Interest::Read => &mut slot.readers,
-            Interest::Write => &mut slot.writers,
+        let lists = match interest {
+            Interest::Read => [Some(&mut slot.readers), None],
+            Interest::Write => [Some(&mut slot.writers), None],
+            Interest::Either => [Some(&mut slot.readers), Some(&mut slot.writers)],
         };
-        if !list.iter().any(|w| w.will_wake(waker)) {
-            list.push(waker.clone());
+        for list in lists.into_iter().flatten() {
+            if !list.iter().any(|w| w.will_wake(waker)) {
+                list.push(waker.clone());
+            }
         }
         Ok(())
     }

@@ -36,16 +36,15 @@ impl Operation for PollAdd {
     }
 
     fn poll_fd(&self) -> Option<(RawFd, Interest)> {
-        let write_only =
-            self.mask & libc::POLLOUT as u32 != 0 && self.mask & libc::POLLIN as u32 == 0;
-        Some((
-            self.fd.raw(),
-            if write_only {
-                Interest::Write
-            } else {
-                Interest::Read
-            },
-        ))
+        let write = self.mask & libc::POLLOUT as u32 != 0;
+        let read = self.mask & libc::POLLIN as u32 != 0;
+        let interest = match (read, write) {
+            (true, true) => Interest::Either,
+            (false, true) => Interest::Write,
+            // Readable, or only what any wait reports (hang-up, error).
+            _ => Interest::Read,
+        };
+        Some((self.fd.raw(), interest))
     }
 
     fn poll_try(&mut self) -> io::Result<u32> {
