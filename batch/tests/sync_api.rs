@@ -201,24 +201,47 @@ unsafe impl quiesce_runtime::IoBufMut for PanicsWhenFilled {
     }
 }
 
-/// A buffer whose `bytes_total` panics on any thread but the one that made
-/// it: the engine's thread dies building the batch.
-struct PanicsOffItsThread(Vec<u8>, std::thread::ThreadId);
+/// Where a [`PanicsOffItsThread`] buffer panics.
+#[derive(Clone, Copy, PartialEq)]
+enum PanicIn {
+    /// `bytes_total`: the engine's thread dies building the batch.
+    Building,
+    /// `stable_ptr`: the batch's first poll sends from it, after `build`,
+    /// with the batch's first operations started.
+    Sending,
+}
+
+/// A buffer that panics on any thread but the one that made it, in the
+/// call [`PanicIn`] names.
+struct PanicsOffItsThread(Vec<u8>, std::thread::ThreadId, PanicIn);
+
+impl PanicsOffItsThread {
+    fn new(bytes: Vec<u8>, when: PanicIn) -> Self {
+        PanicsOffItsThread(bytes, std::thread::current().id(), when)
+    }
+
+    fn check(&self, when: PanicIn) {
+        if self.2 == when {
+            assert_eq!(
+                std::thread::current().id(),
+                self.1,
+                "injected: a panic in the engine thread"
+            );
+        }
+    }
+}
 
 // SAFETY: delegates to a Vec, whose heap storage never moves.
 unsafe impl quiesce_runtime::IoBuf for PanicsOffItsThread {
     fn stable_ptr(&self) -> *const u8 {
+        self.check(PanicIn::Sending);
         self.0.as_ptr()
     }
     fn bytes_init(&self) -> usize {
         self.0.len()
     }
     fn bytes_total(&self) -> usize {
-        assert_eq!(
-            std::thread::current().id(),
-            self.1,
-            "injected: the engine's thread dies"
-        );
+        self.check(PanicIn::Building);
         self.0.len()
     }
 }
@@ -256,7 +279,7 @@ fn a_ticket_outliving_its_engine_thread_stays_unknown() {
     let task = SyncTask {
         segment: kv,
         offset: 0,
-        buf: PanicsOffItsThread(vec![0u8; 4096], std::thread::current().id()),
+        buf: PanicsOffItsThread::new(vec![0u8; 4096], PanicIn::Building),
     };
     let dead = e.batch(Direction::Write, vec![task], BatchOptions::default());
     assert!(dead.is_err(), "the engine's thread is gone");
@@ -292,37 +315,6 @@ fn panic_child() {
     println!("ANSWERED: {:?}", r.map(|o| o.code));
 }
 
-/// A write source whose `stable_ptr` panics on any thread but the one that
-/// made it: the engine's thread panics while the batch's first poll sends
-/// from it (after `build`, with the batch's first operations started).
-struct PanicsWhenSent(Vec<u8>, std::thread::ThreadId);
-
-// SAFETY: delegates to a Vec, whose heap storage never moves.
-unsafe impl quiesce_runtime::IoBuf for PanicsWhenSent {
-    fn stable_ptr(&self) -> *const u8 {
-        assert_eq!(
-            std::thread::current().id(),
-            self.1,
-            "injected: a panic in the engine thread mid-batch"
-        );
-        self.0.as_ptr()
-    }
-    fn bytes_init(&self) -> usize {
-        self.0.len()
-    }
-    fn bytes_total(&self) -> usize {
-        self.0.len()
-    }
-}
-
-// SAFETY: as above.
-unsafe impl quiesce_runtime::IoBufMut for PanicsWhenSent {
-    fn stable_mut_ptr(&mut self) -> *mut u8 {
-        self.0.as_mut_ptr()
-    }
-    unsafe fn set_init(&mut self, _pos: usize) {}
-}
-
 const PANIC_FIRST_POLL: &str = "QUIESCE_TEST_PANIC_FIRST_POLL";
 
 /// The child half of [`a_panic_in_a_batchs_first_poll_aborts_never_answers`].
@@ -338,7 +330,7 @@ fn panic_first_poll_child() {
     let task = SyncTask {
         segment: kv,
         offset: 0,
-        buf: PanicsWhenSent(vec![1u8; 1 << 20], std::thread::current().id()),
+        buf: PanicsOffItsThread::new(vec![1u8; 1 << 20], PanicIn::Sending),
     };
     let r = e.batch(Direction::Write, vec![task], BatchOptions::default());
     println!("ANSWERED: {:?}", r.map(|o| o.code));
@@ -349,35 +341,7 @@ fn panic_first_poll_child() {
 /// (the C ABI's -1) could be a guess too, so the process aborts.
 #[test]
 fn a_panic_in_a_batchs_first_poll_aborts_never_answers() {
-    use std::os::unix::process::ExitStatusExt;
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "panic_first_poll_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(PANIC_FIRST_POLL, "1")
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(
-        !stdout.contains("ANSWERED"),
-        "the caller got an answer after a panic: {stdout}"
-    );
-    assert_eq!(
-        out.status.signal(),
-        Some(libc::SIGABRT),
-        "the child should abort: {:?}\n{stdout}\n{stderr}",
-        out.status
-    );
-    assert!(
-        stderr.contains("injected: a panic in the engine thread"),
-        "{stderr}"
-    );
+    child_aborts("panic_first_poll_child", PANIC_FIRST_POLL);
 }
 
 /// A panic in the engine thread while a batch holds the caller's memory
@@ -385,15 +349,25 @@ fn a_panic_in_a_batchs_first_poll_aborts_never_answers() {
 /// memory, which a panic cannot know): the process aborts.
 #[test]
 fn a_panic_in_the_engine_thread_aborts_never_answers() {
+    let stderr = child_aborts("panic_child", PANIC_CHILD);
+    assert!(
+        stderr.contains("aborting rather than return memory"),
+        "{stderr}"
+    );
+}
+
+/// Runs test `child` of this binary with `env` set: it must abort after the
+/// injected panic, never print an answer. Its stderr.
+fn child_aborts(child: &str, env: &str) -> String {
     use std::os::unix::process::ExitStatusExt;
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "panic_child", "--nocapture", "--test-threads=1"])
-        .env(PANIC_CHILD, "1")
+        .args(["--exact", child, "--nocapture", "--test-threads=1"])
+        .env(env, "1")
         .output()
         .unwrap();
     let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
     );
     assert!(
         !stdout.contains("ANSWERED"),
@@ -409,10 +383,7 @@ fn a_panic_in_the_engine_thread_aborts_never_answers() {
         stderr.contains("injected: a panic in the engine thread"),
         "{stderr}"
     );
-    assert!(
-        stderr.contains("aborting rather than return memory"),
-        "{stderr}"
-    );
+    stderr
 }
 
 /// A deadline or fence grace too long for an `Instant` (a C caller's

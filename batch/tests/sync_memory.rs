@@ -20,17 +20,44 @@ fn engine() -> SyncEngine {
     SyncEngine::start(EngineConfig::default()).unwrap()
 }
 
+/// A target lending `mem` (LEN bytes at `base`) as segment "m", and an
+/// initiator; the test keeps `mem` until its last `reclaim` answered true.
+struct Lent {
+    target: SyncEngine,
+    init: SyncEngine,
+    token: Token,
+    mem: Box<[u8]>,
+    base: u64,
+}
+
+fn lent() -> Lent {
+    let target = engine();
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let mut mem = vec![0u8; LEN].into_boxed_slice();
+    let base = mem.as_mut_ptr() as u64;
+    // SAFETY: the box's heap memory does not move when it is returned; the
+    // caller keeps it until `reclaim` answered true (or the engine stopped).
+    unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    Lent {
+        target,
+        init: engine(),
+        token,
+        mem,
+        base,
+    }
+}
+
 /// Writes land in the lent memory at the offset the peer address names, and
 /// reclaiming it answers `true` once nothing holds it.
 #[test]
 fn lent_memory_is_written_by_peer_address_and_reclaimed() {
-    let target = engine();
-    let init = engine();
-    let token = Token::derive(b"a secret both sides hold", "node");
-    let mut mem = vec![0u8; LEN].into_boxed_slice();
-    let base = mem.as_mut_ptr() as u64;
-    // SAFETY: `mem` lives until after `reclaim` answered true below.
-    unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    let Lent {
+        target,
+        init,
+        token,
+        mem,
+        base,
+    } = lent();
     let at = init
         .open_at(target.local_addr(), base + 8192, token)
         .unwrap();
@@ -69,13 +96,13 @@ fn lent_memory_is_written_by_peer_address_and_reclaimed() {
 /// another segment, with a handle of its own, and the old handle fails.
 #[test]
 fn opening_a_segment_again_reuses_its_handle() {
-    let target = engine();
-    let init = engine();
-    let token = Token::derive(b"a secret both sides hold", "node");
-    let mut mem = vec![0u8; LEN].into_boxed_slice();
-    let base = mem.as_mut_ptr() as u64;
-    // SAFETY: `mem` lives until after the last `reclaim` answered true.
-    unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    let Lent {
+        target,
+        init,
+        token,
+        mem,
+        base,
+    } = lent();
     let peer = target.local_addr();
     let first = init.open_at(peer, base, token).unwrap();
     for i in 0..200u64 {
