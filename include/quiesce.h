@@ -78,7 +78,7 @@ quiesce_engine *quiesce_engine_start(const char *node);
 int quiesce_engine_stop(quiesce_engine *e);
 
 /* Connects to addr ("host:port", the host an address or a name that resolves:
- * its first address is used) and proves token (32 hex digits) for the
+ * its addresses are tried in turn) and proves token (32 hex digits) for the
  * segment named name; stores a handle in *handle_out. 0 or -1. */
 int quiesce_open(quiesce_engine *e, const char *addr, const char *name, const char *token, uint32_t *handle_out);
 

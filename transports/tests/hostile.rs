@@ -235,6 +235,38 @@ fn a_reconnect_survives_a_segment_the_target_dropped() {
     assert_eq!(t.snapshot("b", 4096, 4), vec![4u8; 4]);
 }
 
+/// A reconnect whose every proof is refused (all the peer opened is gone)
+/// goes on unproven: the open that follows proves its own token on it. It
+/// failed that open once, with an error naming the dropped segment.
+#[test]
+fn an_open_after_every_opened_segment_went_succeeds() {
+    use quiesce_transports::Rights;
+    let cfg = EngineConfig {
+        idle_timeout: Some(Duration::from_millis(300)),
+        ..tcp()
+    };
+    let rw = Rights::READ | Rights::WRITE;
+    let t = ShardTarget::start(cfg, &[("a", 65536, rw), ("b", 65536, rw)]);
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig::default()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let a = peer.open("a", t.seg("a").token).await.unwrap();
+        let (r, _) = a.write(0, vec![1u8; 4096], 1).await;
+        r.unwrap();
+        assert!(t.deregister("a"));
+        time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(t.stats().connections, 0, "idle connections closed");
+        let b = peer
+            .open("b", t.seg("b").token)
+            .await
+            .expect("an open after the only opened segment went");
+        let (r, _) = b.write(0, vec![2u8; 4096], 2).await;
+        r.unwrap();
+        e.shutdown();
+    });
+    assert_eq!(t.snapshot("b", 0, 4), vec![2u8; 4]);
+}
+
 /// A reconnect proves what the peer opened in requests of a bounded size:
 /// 1,000 segments with 250-byte names make an answer past the 256 KiB an
 /// `AuthAck` may be, which the target refused to send, closing the
