@@ -274,7 +274,10 @@ impl Uring {
                     let sq = self.ring.submission();
                     // (Read after the SQ tail was written: `need_wakeup`
                     // fences, so a thread falling asleep meanwhile is seen.)
-                    (sq.taskrun() || sq.cq_overflow(), sqpoll && sq.need_wakeup())
+                    // Only for entries it has not taken: an idle spinning
+                    // reactor must not keep waking it.
+                    let queued = sqpoll && !sq.is_empty();
+                    (sq.taskrun() || sq.cq_overflow(), queued && sq.need_wakeup())
                 };
                 if self.unsubmitted == 0 && !pending_work && !self.defer_taskrun && !wake_sq {
                     // Nothing to submit and no deferred completions: just read the CQ.
