@@ -6,6 +6,7 @@ use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::timeline::{self, Step};
 use quiesce_runtime::IoBuf;
 
+use crate::control::idle::IdleLimit;
 use crate::control::wire::{FrameError, Header, HEADER_LEN};
 
 /// Reads one header; `Ok(None)` on a clean EOF before its first byte.
@@ -36,12 +37,26 @@ pub(crate) async fn read_payload(s: &TcpStream, len: usize) -> io::Result<Vec<u8
 /// cut write): nothing is copied (`recv(2)` with `MSG_TRUNC`), so skipping
 /// a megabyte a fence cut short costs the kernel's packet bookkeeping, not
 /// a copy, and no buffer is allocated. The first try is at once (a refused
-/// payload follows its header); EOF first is `UnexpectedEof`.
-pub(crate) async fn discard(s: &TcpStream, mut len: u64) -> io::Result<()> {
+/// payload follows its header); EOF first is `UnexpectedEof`. With `idle`
+/// (a target's connection), each receive is bounded by its limit
+/// ([`IdleLimit::within`]): a payload that stops coming is `TimedOut`.
+pub(crate) async fn discard(
+    s: &TcpStream,
+    mut len: u64,
+    mut idle: Option<&mut IdleLimit>,
+) -> io::Result<()> {
     let mut expected = true;
     while len > 0 {
         let want = usize::try_from(len).unwrap_or(usize::MAX);
-        match s.discard(want, std::mem::take(&mut expected)).await {
+        let op = s.discard(want, std::mem::take(&mut expected));
+        let got = match idle.as_deref_mut() {
+            Some(idle) => idle
+                .within(op)
+                .await
+                .map_err(|c| io::Error::new(io::ErrorKind::TimedOut, format!("{c:?}")))?,
+            None => op.await,
+        };
+        match got {
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => len -= n.min(want) as u64,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -29,6 +29,7 @@ use quiesce_runtime::timeline::{self, Step};
 use quiesce_runtime::{offer_core, spin_time, tasks_ready, yield_now, IoBuf};
 
 use crate::control::frame::discard;
+use crate::control::idle::IdleLimit;
 use crate::control::wire::{FrameError, Header, HEADER_LEN};
 
 /// The largest receive a header read makes: a 4 KiB write's frame and the
@@ -112,11 +113,16 @@ impl ReadAhead {
     }
 
     /// Reads and drops `len` bytes (a refused or cut write's payload).
-    pub(crate) async fn discard(&mut self, s: &TcpStream, len: u64) -> io::Result<()> {
+    pub(crate) async fn discard(
+        &mut self,
+        s: &TcpStream,
+        len: u64,
+        idle: Option<&mut IdleLimit>,
+    ) -> io::Result<()> {
         let n = self.take(usize::try_from(len).unwrap_or(usize::MAX)).len() as u64;
         if n < len {
             self.check()?;
-            discard(s, len - n).await?;
+            discard(s, len - n, idle).await?;
         }
         Ok(())
     }
@@ -314,7 +320,7 @@ mod tests {
                             let got = rx.fill(&s, vec![0; p.len()].into()).await.unwrap();
                             assert_eq!(&got[..], &p[..]);
                         }
-                        _ => rx.discard(&s, p.len() as u64).await.unwrap(),
+                        _ => rx.discard(&s, p.len() as u64, None).await.unwrap(),
                     }
                 }
                 assert!(rx.header(&s).await.unwrap().is_none(), "clean EOF");

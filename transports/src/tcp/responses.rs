@@ -251,7 +251,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                         );
                         return Err(TransferError::BadFrame("read data for a write".into()));
                     }
-                    None => rx.discard(s, h.length).await?,
+                    None => rx.discard(s, h.length, None).await?,
                 }
             }
             Opcode::FenceAck => {

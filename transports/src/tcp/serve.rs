@@ -101,7 +101,10 @@ impl ServedConn<'_> {
         st: Status,
         payload: u64,
     ) -> Result<(), Closed> {
-        self.idle.within(self.rx.discard(self.s, payload)).await??;
+        // Each receive bounded by the idle limit (one that stops closes it).
+        self.rx
+            .discard(self.s, payload, Some(&mut self.idle))
+            .await?;
         let c = &self.engine.counters.rejected;
         c.set(c.get() + 1);
         send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
@@ -195,9 +198,9 @@ impl ServedConn<'_> {
             Status::Ok
         } else {
             // Fenced or revoked mid-way: the rest is dropped, not landed.
-            self.idle
-                .within(self.rx.discard(self.s, len - landed))
-                .await??;
+            self.rx
+                .discard(self.s, len - landed, Some(&mut self.idle))
+                .await?;
             cut_short(revoked, landed)
         };
         let c = &self.engine.counters;
