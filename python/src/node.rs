@@ -131,6 +131,9 @@ pub(crate) struct Node {
     peers: Mutex<FnvHashMap<String, SocketAddr>>,
     /// Batches that returned -2: their memory stays pinned.
     pending: Mutex<Vec<Pinned>>,
+    /// Batches that returned -2 with nothing to wait on (the engine's
+    /// thread died first): pinned for good, and counted as not drained.
+    lost: AtomicU64,
     /// Held by the one `quiesce_pending` that waits.
     waiting: Mutex<()>,
     /// Asynchronous batches without a reported outcome, by id.
@@ -353,6 +356,7 @@ impl Node {
             opened: Mutex::default(),
             peers: Mutex::default(),
             pending: Mutex::default(),
+            lost: AtomicU64::new(0),
             waiting: Mutex::default(),
             outstanding: Mutex::default(),
             next_id: AtomicU64::new(1),
@@ -690,7 +694,9 @@ impl Node {
             // drain may have run out of time), so it is -2 for good and its
             // managed buffers stay pinned.
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                lock(&self.outstanding).remove(&id);
+                if let Some(o) = lock(&self.outstanding).remove(&id) {
+                    self.lose(o.uses);
+                }
                 tracing::error!(
                     "transfer: the engine's thread died before the batch had an outcome; \
                      its memory stays pinned"
@@ -760,7 +766,7 @@ impl Node {
                 Some(ticket) => lock(&self.pending).push(Pinned { ticket, uses }),
                 // (The engine gives every -2 a ticket.) Without one nothing
                 // says when it drains: its managed buffers stay pinned.
-                None => drop(uses),
+                None => self.lose(uses),
             }
             return SYNC_UNKNOWN;
         }
@@ -784,7 +790,7 @@ impl Node {
         let _only = match self.waiting.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(g)) => g.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return lock(&self.pending).len(),
+            Err(std::sync::TryLockError::WouldBlock) => return self.not_drained(),
         };
         let deadline = deadline_in(timeout);
         let tickets: Vec<u64> = lock(&self.pending).iter().map(|p| p.ticket).collect();
@@ -799,7 +805,21 @@ impl Node {
                 }
             }
         }
-        lock(&self.pending).len()
+        self.not_drained()
+    }
+
+    /// Batches whose memory is still pinned: those waiting to drain, and
+    /// those that never will.
+    fn not_drained(&self) -> usize {
+        lock(&self.pending).len() + self.lost.load(Ordering::Relaxed) as usize
+    }
+
+    /// A -2 batch with nothing to wait on: its managed buffers stay pinned
+    /// (`uses` is never given back) and `wait_for_quiescence` counts it.
+    fn lose(&self, uses: Uses) {
+        // Dropped, not released: its buffers' counts stay up.
+        drop(uses);
+        self.lost.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -525,6 +525,14 @@ impl NativeEngine {
         let deadline = Instant::now() + seconds(timeout);
         let back = py
             .detach(|| loop {
+                // Another call took this lending back meanwhile (and the
+                // address may be lent anew, which is not this call's to
+                // take): the engine let go of it.
+                if segment.is_some()
+                    && lock(&self.core.lent).get(&address).map(|l| l.segment) != segment
+                {
+                    return Ok(true);
+                }
                 let left = deadline.saturating_duration_since(Instant::now());
                 let began = Instant::now();
                 match self.core.with(|e| e.reclaim(address, left.min(WAIT_SLICE))) {
