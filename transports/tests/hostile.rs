@@ -199,30 +199,41 @@ fn idle_connections_are_closed_and_the_initiator_reconnects() {
     assert_eq!(t.snapshot("kv", 0, 4), vec![6u8; 4]);
 }
 
-/// A connection that reopens proves every segment the peer opened; one the
-/// target has since deregistered is refused. That refusal must not fail the
-/// reconnect: the other segments are still served, and transfers to them
-/// go on (before, every transfer to the target failed from then on).
-#[test]
-fn a_reconnect_survives_a_segment_the_target_dropped() {
+/// A target serving segments "a" and "b" that closes connections idle for
+/// 300 ms.
+fn two_segments_idle_300ms() -> ShardTarget {
     use quiesce_transports::Rights;
     let cfg = EngineConfig {
         idle_timeout: Some(Duration::from_millis(300)),
         ..tcp()
     };
     let rw = Rights::READ | Rights::WRITE;
-    let t = ShardTarget::start(cfg, &[("a", 65536, rw), ("b", 65536, rw)]);
+    ShardTarget::start(cfg, &[("a", 65536, rw), ("b", 65536, rw)])
+}
+
+/// Writes to `a`, has the target deregister it, and waits until the target
+/// closed the idle connections (the next transfer reconnects).
+async fn drop_and_go_idle(t: &ShardTarget, a: &quiesce_transports::RemoteSegment) {
+    let (r, _) = a.write(0, vec![1u8; 4096], 1).await;
+    r.unwrap();
+    assert!(t.deregister("a"));
+    time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(t.stats().connections, 0, "idle connections closed");
+}
+
+/// A connection that reopens proves every segment the peer opened; one the
+/// target has since deregistered is refused. That refusal must not fail the
+/// reconnect: the other segments are still served, and transfers to them
+/// go on (before, every transfer to the target failed from then on).
+#[test]
+fn a_reconnect_survives_a_segment_the_target_dropped() {
+    let t = two_segments_idle_300ms();
     Runtime::new().unwrap().block_on(async {
         let e = Engine::bind(EngineConfig::default()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         let a = peer.open("a", t.seg("a").token).await.unwrap();
         let b = peer.open("b", t.seg("b").token).await.unwrap();
-        let (r, _) = a.write(0, vec![1u8; 4096], 1).await;
-        r.unwrap();
-        assert!(t.deregister("a"));
-        // The target closes the idle connections; the next write reconnects.
-        time::sleep(Duration::from_millis(600)).await;
-        assert_eq!(t.stats().connections, 0, "idle connections closed");
+        drop_and_go_idle(&t, &a).await;
         let (r, _) = b.write(0, vec![2u8; 4096], 2).await;
         r.expect("a write to a live segment after the reconnect");
         let (r, _) = a.write(0, vec![3u8; 4096], 3).await;
@@ -240,22 +251,12 @@ fn a_reconnect_survives_a_segment_the_target_dropped() {
 /// failed that open once, with an error naming the dropped segment.
 #[test]
 fn an_open_after_every_opened_segment_went_succeeds() {
-    use quiesce_transports::Rights;
-    let cfg = EngineConfig {
-        idle_timeout: Some(Duration::from_millis(300)),
-        ..tcp()
-    };
-    let rw = Rights::READ | Rights::WRITE;
-    let t = ShardTarget::start(cfg, &[("a", 65536, rw), ("b", 65536, rw)]);
+    let t = two_segments_idle_300ms();
     Runtime::new().unwrap().block_on(async {
         let e = Engine::bind(EngineConfig::default()).unwrap();
         let peer = e.connect(t.addr).await.unwrap();
         let a = peer.open("a", t.seg("a").token).await.unwrap();
-        let (r, _) = a.write(0, vec![1u8; 4096], 1).await;
-        r.unwrap();
-        assert!(t.deregister("a"));
-        time::sleep(Duration::from_millis(600)).await;
-        assert_eq!(t.stats().connections, 0, "idle connections closed");
+        drop_and_go_idle(&t, &a).await;
         let b = peer
             .open("b", t.seg("b").token)
             .await
