@@ -339,7 +339,8 @@ impl SyncEngine {
         let jobs = self.jobs.as_ref().ok_or(SyncError::Stopped)?;
         jobs.send(Box::new(move |st: &State| f(st, tx)))
             .map_err(|_| SyncError::Stopped)?;
-        recv_spinning(&rx, self.spin).ok_or(SyncError::Stopped)
+        let finished = || self.thread.as_ref().is_none_or(|t| t.is_finished());
+        recv_spinning(&rx, self.spin, finished).ok_or(SyncError::Stopped)
     }
 
     /// Connects to `addr` and proves `token` for segment `name`; returns a handle.
@@ -535,8 +536,13 @@ impl SyncEngine {
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// Receives on `rx`, polling for up to `spin` before it blocks; `None` once
-/// every sender is gone.
-fn recv_spinning<R>(rx: &mpsc::Receiver<R>, spin: Duration) -> Option<R> {
+/// every sender is gone, or the engine's thread ended (`finished`) with
+/// nothing sent.
+fn recv_spinning<R>(
+    rx: &mpsc::Receiver<R>,
+    spin: Duration,
+    finished: impl Fn() -> bool,
+) -> Option<R> {
     if !spin.is_zero() {
         let start = std::time::Instant::now();
         loop {
@@ -548,8 +554,22 @@ fn recv_spinning<R>(rx: &mpsc::Receiver<R>, spin: Duration) -> Option<R> {
             }
         }
     }
-    rx.recv().ok()
+    // Never past the engine thread's end: a job queued while the thread
+    // was dying (its queue still open) is never run, and its reply sender
+    // lives on in the queue, so the channel never says it is gone.
+    loop {
+        match rx.recv_timeout(THREAD_CHECK) {
+            Ok(v) => return Some(v),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+            Err(mpsc::RecvTimeoutError::Timeout) if finished() => return rx.try_recv().ok(),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+    }
 }
+
+/// How often a caller waiting for the engine's answer looks whether the
+/// engine's thread is still there.
+const THREAD_CHECK: Duration = Duration::from_millis(50);
 
 /// Builds and submits a batch on the engine thread; `done` gets its outcome
 /// (from a task: the caller's answer must not wait on this job).
