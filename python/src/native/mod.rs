@@ -138,7 +138,6 @@ pub struct NativeEngine {
     core: Arc<Core>,
 }
 
-/// A batch's options: `policy`, `deadline` (seconds), and room for its
 /// A batch's options and its tasks, taken out to run: borrowed only for
 /// that, so that another thread's use of it while it runs is a typed error
 /// (it has run already), not pyo3's 'Already borrowed'.
@@ -155,6 +154,7 @@ fn take(
     Ok((opts, b.take(py)?))
 }
 
+/// A batch's options: `policy`, `deadline` (seconds), and room for its
 /// `tasks` (a batch holds what its caller adds: a KV cache's blocks times
 /// its layers pass the native default of 4,096).
 fn options(py: Python<'_>, policy: &str, deadline: f64, tasks: usize) -> PyResult<BatchOptions> {
