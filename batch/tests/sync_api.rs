@@ -298,21 +298,9 @@ const PANIC_CHILD: &str = "QUIESCE_TEST_PANIC_CHILD";
 /// does nothing unless the parent set [`PANIC_CHILD`].
 #[test]
 fn panic_child() {
-    if std::env::var_os(PANIC_CHILD).is_none() {
-        return;
-    }
-    let t = Target::start();
-    let e = SyncEngine::start(EngineConfig::default()).unwrap();
-    let kv = e.open(t.addr, "kv", t.kv).unwrap();
-    let task = SyncTask {
-        segment: kv,
-        offset: 0,
-        buf: PanicsWhenFilled(vec![0u8; 1 << 20]),
-    };
-    let r = e.batch(Direction::Read, vec![task], BatchOptions::default());
-    // Any answer at all is the failure: the C ABI would turn an error into
-    // -1 ("nothing touches your memory") on a guess.
-    println!("ANSWERED: {:?}", r.map(|o| o.code));
+    answer_one(PANIC_CHILD, Direction::Read, || {
+        PanicsWhenFilled(vec![0u8; 1 << 20])
+    });
 }
 
 const PANIC_FIRST_POLL: &str = "QUIESCE_TEST_PANIC_FIRST_POLL";
@@ -320,7 +308,22 @@ const PANIC_FIRST_POLL: &str = "QUIESCE_TEST_PANIC_FIRST_POLL";
 /// The child half of [`a_panic_in_a_batchs_first_poll_aborts_never_answers`].
 #[test]
 fn panic_first_poll_child() {
-    if std::env::var_os(PANIC_FIRST_POLL).is_none() {
+    answer_one(PANIC_FIRST_POLL, Direction::Write, || {
+        PanicsOffItsThread::new(vec![1u8; 1 << 20], PanicIn::Sending)
+    });
+}
+
+/// A child half: nothing unless the parent set `env`; else one batch of
+/// `dir` moving `buf()` (1 MiB: on the engine's thread, past any lane) to
+/// the target's `kv`, and its answer printed — any answer at all is the
+/// failure: the C ABI would turn an error into -1 ("nothing touches your
+/// memory") on a guess.
+fn answer_one<B: quiesce_runtime::IoBufMut + Send>(
+    env: &str,
+    dir: Direction,
+    buf: impl FnOnce() -> B,
+) {
+    if std::env::var_os(env).is_none() {
         return;
     }
     let t = Target::start();
@@ -330,9 +333,9 @@ fn panic_first_poll_child() {
     let task = SyncTask {
         segment: kv,
         offset: 0,
-        buf: PanicsOffItsThread::new(vec![1u8; 1 << 20], PanicIn::Sending),
+        buf: buf(),
     };
-    let r = e.batch(Direction::Write, vec![task], BatchOptions::default());
+    let r = e.batch(dir, vec![task], BatchOptions::default());
     println!("ANSWERED: {:?}", r.map(|o| o.code));
 }
 
