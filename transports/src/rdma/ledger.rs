@@ -15,10 +15,15 @@
 //! error completions carry the transfer's error and account for nothing.
 //!
 //! The one group without a signalled request is the part of a doorbell that
-//! was posted before `ibv_post_send` refused the rest: the queue pair is
-//! moved to the error state, so each of those requests comes back as a
-//! flushed completion of its own, and the group is retired when all of them
-//! are reaped.
+//! was posted before `ibv_post_send` refused the rest. The queue pair is
+//! moved to the error state, but those of its requests the NIC finished
+//! before that completed silently, so their number is unknown: the reaper
+//! then posts a **marker** — one signalled request of the same transfer,
+//! which the errored queue pair flushes after every earlier one — and its
+//! completion retires the group as a signalled request's does
+//! ([`Ledger::close_cut`]). Only when the marker cannot be posted is the
+//! group retired by counting its flushes, which stays short (and the
+//! transfer unresolved, its buffer kept) if any of them had completed.
 
 use std::collections::VecDeque;
 
@@ -31,8 +36,11 @@ struct Group {
     wr_id: u64,
     /// Requests in the run.
     requests: u32,
-    /// Whether the last of them was posted signalled.
+    /// Whether the last of them was posted signalled, or a marker after
+    /// them.
     signalled: bool,
+    /// Whether a marker request follows them (one more send queue entry).
+    marker: bool,
     /// Completions of the run reaped so far (errors, or flushes).
     seen: u32,
 }
@@ -45,6 +53,9 @@ pub(crate) struct Retired {
     /// Posted requests of it now known to be done (0: the completion only
     /// carries an error; the group is retired by a later one).
     pub(crate) requests: u32,
+    /// Send queue entries (and completion queue room) they held: the
+    /// requests, and the marker of a cut group.
+    pub(crate) entries: u32,
 }
 
 /// One link's posted groups, oldest first.
@@ -78,10 +89,28 @@ impl Ledger {
                     wr_id: w.wr_id & !SIGNALLED,
                     requests: (i + 1 - start) as u32,
                     signalled: w.signalled(),
+                    marker: false,
                     seen: 0,
                 });
                 start = i + 1;
             }
+        }
+    }
+
+    /// The transfer (`wr_id` without [`SIGNALLED`]) of the cut group the
+    /// last [`Ledger::posted`] left, if it left one: the marker to post after
+    /// it carries that `wr_id` with [`SIGNALLED`].
+    pub(crate) fn cut(&self) -> Option<u64> {
+        let back = self.groups.back()?;
+        (!back.signalled).then_some(back.wr_id)
+    }
+
+    /// The marker [`Ledger::cut`] asked for was posted: the group is retired
+    /// by the marker's completion, with the marker's entry.
+    pub(crate) fn close_cut(&mut self) {
+        if let Some(back) = self.groups.back_mut().filter(|g| !g.signalled) {
+            back.signalled = true;
+            back.marker = true;
         }
     }
 
@@ -109,13 +138,17 @@ impl Ledger {
             front.seen += 1;
             !front.signalled && front.seen == front.requests
         };
-        let requests = match retires {
-            true => self.groups.pop_front()?.requests,
-            false => 0,
+        let (requests, entries) = match retires {
+            true => {
+                let g = self.groups.pop_front()?;
+                (g.requests, g.requests + u32::from(g.marker))
+            }
+            false => (0, 0),
         };
         Some(Retired {
             wr_id: id,
             requests,
+            entries,
         })
     }
 
@@ -144,7 +177,11 @@ mod tests {
     }
 
     fn retired(wr_id: u64, requests: u32) -> Option<Retired> {
-        Some(Retired { wr_id, requests })
+        Some(Retired {
+            wr_id,
+            requests,
+            entries: requests,
+        })
     }
 
     fn marked(ids: &[u64]) -> Vec<WorkRequest> {
@@ -221,5 +258,32 @@ mod tests {
         let mut l = Ledger::default();
         l.posted(&wrs, 0);
         assert_eq!(l.len(), 0);
+    }
+
+    #[test]
+    fn a_cut_run_part_of_which_completed_silently_is_retired_by_its_marker() {
+        let wrs = marked(&[5, 5, 5, 6]);
+        let mut l = Ledger::default();
+        l.posted(&wrs, 2);
+        assert_eq!(l.cut(), Some(5));
+        l.close_cut();
+        assert_eq!(l.cut(), None);
+        // The first request completed (silently) before the QP went to
+        // error; only the second is flushed, then the marker.
+        assert_eq!(l.complete(5, false), retired(5, 0));
+        assert_eq!(l.len(), 1);
+        assert_eq!(
+            l.complete(5 | SIGNALLED, false),
+            Some(Retired {
+                wr_id: 5,
+                requests: 2,
+                entries: 3
+            })
+        );
+        assert_eq!(l.len(), 0);
+        // A post that ends on a signalled request needs no marker.
+        let mut l = Ledger::default();
+        l.posted(&wrs, 3);
+        assert_eq!(l.cut(), None);
     }
 }

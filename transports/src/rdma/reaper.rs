@@ -368,6 +368,7 @@ impl Reaper {
                 self.stats.posted += posted as u64;
                 link.state.set(LinkState::Failed);
                 let _ = link.qp.set_error();
+                self.close_cut(link);
                 for w in &wrs[posted..] {
                     self.retire(
                         w.wr_id,
@@ -378,6 +379,43 @@ impl Reaper {
             }
         }
         self.to_post = wrs;
+    }
+
+    /// After a refused post on `link`, now in the error state: posts the
+    /// marker that retires the cut group it left, if any (see the ledger's
+    /// docs), where the send queue's spare entry and the CQ have room.
+    /// Without it the group is retired by counting its flushes.
+    fn close_cut(&mut self, link: &Rc<Link>) {
+        let Some(wr_id) = link.ledger.borrow().cut() else {
+            return;
+        };
+        if self.in_cq >= self.cq.capacity() || link.outstanding.get() > link.depth {
+            tracing::warn!(
+                wr_id,
+                "no room for a cut group's marker; counting its flushes"
+            );
+            return;
+        }
+        let marker = WorkRequest {
+            wr_id: wr_id | SIGNALLED,
+            read: false,
+            local: 0,
+            len: 0,
+            lkey: 0,
+            remote: 0,
+            rkey: 0,
+            inline: false,
+        };
+        match link.qp.post(&[marker]) {
+            Ok(()) => {
+                link.ledger.borrow_mut().close_cut();
+                link.outstanding.set(link.outstanding.get() + 1);
+                self.in_cq += 1;
+            }
+            Err((_, e)) => {
+                tracing::warn!(error = %e, wr_id, "a cut group's marker was refused; counting its flushes")
+            }
+        }
     }
 
     fn slot_batch(&self, wr_id: u64) -> u64 {
@@ -458,8 +496,8 @@ impl Reaper {
         // The requests it vouches for leave the send queue, and the CQ
         // room they held is free again.
         link.outstanding
-            .set(link.outstanding.get().saturating_sub(done.requests));
-        self.in_cq = self.in_cq.saturating_sub(done.requests);
+            .set(link.outstanding.get().saturating_sub(done.entries));
+        self.in_cq = self.in_cq.saturating_sub(done.entries);
         self.stats.completed += u64::from(done.requests);
         let error = match wc.status {
             WC_SUCCESS => None,

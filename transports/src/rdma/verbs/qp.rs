@@ -55,7 +55,9 @@ pub(crate) struct Qp {
 }
 
 impl Qp {
-    /// Creates an RC QP whose send queue holds `depth` requests.
+    /// Creates an RC QP whose send queue holds `depth` requests, and one
+    /// more: the spare entry of the marker a refused post may need (see the
+    /// ledger's docs), which a link's own accounting never fills.
     pub(crate) fn new(pd: &Rc<Pd>, cq_obj: Rc<CqObject>, depth: u32) -> Result<Qp, RdmaError> {
         let cq = cq_obj.cq;
         // SAFETY: an all-zero init attr is valid; fields set below.
@@ -63,7 +65,7 @@ impl Qp {
         init.send_cq = cq;
         init.recv_cq = cq;
         init.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
-        init.cap.max_send_wr = depth;
+        init.cap.max_send_wr = depth + 1;
         init.cap.max_recv_wr = 1;
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
