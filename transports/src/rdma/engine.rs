@@ -246,7 +246,7 @@ impl RdmaEngine {
             start,
             Rc::new(LocalMr {
                 mr,
-                _backing: backing,
+                backing: Some(backing),
                 count,
             }),
         );

@@ -25,13 +25,19 @@ pub(crate) enum Backing {
 /// A local memory region registered with the engine.
 pub(crate) struct LocalMr {
     pub(crate) mr: Mr,
-    pub(crate) _backing: Backing,
+    /// Taken only when its deregistration failed, to keep it for good.
+    pub(crate) backing: Option<Backing>,
     pub(crate) count: Rc<Cell<u64>>,
 }
 
 impl Drop for LocalMr {
     fn drop(&mut self) {
         self.count.set(self.count.get() - 1);
+        if let Err(e) = self.mr.deregister() {
+            // The device may still reach the memory: it never goes back.
+            tracing::error!(error = %e, "a local region stays registered; keeping its memory for good");
+            std::mem::forget(self.backing.take());
+        }
     }
 }
 

@@ -32,6 +32,12 @@ pub(crate) struct SegmentMr {
 impl Drop for SegmentMr {
     fn drop(&mut self) {
         self.count.set(self.count.get() - 1);
+        if let Err(e) = self.mr.deregister() {
+            // Peers holding its rkey may still reach the memory: it never
+            // goes back to its owner.
+            tracing::error!(error = %e, "a segment's region stays registered; keeping its memory for good");
+            std::mem::forget(self._mem.clone());
+        }
     }
 }
 

@@ -323,9 +323,32 @@ impl Mr {
     }
 }
 
+impl Mr {
+    /// Deregisters it (once; later calls do nothing). On an error the
+    /// device may still reach the memory: its owner must keep the memory
+    /// for good. Nothing else may be called on it afterwards.
+    pub(crate) fn deregister(&mut self) -> Result<(), RdmaError> {
+        if self.mr.is_null() {
+            return Ok(());
+        }
+        // SAFETY: registered once and not yet deregistered (null after);
+        // the owner deregisters only after quiescence.
+        let rc = unsafe { sys::ibv_dereg_mr(self.mr) };
+        self.mr = std::ptr::null_mut();
+        match rc {
+            0 => Ok(()),
+            rc => Err(RdmaError::Verbs(
+                "ibv_dereg_mr",
+                io::Error::from_raw_os_error(rc),
+            )),
+        }
+    }
+}
+
 impl Drop for Mr {
     fn drop(&mut self) {
-        // SAFETY: registered once; the owner drops it only after quiescence.
-        unsafe { sys::ibv_dereg_mr(self.mr) };
+        if let Err(e) = self.deregister() {
+            tracing::error!(error = %e, "deregistering a memory region failed");
+        }
     }
 }
