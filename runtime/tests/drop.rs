@@ -225,3 +225,43 @@ fn a_close_its_runtime_refuses_still_closes_the_fd() {
     let mut b = [0u8; 1];
     assert_eq!(peer.read(&mut b).ok(), Some(0), "the descriptor leaked");
 }
+
+/// A waker whose `clone` panics: the driver clones the waker it stores, so
+/// polling an op with it panics inside the op's poll.
+fn waker_that_panics_when_cloned() -> std::task::Waker {
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+    fn clone(_: *const ()) -> RawWaker {
+        panic!("a waker that cannot be cloned")
+    }
+    fn ignore(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, ignore, ignore, ignore);
+    // SAFETY: every function of the vtable ignores the (null) data pointer.
+    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
+}
+
+#[test]
+fn a_panic_inside_an_ops_poll_leaves_its_buffer_to_the_kernel() {
+    let rt = rt();
+    let uring = is_uring(&rt);
+    rt.block_on(async move {
+        let (_a, b) = pair().await;
+        let (buf, log) = Tracked::new(4096, 0);
+        let mut op = b.read(buf);
+        settle().await; // the SQE is in the kernel now
+        let waker = waker_that_panics_when_cloned();
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut cx = std::task::Context::from_waker(&waker);
+            std::future::Future::poll(std::pin::Pin::new(&mut op), &mut cx)
+        }));
+        assert!(polled.is_err(), "the waker's clone panics");
+        if uring {
+            assert!(
+                !log.borrow().dropped,
+                "a panic in poll freed a buffer the kernel still holds"
+            );
+        }
+        drop(op);
+        settle().await;
+        assert!(log.borrow().dropped, "the buffer never came back");
+    });
+}

@@ -237,20 +237,24 @@ impl<T: Operation> Future for Op<T> {
 
     fn poll(mut self: Pin<&mut Self>, tcx: &mut TaskCx<'_>) -> Poll<T::Output> {
         let this = &mut *self;
+        // A live io_uring op stays in `state` until its final CQE is taken:
+        // should anything below panic (the waker's clone, the driver), the
+        // unwinding drop parks it instead of freeing what the kernel holds.
+        if let State::Uring { token, .. } = this.state {
+            let done = match &mut *this.cx.driver.borrow_mut() {
+                Driver::Uring(u) => u.poll_op(token, tcx.waker()),
+                Driver::Poll(_) => unreachable!("an io_uring op on an epoll runtime"),
+            };
+            let Some((res, flags)) = done else {
+                return Poll::Pending;
+            };
+            let State::Uring { spec, .. } = std::mem::replace(&mut this.state, State::Done) else {
+                unreachable!("checked above")
+            };
+            return Poll::Ready(spec.complete(res, flags));
+        }
         match std::mem::replace(&mut this.state, State::Done) {
-            State::Uring { token, spec } => {
-                let done = match &mut *this.cx.driver.borrow_mut() {
-                    Driver::Uring(u) => u.poll_op(token, tcx.waker()),
-                    Driver::Poll(_) => unreachable!("an io_uring op on an epoll runtime"),
-                };
-                match done {
-                    None => {
-                        this.state = State::Uring { token, spec };
-                        Poll::Pending
-                    }
-                    Some((res, flags)) => Poll::Ready(spec.complete(res, flags)),
-                }
-            }
+            State::Uring { .. } => unreachable!("handled above"),
             State::Idle(mut spec) => {
                 if this.cancel_requested() {
                     return Poll::Ready(spec.complete(Err(canceled()), 0));
