@@ -384,3 +384,55 @@ fn host_ranges_read_the_table_once_per_call() {
     let with_bad = pages.iter().map(|&p| (p, 4096)).chain([(none, 16)]);
     assert_eq!(check.first_bad(with_bad), Some((none, 16)));
 }
+
+/// Another node answering at a peer's address — the peer restarted under
+/// another name, or the address of a stale directory entry was taken — is
+/// not that peer, even with a segment of the same name and token: the
+/// initiator's reconnect refuses it rather than writing what was meant for
+/// the node that went into the new one's memory.
+#[test]
+fn another_node_at_a_peers_address_gets_none_of_its_writes() {
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let node = |name: &str, listen| {
+        SyncEngine::start(EngineConfig {
+            node: name.into(),
+            listen,
+            ..EngineConfig::default()
+        })
+        .unwrap()
+    };
+    let lend = |e: &SyncEngine, mem: &mut [u8]| {
+        // SAFETY: the test keeps `mem` past the engine (dropped first).
+        unsafe { e.lend("m", mem.as_mut_ptr() as u64, LEN as u64, token) }.unwrap();
+    };
+    let init = engine();
+    let write = |segment: u32| {
+        let mut src = vec![0x5au8; 4096];
+        // SAFETY: `src` outlives the batch (its outcome is final below).
+        let buf = unsafe { RawBuf::new(src.as_mut_ptr(), src.len()) };
+        let task = SyncTask {
+            segment,
+            offset: 0,
+            buf,
+        };
+        let opts = BatchOptions::default().deadline(Duration::from_secs(5));
+        init.batch(Direction::Write, vec![task], opts).unwrap().code
+    };
+    let mut gone_mem = vec![0u8; LEN];
+    let gone = node("decode-3", "127.0.0.1:0".parse().unwrap());
+    let addr = gone.local_addr();
+    lend(&gone, &mut gone_mem);
+    let seg = init.open_named(addr, "m", token).unwrap();
+    assert_eq!(write(seg.segment), SYNC_OK);
+    assert_eq!(init.peer_node(addr).unwrap(), "decode-3");
+    drop(gone);
+    let mut new_mem = vec![0u8; LEN];
+    let other = node("decode-7", addr);
+    lend(&other, &mut new_mem);
+    assert_ne!(write(seg.segment), SYNC_OK, "a write reached another node");
+    assert!(
+        new_mem.iter().all(|&b| b == 0),
+        "another node's memory was written"
+    );
+    drop(other);
+}

@@ -413,9 +413,35 @@ impl Node {
         Ok(addr)
     }
 
-    /// The opened segment holding `addr..addr + len` at `peer` (opening it
-    /// by address if this engine has not yet).
-    fn segment(&self, peer: SocketAddr, addr: u64, len: u64) -> Result<OpenedSegment, String> {
+    /// With an etcd directory, whether `target` (found there at `peer`) is
+    /// the node at `peer`: the entry may be stale, its address another
+    /// node's now. Asked before opening there; a peer's later reconnects
+    /// refuse a node of another name on their own.
+    fn check_node(&self, target: &str, peer: SocketAddr) -> Result<(), String> {
+        if matches!(self.directory, Directory::P2p) {
+            return Ok(());
+        }
+        let there = self
+            .engine()
+            .peer_node(peer)
+            .map_err(|e| format!("session {target:?} at {peer}: {e}"))?;
+        match there == target {
+            true => Ok(()),
+            false => Err(format!(
+                "session {target:?} is not at {peer} (node {there:?} is): a stale metadata entry"
+            )),
+        }
+    }
+
+    /// The opened segment holding `addr..addr + len` at `peer`, `target`'s
+    /// address (opening it by address if this engine has not yet).
+    fn segment(
+        &self,
+        target: &str,
+        peer: SocketAddr,
+        addr: u64,
+        len: u64,
+    ) -> Result<OpenedSegment, String> {
         let holds = |s: &OpenedSegment| addr >= s.base && addr - s.base < s.len;
         let cached = lock(&self.opened)
             .get(&peer)
@@ -423,6 +449,7 @@ impl Node {
         let seg = match cached {
             Some(s) => s,
             None => {
+                self.check_node(target, peer)?;
                 let s = self.engine().open_at(peer, addr, self.token).map_err(|e| {
                     format!("{peer}: no registered memory at {addr:#x} open to this secret ({e})")
                 })?;
@@ -452,6 +479,7 @@ impl Node {
     /// serves now (opening it, and keeping it for later transfers).
     pub(crate) fn first_buffer(&self, target: &str) -> Result<u64, String> {
         let peer = self.peer(target)?;
+        self.check_node(target, peer)?;
         let s = self
             .engine()
             .open_first(peer, self.token)
@@ -508,7 +536,7 @@ impl Node {
         let mut used = SmallVec::with_capacity(buffers.len());
         let entries = buffers.iter().zip(peer_addresses).zip(lengths);
         for ((&buf, &at), &len) in entries.filter(|(_, &len)| len != 0) {
-            let seg = self.segment(peer, at as u64, len as u64)?;
+            let seg = self.segment(target, peer, at as u64, len as u64)?;
             used.push(seg.segment);
             let task = SyncTask {
                 segment: seg.segment,

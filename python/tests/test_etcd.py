@@ -206,3 +206,56 @@ def test_a_native_engine_is_published_under_its_bound_address(etcd):
     finally:
         a.close()
         b.close()
+
+
+def _copy_entry(etcd, key_from, key_to):
+    """Writes etcd's value at `key_from` under `key_to` too (no lease: an
+    entry that outlives its node, as a dead node's does within its TTL)."""
+    import base64
+    import json
+
+    def call(path, body):
+        req = urllib.request.Request(f"http://{etcd}/v3/kv/{path}", data=json.dumps(body).encode(), method="POST")
+        return json.loads(urllib.request.urlopen(req, timeout=5).read())
+
+    enc = lambda s: base64.b64encode(s.encode()).decode()
+    kvs = call("range", {"key": enc(key_from)}).get("kvs", [])
+    assert kvs, f"no entry at {key_from}"
+    call("put", {"key": enc(key_to), "value": kvs[0]["value"]})
+
+
+def test_a_stale_entry_at_another_nodes_address_opens_nothing(etcd):
+    """A dead node's entry names an address another node listens on now,
+    with a segment of the same name and the same secret: opening by the
+    dead node's name must not open the live node's memory."""
+    import quiesce
+
+    url = f"etcd://{etcd}/stale"
+    other = quiesce.Engine("127.0.0.1:0", secret=SECRET, directory=url, node="decode-7")
+    initiator = quiesce.Engine(secret=SECRET, directory=url, node="prefill-0")
+    kv = bytearray(1 << 20)
+    try:
+        seg = other.register("kv", kv)
+        _copy_entry(etcd, "stale/nodes/decode-7", "stale/nodes/decode-3")
+        with pytest.raises(quiesce.UnknownPeer, match="stale"):
+            initiator.open("decode-3/kv")
+        assert initiator.open("decode-7/kv").length == 1 << 20
+        assert seg.revoke()
+    finally:
+        other.close()
+        initiator.close()
+    # The drop-in, whose session names are its etcd entries.
+    target = _engine("127.0.0.11", f"etcd://{etcd}/stale2")
+    caller = _engine("127.0.0.12", f"etcd://{etcd}/stale2")
+    dst = target.allocate_managed_buffer(1 << 20)
+    src = caller.allocate_managed_buffer(4096)
+    try:
+        _copy_entry(etcd, "stale2/nodes/127.0.0.11", "stale2/nodes/127.0.0.13")
+        caller.write_bytes_to_buffer(src, b"\x5a" * 4096, 4096)
+        assert caller.transfer_sync_write("127.0.0.13", src, dst, 4096) == -1
+        assert caller.get_first_buffer_address("127.0.0.13") == 0
+        assert target.read_bytes_from_buffer(dst, 4096) == b"\0" * 4096
+        assert caller.transfer_sync_write("127.0.0.11", src, dst, 4096) == 0
+    finally:
+        caller.free_managed_buffer(src, 4096)
+        target.free_managed_buffer(dst, 1 << 20)

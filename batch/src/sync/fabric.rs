@@ -85,6 +85,19 @@ impl Setup {
 }
 
 impl Fabric {
+    /// Connects to `addr` (or finds the peer connected there) and names
+    /// the node its hello gave.
+    pub(crate) async fn node(
+        &self,
+        engine: &Engine,
+        addr: SocketAddr,
+    ) -> Result<String, TransferError> {
+        Ok(match self {
+            Fabric::Tcp => engine.connect(addr).await?.node().to_string(),
+            Fabric::Rdma(r) => r.connect(addr).await?.node().to_string(),
+        })
+    }
+
     /// Connects to `addr` and opens the segment `by` names, proving `token`.
     pub(crate) async fn open(
         &self,

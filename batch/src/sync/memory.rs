@@ -180,6 +180,25 @@ impl SyncEngine {
         self.open_by(peer, SegmentBy::First, token)
     }
 
+    /// The name of the node at `peer` (connecting to it if this engine has
+    /// not): what its hello said. A caller that found `peer` under a node's
+    /// name (a directory entry) checks it before opening there, since the
+    /// entry may be stale and the address another node's now; a connected
+    /// peer's reconnects already refuse a node of another name.
+    pub fn peer_node(&self, peer: SocketAddr) -> Result<String, SyncError> {
+        self.call(move |st, tx| {
+            let st = st.clone();
+            spawn_local(async move {
+                let _ = tx.send(
+                    st.fabric
+                        .node(&st.engine, peer)
+                        .await
+                        .map_err(SyncError::from),
+                );
+            });
+        })?
+    }
+
     fn open_by(
         &self,
         peer: SocketAddr,

@@ -199,20 +199,24 @@ fn report(out: &SyncOutcome<RawBuf>) -> Report {
 
 impl Core {
     /// Where `peer` listens: a literal `ip:port` as it is; else, with an
-    /// etcd directory, the node it names there; else (or if the directory
-    /// has no such node) the system resolver's `host:port`. `Err(None)`: it
-    /// does not resolve.
-    fn peer(&self, peer: &str) -> Result<SocketAddr, Option<DirectoryError>> {
+    /// etcd directory, the node it names there (and `true`: the node found
+    /// there must be that node); else (or if the directory has no such
+    /// node) the system resolver's `host:port`. `Err(None)`: it does not
+    /// resolve.
+    fn peer(&self, peer: &str) -> Result<(SocketAddr, bool), Option<DirectoryError>> {
         if let Ok(a) = peer.parse::<SocketAddr>() {
-            return Ok(a);
+            return Ok((a, false));
         }
-        let by_system = || peer.to_socket_addrs().ok().and_then(|mut a| a.next());
+        let by_system = || {
+            let a = peer.to_socket_addrs().ok().and_then(|mut a| a.next());
+            a.map(|a| (a, false))
+        };
         let by_name = self.directory(|d| match d {
             Directory::Etcd(_) => d.resolve(peer).map(|r| Some(r.addr)),
             Directory::P2p => Ok(None),
         });
         match by_name {
-            Ok(Some(a)) => Ok(a),
+            Ok(Some(a)) => Ok((a, true)),
             Ok(None) => by_system().ok_or(None),
             // Not a node the directory holds: a `host:port` still resolves.
             Err(e @ DirectoryError::NotFound(_)) => by_system().ok_or(Some(e)),
@@ -379,7 +383,10 @@ impl NativeEngine {
             .detach(|| Directory::open(directory.unwrap_or("P2PHANDSHAKE")))
             .map_err(|e| from_directory(py, &e))?;
         let config = EngineConfig {
-            node: listen.to_string(),
+            // Its hello names it as the directory does, so that a peer that
+            // found it there can tell it from another node at a stale
+            // entry's address.
+            node: node.clone().unwrap_or_else(|| listen.to_string()),
             listen: listen_addr(listen).map_err(|e| invalid(py, &e))?,
             local: local_mode(),
             tcp_congestion: tcp_congestion().map_err(|e| invalid(py, &e))?,
@@ -581,10 +588,23 @@ impl NativeEngine {
     /// Opens peer `peer`'s segment `name`; returns (handle, address,
     /// length). `peer`: a node name the directory holds, or `host:port`.
     fn open(&self, py: Python<'_>, peer: &str, name: &str) -> PyResult<(u32, u64, u64)> {
-        let addr = py.detach(|| self.core.peer(peer)).map_err(|e| match e {
+        let (addr, named) = py.detach(|| self.core.peer(peer)).map_err(|e| match e {
             Some(e) => from_directory(py, &e),
             None => raise(py, "UnknownPeer", &format!("cannot resolve peer {peer:?}")),
         })?;
+        if named {
+            // The entry may be stale, its address another node's now.
+            let there = py
+                .detach(|| self.core.with(|e| e.peer_node(addr)))
+                .map_err(|e| from_sync(py, &e))?;
+            if there != peer {
+                return Err(raise(
+                    py,
+                    "UnknownPeer",
+                    &format!("node {peer:?} is not at {addr} (node {there:?} is): a stale directory entry"),
+                ));
+            }
+        }
         let token = Token::derive(&self.core.secret, name);
         let s = py
             .detach(|| self.core.with(|e| e.open_named(addr, name, token)))

@@ -228,6 +228,16 @@ impl Peer {
             TransferError::Handshake(h) => TransferError::ConnectionLost(h.reason),
             e => e,
         })?;
+        // Another node now answers at the address (the peer restarted under
+        // another name, or a stale directory entry's address was taken):
+        // what was proven was proven to the node that is gone.
+        if c.hello.node != self.inner.node {
+            c.kill("another node answers at the peer's address");
+            return Err(TransferError::ConnectionLost(format!(
+                "{} is now node {:?}, not {:?}",
+                self.inner.addr, c.hello.node, self.inner.node
+            )));
+        }
         let tokens: Vec<(u64, Token)> = self
             .inner
             .opened
