@@ -465,7 +465,22 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             .backoff
             .saturating_mul(2u32.saturating_pow(attempt.saturating_sub(1)));
         tracing::info!(attempt, ?backoff, "retrying failed tasks after quiescence");
-        quiesce_runtime::time::sleep(backoff).await;
+        // The backoff ends early at the deadline or when the caller drops
+        // the batch; neither may be followed by a new attempt.
+        let end = Instant::now() + backoff;
+        let mut nap = sleep_until(self.deadline.map_or(end, |d| d.min(end)));
+        std::future::poll_fn(|cx| {
+            if self.shared.abandoned.get() || Pin::new(&mut nap).poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            *self.shared.driver.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+        if self.shared.abandoned.get() || self.deadline.is_some_and(|d| Instant::now() >= d) {
+            tracing::info!("not retrying: the deadline passed or the batch was dropped");
+            return false;
+        }
         for t in &mut self.tasks {
             if !matches!(t.state, TaskState::Done(TaskStatus::Completed)) {
                 t.state = TaskState::Queued;

@@ -1,0 +1,68 @@
+//! A retry's backoff: the deadline and the caller dropping the batch are
+//! watched during it, so no new attempt goes out once either happened.
+
+use std::time::Duration;
+
+use quiesce_batch::sim::{Sim, SimConfig, SimTarget};
+use quiesce_batch::{Batch, BatchOptions, Outcome};
+use quiesce_runtime::time::sleep;
+use quiesce_runtime::{spawn_local, Runtime};
+
+/// Every transfer fails as a lost connection (retryable), fences confirm.
+fn failing() -> Sim {
+    let cfg = SimConfig {
+        retryable_fail: 100,
+        ..SimConfig::reliable(2)
+    };
+    Sim::new(7, cfg)
+}
+
+fn one_write(sim: &Sim, opts: BatchOptions) -> Batch<Sim, Vec<u8>> {
+    let mut b = Batch::new(sim.clone(), opts);
+    b.write(vec![0u8; 64], SimTarget { peer: 0, len: 64 })
+        .ok()
+        .unwrap();
+    b
+}
+
+#[test]
+fn a_deadline_passing_during_a_backoff_sends_no_retry() {
+    Runtime::new().unwrap().block_on(async {
+        let sim = failing();
+        let opts = BatchOptions::default()
+            .deadline(Duration::from_millis(100))
+            .fence_grace(Duration::from_millis(20))
+            .retry(3, Duration::from_millis(300));
+        let out = one_write(&sim, opts).submit().await;
+        assert_eq!(
+            sim.log().starts.len(),
+            1,
+            "a retry went out past the deadline"
+        );
+        // The failed attempt was fenced and confirmed: a clean -1, not the
+        // unknown that a fence started past its whole grace ends in.
+        match out {
+            Outcome::Quiesced(q) => assert_eq!(q.sync_code(), -1),
+            Outcome::CompletionUnknown(_) => panic!("the first attempt was confirmed"),
+        }
+    });
+}
+
+#[test]
+fn a_batch_dropped_during_a_backoff_sends_no_retry() {
+    Runtime::new().unwrap().block_on(async {
+        let sim = failing();
+        let opts = BatchOptions::default().retry(3, Duration::from_millis(200));
+        let sub = one_write(&sim, opts).submit();
+        let waiting = spawn_local(async move {
+            let _ = sub.await;
+        });
+        // The attempt fails within a few turns; the backoff is under way.
+        sleep(Duration::from_millis(50)).await;
+        assert_eq!(sim.log().starts.len(), 1);
+        waiting.abort();
+        sleep(Duration::from_millis(400)).await;
+        assert_eq!(sim.log().starts.len(), 1, "a dropped batch sent a retry");
+        assert_eq!(sim.log().in_flight, 0);
+    });
+}
