@@ -9,6 +9,7 @@ use std::cell::Cell;
 use std::io;
 use std::rc::Rc;
 use std::time::Instant;
+use tracing::Instrument;
 
 use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::time::timeout;
@@ -138,10 +139,15 @@ impl Drop for Census<'_> {
 pub(crate) async fn serve(engine: Rc<Target>, s: TcpStream, authenticated: Rc<Cell<bool>>) {
     let census = Census::new(&engine.counters, authenticated);
     let peer = s.peer_addr().ok();
+    // Entered at each poll, never held across an await (where the events
+    // of the thread's other connections would land in it).
     let span = tracing::debug_span!("target_conn", ?peer);
-    let _e = span.enter();
     let s = Rc::new(s);
-    match serve_inner(&engine, &s, census).await {
+    let served = serve_inner(&engine, &s, census)
+        .instrument(span.clone())
+        .await;
+    let _e = span.enter(); // no await below
+    match served {
         Ok(()) => tracing::debug!("peer closed the connection"),
         Err(Closed::Io(e)) => tracing::debug!(error = %e, "connection ended"),
         Err(Closed::Protocol(why)) => {
