@@ -289,6 +289,26 @@ fn bad_names_urls_and_foreign_entries_are_refused() {
     ));
     assert_eq!(d.resolve("ok").unwrap().addr.port(), 9);
     assert!(d.segments("ok").unwrap().is_empty());
+    // A value that does not decode, written over a good one, takes the old
+    // entry with it (the watch saw it): the old address is not the answer.
+    rt.block_on(async {
+        let mut c = etcd_client::Client::connect([e.endpoint()], None)
+            .await
+            .unwrap();
+        c.put("bad/nodes/ok", "addr=host.example:7000
+fabric=tcp
+", None)
+            .await
+            .unwrap();
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while d.resolve("ok").is_ok_and(|r| r.addr.port() == 9) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a garbled entry still resolves to the address it replaced"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// `node/segment` paths: the node's endpoint and the segment's published

@@ -408,7 +408,14 @@ impl Helper {
                 EventType::Put => match self.decode(kv.key(), kv.value()) {
                     Some(Entry::Node(n)) => self.mirror.put_node(n),
                     Some(Entry::Segment(s)) => self.mirror.put_segment(s),
-                    None => {}
+                    // A value that does not decode replaced what the key
+                    // held: never served (PROTOCOL.md §9), so the old entry
+                    // goes too rather than staying the answer.
+                    None => match self.layout.parse(kv.key()) {
+                        Some(Key::Node(n)) => self.mirror.remove_node(&n),
+                        Some(Key::Segment(n, s)) => self.mirror.remove_segment(&n, &s),
+                        None => {}
+                    },
                 },
                 EventType::Delete => match self.layout.parse(kv.key()) {
                     Some(Key::Node(n)) => self.mirror.remove_node(&n),
