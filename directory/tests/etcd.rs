@@ -190,6 +190,12 @@ fn etcd_away_serves_the_cache_types_new_lookups_and_republishes_when_back() {
         initiator.resolve("other"),
         Err(DirectoryError::Unavailable(_))
     ));
+    // A segment the mirror lacks, of a cached node: etcd cannot be asked,
+    // which is not knowing that it does not exist.
+    assert!(matches!(
+        initiator.segment("t", "other"),
+        Err(DirectoryError::Unavailable(_))
+    ));
     assert!(
         asked.elapsed() < Duration::from_secs(5),
         "{:?}",

@@ -233,7 +233,11 @@ impl EtcdDirectory {
         if let Some(s) = self.mirror.segment(node, name) {
             return Ok(s);
         }
-        self.resolve(node)?;
+        // Asked of etcd even when the node is cached: the watch may not
+        // have delivered a segment published a moment ago, and with etcd
+        // away the answer is `Unavailable`, not a `NotFound` it cannot know.
+        check_name(node)?;
+        wait(self.ask(node)?)?;
         self.mirror
             .segment(node, name)
             .ok_or_else(|| DirectoryError::NotFound(format!("{node}/{name}")))
