@@ -134,11 +134,17 @@ impl Directory {
         }
     }
 
-    /// Withdraws a segment descriptor (P2P: nothing to do). Never blocks.
-    pub fn withdraw_segment(&self, node: &str, name: &str) -> Result<(), DirectoryError> {
+    /// Withdraws a segment descriptor (P2P: nothing to do) — with `id`,
+    /// only while the name's record is that registration's. Never blocks.
+    pub fn withdraw_segment(
+        &self,
+        node: &str,
+        name: &str,
+        id: Option<u64>,
+    ) -> Result<(), DirectoryError> {
         match self {
             Directory::P2p => check_name(name),
-            Directory::Etcd(e) => e.withdraw_segment(node, name),
+            Directory::Etcd(e) => e.withdraw_segment(node, name, id),
         }
     }
 

@@ -133,6 +133,29 @@ fn entries_appear_on_start_and_vanish_within_ttl_of_a_kill() {
     eprintln!("entry gone {took:?} after the kill (TTL {TTL} s)");
 }
 
+/// Withdrawing a registration by its id leaves a later registration of
+/// the same name alone (the native engine withdraws a lending only once it
+/// is taken back, which may be after the name was lent again).
+#[test]
+fn withdrawing_a_replaced_registration_leaves_the_new_one() {
+    let Some(e) = etcd() else { return };
+    let target = directory(&e, "replaced");
+    target.publish_node(&node("t", 7005)).unwrap();
+    target
+        .publish_segment(&segment("t", "kv", 1, 4096))
+        .unwrap();
+    target
+        .publish_segment(&segment("t", "kv", 2, 8192))
+        .unwrap();
+    target.withdraw_segment("t", "kv", Some(1)).unwrap();
+    target.flush(Duration::from_secs(10)).unwrap();
+    let fresh = directory(&e, "replaced");
+    assert_eq!(fresh.segment("t", "kv").map(|s| s.id), Ok(2));
+    target.withdraw_segment("t", "kv", Some(2)).unwrap();
+    target.flush(Duration::from_secs(10)).unwrap();
+    assert!(directory(&e, "replaced").segment("t", "kv").is_err());
+}
+
 #[test]
 fn a_watching_initiator_picks_up_a_re_registered_segment() {
     let Some(e) = etcd() else { return };
@@ -145,7 +168,7 @@ fn a_watching_initiator_picks_up_a_re_registered_segment() {
     let initiator = directory(&e, "rereg");
     assert_eq!(initiator.segment("t", "kv").unwrap().id, 1);
     let changes = initiator.subscribe();
-    target.withdraw_segment("t", "kv").unwrap();
+    target.withdraw_segment("t", "kv", None).unwrap();
     target
         .publish_segment(&segment("t", "kv", 2, 8192))
         .unwrap();
@@ -301,11 +324,15 @@ fn bad_names_urls_and_foreign_entries_are_refused() {
         let mut c = etcd_client::Client::connect([e.endpoint()], None)
             .await
             .unwrap();
-        c.put("bad/nodes/ok", "addr=host.example:7000
+        c.put(
+            "bad/nodes/ok",
+            "addr=host.example:7000
 fabric=tcp
-", None)
-            .await
-            .unwrap();
+",
+            None,
+        )
+        .await
+        .unwrap();
     });
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while d.resolve("ok").is_ok_and(|r| r.addr.port() == 9) {

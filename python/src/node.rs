@@ -391,7 +391,7 @@ impl Node {
     pub(crate) fn withdrawn(&self, addr: u64) {
         let _ = self
             .directory
-            .withdraw_segment(&self.name, &format!("{addr:#x}"));
+            .withdraw_segment(&self.name, &format!("{addr:#x}"), None);
     }
 
     /// The address of session `target`: the name itself for P2P, its

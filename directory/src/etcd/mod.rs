@@ -90,8 +90,9 @@ impl EtcdOptions {
 pub(crate) enum Command {
     /// Write (and remember) `key = value` under the lease.
     Put(String, Vec<u8>),
-    /// Delete (and forget) `key`.
-    Delete(String),
+    /// Delete (and forget) `key` — with an id, only while the segment
+    /// record this node published there has that id.
+    Delete(String, Option<u64>),
     /// Read one node and its segments into the mirror.
     Lookup(String, oneshot::Sender<Result<(), DirectoryError>>),
     /// Answer once every command before this one is applied (or, with no
@@ -165,11 +166,18 @@ impl EtcdDirectory {
         self.send(Command::Put(key, rec.encode()))
     }
 
-    /// Withdraws a segment descriptor (queued; never blocks).
-    pub fn withdraw_segment(&self, node: &str, name: &str) -> Result<(), DirectoryError> {
+    /// Withdraws a segment descriptor (queued; never blocks). With `id`,
+    /// only the one of that id: a later registration of the name (another
+    /// id) published since stays.
+    pub fn withdraw_segment(
+        &self,
+        node: &str,
+        name: &str,
+        id: Option<u64>,
+    ) -> Result<(), DirectoryError> {
         check_name(node)?;
         check_name(name)?;
-        self.send(Command::Delete(self.layout.segment(node, name)))
+        self.send(Command::Delete(self.layout.segment(node, name), id))
     }
 
     /// Waits until everything queued so far is written to etcd; fails with

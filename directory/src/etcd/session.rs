@@ -145,9 +145,11 @@ impl Helper {
                         self.withdrawn.remove(&k);
                         self.published.insert(k, v);
                     }
-                    Command::Delete(k) => {
-                        self.published.remove(&k);
-                        self.withdrawn.insert(k);
+                    Command::Delete(k, id) => {
+                        if self.published_as(&k, id) {
+                            self.published.remove(&k);
+                            self.withdrawn.insert(k);
+                        }
                     }
                     Command::Lookup(node, tx) => {
                         let at = Instant::now() + self.options.op_timeout;
@@ -271,6 +273,17 @@ impl Helper {
         })
     }
 
+    /// Whether a delete of `key` for registration `id` is this node's to
+    /// make: any delete without an id; with one, only while what this node
+    /// published there is that registration's record (not a later one's).
+    fn published_as(&self, key: &str, id: Option<u64>) -> bool {
+        let Some(id) = id else { return true };
+        self.published
+            .get(key)
+            .and_then(|v| SegmentRecord::decode("", "", v))
+            .is_some_and(|r| r.id == id)
+    }
+
     fn decode(&self, key: &[u8], value: &[u8]) -> Option<Entry> {
         let entry = match self.layout.parse(key)? {
             Key::Node(n) => NodeRecord::decode(&n, value).map(Entry::Node),
@@ -345,7 +358,10 @@ impl Helper {
                     .await
                     .map_err(|e| unavailable("put", e))?;
             }
-            Command::Delete(k) => {
+            Command::Delete(k, id) => {
+                if !self.published_as(&k, id) {
+                    return Ok(());
+                }
                 self.published.remove(&k);
                 if let Err(e) = s.client.delete(k.clone(), None).await {
                     self.withdrawn.insert(k);

@@ -575,10 +575,11 @@ impl NativeEngine {
                     _ => None,
                 }
             };
-            if let Some((_, n)) = name {
+            if let Some((id, n)) = name {
+                // By id: the name may be lent again (published anew) by now.
                 let _ = py.detach(|| {
                     self.core
-                        .directory(|d| d.withdraw_segment(&self.core.node, &n))
+                        .directory(|d| d.withdraw_segment(&self.core.node, &n, Some(id)))
                 });
             }
         }
