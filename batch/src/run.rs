@@ -300,13 +300,18 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     }
 
     /// After transfers finished: a FailFast batch with a failed task fences
-    /// what is still in flight.
+    /// what is still in flight (if anything is: a batch whose last
+    /// transfer failed has nothing to fence, and reports no fence).
     fn on_progress(&mut self, wire: u64) {
         let failed = self
             .tasks
             .iter()
             .any(|t| matches!(t.state, TaskState::Done(TaskStatus::Failed(_))));
-        if failed && self.opts.policy == FailurePolicy::FailFast && !self.fencing() {
+        if failed
+            && self.opts.policy == FailurePolicy::FailFast
+            && !self.fencing()
+            && !self.all_terminal()
+        {
             self.start_fence(wire, Instant::now() + self.opts.fence_grace, "task failed");
         }
     }

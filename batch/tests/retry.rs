@@ -1,10 +1,12 @@
-//! A retry's backoff: the deadline and the caller dropping the batch are
-//! watched during it, so no new attempt goes out once either happened.
+//! A failed attempt's aftermath: a retry's backoff watches the deadline
+//! and the caller dropping the batch, so no new attempt goes out once
+//! either happened; and a failure with nothing left in flight fences
+//! nothing.
 
 use std::time::Duration;
 
 use quiesce_batch::sim::{Sim, SimConfig, SimTarget};
-use quiesce_batch::{Batch, BatchOptions, Outcome};
+use quiesce_batch::{Batch, BatchOptions, FailurePolicy, Outcome};
 use quiesce_runtime::time::sleep;
 use quiesce_runtime::{spawn_local, Runtime};
 
@@ -64,5 +66,24 @@ fn a_batch_dropped_during_a_backoff_sends_no_retry() {
         sleep(Duration::from_millis(400)).await;
         assert_eq!(sim.log().starts.len(), 1, "a dropped batch sent a retry");
         assert_eq!(sim.log().in_flight, 0);
+    });
+}
+
+#[test]
+fn a_failure_with_nothing_in_flight_fences_nothing() {
+    Runtime::new().unwrap().block_on(async {
+        let cfg = SimConfig {
+            refused: 100,
+            ..SimConfig::reliable(2)
+        };
+        let sim = Sim::new(7, cfg);
+        let opts = BatchOptions::default().policy(FailurePolicy::FailFast);
+        match one_write(&sim, opts).submit().await {
+            Outcome::Quiesced(q) => {
+                assert_eq!(q.sync_code(), -1);
+                assert_eq!(q.fence_time(), None, "no transfer was left to fence");
+            }
+            Outcome::CompletionUnknown(_) => panic!("nothing was in flight"),
+        }
     });
 }
