@@ -197,9 +197,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             // (the only ones that keep state for it) may forget it. No
             // allocation on the common path, a batch that never fenced.
             if let Some(fences) = &self.fences {
-                for p in fences.borrow().keys() {
-                    self.transport.retire(p, wire);
-                }
+                self.retire(fences, wire);
             }
             if !self.may_retry() || !self.retry().await {
                 break;

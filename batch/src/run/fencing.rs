@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use quiesce_runtime::spawn_local;
 use quiesce_runtime::time::sleep_until;
 use quiesce_runtime::timeline::{self, Step};
+use smallvec::SmallVec;
 
 use super::{Driver, Task, TaskState};
 use crate::outcome::RemoteState;
@@ -33,6 +34,11 @@ pub(super) enum FenceState {
     Acked,
     /// It failed (the peer is unreachable): nothing is confirmed.
     Failed,
+    /// Sent, no answer yet, and the wire batch is over: the fence's task
+    /// retires it at the peer once the answer comes (a `Forget` sent
+    /// before the `Fence` lands would leave the entry the fence makes at
+    /// the target for good).
+    Retiring,
 }
 
 pub(super) type Fences<P> = Rc<RefCell<HashMap<P, FenceState>>>;
@@ -75,6 +81,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             .insert(peer.clone(), FenceState::Pending);
         let f = self.transport.fence(&peer, wire);
         let shared = self.shared.clone();
+        let transport = self.transport.clone();
         spawn_local(async move {
             let state = match f.await {
                 Ok(()) => FenceState::Acked,
@@ -83,9 +90,36 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                     FenceState::Failed
                 }
             };
-            fences.borrow_mut().insert(peer, state);
-            shared.wake_driver();
+            let retiring = {
+                let mut f = fences.borrow_mut();
+                let retiring = f.get(&peer) == Some(&FenceState::Retiring);
+                f.insert(peer.clone(), state);
+                retiring
+            };
+            match retiring {
+                true => transport.retire(&peer, wire),
+                false => shared.wake_driver(),
+            }
         });
+    }
+
+    /// The wire batch is over: each peer it fenced may forget it — now, or
+    /// (a fence still on its way) once that fence is answered.
+    pub(super) fn retire(&self, fences: &Fences<T::Peer>, wire: u64) {
+        let now: SmallVec<[T::Peer; 2]> = {
+            let mut f = fences.borrow_mut();
+            let mut now = SmallVec::new();
+            for (p, state) in f.iter_mut() {
+                match state {
+                    FenceState::Pending => *state = FenceState::Retiring,
+                    _ => now.push(p.clone()),
+                }
+            }
+            now
+        };
+        for p in &now {
+            self.transport.retire(p, wire);
+        }
     }
 
     /// The tasks that ended without their target's answer.

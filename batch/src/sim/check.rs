@@ -250,6 +250,9 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
     if log.retry_before_quiescence > 0 {
         return fail("a retry started before the batch quiesced");
     }
+    if log.retired_before_fence_answered > 0 {
+        return fail("a wire batch was retired while its fence was on its way");
+    }
     drop(log);
     drop(q);
     unwatch_all();

@@ -209,6 +209,12 @@ pub struct SimLog {
     pub answered: HashMap<(u64, usize), u64>,
     /// `(peer, clock)` of every revoke that resolved.
     pub revokes: Vec<(usize, u64)>,
+    /// `(peer, wire batch)` of every fence sent and not yet answered.
+    pub fences_out: HashSet<(usize, u64)>,
+    /// Wire batches retired at a peer while a fence of theirs was still on
+    /// its way there (the target's entry that fence makes is never
+    /// forgotten).
+    pub retired_before_fence_answered: usize,
 }
 
 struct Inner {
@@ -526,7 +532,8 @@ impl Transport for Sim {
         let turns = self.roll(self.inner.cfg.max_turns);
         let epoch = self.inner.aborts.borrow()[peer];
         let lost = || Err(TransferError::ConnectionLost("aborted".into()));
-        async move {
+        self.inner.log.borrow_mut().fences_out.insert((peer, wire));
+        let answer = async move {
             if stuck {
                 // Never confirms; only an abort (which also ends the peer's
                 // transfers) or the end of the schedule ends it.
@@ -550,10 +557,25 @@ impl Transport for Sim {
                 }
                 None => lost(),
             }
+        };
+        let sim = Rc::downgrade(&self.inner);
+        async move {
+            let r = answer.await;
+            if let Some(s) = sim.upgrade() {
+                s.log.borrow_mut().fences_out.remove(&(peer, wire));
+            }
+            r
         }
     }
 
     fn abort(&self, peer: &usize) {
         self.inner.aborts.borrow_mut()[*peer] += 1;
+    }
+
+    fn retire(&self, peer: &usize, wire: u64) {
+        let mut log = self.inner.log.borrow_mut();
+        if log.fences_out.contains(&(*peer, wire)) {
+            log.retired_before_fence_answered += 1;
+        }
     }
 }
