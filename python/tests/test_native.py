@@ -270,12 +270,11 @@ def test_a_dropped_awaiter_leaves_the_buffers_held_until_quiesced(native_peer, e
     assert not resizable(raw), "the buffer was let go while the batch could still read it"
     assert gone() is not None, "the tensor was let go while the batch could still read it"
     t.signal(signal.SIGCONT)
-    deadline = time.monotonic() + 30
-    while (gone() is not None or not resizable(raw)) and time.monotonic() < deadline:
-        for tk in eng.pending():
-            quiesce.CompletionUnknown(tk, eng._native, []).wait(0.1)
-        time.sleep(0.05)
-        gc.collect()
+    # Nothing of the batch is left to the caller (its awaiting task and any
+    # CompletionUnknown are gone): the engine's own wait lets it go.
+    assert eng.wait_for_quiescence(30), eng.pending()
+    assert eng.pending() == []
+    gc.collect()
     assert resizable(raw), "the buffer is still held after the batch quiesced"
     assert gone() is None, "the tensor is still held after the batch quiesced"
 
@@ -297,9 +296,12 @@ def test_a_stopped_target_gives_failed_or_unknown_never_corruption(native_peer, 
         assert eng.pending() == [out.ticket]
         assert out.wait(0.2) is None, "drained while the target is stopped?"
         t.signal(signal.SIGCONT)
-        out = out.wait(30)
-        assert isinstance(out, (quiesce.Completed, quiesce.Failed)), out
+        # The engine's sweep drains it; the ticket's own wait still gets
+        # the outcome afterwards.
+        assert eng.wait_for_quiescence(30)
         assert eng.pending() == []
+        out = out.wait(0)
+        assert isinstance(out, (quiesce.Completed, quiesce.Failed)), out
     else:
         # Nothing reads the source any more: rewrite it before the target
         # resumes; none of the new bytes may ever reach it.
@@ -361,6 +363,9 @@ def test_close_answers_batches_in_flight(native_peer, monkeypatch, local):
         assert resizable(src), "closed and drained, yet the buffer is held"
     else:
         assert not resizable(src), "let go while the stopped target can still read it"
+    if isinstance(got, quiesce.EngineClosed):
+        # The exception says which: a caller must not reuse held buffers.
+        assert got.buffers_held == (local != "off"), (got, got.buffers_held)
     with pytest.raises(quiesce.EngineClosed):
         e.open(t.address, "kv")
     t.signal(signal.SIGCONT)
@@ -573,3 +578,29 @@ def test_a_stale_revoke_leaves_a_new_lending_alone(native_peer, eng):
         peer.close()
     assert s2.revoke()
     assert resizable(buf)
+
+
+def test_a_tickets_wait_from_two_threads_keeps_to_its_timeout():
+    """Two threads wait on one CompletionUnknown: the second waited for the
+    first's turn and then for its whole timeout again (twice as long)."""
+    import threading
+
+    class Undrained:
+        def wait(self, ticket, timeout):
+            time.sleep(timeout)
+            return None
+
+    unknown = quiesce.CompletionUnknown(1, Undrained(), [])
+    took = []
+
+    def wait():
+        t0 = time.monotonic()
+        assert unknown.wait(1.0) is None
+        took.append(time.monotonic() - t0)
+
+    threads = [threading.Thread(target=wait) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert max(took) < 1.6, took

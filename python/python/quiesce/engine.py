@@ -133,22 +133,29 @@ class Batch:
         n = self._engine._native
         buffers = self._buffers
 
-        def settle(report) -> None:
+        def settle(report, held_for_good: bool) -> None:
             if future.done():
                 return
             if report is None:
                 from quiesce.errors import EngineClosed
 
-                future.set_exception(EngineClosed("the engine closed before the batch had an outcome"))
+                if held_for_good:
+                    why = (
+                        "the engine closed before the batch had an outcome and could not "
+                        "drain it: its buffers stay held for good (never reuse or free them)"
+                    )
+                else:
+                    why = "the engine closed before the batch had an outcome; it drained, the buffers are yours"
+                future.set_exception(EngineClosed(why, buffers_held=held_for_good))
             else:
                 future.set_result(outcome(report, buffers, n))
 
-        def delivered(report) -> None:
+        def delivered(report, held_for_good: bool) -> None:
             # On the delivery thread: hand over to the loop.
             try:
-                loop.call_soon_threadsafe(settle, report)
+                loop.call_soon_threadsafe(settle, report, held_for_good)
             except RuntimeError:
-                pass  # the loop closed; the batch has quiesced all the same
+                pass  # the loop closed; the engine holds what it must
 
         n.submit(self._native, self._policy, self._deadline, delivered)
         return await future
@@ -227,8 +234,18 @@ class Engine:
         return Batch(self, policy, deadline)
 
     def pending(self) -> List[int]:
-        """Tickets of batches whose completion is still unknown."""
+        """Tickets of batches whose completion is still unknown (those that
+        drained since are settled now: their buffers are let go)."""
         return self._native.pending()
+
+    def wait_for_quiescence(self, timeout: float = 30.0) -> bool:
+        """Waits up to ``timeout`` s for the outcome of every submitted batch
+        and for every batch whose completion is unknown to drain, letting
+        each one's buffers go as it does — also those whose awaiting task
+        was cancelled, or whose ``CompletionUnknown`` was dropped. True:
+        none is left. A ``CompletionUnknown`` still held answers its
+        ``wait()`` with the drained outcome afterwards."""
+        return self._native.wait_for_quiescence(timeout)
 
     def close(self) -> bool:
         """Stops the engine. Blocking calls on other threads finish first

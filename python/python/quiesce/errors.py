@@ -1,7 +1,9 @@
 """The exceptions of quiesce's native API.
 
 Raised before anything moves: a batch that raises while being built or run
-took nothing of yours (no buffer is held, nothing was sent). Failures of
+took nothing of yours (no buffer is held, nothing was sent) — except
+``EngineClosed`` from ``run_async`` for a batch already running when the
+engine closed, which says in ``buffers_held`` whether its buffers came back. Failures of
 transfers themselves are not exceptions but outcomes (``Failed``,
 ``CompletionUnknown``).
 """
@@ -48,7 +50,15 @@ class SecretMissing(QuiesceError):
 
 
 class EngineClosed(QuiesceError):
-    """The engine was closed."""
+    """The engine was closed. Raised by a call made after ``close()``, where
+    nothing moved; or by ``run_async`` for a batch the close overtook, where
+    ``buffers_held`` says what became of its buffers: False, the engine
+    drained and they are yours; True, it could not drain and they stay held
+    for good (a transfer may still touch them: never reuse or free them)."""
+
+    def __init__(self, *args, buffers_held: bool = False) -> None:
+        super().__init__(*args)
+        self.buffers_held = buffers_held
 
 
 class DirectoryUnavailable(QuiesceError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
@@ -89,12 +90,15 @@ class CompletionUnknown:
         drain: its outcome, or None if it still has not. Every wait after
         the batch drained answers the same outcome — also one made while a
         wait abandoned by its caller (``asyncio.wait_for``) still ran."""
-        if not self._asking.acquire(timeout=min(max(timeout, 0.0), threading.TIMEOUT_MAX)):
+        timeout = min(max(timeout, 0.0), threading.TIMEOUT_MAX)
+        deadline = time.monotonic() + timeout
+        if not self._asking.acquire(timeout=timeout):
             return self._drained[0] if self._drained else None
         try:
             if self._drained:
                 return self._drained[0]
-            r = self._engine.wait(self.ticket, timeout)
+            # What is left of the timeout after waiting for another wait.
+            r = self._engine.wait(self.ticket, max(deadline - time.monotonic(), 0.0))
             if r is None:
                 return None
             self._drained.append(outcome(r, self._buffers, self._engine))

@@ -9,7 +9,7 @@
 //! [`Core::tickets`] after completion-unknown — and is released only on a
 //! thread attached to Python: the engine's thread never owns a `Held`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
@@ -28,6 +28,7 @@ use crate::node::{listen_addr, local_mode, lock, seconds, secret, spin, tcp_cong
 pub(crate) mod batch;
 pub(crate) mod error;
 mod pin;
+mod tickets;
 
 use batch::{Moves, NativeBatch};
 use error::{from_sync, invalid, raise};
@@ -69,6 +70,10 @@ struct Core {
     flights: Mutex<HashMap<u64, Flight>>,
     /// Memory of batches whose completion is unknown, by ticket.
     tickets: Mutex<HashMap<u64, Vec<Held>>>,
+    /// Outcomes of tickets drained by `wait_for_quiescence` or `pending`,
+    /// for the `CompletionUnknown.wait` that asks later (oldest first, at
+    /// most [`tickets::ANSWERS_KEPT`]).
+    answered: Mutex<VecDeque<(u64, Report)>>,
     /// Lent segments' memory, by address.
     lent: Mutex<HashMap<u64, Lending>>,
     /// Where submitted batches' outcomes go (started with the first).
@@ -277,7 +282,8 @@ impl Core {
     }
 
     /// The delivery thread: hands each submitted batch's outcome to its
-    /// callback; once the engine closed, answers the rest with `None`.
+    /// callback; once the engine closed, answers the rest with `None` and
+    /// whether their buffers stay held for good (the engine did not drain).
     fn deliver(self: Arc<Core>, rx: mpsc::Receiver<Delivery>) {
         while let Ok((key, out)) = rx.recv() {
             let delivered = Python::try_attach(|py| {
@@ -285,7 +291,7 @@ impl Core {
                     return;
                 };
                 self.settle(py, &out, f.held);
-                if let Err(e) = f.callback.call1(py, (Some(report(&out)),)) {
+                if let Err(e) = f.callback.call1(py, (Some(report(&out)), false)) {
                     e.write_unraisable(py, Some(f.callback.bind(py)));
                 }
             });
@@ -299,12 +305,13 @@ impl Core {
         Python::try_attach(|py| {
             let flights: Vec<Flight> = lock(&self.flights).drain().map(|(_, f)| f).collect();
             for f in flights {
-                if ending == Ending::Drained {
-                    f.held.into_iter().for_each(|h| h.release(py));
-                } else {
+                let held_for_good = ending != Ending::Drained;
+                if held_for_good {
                     std::mem::forget(f.held);
+                } else {
+                    f.held.into_iter().for_each(|h| h.release(py));
                 }
-                if let Err(e) = f.callback.call1(py, (None::<Report>,)) {
+                if let Err(e) = f.callback.call1(py, (None::<Report>, held_for_good)) {
                     e.write_unraisable(py, Some(f.callback.bind(py)));
                 }
             }
@@ -442,6 +449,7 @@ impl NativeEngine {
                 secret,
                 flights: Mutex::default(),
                 tickets: Mutex::default(),
+                answered: Mutex::default(),
                 lent: Mutex::default(),
                 deliveries: Mutex::default(),
                 ending: Mutex::new(Ending::Running),
@@ -683,31 +691,24 @@ impl NativeEngine {
     /// Waits up to `timeout` s for the batch behind `ticket` to drain: its
     /// report, or None if it has not yet.
     fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<Option<Report>> {
-        let deadline = Instant::now() + seconds(timeout);
-        let out = py
-            .detach(|| loop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                match self
-                    .core
-                    .with(|e| e.wait::<RawBuf>(ticket, left.min(WAIT_SLICE)))
-                {
-                    Ok(None) if !left.is_zero() => continue,
-                    r => return r,
-                }
-            })
-            .map_err(|e| from_sync(py, &e))?;
-        Ok(out.map(|out| {
-            let held = lock(&self.core.tickets).remove(&ticket);
-            if let Some(held) = held {
-                self.core.settle(py, &out, held);
-            }
-            report(&out)
-        }))
+        if let Some(r) = self.core.answer(ticket) {
+            return Ok(Some(r));
+        }
+        self.core
+            .reap(py, ticket, Instant::now() + seconds(timeout))
     }
 
-    /// Tickets whose batches have not drained yet.
-    fn pending(&self) -> Vec<u64> {
-        lock(&self.core.tickets).keys().copied().collect()
+    /// Tickets whose batches have not drained yet (those that did are
+    /// settled now, their memory let go).
+    fn pending(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.core.quiesce(py, Instant::now())
+    }
+
+    /// Waits up to `timeout` s for every submitted batch's outcome and
+    /// every batch whose completion is unknown to drain, letting their
+    /// memory go as each does; whether none is left.
+    fn wait_for_quiescence(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        self.core.quiesce_all(py, Instant::now() + seconds(timeout))
     }
 
     /// Stops the engine (blocking calls finish first; batches in flight are

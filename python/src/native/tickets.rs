@@ -1,0 +1,93 @@
+//! Batches whose completion is unknown: their memory stays held, by
+//! ticket, until the engine says the batch drained — asked by the
+//! `CompletionUnknown` itself (`wait`), or for every ticket at once
+//! (`Engine.wait_for_quiescence`, which first waits for the outcomes of
+//! submitted batches, and `Engine.pending`), which then keeps each drained
+//! outcome for a `wait` that asks later (the engine answers a ticket once).
+
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+use quiesce_batch::ffi::RawBuf;
+
+use super::error::from_sync;
+use super::{report, Core, Report, WAIT_SLICE};
+use crate::node::lock;
+
+/// Drained outcomes kept for a later `wait`: past this many, the oldest
+/// goes (its `CompletionUnknown`, if still alive, answers from its own
+/// copy only if it waited itself).
+pub(super) const ANSWERS_KEPT: usize = 4096;
+
+impl Core {
+    /// The outcome of `ticket` if a sweep drained it before anyone asked.
+    pub(super) fn answer(&self, ticket: u64) -> Option<Report> {
+        let mut answered = lock(&self.answered);
+        let i = answered.iter().position(|(t, _)| *t == ticket)?;
+        answered.remove(i).map(|(_, r)| r)
+    }
+
+    /// Waits until `deadline` for `ticket`'s batch to drain; settles its
+    /// memory (lets it go) once it did.
+    pub(super) fn reap(
+        &self,
+        py: Python<'_>,
+        ticket: u64,
+        deadline: Instant,
+    ) -> PyResult<Option<Report>> {
+        let out = py
+            .detach(|| loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match self.with(|e| e.wait::<RawBuf>(ticket, left.min(WAIT_SLICE))) {
+                    Ok(None) if !left.is_zero() => continue,
+                    r => return r,
+                }
+            })
+            .map_err(|e| from_sync(py, &e))?;
+        Ok(out.map(|out| {
+            let held = lock(&self.tickets).remove(&ticket);
+            if let Some(held) = held {
+                self.settle(py, &out, held);
+            }
+            report(&out)
+        }))
+    }
+
+    /// Waits until `deadline` for every submitted batch's outcome to be
+    /// delivered (a -2 among them becomes a ticket), then for every ticket
+    /// to drain; whether none of either is left.
+    pub(super) fn quiesce_all(&self, py: Python<'_>, deadline: Instant) -> PyResult<bool> {
+        py.detach(|| {
+            while !lock(&self.flights).is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let left = self.quiesce(py, deadline)?;
+        Ok(left.is_empty() && lock(&self.flights).is_empty())
+    }
+
+    /// Reaps every ticket until `deadline` (each at least once), keeping
+    /// the outcomes of those that drained; the tickets still undrained.
+    pub(super) fn quiesce(&self, py: Python<'_>, deadline: Instant) -> PyResult<Vec<u64>> {
+        let tickets: Vec<u64> = lock(&self.tickets).keys().copied().collect();
+        let mut left = Vec::new();
+        for t in tickets {
+            let reaped = match self.reap(py, t, deadline) {
+                // Another thread's `wait` took it meanwhile: not this sweep's.
+                Err(_) if !lock(&self.tickets).contains_key(&t) => continue,
+                r => r?,
+            };
+            match reaped {
+                Some(r) => {
+                    let mut answered = lock(&self.answered);
+                    if answered.len() == ANSWERS_KEPT {
+                        answered.pop_front();
+                    }
+                    answered.push_back((t, r));
+                }
+                None => left.push(t),
+            }
+        }
+        Ok(left)
+    }
+}
