@@ -15,6 +15,21 @@ pub enum TransferOpcode {
     Write = 1,
 }
 
+#[pymethods]
+impl TransferOpcode {
+    /// `TransferOpcode(1)`, as Mooncake's pybind11 enum takes it.
+    #[new]
+    fn new(value: i64) -> PyResult<Self> {
+        match value {
+            0 => Ok(TransferOpcode::Read),
+            1 => Ok(TransferOpcode::Write),
+            v => Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "opcode {v}: TransferOpcode.Read (0) or TransferOpcode.Write (1)"
+            ))),
+        }
+    }
+}
+
 /// The direction `opcode` names.
 pub(crate) fn direction(opcode: &Bound<'_, PyAny>) -> PyResult<Direction> {
     let op = match opcode.extract::<TransferOpcode>() {

@@ -507,3 +507,14 @@ def test_get_first_buffer_address(peer_factory, local, monkeypatch):
     monkeypatch.setenv("QUIESCE_SECRET", "a different secret, also 16+ bytes")
     assert engine().get_first_buffer_address(target.session) == 0
     assert TransferEngine().get_first_buffer_address(target.session) == 0
+
+
+def test_the_opcode_is_built_from_its_int_as_in_mooncake():
+    """Mooncake's pybind11 enum: TransferOpcode(1) is Write, and it converts
+    to and compares with its int."""
+    assert TransferOpcode(1) == TransferOpcode.Write
+    assert TransferOpcode(0) == TransferOpcode.Read
+    assert int(TransferOpcode.Write) == 1 and TransferOpcode.Read == 0
+    assert TransferEngine.TransferOpcode(1) == TransferOpcode.Write
+    with pytest.raises(ValueError):
+        TransferOpcode(2)

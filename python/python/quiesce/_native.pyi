@@ -1,5 +1,4 @@
-from enum import IntEnum
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 SECRET_ENV: str
 OPEN_CLUSTER_ENV: str
@@ -27,9 +26,15 @@ def release_log_records_after_fork(child: bool) -> None:
     """Releases it after the fork; in the child, empties the queue and opens
     it for the child's log thread."""
 
-class TransferOpcode(IntEnum):
-    Read = 0
-    Write = 1
+class TransferOpcode:
+    """Mooncake's opcode: ``TransferOpcode.Read`` (0), ``.Write`` (1), or
+    ``TransferOpcode(0|1)``; compares equal to its int and converts with
+    ``int()``."""
+
+    Read: ClassVar["TransferOpcode"]
+    Write: ClassVar["TransferOpcode"]
+    def __init__(self, value: int) -> None: ...
+    def __int__(self) -> int: ...
 
 class TransferEngine:
     """Mooncake's TransferEngine; codes: 0 completed, -1 failed (nothing
