@@ -27,3 +27,17 @@ def test_demo_runs_and_exits_zero():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "quiesce   corrupted: 0/2" in out.stdout, out.stdout
+
+
+def test_bench_refuses_an_unknown_implementation_or_a_small_buffer():
+    """A misspelt --impl ran Mooncake under that name; a --big under the
+    batch case's 4 MiB failed inside it."""
+    for args in (["--impl", "quiesce,Quiesce-local"], ["--impl", "quiesce", "--big", str(1 << 20)]):
+        out = subprocess.run(
+            [sys.executable, "-m", "quiesce.bench", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert "--" in out.stderr, out.stderr
