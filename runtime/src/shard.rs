@@ -205,8 +205,17 @@ impl ShardBuilder {
                 let out = rt.block_on(root(ctx));
                 drop(rt); // drains every in-flight op before the thread ends
                 Ok(out)
-            })?;
-            threads.push(t);
+            });
+            match t {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    // The shards already started would wait for a shutdown
+                    // nobody can ask for: ask, and join them.
+                    signals.pop();
+                    Shards { threads, signals }.shutdown();
+                    return Err(e);
+                }
+            }
         }
         let (lock, cv) = &*started;
         let mut reports = lock.lock().unwrap_or_else(|e| e.into_inner());
