@@ -15,6 +15,7 @@ use crate::control::fence::FenceTable;
 use crate::control::log_limit::PeerLogs;
 use crate::control::target::{Counters, Target};
 use crate::error::TransferError;
+use crate::lock::Connecting;
 use crate::segment::{Rights, Segment, SegmentMemory};
 use crate::tcp::peer::{Peer, PeerParams};
 
@@ -68,6 +69,8 @@ pub struct Engine {
     inner: Rc<Target>,
     /// The peers this engine opened (the initiator role).
     peers: Rc<RefCell<HashMap<SocketAddr, Peer>>>,
+    /// Connects in flight, by address (one peer per address).
+    connecting: Rc<Connecting>,
     _last: Rc<LastHandle>,
 }
 
@@ -162,6 +165,7 @@ impl Engine {
             }),
             inner,
             peers,
+            connecting: Rc::default(),
         }
     }
 
@@ -217,16 +221,15 @@ impl Engine {
 
     /// Connects to the engine at `addr` (or returns the existing peer).
     pub async fn connect(&self, addr: SocketAddr) -> Result<Peer, TransferError> {
-        if let Some(p) = self.peers.borrow().get(&addr) {
-            return Ok(p.clone());
-        }
-        let peer = Peer::connect(
-            addr,
-            self.peer_params(self.inner.config.connections_per_peer),
-        )
-        .await?;
-        self.peers.borrow_mut().insert(addr, peer.clone());
-        Ok(peer)
+        let known = || self.peers.borrow().get(&addr).cloned();
+        self.connecting
+            .run(addr, known, || async {
+                let params = self.peer_params(self.inner.config.connections_per_peer);
+                let peer = Peer::connect(addr, params).await?;
+                self.peers.borrow_mut().insert(addr, peer.clone());
+                Ok(peer)
+            })
+            .await
     }
 
     /// A peer with only its control connection (the RDMA engine's control

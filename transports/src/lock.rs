@@ -3,8 +3,10 @@
 //! that serialises setting something up — a connection, a queue pair.
 
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::net::SocketAddr;
+use std::rc::Rc;
 use std::task::{Poll, Waker};
 
 use crate::error::TransferError;
@@ -91,5 +93,38 @@ impl SetupGate {
         self.attempts.set(self.attempts.get() + 1);
         *self.failure.borrow_mut() = res.as_ref().err().cloned();
         res
+    }
+}
+
+/// Connects in flight, by peer address: a second connect to an address
+/// waits for the first (and takes its peer, or its error) rather than
+/// making a second peer — a second session at the target, fenced apart
+/// from the first, while the batch layer knows a peer by its address.
+#[derive(Default)]
+pub(crate) struct Connecting(RefCell<HashMap<SocketAddr, Rc<SetupGate>>>);
+
+impl Connecting {
+    /// `known()` if set up already, else the result of `attempt` through
+    /// `addr`'s gate (see [`SetupGate::run`]).
+    pub(crate) async fn run<T, F>(
+        &self,
+        addr: SocketAddr,
+        known: impl Fn() -> Option<T>,
+        attempt: impl FnOnce() -> F,
+    ) -> Result<T, TransferError>
+    where
+        F: Future<Output = Result<T, TransferError>>,
+    {
+        if let Some(t) = known() {
+            return Ok(t);
+        }
+        let gate = self.0.borrow_mut().entry(addr).or_default().clone();
+        let r = gate.run(known, attempt).await;
+        // The last one through the gate takes it away.
+        let mut gates = self.0.borrow_mut();
+        if gates.get(&addr).is_some_and(|g| Rc::ptr_eq(g, &gate)) && Rc::strong_count(&gate) == 2 {
+            gates.remove(&addr);
+        }
+        r
     }
 }

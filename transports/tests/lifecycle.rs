@@ -39,3 +39,26 @@ fn a_dropped_engine_closes_its_listener_and_its_connections() {
         init.shutdown();
     });
 }
+
+/// Two connects to one address at once (two batches' first transfers) make
+/// one peer: two would be two sessions at the target, each fenced apart,
+/// while the batch layer knows a peer by its address and fences one.
+#[test]
+fn two_connects_at_once_make_one_peer() {
+    Runtime::new().unwrap().block_on(async {
+        let target = Engine::bind(EngineConfig::default()).unwrap();
+        let addr = target.local_addr();
+        let init = Engine::bind(EngineConfig::default()).unwrap();
+        let connect = |e: &Engine| {
+            let e = e.clone();
+            quiesce_runtime::spawn_local(async move { e.connect(addr).await.unwrap() })
+        };
+        let (a, b) = (connect(&init), connect(&init));
+        let (a, b) = (a.await.unwrap(), b.await.unwrap());
+        time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(target.stats().connections, 1, "two peers for one address");
+        assert_eq!(a.addr(), b.addr());
+        init.shutdown();
+        target.shutdown();
+    });
+}

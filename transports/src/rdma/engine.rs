@@ -18,6 +18,7 @@ use super::{RdmaError, RdmaStats};
 use crate::config::EngineConfig;
 use crate::engine::{Engine, RegisterError};
 use crate::error::TransferError;
+use crate::lock::Connecting;
 use crate::memory::Region;
 use crate::segment::{Rights, Segment, SegmentMemory};
 use crate::Token;
@@ -78,6 +79,8 @@ pub(crate) struct RdmaInner {
     tcp: Engine,
     local: Rc<LocalSide>,
     peers: RefCell<HashMap<SocketAddr, RdmaPeer>>,
+    /// Connects in flight, by address (one peer per address, as over TCP).
+    connecting: Connecting,
 }
 
 /// An RDMA transfer engine on the current shard. Cheap to clone.
@@ -129,6 +132,7 @@ impl RdmaEngine {
                     _source: source,
                 }),
                 peers: RefCell::default(),
+                connecting: Connecting::default(),
             }),
         })
     }
@@ -258,13 +262,17 @@ impl RdmaEngine {
 
     /// Connects to the engine at `addr` (or returns the existing peer).
     pub async fn connect(&self, addr: SocketAddr) -> Result<RdmaPeer, TransferError> {
-        if let Some(p) = self.inner.peers.borrow().get(&addr) {
-            return Ok(p.clone());
-        }
-        let tcp = self.inner.tcp.connect_control(addr).await?;
-        let peer = RdmaPeer::new(self.inner.local.clone(), tcp);
-        self.inner.peers.borrow_mut().insert(addr, peer.clone());
-        Ok(peer)
+        let inner = &self.inner;
+        let known = || inner.peers.borrow().get(&addr).cloned();
+        inner
+            .connecting
+            .run(addr, known, || async {
+                let tcp = inner.tcp.connect_control(addr).await?;
+                let peer = RdmaPeer::new(inner.local.clone(), tcp);
+                inner.peers.borrow_mut().insert(addr, peer.clone());
+                Ok(peer)
+            })
+            .await
     }
 
     /// Work request counters.
