@@ -382,3 +382,33 @@ fn node_slash_segment_paths_resolve_through_the_directory() {
     assert_eq!(p2p.node.addr, "127.0.0.1:7004".parse().unwrap());
     assert_eq!((p2p.segment.as_str(), p2p.record), ("kv", None));
 }
+
+/// A node with thousands of entries comes back after etcd lost them: its
+/// session setup writes them in transactions, within its bound. One put at
+/// a time took longer than the bound (two operation timeouts), so every
+/// attempt timed out and the node stayed gone.
+#[test]
+fn a_node_with_thousands_of_segments_comes_back_after_etcd_restarts() {
+    let Some(mut e) = etcd() else { return };
+    const N: u64 = 3000;
+    let target = EtcdDirectory::start(EtcdOptions {
+        ttl_secs: TTL,
+        op_timeout: Duration::from_millis(250),
+        ..EtcdOptions::from_url(&e.url("many")).unwrap()
+    })
+    .unwrap();
+    target.publish_node(&node("t", 7006)).unwrap();
+    for i in 0..N {
+        target
+            .publish_segment(&segment("t", &format!("s{i}"), i + 1, 4096))
+            .unwrap();
+    }
+    target.flush(Duration::from_secs(60)).unwrap();
+    e.wipe();
+    e.restart().unwrap();
+    target
+        .flush(Duration::from_secs(30))
+        .expect("the node's entries are written again");
+    let fresh = directory(&e, "many");
+    assert_eq!(fresh.segments("t").unwrap().len(), N as usize);
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use etcd_client::{
     Client, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    WatchOptions, WatchStream,
+    Txn, TxnOp, WatchOptions, WatchStream,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{sleep_until, timeout, Instant};
@@ -62,6 +62,10 @@ pub(crate) struct Helper {
     /// The last lease, revoked at close if its session is gone.
     last_lease: Option<i64>,
 }
+
+/// Operations in one etcd transaction at most (etcd's default
+/// `--max-txn-ops`).
+const TXN_OPS: usize = 128;
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> DirectoryError {
     DirectoryError::Unavailable(format!("{what}: {e}"))
@@ -165,7 +169,10 @@ impl Helper {
                 }
             }
         }
-        let attempt = timeout(self.options.op_timeout * 2, self.establish()).await;
+        // Connect, grant and read, then a round trip per transaction.
+        let txns = (self.published.len() + self.withdrawn.len()).div_ceil(TXN_OPS) as u32;
+        let bound = self.options.op_timeout * (2 + txns);
+        let attempt = timeout(bound, self.establish()).await;
         match attempt.unwrap_or_else(|_| Err(unavailable("session setup", "timed out"))) {
             Ok(s) => {
                 info!(
@@ -221,19 +228,34 @@ impl Helper {
             .lease_keep_alive(lease)
             .await
             .map_err(|e| unavailable("lease keep-alive", e))?;
-        for k in std::mem::take(&mut self.withdrawn) {
-            if let Err(e) = client.delete(k.clone(), None).await {
-                self.withdrawn.insert(k);
-                return Err(unavailable("delete", e));
+        // In transactions of TXN_OPS: one round trip each, not one per
+        // entry (a node with thousands of segments took longer than the
+        // setup's bound one put at a time, and never came back).
+        let withdrawn: Vec<String> = self.withdrawn.iter().cloned().collect();
+        for chunk in withdrawn.chunks(TXN_OPS) {
+            let ops: Vec<TxnOp> = chunk
+                .iter()
+                .map(|k| TxnOp::delete(k.clone(), None))
+                .collect();
+            client
+                .txn(Txn::new().and_then(ops))
+                .await
+                .map_err(|e| unavailable("delete", e))?;
+            for k in chunk {
+                self.withdrawn.remove(k);
             }
         }
-        for (k, v) in &self.published {
+        let entries: Vec<(&String, &Vec<u8>)> = self.published.iter().collect();
+        for chunk in entries.chunks(TXN_OPS) {
+            let ops: Vec<TxnOp> = chunk
+                .iter()
+                .map(|(k, v)| {
+                    let under = PutOptions::new().with_lease(lease);
+                    TxnOp::put(k.as_str(), v.as_slice(), Some(under))
+                })
+                .collect();
             client
-                .put(
-                    k.clone(),
-                    v.clone(),
-                    Some(PutOptions::new().with_lease(lease)),
-                )
+                .txn(Txn::new().and_then(ops))
                 .await
                 .map_err(|e| unavailable("put", e))?;
         }
