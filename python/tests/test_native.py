@@ -144,9 +144,11 @@ def test_bad_input_raises_a_typed_error_and_loses_nothing(native_peer, eng):
         eng.open("no-such-host.invalid:1", "kv")
     with pytest.raises(quiesce.PeerUnreachable):
         eng.open("127.0.0.1:1", "kv")
-    with pytest.raises(quiesce.InvalidInput):
-        eng.batch(policy="sometimes").write(buf, kv)
-        eng.batch(policy="sometimes").run()
+    # A bad policy or deadline is refused when the batch is made, before
+    # any buffer is given to it (it was refused only at run()).
+    for bad in ({"policy": "sometimes"}, {"deadline": 0}, {"deadline": float("nan")}, {"deadline": -1.0}):
+        with pytest.raises(quiesce.InvalidInput):
+            eng.batch(**bad)
     with pytest.raises(quiesce.InvalidInput):
         eng.batch().run()  # no tasks
     with pytest.raises(quiesce.SecretMissing):

@@ -82,6 +82,11 @@ class Batch:
     once."""
 
     def __init__(self, engine: "Engine", policy: str, deadline: float) -> None:
+        if policy not in ("fail_fast", "drain"):
+            raise InvalidInput(f'policy {policy!r}: use "fail_fast" or "drain"')
+        # What the engine takes: more than 0 s, and no more than a u64 of them.
+        if not (isinstance(deadline, (int, float)) and 0 < deadline < 2.0**64):
+            raise InvalidInput(f"deadline {deadline!r}: a positive number of seconds")
         self._engine = engine
         self._policy = policy
         self._deadline = deadline
@@ -119,7 +124,7 @@ class Batch:
 
     def run(self) -> Outcome:
         """Runs the batch and blocks until its outcome. A batch runs once:
-        this uses it up even when it raises (nothing moved then)."""
+        this uses it up, also when it raises (nothing moved then)."""
         n = self._engine._native
         r = n.run(self._native, self._policy, self._deadline)
         return outcome(r, self._buffers, n)
