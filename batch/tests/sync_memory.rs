@@ -89,6 +89,20 @@ fn lent_memory_is_written_by_peer_address_and_reclaimed() {
     assert!(init.open_at(target.local_addr(), base, wrong).is_err());
 }
 
+/// Writes 4 KiB of `fill` at offset 0 of `segment` (5 s deadline); the code.
+fn write_4k_at_0(init: &SyncEngine, segment: u32, fill: u8) -> i32 {
+    let mut src = vec![fill; 4096];
+    // SAFETY: `src` outlives the batch (its outcome is final below).
+    let buf = unsafe { RawBuf::new(src.as_mut_ptr(), src.len()) };
+    let task = SyncTask {
+        segment,
+        offset: 0,
+        buf,
+    };
+    let opts = BatchOptions::default().deadline(Duration::from_secs(5));
+    init.batch(Direction::Write, vec![task], opts).unwrap().code
+}
+
 /// Opening a segment this engine already opened (by address again after a
 /// failed batch, or `get_first_buffer_address` on every call) gives back
 /// its handle: the engine's table grows with the segments peers serve, not
@@ -111,32 +125,16 @@ fn opening_a_segment_again_reuses_its_handle() {
         assert_eq!(init.open_first(peer, token).unwrap(), first);
         assert_eq!(init.open_named(peer, "m", token).unwrap(), first);
     }
-    let mut src = vec![0x5au8; 4096];
-    let write = |segment: u32, src: &mut Vec<u8>| {
-        // SAFETY: `src` outlives the batch (its outcome is final below).
-        let buf = unsafe { RawBuf::new(src.as_mut_ptr(), src.len()) };
-        let task = SyncTask {
-            segment,
-            offset: 0,
-            buf,
-        };
-        let opts = BatchOptions::default().deadline(Duration::from_secs(5));
-        init.batch(Direction::Write, vec![task], opts).unwrap().code
-    };
-    assert_eq!(write(first.segment, &mut src), SYNC_OK);
+    let write = |segment: u32| write_4k_at_0(&init, segment, 0x5a);
+    assert_eq!(write(first.segment), SYNC_OK);
     // The same address lent again: a new segment, a new handle.
     assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
     // SAFETY: as above.
     unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
     let second = init.open_at(peer, base, token).unwrap();
     assert_ne!(second.segment, first.segment);
-    assert_ne!(
-        write(first.segment, &mut src),
-        SYNC_OK,
-        "the old segment is gone"
-    );
-    src.fill(0x6b);
-    assert_eq!(write(second.segment, &mut src), SYNC_OK);
+    assert_ne!(write(first.segment), SYNC_OK, "the old segment is gone");
+    assert_eq!(write_4k_at_0(&init, second.segment, 0x6b), SYNC_OK);
     assert_eq!(init.open_at(peer, base, token).unwrap(), second);
     assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
     assert!(mem[..4096].iter().all(|&b| b == 0x6b));
@@ -406,18 +404,7 @@ fn another_node_at_a_peers_address_gets_none_of_its_writes() {
         unsafe { e.lend("m", mem.as_mut_ptr() as u64, LEN as u64, token) }.unwrap();
     };
     let init = engine();
-    let write = |segment: u32| {
-        let mut src = vec![0x5au8; 4096];
-        // SAFETY: `src` outlives the batch (its outcome is final below).
-        let buf = unsafe { RawBuf::new(src.as_mut_ptr(), src.len()) };
-        let task = SyncTask {
-            segment,
-            offset: 0,
-            buf,
-        };
-        let opts = BatchOptions::default().deadline(Duration::from_secs(5));
-        init.batch(Direction::Write, vec![task], opts).unwrap().code
-    };
+    let write = |segment: u32| write_4k_at_0(&init, segment, 0x5a);
     let mut gone_mem = vec![0u8; LEN];
     let gone = node("decode-3", "127.0.0.1:0".parse().unwrap());
     let addr = gone.local_addr();
