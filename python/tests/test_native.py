@@ -368,6 +368,9 @@ def test_close_answers_batches_in_flight(native_peer, monkeypatch, local):
     if isinstance(got, quiesce.EngineClosed):
         # The exception says which: a caller must not reuse held buffers.
         assert got.buffers_held == (local != "off"), (got, got.buffers_held)
+    # So does the closed engine: nothing it held for good comes back.
+    assert e.wait_for_quiescence(0) == (local == "off")
+    assert e.pending() == []
     with pytest.raises(quiesce.EngineClosed):
         e.open(t.address, "kv")
     t.signal(signal.SIGCONT)

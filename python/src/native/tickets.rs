@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use quiesce_batch::ffi::RawBuf;
 
 use super::error::from_sync;
-use super::{report, Core, Report, WAIT_SLICE};
+use super::{report, Core, Ending, Report, WAIT_SLICE};
 use crate::node::lock;
 
 /// Drained outcomes kept for a later `wait`: past this many, the oldest
@@ -57,6 +57,16 @@ impl Core {
     /// delivered (a -2 among them becomes a ticket), then for every ticket
     /// to drain; whether none of either is left.
     pub(super) fn quiesce_all(&self, py: Python<'_>, deadline: Instant) -> PyResult<bool> {
+        if self
+            .engine
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            // Closed: what it could not drain stays held for good.
+            let drained = *lock(&self.ending) == Ending::Drained;
+            return Ok(drained && lock(&self.tickets).is_empty());
+        }
         py.detach(|| {
             while !lock(&self.flights).is_empty() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
@@ -70,6 +80,15 @@ impl Core {
     /// the outcomes of those that drained; the tickets still undrained.
     pub(super) fn quiesce(&self, py: Python<'_>, deadline: Instant) -> PyResult<Vec<u64>> {
         let tickets: Vec<u64> = lock(&self.tickets).keys().copied().collect();
+        if self
+            .engine
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            // Closed: nothing drains any more, and what is held stays held.
+            return Ok(tickets);
+        }
         let mut left = Vec::new();
         for t in tickets {
             let reaped = match self.reap(py, t, deadline) {
