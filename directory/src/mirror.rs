@@ -185,7 +185,6 @@ impl Mirror {
                 .cloned()
                 .collect()
         };
-        drop((read_nodes, read_segments));
         for (n, name) in gone_segments {
             self.remove_segment(&n, &name);
         }

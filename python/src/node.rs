@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use fnv::FnvHashMap;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{
-    Direction, HostRanges, OpenedSegment, SyncEngine, SyncOutcome, SyncTask, SyncTasks,
+    Direction, HostRanges, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask, SyncTasks,
 };
 use quiesce_batch::{
     BatchOptions, FailurePolicy, TaskReport, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN,
@@ -205,6 +205,20 @@ pub(crate) fn tcp_congestion() -> Result<Option<String>, String> {
 
 /// A timeout of `timeout` seconds from Python: none if not positive (or
 /// NaN), inf and huge values [`LONGEST_WAIT`].
+/// Whether `name`, found at `addr` in the directory, is not the node that
+/// answers there (the entry is stale, the address another node's now):
+/// why, if so. Asked before opening there; a peer's later reconnects
+/// refuse a node of another name on their own.
+pub(crate) fn stale_entry(
+    engine: &SyncEngine,
+    name: &str,
+    addr: SocketAddr,
+) -> Result<Option<String>, SyncError> {
+    let there = engine.peer_node(addr)?;
+    Ok((there != name)
+        .then(|| format!("{name:?} is not at {addr} (node {there:?} is): a stale directory entry")))
+}
+
 pub(crate) fn seconds(timeout: f64) -> Duration {
     if timeout.is_nan() || timeout <= 0.0 {
         return Duration::ZERO;
@@ -413,23 +427,16 @@ impl Node {
         Ok(addr)
     }
 
-    /// With an etcd directory, whether `target` (found there at `peer`) is
-    /// the node at `peer`: the entry may be stale, its address another
-    /// node's now. Asked before opening there; a peer's later reconnects
-    /// refuse a node of another name on their own.
+    /// With an etcd directory, that `target` (found there at `peer`) is the
+    /// node at `peer` ([`stale_entry`]).
     fn check_node(&self, target: &str, peer: SocketAddr) -> Result<(), String> {
         if matches!(self.directory, Directory::P2p) {
             return Ok(());
         }
-        let there = self
-            .engine()
-            .peer_node(peer)
-            .map_err(|e| format!("session {target:?} at {peer}: {e}"))?;
-        match there == target {
-            true => Ok(()),
-            false => Err(format!(
-                "session {target:?} is not at {peer} (node {there:?} is): a stale metadata entry"
-            )),
+        match stale_entry(self.engine(), target, peer) {
+            Ok(None) => Ok(()),
+            Ok(Some(why)) => Err(format!("session {why}")),
+            Err(e) => Err(format!("session {target:?} at {peer}: {e}")),
         }
     }
 

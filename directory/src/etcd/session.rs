@@ -442,20 +442,17 @@ impl Helper {
     fn apply_events(&self, r: &etcd_client::WatchResponse) {
         for ev in r.events() {
             let Some(kv) = ev.kv() else { continue };
-            match ev.event_type() {
-                EventType::Put => match self.decode(kv.key(), kv.value()) {
-                    Some(Entry::Node(n)) => self.mirror.put_node(n),
-                    Some(Entry::Segment(s)) => self.mirror.put_segment(s),
-                    // A value that does not decode replaced what the key
-                    // held: never served (PROTOCOL.md §9), so the old entry
-                    // goes too rather than staying the answer.
-                    None => match self.layout.parse(kv.key()) {
-                        Some(Key::Node(n)) => self.mirror.remove_node(&n),
-                        Some(Key::Segment(n, s)) => self.mirror.remove_segment(&n, &s),
-                        None => {}
-                    },
-                },
-                EventType::Delete => match self.layout.parse(kv.key()) {
+            let put = match ev.event_type() {
+                EventType::Put => self.decode(kv.key(), kv.value()),
+                EventType::Delete => None,
+            };
+            match put {
+                Some(Entry::Node(n)) => self.mirror.put_node(n),
+                Some(Entry::Segment(s)) => self.mirror.put_segment(s),
+                // Deleted, or replaced by a value that does not decode
+                // (never served, PROTOCOL.md §9): the old entry goes rather
+                // than staying the answer.
+                None => match self.layout.parse(kv.key()) {
                     Some(Key::Node(n)) => self.mirror.remove_node(&n),
                     Some(Key::Segment(n, s)) => self.mirror.remove_segment(&n, &s),
                     None => {}

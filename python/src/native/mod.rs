@@ -23,7 +23,9 @@ use quiesce_directory::{Directory, DirectoryError, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
-use crate::node::{listen_addr, local_mode, lock, seconds, secret, spin, tcp_congestion};
+use crate::node::{
+    listen_addr, local_mode, lock, seconds, secret, spin, stale_entry, tcp_congestion,
+};
 
 pub(crate) mod batch;
 pub(crate) mod error;
@@ -236,6 +238,14 @@ impl Core {
     ) -> Result<R, DirectoryError> {
         let d = self.directory.read().unwrap_or_else(|e| e.into_inner());
         f(d.as_ref().ok_or(DirectoryError::Closed)?)
+    }
+
+    /// Whether the engine was closed.
+    fn closed(&self) -> bool {
+        self.engine
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
     }
 
     /// Runs `f` on the engine, or says it is closed.
@@ -603,15 +613,11 @@ impl NativeEngine {
         })?;
         if named {
             // The entry may be stale, its address another node's now.
-            let there = py
-                .detach(|| self.core.with(|e| e.peer_node(addr)))
+            let stale = py
+                .detach(|| self.core.with(|e| stale_entry(e, peer, addr)))
                 .map_err(|e| from_sync(py, &e))?;
-            if there != peer {
-                return Err(raise(
-                    py,
-                    "UnknownPeer",
-                    &format!("node {peer:?} is not at {addr} (node {there:?} is): a stale directory entry"),
-                ));
+            if let Some(why) = stale {
+                return Err(raise(py, "UnknownPeer", &why));
             }
         }
         let token = Token::derive(&self.core.secret, name);

@@ -57,12 +57,7 @@ impl Core {
     /// delivered (a -2 among them becomes a ticket), then for every ticket
     /// to drain; whether none of either is left.
     pub(super) fn quiesce_all(&self, py: Python<'_>, deadline: Instant) -> PyResult<bool> {
-        if self
-            .engine
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
-        {
+        if self.closed() {
             // Closed: what it could not drain stays held for good.
             let drained = *lock(&self.ending) == Ending::Drained;
             return Ok(drained && lock(&self.tickets).is_empty());
@@ -80,12 +75,7 @@ impl Core {
     /// the outcomes of those that drained; the tickets still undrained.
     pub(super) fn quiesce(&self, py: Python<'_>, deadline: Instant) -> PyResult<Vec<u64>> {
         let tickets: Vec<u64> = lock(&self.tickets).keys().copied().collect();
-        if self
-            .engine
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
-        {
+        if self.closed() {
             // Closed: nothing drains any more, and what is held stays held.
             return Ok(tickets);
         }
