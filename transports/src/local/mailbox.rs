@@ -48,11 +48,16 @@ pub(crate) const SLOTS: u64 = 32;
 pub(crate) const SLOT_DATA: usize = 64 * 1024;
 
 /// Bytes of a `LocalMailbox` payload: the fd numbers of the memory and of
-/// the two doorbells (to the target, to the initiator), and the slot count.
-pub(crate) const MAILBOX_PAYLOAD: usize = 16;
+/// the two doorbells (to the target, to the initiator), the slot count, and
+/// the mailbox's token.
+pub(crate) const MAILBOX_PAYLOAD: usize = 32;
 
 /// Words of the ring's head, each on its own cache line.
 const SUBMITTED: usize = 0;
+/// The mailbox's token (two words), written once by the initiator before
+/// it names the files; it shares `SUBMITTED`'s line, read once by the
+/// target.
+const TOKEN: usize = 8;
 const SERVED: usize = 64;
 const TARGET_ASLEEP: usize = 128;
 const INITIATOR_ASLEEP: usize = 192;
@@ -113,6 +118,9 @@ pub(crate) fn size(slots: u64) -> usize {
 }
 
 /// One mailbox, as either end maps it.
+///
+/// The fields drop in order: the memory's fd closes before the doorbells'.
+/// [`Mailbox::open`] relies on it.
 pub(crate) struct Mailbox {
     mem: SharedMemory,
     /// Rung by the initiator when the target sleeps.
@@ -124,11 +132,23 @@ pub(crate) struct Mailbox {
 impl Mailbox {
     /// The initiator's new mailbox.
     pub(crate) fn create() -> io::Result<Mailbox> {
-        Ok(Mailbox {
+        let mb = Mailbox {
             mem: SharedMemory::create("quiesce-mailbox", size(SLOTS))?,
             to_target: Doorbell::new()?,
             to_initiator: Doorbell::new()?,
-        })
+        };
+        let mut token = [0u8; 16];
+        crate::control::auth::random_bytes(&mut token);
+        for (i, w) in token.chunks_exact(8).enumerate() {
+            let w = u64::from_le_bytes(w.try_into().unwrap());
+            mb.mem.word(TOKEN + i * 8).store(w, Ordering::Relaxed);
+        }
+        Ok(mb)
+    }
+
+    /// The token in this mailbox's memory.
+    fn token(&self) -> [u64; 2] {
+        [0, 1].map(|i| self.mem.word(TOKEN + i * 8).load(Ordering::Relaxed))
     }
 
     /// The `LocalMailbox` payload that shares this mailbox.
@@ -139,27 +159,50 @@ impl Mailbox {
             p[i * 4..i * 4 + 4].copy_from_slice(&(fd as u32).to_le_bytes());
         }
         p[12..16].copy_from_slice(&(SLOTS as u32).to_le_bytes());
+        for (i, w) in self.token().into_iter().enumerate() {
+            p[16 + i * 8..24 + i * 8].copy_from_slice(&w.to_le_bytes());
+        }
         p
     }
 
     /// The target's end of the mailbox that `initiator` named in `payload`.
+    ///
+    /// The payload names fd numbers, and a number names whatever file the
+    /// initiator holds under it *when it is taken*: an initiator that gave
+    /// up on the offer (its connect timeout) closed the files, and the
+    /// numbers may since name another connection's mailbox. So the memory
+    /// must hold the payload's token, and it is taken *after* the
+    /// doorbells: the initiator closes the memory first, so memory that
+    /// still holds the token proves the doorbells taken before it were the
+    /// mailbox's own.
     pub(crate) fn open(initiator: &PeerProcess, payload: &[u8]) -> io::Result<Mailbox> {
-        let field = |i: usize| u32::from_le_bytes(payload[i * 4..i * 4 + 4].try_into().unwrap());
-        if payload.len() != MAILBOX_PAYLOAD || field(3) as u64 != SLOTS {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("a mailbox must have {SLOTS} slots"),
-            ));
+        let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
+        if payload.len() != MAILBOX_PAYLOAD {
+            return Err(invalid("a mailbox offer has a 32-byte payload"));
         }
+        let field = |i: usize| u32::from_le_bytes(payload[i * 4..i * 4 + 4].try_into().unwrap());
+        if field(3) as u64 != SLOTS {
+            return Err(invalid(&format!("a mailbox must have {SLOTS} slots")));
+        }
+        let word =
+            |i: usize| u64::from_le_bytes(payload[16 + i * 8..24 + i * 8].try_into().unwrap());
         let take = |i: usize| {
             let fd = i32::try_from(field(i)).map_err(|_| io::ErrorKind::InvalidData)?;
             initiator.take_fd(fd)
         };
-        Ok(Mailbox {
+        let to_target = Doorbell::open(take(1)?)?;
+        let to_initiator = Doorbell::open(take(2)?)?;
+        let mb = Mailbox {
             mem: SharedMemory::open(take(0)?, size(SLOTS))?,
-            to_target: Doorbell::open(take(1)?)?,
-            to_initiator: Doorbell::open(take(2)?)?,
-        })
+            to_target,
+            to_initiator,
+        };
+        if mb.token() != [word(0), word(1)] {
+            return Err(invalid(
+                "the mailbox's memory does not hold its token: the initiator closed the files it named",
+            ));
+        }
+        Ok(mb)
     }
 
     /// Requests the initiator has published.
@@ -247,4 +290,32 @@ impl Mailbox {
 /// Where request `seq`'s slot starts.
 fn slot(seq: u64) -> usize {
     RING + (seq % SLOTS) as usize * STRIDE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An initiator that gave up on its offer closed the files it named;
+    /// their numbers went to its next mailbox. The target, taking the
+    /// numbers late, must not serve that other mailbox as this one.
+    #[test]
+    fn an_offer_whose_fd_numbers_now_name_another_mailbox_is_refused() {
+        let me = PeerProcess::open(std::process::id()).unwrap();
+        let first = Mailbox::create().unwrap();
+        let offer = first.payload();
+        let next = Mailbox::create().unwrap();
+        let mut late = offer;
+        late[..12].copy_from_slice(&next.payload()[..12]);
+        let refused = Mailbox::open(&me, &late)
+            .err()
+            .expect("served another mailbox");
+        assert_eq!(refused.kind(), io::ErrorKind::InvalidData);
+
+        // The offer itself is taken, and its memory is the initiator's.
+        let taken = Mailbox::open(&me, &offer).unwrap();
+        first.set_submitted(3);
+        assert_eq!(taken.submitted(), 3);
+        assert_eq!(next.submitted(), 0);
+    }
 }
