@@ -234,17 +234,30 @@ impl Doorbell {
     }
 
     /// Takes `fd`, another process's doorbell, if it is a non-blocking
-    /// eventfd (anything else could block this reactor or never quiet).
+    /// eventfd that is not a semaphore (one that counts down by one per
+    /// read would never quiet: its reactor would never sleep).
+    ///
+    /// The other process shares the open file, so it can clear
+    /// `O_NONBLOCK` later: [`quiet`](Self::quiet) does not rely on the
+    /// flag. [`ring`](Self::ring) does (eventfds refuse `RWF_NOWAIT`
+    /// writes): a peer that clears the flag *and* fills the counter to its
+    /// maximum can block the ringing thread (DESIGN.md §16.5).
     pub fn open(fd: OwnedFd) -> io::Result<Doorbell> {
+        let refuse = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
         let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
         // SAFETY: F_GETFL takes no argument.
         let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
         if link.as_os_str() != "anon_inode:[eventfd]" || flags < 0 || flags & libc::O_NONBLOCK == 0
         {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "a doorbell must be a non-blocking eventfd",
-            ));
+            return Err(refuse("a doorbell must be a non-blocking eventfd"));
+        }
+        // Kernels since 6.2 say; older ones cannot be asked, and are trusted.
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))?;
+        if info
+            .lines()
+            .any(|l| l.split_whitespace().eq(["eventfd-semaphore:", "1"]))
+        {
+            return Err(refuse("a doorbell must not be a semaphore eventfd"));
         }
         Ok(Doorbell { fd })
     }
@@ -257,11 +270,17 @@ impl Doorbell {
         let _ = unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
-    /// Quiets it (after it rang).
+    /// Quiets it (after it rang). Never blocks, whatever the file's flags
+    /// (`RWF_NOWAIT`: `EAGAIN` when quiet).
     pub fn quiet(&self) {
         let mut n = 0u64;
-        // SAFETY: reads at most 8 bytes into a live u64; EAGAIN when quiet.
-        let _ = unsafe { libc::read(self.fd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+        let iov = libc::iovec {
+            iov_base: (&mut n as *mut u64).cast(),
+            iov_len: 8,
+        };
+        // SAFETY: one iovec over a live u64; offset -1 is the (unused)
+        // file position; the kernel writes at most 8 bytes there.
+        let _ = unsafe { libc::preadv2(self.fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
     }
 
     /// Its fd: the one to watch, or to share.
@@ -325,5 +344,35 @@ mod tests {
         bell.quiet();
         let mem = SharedMemory::create("test", 4096).unwrap();
         assert!(Doorbell::open(dup(mem.fd())).is_err());
+    }
+
+    #[test]
+    fn a_semaphore_eventfd_is_no_doorbell() {
+        // SAFETY: plain syscall; returns a new fd or -1.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_SEMAPHORE) };
+        assert!(raw >= 0);
+        // SAFETY: eventfd returned a new descriptor.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let e = Doorbell::open(fd).err().expect("took a semaphore eventfd");
+        assert!(e.to_string().contains("semaphore"), "{e}");
+    }
+
+    /// The peer shares the open file and can make it blocking after the
+    /// check: quieting a quiet doorbell must still return.
+    #[test]
+    fn quieting_a_doorbell_the_peer_made_blocking_returns() {
+        let peer = Doorbell::new().unwrap();
+        let mine = Doorbell::open(dup(peer.fd())).unwrap();
+        // SAFETY: a plain syscall on a live fd: clears O_NONBLOCK.
+        assert_eq!(unsafe { libc::fcntl(peer.fd(), libc::F_SETFL, 0) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            mine.quiet();
+            tx.send(()).unwrap();
+        });
+        let returned = rx.recv_timeout(std::time::Duration::from_secs(2)).is_ok();
+        // Unblock a stuck read either way, so the test process can end.
+        peer.ring();
+        assert!(returned, "quiet blocked on a doorbell the peer made blocking");
     }
 }
