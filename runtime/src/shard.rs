@@ -106,6 +106,8 @@ pub struct ShardBuilder {
 }
 
 /// Running shards; [`shutdown`](Shards::shutdown) stops and joins them.
+/// Dropped without it (an early return, a panic in the caller), they are
+/// asked to stop and left to end on their own, each draining its runtime.
 pub struct Shards<R> {
     threads: Vec<thread::JoinHandle<Result<R, BuildError>>>,
     signals: Vec<Arc<Signal>>,
@@ -253,9 +255,9 @@ impl<R> Shards<R> {
     /// Requests shutdown, then joins every shard. Each runtime has cancelled
     /// and reaped its in-flight operations before its thread ended. Returns
     /// each shard's output in index order (`Err` if it panicked or failed to build).
-    pub fn shutdown(self) -> Vec<thread::Result<R>> {
+    pub fn shutdown(mut self) -> Vec<thread::Result<R>> {
         self.request_shutdown();
-        self.threads
+        std::mem::take(&mut self.threads)
             .into_iter()
             .map(|t| match t.join() {
                 Ok(Ok(r)) => Ok(r),
@@ -263,6 +265,14 @@ impl<R> Shards<R> {
                 Err(p) => Err(p),
             })
             .collect()
+    }
+}
+
+impl<R> Drop for Shards<R> {
+    fn drop(&mut self) {
+        // Joining here could hang an unwinding caller on a root that never
+        // watches for shutdown: ask, and let the threads end.
+        self.request_shutdown();
     }
 }
 

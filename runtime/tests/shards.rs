@@ -113,3 +113,34 @@ fn shutdown_cancels_and_reaps_every_in_flight_op() {
         }
     }
 }
+
+/// Shards dropped without `shutdown` (an early return, a panic in the
+/// caller) still get asked to stop, so their threads and rings end.
+#[test]
+fn dropped_shards_are_asked_to_stop() {
+    let (tx, rx) = std::sync::mpsc::channel::<usize>();
+    let tx = Mutex::new(tx);
+    let shards = Shards::builder()
+        .count(2)
+        .pin(false)
+        .spawn(move |shard| {
+            let tx = tx.lock().unwrap().clone();
+            async move {
+                shard.shutdown_requested().await;
+                tx.send(shard.index()).unwrap();
+            }
+        })
+        .unwrap();
+    drop(shards);
+    let mut stopped: Vec<usize> = (0..2)
+        .map(|_| rx.recv_timeout(Duration::from_secs(5)).expect("a shard never stopped"))
+        .collect();
+    stopped.sort();
+    assert_eq!(stopped, [0, 1]);
+}
+
+#[test]
+fn pinning_to_a_core_past_the_cpu_set_is_an_error() {
+    let e = quiesce_runtime::shard::pin_current_thread(1 << 16).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+}

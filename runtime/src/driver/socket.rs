@@ -130,9 +130,15 @@ pub(crate) fn allowed_cores() -> io::Result<Vec<usize>> {
 
 /// Pins the calling thread to `core`.
 pub(crate) fn pin_to_core(core: usize) -> io::Result<()> {
+    if core >= libc::CPU_SETSIZE as usize {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("core {core} is past the CPU set ({})", libc::CPU_SETSIZE),
+        ));
+    }
     // SAFETY: cpu_set_t is plain old data; all-zero is an empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: CPU_SET writes into the live set; the caller passes a core below CPU_SETSIZE.
+    // SAFETY: CPU_SET writes into the live set; `core` is below CPU_SETSIZE (checked above).
     unsafe { libc::CPU_SET(core, &mut set) };
     set_affinity(&set)
 }
