@@ -169,7 +169,9 @@ fn timed_yield(start: Instant) -> (u64, Instant) {
     std::thread::yield_now();
     let now = Instant::now();
     let took = u64::try_from(now.duration_since(start).as_nanos()).unwrap_or(u64::MAX);
-    if took < FASTEST_YIELD_NS.load(Ordering::Relaxed) {
+    // No yield takes no time: 0 is a bad reading (a `since` after the
+    // yield began), and as the fastest it would make every yield crowded.
+    if took > 0 && took < FASTEST_YIELD_NS.load(Ordering::Relaxed) {
         FASTEST_YIELD_NS.store(took, Ordering::Relaxed);
     }
     (took, now)
@@ -188,4 +190,19 @@ pub fn offer_core(now: Instant, polls: u32) {
         Some(cx) => cx.crowding.offer(now, polls, &cx.counters),
         None => std::thread::yield_now(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reading that says a yield took no time (a `since` after the
+    /// yield began, a coarse clock) must not become the process's fastest:
+    /// 0 × SLOWER would make every later yield look crowded.
+    #[test]
+    fn a_yield_that_seems_to_take_no_time_is_not_the_fastest() {
+        let (took, _) = timed_yield(Instant::now() + std::time::Duration::from_millis(5));
+        assert_eq!(took, 0);
+        assert!(FASTEST_YIELD_NS.load(Ordering::Relaxed) > 0);
+    }
 }
