@@ -37,9 +37,11 @@ enum Identity {
 
 /// The state and start time of process `pid`, from `/proc/PID/stat`.
 fn stat(pid: u32) -> Option<(char, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Bytes: the command is whatever the process named itself, UTF-8 or not.
+    let raw = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
     // After the command, which is in parentheses and may hold anything.
-    let rest = &text[text.rfind(')')? + 2..];
+    let after = raw.iter().rposition(|&b| b == b')')? + 2;
+    let rest = std::str::from_utf8(raw.get(after..)?).ok()?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // state is field 3 of the whole line, starttime field 22.
     Some((
@@ -214,6 +216,25 @@ mod tests {
         let (n, r) = me.read_into(8, &mut dst, 16);
         assert_eq!(n, 0);
         assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EFAULT));
+    }
+
+    /// `comm` is whatever bytes the process set: not UTF-8 must not make
+    /// a live process look gone.
+    #[test]
+    fn a_process_whose_name_is_not_utf8_still_has_a_stat() {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "printf '\\377x' > /proc/self/comm; sleep 5"])
+            .spawn()
+            .unwrap();
+        let named = (0..200).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            std::fs::read(format!("/proc/{}/comm", child.id())).is_ok_and(|c| c.starts_with(b"\xff"))
+        });
+        let seen = stat(child.id());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(named, "the child never renamed itself");
+        assert!(seen.is_some_and(|(state, _)| state != 'Z'));
     }
 
     #[test]
