@@ -10,9 +10,16 @@ use crate::buf::{BufResult, IoBuf, IoBufMut};
 use crate::driver::shared_fd::SharedFd;
 use crate::driver::Interest;
 
-/// `None`: the fd's current position (io_uring's offset -1).
+/// `None`: the fd's current position (io_uring's offset -1). An offset
+/// past `i64::MAX` is negative to the kernel, which refuses it (`EINVAL`,
+/// as `pread` does) — all but `u64::MAX`, which is -1, "the position":
+/// that one becomes -2, refused the same way.
 fn uring_offset(off: Option<u64>) -> u64 {
-    off.unwrap_or(u64::MAX)
+    match off {
+        None => u64::MAX,
+        Some(u64::MAX) => u64::MAX - 1,
+        Some(off) => off,
+    }
 }
 
 /// Reads into `buf` from its first byte, at `offset` or the fd's position.
