@@ -93,6 +93,44 @@ pub fn auth_frame(
     out
 }
 
+/// The hand-written initiators' check of an `AuthAck` payload: every
+/// proof accepted, or an error naming the refused one (a benchmark against
+/// segments it may not use would time refusals).
+pub fn auth_accepted(payload: &[u8], proofs: &[&SegInfo]) -> std::io::Result<()> {
+    use quiesce::transports::wire::{AuthAck, Status};
+    let ack = AuthAck::decode(payload).map_err(std::io::Error::other)?;
+    if ack.results.len() != proofs.len() {
+        return Err(std::io::Error::other("the target answered another number of proofs"));
+    }
+    match ack.results.iter().zip(proofs).find(|((st, _), _)| *st != Status::Ok) {
+        Some(((st, _), seg)) => Err(std::io::Error::other(format!(
+            "the target refused the token of segment {}: {st:?}",
+            seg.id
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// A hand-written initiator's answer to a write or read it expected to
+/// succeed: anything but `Ok` is an error, never a sample.
+pub fn expect_ok(st: quiesce::transports::wire::Status) -> std::io::Result<()> {
+    match st {
+        quiesce::transports::wire::Status::Ok => Ok(()),
+        st => Err(std::io::Error::other(format!("the target refused: {st:?}"))),
+    }
+}
+
+/// The answer to the fail-fast case's write to the read-only segment: a
+/// refusal, or the case measures nothing.
+pub fn expect_refused(st: quiesce::transports::wire::Status) -> std::io::Result<()> {
+    match st {
+        quiesce::transports::wire::Status::Ok => Err(std::io::Error::other(
+            "the target took the write the fail-fast case needs refused",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A write frame as the hand-written initiators send it: the bytes for the
 /// first send (header, plus the payload when it is small), and the payload
 /// for a second send when it is not.

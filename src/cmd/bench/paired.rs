@@ -82,14 +82,14 @@ pub(super) fn paired(ours: &[f64], theirs: &[f64], by_latency: bool) -> Paired {
 
 /// P(X ≥ k) for X ~ Binomial(n, 1/2).
 fn coin_tail(n: usize, k: usize) -> f64 {
-    // C(n, i) / 2^n, built up term by term in f64 (n is at most a few
-    // hundred turns).
-    let mut term = 0.5f64.powi(n as i32); // i = 0
-    let mut tail = if k == 0 { term } else { 0.0 };
+    // C(n, i) / 2^n, term by term in log space: 2^-n alone underflows an
+    // f64 past ~1,074 turns, where the terms near n/2 are still large.
+    let mut ln_term = -(n as f64) * std::f64::consts::LN_2; // i = 0
+    let mut tail = if k == 0 { ln_term.exp() } else { 0.0 };
     for i in 1..=n {
-        term *= (n - i + 1) as f64 / i as f64;
+        ln_term += ((n - i + 1) as f64 / i as f64).ln();
         if i >= k {
-            tail += term;
+            tail += ln_term.exp();
         }
     }
     tail.min(1.0)
@@ -105,6 +105,10 @@ mod tests {
         assert!((coin_tail(8, 7) - 9.0 / 256.0).abs() < 1e-12);
         assert!((coin_tail(8, 8) - 1.0 / 256.0).abs() < 1e-12);
         assert!((coin_tail(20, 15) - 21_700.0 / 1_048_576.0).abs() < 1e-12);
+        // Past ~1,074 turns 2^-n underflows: the tail must not follow it.
+        assert!((coin_tail(1_100, 0) - 1.0).abs() < 1e-9);
+        assert!((coin_tail(5_000, 2_500) - 0.5056).abs() < 1e-3);
+        assert!(coin_tail(5_000, 2_800) < 1e-9);
     }
 
     #[test]

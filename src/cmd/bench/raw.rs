@@ -76,10 +76,12 @@ impl Raw {
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;
         let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
-        s.write_all(&super::auth_frame(&ack, nonce, &super::proven(kv, ro)))?;
+        let proofs = super::proven(kv, ro);
+        s.write_all(&super::auth_frame(&ack, nonce, &proofs))?;
         let h = read_header(&mut s)?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p)?;
+        super::auth_accepted(&p, &proofs)?;
         s.set_nonblocking(spin)?;
         Ok(Raw {
             s,
@@ -131,10 +133,7 @@ impl Raw {
 
     fn write(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         self.send_write(self.kv, offset, data)?;
-        match self.status()? {
-            Status::Ok => Ok(()),
-            st => Err(std::io::Error::other(format!("{st:?}"))),
-        }
+        super::expect_ok(self.status()?)
     }
 
     pub(crate) fn read(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
@@ -174,7 +173,7 @@ impl Raw {
                         self.send_write(self.kv, (i * size) as u64, &buf[..size])?;
                     }
                     for _ in 0..tasks {
-                        self.status()?;
+                        super::expect_ok(self.status()?)?;
                     }
                 }
                 Case::FailFast(_) => {
@@ -183,9 +182,8 @@ impl Raw {
                     // small one's fate.
                     self.send_write(self.ro, 0, &buf[..4096])?;
                     self.send_write(self.kv, 0, &buf)?;
-                    let refused = self.status()?;
-                    debug_assert_ne!(refused, Status::Ok);
-                    self.status()?;
+                    super::expect_refused(self.status()?)?;
+                    super::expect_ok(self.status()?)?;
                 }
             }
             out.push(Sample::unfenced(case, t0, a0));

@@ -42,11 +42,13 @@ impl Conn {
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p).await?;
         let ack = HelloAck::decode(&p).map_err(std::io::Error::other)?;
-        s.write_all(&super::auth_frame(&ack, nonce, &super::proven(kv, ro)))
+        let proofs = super::proven(kv, ro);
+        s.write_all(&super::auth_frame(&ack, nonce, &proofs))
             .await?;
         let h = read_header(&mut s).await?;
         let mut p = vec![0u8; h.length as usize];
         s.read_exact(&mut p).await?;
+        super::auth_accepted(&p, &proofs)?;
         Ok(Conn {
             s,
             kv: kv.id,
@@ -107,7 +109,7 @@ impl Tokio {
                 match case {
                     Case::Write(_) => {
                         c.send_write(c.kv, 0, &buf).await?;
-                        c.status().await?;
+                        super::expect_ok(c.status().await?)?;
                     }
                     Case::Read(_) => {
                         let h = Header {
@@ -118,7 +120,11 @@ impl Tokio {
                         };
                         c.next += 1;
                         c.s.write_all(&h.encode()).await?;
-                        read_header(&mut c.s).await?;
+                        let r = read_header(&mut c.s).await?;
+                        if r.op != Opcode::ReadData {
+                            let st = r.status().map_err(std::io::Error::other)?;
+                            return Err(std::io::Error::other(format!("read refused: {st:?}")));
+                        }
                         c.s.read_exact(&mut buf).await?;
                     }
                     Case::Batch { tasks, size } => {
@@ -126,14 +132,14 @@ impl Tokio {
                             c.send_write(c.kv, (i * size) as u64, &buf[..size]).await?;
                         }
                         for _ in 0..tasks {
-                            c.status().await?;
+                            super::expect_ok(c.status().await?)?;
                         }
                     }
                     Case::FailFast(_) => {
                         c.send_write(c.ro, 0, &buf[..4096]).await?;
                         c.send_write(c.kv, 0, &buf).await?;
-                        c.status().await?;
-                        c.status().await?;
+                        super::expect_refused(c.status().await?)?;
+                        super::expect_ok(c.status().await?)?;
                     }
                 }
                 out.push(Sample::unfenced(case, t0, a0));
