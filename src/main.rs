@@ -35,8 +35,8 @@ struct Cli {
 enum Cmd {
     /// Run the seed scenario against a target on loopback and count corrupted rounds.
     Demo {
-        /// Rounds to run.
-        #[arg(long, default_value_t = 50)]
+        /// Rounds to run (at least 1).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
         rounds: u32,
         /// Size of the valid write, in bytes (suffixes K, M, G).
         #[arg(long, default_value = "64M", value_parser = parse_size)]
@@ -52,15 +52,17 @@ enum Cmd {
     /// State that must not grow (failed batches, connection churn) and an
     /// honest client under a flood, against a target process.
     Soak {
-        /// Failed (fenced) batches on one session.
-        #[arg(long, default_value_t = 1_000_000)]
+        /// Failed (fenced) batches on one session (at least 2: growth is
+        /// measured after the first 1 %).
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(2..))]
         batches: u64,
         /// Connections opened, authenticated and closed.
         #[arg(long, default_value_t = 10_000)]
         connections: u64,
-        /// Connections that never finish their handshake, held open.
-        #[arg(long, default_value_t = 1000)]
-        flood: usize,
+        /// Connections that never finish their handshake, held open (at
+        /// least 1).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+        flood: u32,
     },
     /// Latency and bandwidth against a target, or `--compare` against raw TCP and tokio.
     Bench {
@@ -85,7 +87,7 @@ enum Cmd {
         #[arg(long)]
         busy_poll: bool,
         /// write or read.
-        #[arg(long, default_value = "write")]
+        #[arg(long, default_value = "write", value_parser = ["write", "read"])]
         op: String,
         /// Comma-separated sizes (suffixes K, M, G).
         #[arg(long, default_value = "4K,64K,1M,64M", value_delimiter = ',', value_parser = parse_size)]
@@ -103,7 +105,7 @@ enum Cmd {
         #[arg(long)]
         json: Option<std::path::PathBuf>,
         /// Driver for quiesce (io_uring or epoll).
-        #[arg(long, default_value = "io_uring")]
+        #[arg(long, default_value = "io_uring", value_parser = ["io_uring", "epoll"])]
         driver: String,
         /// Without --compare: the initiator to run (quiesce = TCP, local =
         /// quiesce's local transport, local-socket = the same with small
@@ -227,7 +229,7 @@ fn main() -> ExitCode {
         } => cmd::soak::run(cmd::soak::Options {
             batches,
             connections,
-            flood,
+            flood: flood as usize,
         }),
         Cmd::Target {
             listen,
@@ -286,6 +288,7 @@ fn main() -> ExitCode {
                 },
                 _ => connect,
             };
+            // One of the two (clap checked).
             let driver = match driver.as_str() {
                 "epoll" => quiesce::runtime::DriverKind::Epoll,
                 _ => quiesce::runtime::DriverKind::IoUring,

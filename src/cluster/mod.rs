@@ -96,6 +96,10 @@ impl Cluster {
                 port: format!("qzp{i}"),
             };
             ip(&["netns", "add", &h.netns])?;
+            // Ours from now on: a step below that fails drops `c`, whose
+            // Drop deletes every namespace in `hosts`.
+            c.hosts.push(h);
+            let h = c.hosts.last().expect("just pushed");
             ip(&[
                 "-n", &switch, "link", "add", &h.port, "type", "veth", "peer", "name", &h.dev,
                 "netns", &h.netns,
@@ -106,7 +110,6 @@ impl Cluster {
             ip(&["-n", &h.netns, "addr", "add", &cidr, "dev", &h.dev])?;
             ip(&["-n", &h.netns, "link", "set", &h.dev, "up"])?;
             ip(&["-n", &h.netns, "link", "set", "lo", "up"])?;
-            c.hosts.push(h);
         }
         Ok(c)
     }

@@ -241,13 +241,18 @@ pub fn run(o: Options) -> Result<bool, Box<dyn std::error::Error>> {
                     ..Header::new(Opcode::Hello)
                 }
                 .encode();
-                (0..o.flood)
-                    .filter_map(|_| {
-                        let mut s = TcpStream::connect(target.addr).ok()?;
-                        s.write_all(&h).ok()?;
-                        Some(s)
+                // All of them, or the line below would claim a flood that
+                // did not happen (EMFILE under the default fd limit).
+                let opened: std::io::Result<Vec<TcpStream>> = (0..o.flood)
+                    .map(|_| {
+                        let mut s = TcpStream::connect(target.addr)?;
+                        s.write_all(&h)?;
+                        Ok(s)
                     })
-                    .collect()
+                    .collect();
+                opened.map_err(|e| {
+                    format!("a flood connection failed: {e} (raise `ulimit -n` or lower --flood)")
+                })?
             } else {
                 Vec::new()
             };
@@ -266,8 +271,8 @@ pub fn run(o: Options) -> Result<bool, Box<dyn std::error::Error>> {
             drop(flood);
         }
         e.shutdown();
-        (alone, flooded)
-    });
+        Ok::<_, String>((alone, flooded))
+    })?;
     let stats = |mut v: Vec<Duration>| {
         v.sort_unstable();
         (v[0], percentile(&v, 0.5), percentile(&v, 0.99))

@@ -100,9 +100,16 @@ pub fn auth_accepted(payload: &[u8], proofs: &[&SegInfo]) -> std::io::Result<()>
     use quiesce::transports::wire::{AuthAck, Status};
     let ack = AuthAck::decode(payload).map_err(std::io::Error::other)?;
     if ack.results.len() != proofs.len() {
-        return Err(std::io::Error::other("the target answered another number of proofs"));
+        return Err(std::io::Error::other(
+            "the target answered another number of proofs",
+        ));
     }
-    match ack.results.iter().zip(proofs).find(|((st, _), _)| *st != Status::Ok) {
+    match ack
+        .results
+        .iter()
+        .zip(proofs)
+        .find(|((st, _), _)| *st != Status::Ok)
+    {
         Some(((st, _), seg)) => Err(std::io::Error::other(format!(
             "the target refused the token of segment {}: {st:?}",
             seg.id
@@ -425,6 +432,12 @@ pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
              (scripts/softroce-vm.sh bench runs both)"
                 .into(),
         );
+    }
+    if a.op == "read" && a.batch > 1 {
+        return Err("--batch runs writes; --op read measures single reads".into());
+    }
+    if a.scale && a.transport == "rdma" {
+        return Err("--scale runs over TCP only".into());
     }
     if a.scale {
         scale::scale()

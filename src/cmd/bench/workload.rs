@@ -54,7 +54,11 @@ pub async fn batch_loop<S: Seg, B: Buf>(
             }
             Case::FailFast(_) => {}
             _ => {
-                if let Some(t) = q.tasks().iter().find(|t| t.status != quiesce::batch::TaskStatus::Completed) {
+                if let Some(t) = q
+                    .tasks()
+                    .iter()
+                    .find(|t| t.status != quiesce::batch::TaskStatus::Completed)
+                {
                     return Err(format!("the target refused a transfer: {:?}", t.status).into());
                 }
             }
