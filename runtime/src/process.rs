@@ -228,7 +228,8 @@ mod tests {
             .unwrap();
         let named = (0..200).any(|_| {
             std::thread::sleep(std::time::Duration::from_millis(10));
-            std::fs::read(format!("/proc/{}/comm", child.id())).is_ok_and(|c| c.starts_with(b"\xff"))
+            std::fs::read(format!("/proc/{}/comm", child.id()))
+                .is_ok_and(|c| c.starts_with(b"\xff"))
         });
         let seen = stat(child.id());
         child.kill().unwrap();

@@ -373,6 +373,9 @@ mod tests {
         let returned = rx.recv_timeout(std::time::Duration::from_secs(2)).is_ok();
         // Unblock a stuck read either way, so the test process can end.
         peer.ring();
-        assert!(returned, "quiet blocked on a doorbell the peer made blocking");
+        assert!(
+            returned,
+            "quiet blocked on a doorbell the peer made blocking"
+        );
     }
 }

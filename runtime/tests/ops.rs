@@ -113,9 +113,17 @@ fn read_at_and_write_at_on_a_file() {
         // read it as -1, "the file's position".
         for off in [u64::MAX, 1 << 63] {
             let (r, _) = f.read_at(vec![0u8; 4], off).await;
-            assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EINVAL), "read at {off:#x}");
+            assert_eq!(
+                r.unwrap_err().raw_os_error(),
+                Some(libc::EINVAL),
+                "read at {off:#x}"
+            );
             let (r, _) = f.write_at(b"zz".to_vec(), off).await;
-            assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EINVAL), "write at {off:#x}");
+            assert_eq!(
+                r.unwrap_err().raw_os_error(),
+                Some(libc::EINVAL),
+                "write at {off:#x}"
+            );
         }
         f.close().await.unwrap();
     });

@@ -133,7 +133,10 @@ fn dropped_shards_are_asked_to_stop() {
         .unwrap();
     drop(shards);
     let mut stopped: Vec<usize> = (0..2)
-        .map(|_| rx.recv_timeout(Duration::from_secs(5)).expect("a shard never stopped"))
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(5))
+                .expect("a shard never stopped")
+        })
         .collect();
     stopped.sort();
     assert_eq!(stopped, [0, 1]);
