@@ -577,3 +577,40 @@ fn a_session_has_at_most_its_cap_of_connections() {
     assert!(extra.recv().is_none(), "the fourth connection is closed");
     assert_eq!(t.stats().connections, 3);
 }
+
+/// `Fence` and `Forget` carry no payload (PROTOCOL.md §5). One that claims
+/// a length is a bad frame: its "payload" must never be read as the next
+/// frames (here a `Read` a fence would otherwise smuggle past).
+#[test]
+fn a_fence_or_forget_with_a_payload_is_a_bad_frame() {
+    use quiesce_transports::wire::{Header, Opcode, Status};
+    use quiesce_transports::Rights;
+    let t = ShardTarget::start(tcp(), &[("kv", 4096, Rights::READ | Rights::WRITE)]);
+    let (id, token) = (t.seg("kv").id, t.seg("kv").token);
+    for op in [Opcode::Fence, Opcode::Forget] {
+        let mut c = RawClient::connect(t.addr);
+        c.auth(id, token);
+        let read = Header {
+            task: 9,
+            segment: id,
+            length: 16,
+            ..Header::new(Opcode::Read)
+        }
+        .encode();
+        c.send(
+            &Header {
+                batch: 3,
+                length: read.len() as u64,
+                ..Header::new(op)
+            },
+            &read,
+        );
+        let h = c.recv().expect("an answer before the close");
+        assert_eq!(
+            (h.op, h.status()),
+            (Opcode::Status, Ok(Status::BadFrame)),
+            "{op:?} with a payload was served: {h:?}"
+        );
+        assert!(c.recv().is_none(), "the connection is closed");
+    }
+}

@@ -379,6 +379,11 @@ async fn serve_inner(
         // The mailbox's requests published before this frame was sent go
         // first: the two are one stream (local/mailbox.rs).
         c.serve_inbox()?;
+        // No payload: a length would have its bytes read as the next frames.
+        if matches!(h.op, Opcode::Fence | Opcode::Forget) && h.length != 0 {
+            let why = format!("{:?} carries no payload", h.op);
+            return Err(reject(s, &h, Status::BadFrame, why).await);
+        }
         match h.op {
             Opcode::Auth => c.auth(&h).await?,
             Opcode::Write => c.write(&h).await?,
