@@ -130,7 +130,8 @@ impl Entries {
         }
     }
 
-    /// Keeps the entries for which `keep` says so.
+    /// Keeps the entries for which `keep` says so, and gives back the room
+    /// a burst (a hostile or churning peer's fences) left behind.
     fn retain(&mut self, mut keep: impl FnMut(&Key, &mut BatchState) -> bool) {
         let states = &mut self.states;
         self.index.retain(|e| {
@@ -140,6 +141,24 @@ impl Entries {
             }
             kept
         });
+        self.shrink();
+    }
+
+    /// Gives back room once entries use under a quarter of it. The index
+    /// rehashes into a smaller table; `states` keeps every slot a guard
+    /// may name, so it gives back only its tail (all of it when empty).
+    fn shrink(&mut self) {
+        let room = |cap: usize, len: usize| cap > 4 * len + 64;
+        if room(self.index.capacity(), self.index.len()) {
+            self.index.shrink_to_fit(|e| e.hash);
+        }
+        if room(self.states.capacity(), self.states.len()) {
+            if self.states.is_empty() {
+                self.states = Slab::new();
+            } else {
+                self.states.shrink_to_fit();
+            }
+        }
     }
 }
 
@@ -317,6 +336,25 @@ impl Drop for WriteGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A burst of fences (a churning or hostile peer) leaves no room
+    /// behind once its entries go.
+    #[test]
+    fn a_burst_of_fences_gives_its_memory_back() {
+        let t = FenceTable::default();
+        for batch in 0..100_000 {
+            t.fence(1, batch, [7]);
+        }
+        t.closed(1, 7);
+        assert_eq!(t.len(), 0);
+        let e = t.inner.borrow();
+        assert!(
+            e.index.capacity() < 1024 && e.states.capacity() < 1024,
+            "index {} states {}",
+            e.index.capacity(),
+            e.states.capacity()
+        );
+    }
 
     /// A guard's slot names its own entry while other entries come and go
     /// (their slots are reused), and entries leave once they say nothing.
