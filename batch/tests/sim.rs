@@ -110,3 +110,26 @@ fn a_million_schedules() {
         &violations[..violations.len().min(10)]
     );
 }
+
+/// The model answers as the real transport does where the batch layer
+/// depends on it: a fence over a connection that died fails (no
+/// confirmation comes over a dead link), and reads are not revoked (the
+/// target checks revokes for writes only).
+#[test]
+fn the_model_answers_as_the_real_transport_does() {
+    use quiesce_batch::sim::{Sim, SimBuf, SimConfig, SimTarget};
+    use quiesce_batch::Transport;
+    RT.with(|rt| {
+        rt.block_on(async {
+            let sim = Sim::new(1, SimConfig::reliable(4));
+            let fence = sim.fence(&0, 5);
+            sim.abort(&0);
+            assert!(fence.await.is_err(), "a fence across an abort confirmed");
+            assert!(!sim.fence_confirmed(0, 5));
+            sim.revoke(0).await;
+            let t = SimTarget { peer: 0, len: 8 };
+            let (r, _) = sim.read(&t, SimBuf::new(0, 8), 6).await;
+            assert_eq!(r.ok(), Some(8), "a read was revoked");
+        })
+    });
+}

@@ -116,6 +116,18 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
             }
             yield_now().await;
         }
+        // Dropped, it still fences and retires on its own: the same rules.
+        let log = sim.log();
+        if log.retry_over_residue > 0 || log.retry_before_quiescence > 0 {
+            return fail("a dropped batch retried before its earlier attempts settled");
+        }
+        if log.retired_before_fence_answered > 0 {
+            return fail("a dropped batch retired a wire batch while its fence was on its way");
+        }
+        if log.landed_after_revoke > 0 {
+            return fail("bytes landed under a revoked grant after the revoke resolved");
+        }
+        drop(log);
         unwatch_all();
         return Ok(stats);
     }
@@ -142,6 +154,9 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
     // When the quiescent result (and its claims about the targets) exists;
     // a `CompletionUnknown` claims nothing about them.
     let outcome_at = sim.now();
+    // Back with the caller from here: the simulated DMA must never touch
+    // them again (checked after more turns, below, on its own).
+    flags.iter().for_each(|f| f.set(true));
     if sim.log().in_flight != 0 {
         return fail("outcome before every transfer ended");
     }
@@ -212,8 +227,6 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
     {
         return fail("more attempts than allowed");
     }
-    // Back with the caller: the simulated DMA must never touch them again.
-    flags.iter().for_each(|f| f.set(true));
     for _ in 0..cfg.max_turns * 2 {
         yield_now().await;
     }

@@ -12,8 +12,12 @@
 //! turns later — after the outcome — unless a fence of that wire batch was
 //! acknowledged there first, or the target revoked the segment since (the
 //! landing is then refused). A target may **revoke** mid-schedule
-//! ([`Sim::revoke`]): from then on its old grant is refused, and once the
-//! revoke resolves no byte written under that grant may land there.
+//! ([`Sim::revoke`]): from then on writes under its old grant are refused
+//! (reads are not), a write's chunk in progress still lands, the revoke
+//! resolves once none is left, and from then on no byte written under
+//! that grant may land there — a check that fails if the revoke resolved
+//! early. A refused transfer (`Forbidden`) touches nothing; a fence over
+//! a connection that was aborted fails, as a real one does.
 //!
 //! The simulator records what a checker ([`check_schedule`]) needs:
 //! transfers in flight, accesses to buffers that had been handed back, the
@@ -380,14 +384,22 @@ impl Sim {
                 inner.writing.borrow_mut()[t.peer] += 1;
             }
             let abort_epoch = inner.aborts.borrow()[t.peer];
+            let c = &inner.cfg;
+            // A refusal (`Forbidden`) leaves the segment untouched, as the
+            // protocol says: the target checks before the first byte.
+            let refused = (c.retryable_fail..c.retryable_fail + c.refused).contains(&outcome);
             let mut res = Ok(t.len);
             let mut turn = 0;
             let mut aborted_at = None;
             loop {
-                if inner.revoked.borrow()[t.peer] {
-                    // The target refuses the old grant: nothing more lands.
-                    res = Err(TransferError::Revoked {
-                        landed: if write && turn > 0 { t.len / 2 } else { 0 },
+                // The target looks at its revokes before each chunk of a
+                // write (reads are not revoked): the chunk in progress
+                // when the revoke came still lands, and the revoke waits
+                // for it (`writing`).
+                if write && inner.revoked.borrow()[t.peer] {
+                    res = Err(match turn {
+                        0 => TransferError::Revoked { landed: 0 },
+                        _ => TransferError::Revoked { landed: t.len / 2 },
                     });
                     break;
                 }
@@ -409,14 +421,19 @@ impl Sim {
                     continue;
                 }
                 if !deaf && inner.fenced.borrow().contains(&(t.peer, wire)) {
-                    res = Err(if turn > 1 {
-                        TransferError::FencedPartial { landed: t.len / 2 }
-                    } else {
-                        TransferError::Fenced
+                    // A prefix landed (half, as the turns before said), or
+                    // nothing: `Fenced`, as the target answers 0 bytes.
+                    res = Err(match t.len / 2 {
+                        landed if turn > 1 && landed > 0 => TransferError::FencedPartial { landed },
+                        _ => TransferError::Fenced,
                     });
                     break;
                 }
-                if write && !inner.revoked.borrow()[t.peer] {
+                if refused {
+                    res = Err(TransferError::Forbidden(0));
+                    break;
+                }
+                if write {
                     land(inner, t.peer, wire, addr, false);
                 }
                 if turn >= turns && !(deaf && turn < turns * 50) {
@@ -426,13 +443,8 @@ impl Sim {
             if write {
                 inner.writing.borrow_mut()[t.peer] -= 1;
             }
-            if res.is_ok() {
-                let c = &inner.cfg;
-                if outcome < c.retryable_fail {
-                    res = Err(TransferError::ConnectionLost("simulated".into()));
-                } else if outcome < c.retryable_fail + c.refused {
-                    res = Err(TransferError::Forbidden(0));
-                }
+            if res.is_ok() && outcome < c.retryable_fail {
+                res = Err(TransferError::ConnectionLost("simulated".into()));
             }
             {
                 let mut log = inner.log.borrow_mut();
@@ -551,11 +563,13 @@ impl Transport for Sim {
                 }
             }
             match sim.upgrade() {
-                Some(s) => {
+                // A fence on a connection that died fails, as a real
+                // one does: no confirmation comes over a dead link.
+                Some(s) if s.aborts.borrow()[peer] == epoch => {
                     s.fenced.borrow_mut().insert((peer, wire));
                     Ok(())
                 }
-                None => lost(),
+                _ => lost(),
             }
         };
         let sim = Rc::downgrade(&self.inner);
