@@ -171,8 +171,20 @@ impl HandMailbox {
     }
 }
 
+/// The token every hand-made offer carries (PROTOCOL.md §4.7).
+const TOKEN: [u64; 2] = [0x5155_4945_5343_4521, 0x746f_6b65_6e21_2121];
+
+/// Memory for a hand-made mailbox, holding [`TOKEN`] at offset 8.
+fn hand_memory() -> SharedMemory {
+    let mem = SharedMemory::create("hand", SIZE).unwrap();
+    mem.word(8).store(TOKEN[0], Ordering::Relaxed);
+    mem.word(16).store(TOKEN[1], Ordering::Relaxed);
+    mem
+}
+
 /// Attaches `c` to this process and offers a mailbox of the files `mem`
-/// and two doorbells (fd numbers); returns the target's verdict.
+/// and two doorbells (fd numbers), with [`TOKEN`]; returns the target's
+/// verdict.
 fn offer(c: &mut RawClient, mem: i32, to_target: i32, to_initiator: i32) -> Status {
     let mut attach = [0u8; 12];
     attach[0..4].copy_from_slice(&std::process::id().to_le_bytes());
@@ -186,16 +198,18 @@ fn offer(c: &mut RawClient, mem: i32, to_target: i32, to_initiator: i32) -> Stat
     );
     let h = c.recv().expect("an attach answer");
     assert_eq!(h.status(), Ok(Status::Ok), "the attach was refused");
-    let mut p = [0u8; 16];
+    let mut p = [0u8; 32];
     for (i, v) in [mem, to_target, to_initiator, SLOTS as i32]
         .into_iter()
         .enumerate()
     {
         p[i * 4..i * 4 + 4].copy_from_slice(&(v as u32).to_le_bytes());
     }
+    p[16..24].copy_from_slice(&TOKEN[0].to_le_bytes());
+    p[24..32].copy_from_slice(&TOKEN[1].to_le_bytes());
     c.send(
         &Header {
-            length: 16,
+            length: 32,
             ..Header::new(Opcode::LocalMailbox)
         },
         &p,
@@ -228,7 +242,7 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
         }
     };
     let bell = Doorbell::new().unwrap();
-    let mem = SharedMemory::create("hand", SIZE).unwrap();
+    let mem = hand_memory();
     {
         use std::os::fd::AsRawFd;
         let mut c = connect();
@@ -241,6 +255,12 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
         // The unsealed file, offered as the memory.
         let mut c = connect();
         let st = offer(&mut c, unsealed.as_raw_fd(), bell.fd(), bell.fd());
+        assert_eq!(st, Status::Forbidden);
+        // Memory without the offer's token: not the mailbox it names (the
+        // initiator closed the files and their numbers were reused).
+        let mut c = connect();
+        let (a, b) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
+        let st = offer(&mut c, fake.fd(), a.fd(), b.fd());
         assert_eq!(st, Status::Forbidden);
     }
     // A good mailbox: every request is checked as if it came from the socket.
@@ -327,7 +347,7 @@ fn a_request_published_before_a_frame_is_served_before_it() {
     let mut c = RawClient::connect(target.addr);
     assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
     let (to_target, to_initiator) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
-    let mem = SharedMemory::create("hand", SIZE).unwrap();
+    let mem = hand_memory();
     assert_eq!(
         offer(&mut c, mem.fd(), to_target.fd(), to_initiator.fd()),
         Status::Ok
