@@ -2,9 +2,11 @@
 //! binding allocates, registers for peers, and frees only once nothing
 //! holds it — no peer (its registration reclaimed) and no batch of this
 //! engine (each batch counts the managed buffers its local ranges lie in,
-//! as [`Uses`], until its outcome is final: after a -2, until it drained);
-//! `write_bytes_to_buffer` / `read_bytes_from_buffer` copy in and out of
-//! them, and refuse addresses outside every one of them.
+//! as [`Uses`], until its outcome is final: after a -2, until it drained)
+//! and no registration lies in it (`register_memory` of a range inside it,
+//! counted until `unregister_memory` took that range back: peers may write
+//! there until then); `write_bytes_to_buffer` / `read_bytes_from_buffer`
+//! copy in and out of them, and refuse addresses outside every one of them.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
@@ -22,12 +24,48 @@ struct Managed {
     len: usize,
     /// Batches whose local ranges lie in it and whose outcome is not final.
     uses: usize,
+    /// Registrations that overlap it (its own included) and have not been
+    /// taken back: peers may write into it while any is.
+    lent: usize,
+    /// `free_managed_buffer` is taking it back: no registration may start
+    /// in it.
+    freeing: bool,
+}
+
+/// The managed buffers alive now, and the registrations that overlap them.
+#[derive(Default)]
+struct Live {
+    buffers: BTreeMap<usize, Managed>,
+    /// By a registration's address: the buffers (their addresses) it
+    /// overlaps, each counted in that buffer's `lent`.
+    lendings: BTreeMap<usize, SmallVec<[usize; 1]>>,
+}
+
+/// Why a registration may not start ([`ManagedBuffers::lending`]).
+#[derive(Debug, PartialEq)]
+pub(crate) enum NotLendable {
+    /// The managed buffer at this address is being freed.
+    BeingFreed(usize),
+    /// A registration at this very address has not been taken back.
+    AlreadyLent,
+}
+
+/// Why [`ManagedBuffers::begin_free`] refused.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Held {
+    NoSuchBuffer,
+    /// A registration other than the buffer's own lies in it (its address).
+    LentAt(usize),
+    /// A batch whose outcome is not final uses it.
+    InUse,
+    /// Another call is freeing it.
+    Freeing,
 }
 
 /// The managed buffers alive now, by address.
 #[derive(Default)]
 pub(crate) struct ManagedBuffers {
-    live: Mutex<BTreeMap<usize, Managed>>,
+    live: Mutex<Live>,
     /// How many are live: a batch of the caller's own memory, with none
     /// allocated, counts its uses without the lock.
     count: AtomicUsize,
@@ -63,22 +101,111 @@ impl ManagedBuffers {
         if p.is_null() {
             return None;
         }
-        lock(&self.live).insert(p as usize, Managed { len, uses: 0 });
+        lock(&self.live).buffers.insert(
+            p as usize,
+            Managed {
+                len,
+                uses: 0,
+                lent: 0,
+                freeing: false,
+            },
+        );
         self.count.fetch_add(1, Ordering::Release);
         Some(p as usize)
     }
 
+    /// A registration of `addr..addr + len` is about to start: counted in
+    /// every managed buffer it overlaps — refused if one is being freed.
+    /// Undone by [`lent_back`](Self::lent_back) (the registration failed,
+    /// or was taken back to the end).
+    pub(crate) fn lending(&self, addr: usize, len: usize) -> Result<(), NotLendable> {
+        let end = addr.saturating_add(len);
+        let mut live = lock(&self.live);
+        if live.lendings.contains_key(&addr) {
+            return Err(NotLendable::AlreadyLent);
+        }
+        // Buffers never overlap one another: walking down from `end`, the
+        // first that ends at or before `addr` ends the overlapping ones.
+        let overlapped: SmallVec<[usize; 1]> = live
+            .buffers
+            .range(..end)
+            .rev()
+            .take_while(|(&start, m)| start + m.len > addr)
+            .map(|(&start, _)| start)
+            .collect();
+        if let Some(&start) = overlapped.iter().find(|s| live.buffers[s].freeing) {
+            return Err(NotLendable::BeingFreed(start));
+        }
+        if overlapped.is_empty() {
+            return Ok(());
+        }
+        for start in &overlapped {
+            live.buffers.get_mut(start).expect("found above").lent += 1;
+        }
+        live.lendings.insert(addr, overlapped);
+        Ok(())
+    }
+
+    /// The registration at `addr` failed or was taken back to the end.
+    pub(crate) fn lent_back(&self, addr: usize) {
+        let mut live = lock(&self.live);
+        let Some(starts) = live.lendings.remove(&addr) else {
+            return;
+        };
+        for start in starts {
+            if let Some(m) = live.buffers.get_mut(&start) {
+                m.lent -= 1;
+            }
+        }
+    }
+
+    /// `free_managed_buffer(addr, len)` starts: refused while a batch uses
+    /// the buffer or a registration other than its own (at `addr`) lies in
+    /// it; else no registration may start in it until
+    /// [`free`](Self::free) or [`end_free`](Self::end_free).
+    pub(crate) fn begin_free(&self, addr: usize, len: usize) -> Result<(), Held> {
+        let mut live = lock(&self.live);
+        let own = live.lendings.get(&addr).is_some_and(|s| s.contains(&addr)) as usize;
+        let other = live
+            .lendings
+            .iter()
+            .find(|(&at, starts)| at != addr && starts.contains(&addr))
+            .map(|(&at, _)| at);
+        let Some(m) = live.buffers.get_mut(&addr).filter(|m| m.len == len) else {
+            return Err(Held::NoSuchBuffer);
+        };
+        if m.freeing {
+            return Err(Held::Freeing);
+        }
+        if m.uses > 0 {
+            return Err(Held::InUse);
+        }
+        if m.lent > own {
+            return Err(Held::LentAt(other.unwrap_or(addr)));
+        }
+        m.freeing = true;
+        Ok(())
+    }
+
+    /// A [`begin_free`](Self::begin_free) that did not end in a free.
+    pub(crate) fn end_free(&self, addr: usize) {
+        if let Some(m) = lock(&self.live).buffers.get_mut(&addr) {
+            m.freeing = false;
+        }
+    }
+
     /// Frees the buffer allocated at `addr` with `len` bytes, unless a
-    /// batch still uses it; the caller made sure no peer holds it.
+    /// batch still uses it or a registration still lies in it; the caller
+    /// took its own registration back.
     pub(crate) fn free(&self, addr: usize, len: usize) -> Free {
         let mut live = lock(&self.live);
-        match live.get(&addr) {
+        match live.buffers.get(&addr) {
             Some(m) if m.len != len => return Free::NoSuchBuffer,
-            Some(m) if m.uses > 0 => return Free::InUse,
+            Some(m) if m.uses > 0 || m.lent > 0 => return Free::InUse,
             Some(_) => {}
             None => return Free::NoSuchBuffer,
         }
-        live.remove(&addr);
+        live.buffers.remove(&addr);
         self.count.fetch_sub(1, Ordering::Release);
         let layout = Layout::from_size_align(len, ALIGN).expect("allocated with this layout");
         // SAFETY: `addr` came from `alloc_zeroed` with this layout (the map
@@ -90,12 +217,18 @@ impl ManagedBuffers {
 
     /// Whether a managed buffer of exactly `len` bytes starts at `addr`.
     pub(crate) fn is_buffer(&self, addr: usize, len: usize) -> bool {
-        lock(&self.live).get(&addr).is_some_and(|m| m.len == len)
+        lock(&self.live)
+            .buffers
+            .get(&addr)
+            .is_some_and(|m| m.len == len)
     }
 
     /// Whether a batch whose outcome is not final uses the buffer at `addr`.
     pub(crate) fn in_use(&self, addr: usize) -> bool {
-        lock(&self.live).get(&addr).is_some_and(|m| m.uses > 0)
+        lock(&self.live)
+            .buffers
+            .get(&addr)
+            .is_some_and(|m| m.uses > 0)
     }
 
     /// Counts a batch's use of the managed buffers its local buffers (by
@@ -116,7 +249,7 @@ impl ManagedBuffers {
         for addr in buffers {
             // The buffer the range starts in (a range crossing its end was
             // refused by the host check: the next page is not its).
-            let Some((&start, m)) = live.range_mut(..=addr).next_back() else {
+            let Some((&start, m)) = live.buffers.range_mut(..=addr).next_back() else {
                 continue;
             };
             if addr - start < m.len && !uses.0.contains(&start) {
@@ -139,7 +272,7 @@ impl ManagedBuffers {
     fn give_back(&self, uses: Uses) {
         let mut live = lock(&self.live);
         for start in uses.0 {
-            if let Some(m) = live.get_mut(&start) {
+            if let Some(m) = live.buffers.get_mut(&start) {
                 m.uses -= 1;
             }
         }
@@ -148,10 +281,13 @@ impl ManagedBuffers {
     /// Whether `addr..addr + len` lies inside one managed buffer.
     pub(crate) fn holds(&self, addr: usize, len: usize) -> bool {
         let live = lock(&self.live);
-        live.range(..=addr).next_back().is_some_and(|(&start, m)| {
-            addr.checked_add(len)
-                .is_some_and(|end| end <= start + m.len)
-        })
+        live.buffers
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&start, m)| {
+                addr.checked_add(len)
+                    .is_some_and(|end| end <= start + m.len)
+            })
     }
 
     /// Copies `data` to `addr` (inside a managed buffer: checked).
@@ -181,12 +317,45 @@ impl Drop for ManagedBuffers {
     fn drop(&mut self) {
         // Dropped with the engine, after its thread stopped and drained: no
         // peer or transfer holds these any more.
-        let live = std::mem::take(&mut *lock(&self.live));
+        let live = std::mem::take(&mut lock(&self.live).buffers);
         for (addr, Managed { len, .. }) in live {
             let layout = Layout::from_size_align(len, ALIGN).expect("allocated with this layout");
             // SAFETY: allocated with this layout and never freed (it was
             // still in the map).
             unsafe { dealloc(addr as *mut u8, layout) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A registration lying in a buffer keeps it from being freed; a buffer
+    /// being freed takes no new registration; its own is the one exception.
+    #[test]
+    fn registrations_and_frees_of_managed_buffers_exclude_each_other() {
+        let m = ManagedBuffers::default();
+        let a = m.allocate(1 << 20).unwrap();
+        m.lending(a, 1 << 20).unwrap();
+        assert_eq!(m.lending(a, 4096), Err(NotLendable::AlreadyLent));
+        m.lending(a + 4096, 4096).unwrap();
+        assert_eq!(m.begin_free(a, 1 << 20), Err(Held::LentAt(a + 4096)));
+        m.lent_back(a + 4096);
+        m.begin_free(a, 1 << 20).unwrap();
+        assert_eq!(m.lending(a + 8192, 16), Err(NotLendable::BeingFreed(a)));
+        assert_eq!(m.begin_free(a, 1 << 20), Err(Held::Freeing));
+        assert_eq!(
+            m.free(a, 1 << 20),
+            Free::InUse,
+            "its own registration is live"
+        );
+        m.lent_back(a);
+        assert_eq!(m.free(a, 1 << 20), Free::Done);
+        // A range next to a buffer is not in it.
+        let b = m.allocate(4096).unwrap();
+        m.lending(b + 4096, 4096).unwrap();
+        m.begin_free(b, 4096).unwrap();
+        assert_eq!(m.free(b, 4096), Free::Done);
     }
 }

@@ -20,7 +20,7 @@ use quiesce_batch::sync::{Direction, SyncError};
 use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_runtime::timeline::{self, Step};
 
-use crate::managed::Free;
+use crate::managed::{Free, Held, NotLendable};
 use crate::node::{complain, seconds, Fabric, Node, Progress};
 use crate::opcode::{direction, refuse_notify, TransferOpcode};
 use crate::word::{Word, Words};
@@ -246,6 +246,21 @@ impl TransferEngine {
             return complain("register_memory: null address or zero capacity");
         }
         let (addr, len) = (buffer_addr as u64, capacity as u64);
+        // Counted in the managed buffers it lies in, which stay allocated
+        // until it is taken back.
+        match node.managed.lending(buffer_addr, capacity) {
+            Ok(()) => {}
+            Err(NotLendable::BeingFreed(at)) => {
+                return complain(&format!(
+                    "register_memory {addr:#x}: the managed buffer at {at:#x} is being freed"
+                ))
+            }
+            Err(NotLendable::AlreadyLent) => {
+                return complain(&format!(
+                    "register_memory {addr:#x}: already registered (unregister it first)"
+                ))
+            }
+        }
         // SAFETY: the caller lends the range until unregister_memory returns
         // 0 (Mooncake's contract for registered memory).
         match unsafe {
@@ -256,7 +271,10 @@ impl TransferEngine {
                 node.published(id, addr, len);
                 SYNC_OK
             }
-            Err(e) => complain(&format!("register_memory {addr:#x}: {e}")),
+            Err(e) => {
+                node.managed.lent_back(buffer_addr);
+                complain(&format!("register_memory {addr:#x}: {e}"))
+            }
         }
     }
 
@@ -270,11 +288,17 @@ impl TransferEngine {
         };
         match py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT)) {
             Ok(true) => {
+                node.managed.lent_back(buffer_addr);
                 node.withdrawn(buffer_addr as u64);
                 SYNC_OK
             }
             Ok(false) => SYNC_UNKNOWN,
-            Err(e) => complain(&format!("unregister_memory {buffer_addr:#x}: {e}")),
+            Err(e) => {
+                if matches!(e, SyncError::NotLent(_)) {
+                    node.managed.lent_back(buffer_addr);
+                }
+                complain(&format!("unregister_memory {buffer_addr:#x}: {e}"))
+            }
         }
     }
 
@@ -541,30 +565,43 @@ impl TransferEngine {
 
     /// Unregisters and frees a managed buffer: 0 once freed, -1 if there is
     /// no such buffer (of that length), -2 if something still holds it — a
-    /// peer, or a batch of this engine whose outcome is not final (one
-    /// that answered -2 and has not drained): it stays allocated; call
-    /// again (after `wait_for_quiescence()` for a -2).
+    /// peer, a batch of this engine whose outcome is not final (one that
+    /// answered -2 and has not drained), or another registration lying in
+    /// it (`register_memory` of a range inside it: peers may write there
+    /// until `unregister_memory` takes it back): it stays allocated; call
+    /// again (after `wait_for_quiescence()` for a -2, or the
+    /// `unregister_memory`).
     fn free_managed_buffer(&self, py: Python<'_>, buffer_addr: usize, length: usize) -> i32 {
         let Some(node) = self.not_ready() else {
             return SYNC_FAILED;
         };
-        if !node.managed.is_buffer(buffer_addr, length) {
-            return complain(&format!(
-                "free_managed_buffer: no managed buffer of {length} bytes at {buffer_addr:#x}"
-            ));
-        }
-        // Registered still, so that a batch's retry finds it where it was.
-        if node.managed.in_use(buffer_addr) {
-            return SYNC_UNKNOWN;
+        // No registration may start in it from here, and none but its own
+        // may lie in it: peers could write there until it is taken back.
+        match node.managed.begin_free(buffer_addr, length) {
+            Ok(()) => {}
+            Err(Held::NoSuchBuffer) => {
+                return complain(&format!(
+                    "free_managed_buffer: no managed buffer of {length} bytes at {buffer_addr:#x}"
+                ))
+            }
+            Err(Held::LentAt(at)) => {
+                complain(&format!(
+                    "free_managed_buffer {buffer_addr:#x}: the range registered at {at:#x} lies in it (unregister it first)"
+                ));
+                return SYNC_UNKNOWN;
+            }
+            // Registered still, so that a batch's retry finds it where it was.
+            Err(Held::InUse | Held::Freeing) => return SYNC_UNKNOWN,
         }
         let reclaimed = py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT));
-        match reclaimed {
+        let code = match reclaimed {
             // Nothing holds it now — or nothing was lent there any more (an
             // earlier unregister_memory took it back to the end).
             Ok(true) | Err(SyncError::NotLent(_)) => {
+                node.managed.lent_back(buffer_addr);
                 node.withdrawn(buffer_addr as u64);
                 match node.managed.free(buffer_addr, length) {
-                    Free::Done => SYNC_OK,
+                    Free::Done => return SYNC_OK,
                     // A batch started on it meanwhile.
                     Free::InUse => SYNC_UNKNOWN,
                     Free::NoSuchBuffer => complain(&format!(
@@ -574,7 +611,9 @@ impl TransferEngine {
             }
             Ok(false) => SYNC_UNKNOWN,
             Err(e) => complain(&format!("free_managed_buffer {buffer_addr:#x}: {e}")),
-        }
+        };
+        node.managed.end_free(buffer_addr);
+        code
     }
 
     /// Copies `length` bytes of `data` into the managed buffer at

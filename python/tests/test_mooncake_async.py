@@ -273,3 +273,22 @@ def test_two_status_calls_on_one_batch_never_hear_minus_one_for_a_minus_two(
     assert codes == [-2, -2], codes
     target.signal(signal.SIGCONT)
     assert e.wait_for_quiescence(20) == 0
+
+
+def test_a_managed_buffer_another_registration_lies_in_is_not_freed(local):
+    """free_managed_buffer takes back its own registration only: while
+    another registration lies in the buffer, peers may still write there,
+    so the buffer must stay allocated (-2) until that one is taken back."""
+    e = engine()
+    buf = e.allocate_managed_buffer(MiB)
+    assert buf != 0
+    assert e.register_memory(buf + 4096, 4096) == 0
+    assert e.free_managed_buffer(buf, MiB) == -2, "freed under a live registration"
+    # Still the engine's and served: a peer's write lands in live memory.
+    peer = engine()
+    src = local.buffer(64, 0x5A)
+    assert peer.transfer_sync_write(f"127.0.0.1:{e.get_rpc_port()}", src, buf + 4096, 64) == 0
+    assert e.read_bytes_from_buffer(buf + 4096, 64) == b"\x5a" * 64
+    # Taken back: now it frees.
+    assert e.unregister_memory(buf + 4096) == 0
+    assert e.free_managed_buffer(buf, MiB) == 0
