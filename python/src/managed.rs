@@ -215,22 +215,6 @@ impl ManagedBuffers {
         Free::Done
     }
 
-    /// Whether a managed buffer of exactly `len` bytes starts at `addr`.
-    pub(crate) fn is_buffer(&self, addr: usize, len: usize) -> bool {
-        lock(&self.live)
-            .buffers
-            .get(&addr)
-            .is_some_and(|m| m.len == len)
-    }
-
-    /// Whether a batch whose outcome is not final uses the buffer at `addr`.
-    pub(crate) fn in_use(&self, addr: usize) -> bool {
-        lock(&self.live)
-            .buffers
-            .get(&addr)
-            .is_some_and(|m| m.uses > 0)
-    }
-
     /// Counts a batch's use of the managed buffers its local buffers (by
     /// address) lie in.
     #[inline]
