@@ -110,8 +110,11 @@ pub trait OneSided: Clone + 'static {
 
 /// A peer that can be fenced and torn down.
 pub trait FencePeer: Clone + 'static {
-    /// Its address (its identity).
+    /// Its address.
     fn addr(&self) -> SocketAddr;
+    /// Its identity: equal for two handles of one peer, different for two
+    /// peers alive at once (two engines' peers at one address included).
+    fn identity(&self) -> usize;
     /// Remote fence of `batch`.
     fn fence(&self, batch: u64) -> impl Future<Output = Result<(), TransferError>>;
     /// Local teardown.
@@ -158,6 +161,9 @@ macro_rules! one_sided {
             fn addr(&self) -> SocketAddr {
                 <$peer>::addr(self)
             }
+            fn identity(&self) -> usize {
+                <$peer>::identity(self)
+            }
             fn fence(&self, batch: u64) -> impl Future<Output = Result<(), TransferError>> {
                 <$peer>::fence(self, batch)
             }
@@ -201,13 +207,15 @@ pub type RemoteRange = Range<RemoteSegment>;
 /// A range of an RDMA segment.
 pub type RdmaRange = Range<RdmaSegment>;
 
-/// A peer compared by address, for fence bookkeeping.
+/// A peer compared by identity ([`FencePeer::identity`]), for fence
+/// bookkeeping: a fence goes to a session, and two peers at one address
+/// (two engines) are two sessions — fenced, and confirmed, each on its own.
 #[derive(Clone)]
 pub struct Key<P>(pub P);
 
 impl<P: FencePeer> PartialEq for Key<P> {
     fn eq(&self, other: &Self) -> bool {
-        self.0.addr() == other.0.addr()
+        self.0.identity() == other.0.identity()
     }
 }
 
@@ -215,7 +223,7 @@ impl<P: FencePeer> Eq for Key<P> {}
 
 impl<P: FencePeer> Hash for Key<P> {
     fn hash<H: Hasher>(&self, h: &mut H) {
-        self.0.addr().hash(h)
+        self.0.identity().hash(h)
     }
 }
 

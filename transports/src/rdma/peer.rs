@@ -49,9 +49,15 @@ impl RdmaPeer {
         }
     }
 
-    /// The peer's control address (its identity for fences).
+    /// The peer's control address.
     pub fn addr(&self) -> SocketAddr {
         self.inner.tcp.addr()
+    }
+
+    /// What tells this peer apart from every other one alive in the
+    /// process (as [`Peer::identity`](crate::Peer::identity)).
+    pub fn identity(&self) -> usize {
+        Rc::as_ptr(&self.inner) as usize
     }
 
     /// The peer's node name.

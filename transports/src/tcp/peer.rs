@@ -112,6 +112,14 @@ impl Peer {
         self.inner.addr
     }
 
+    /// What tells this peer apart from every other one alive in the
+    /// process (the address of its shared state): every handle of one peer
+    /// has the same, and two peers differ — even two engines' peers at one
+    /// address, which are two sessions at the target, fenced apart.
+    pub fn identity(&self) -> usize {
+        Rc::as_ptr(&self.inner) as usize
+    }
+
     /// Opens the segment named `name` by proving `token` (on the control
     /// connection, then on every data connection, which are connected now
     /// if they are not). The target refuses a wrong token and an unknown
