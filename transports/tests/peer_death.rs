@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use quiesce_runtime::{spawn_local, time, Runtime};
-use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Rights, TransferError};
+use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Rights, Token, TransferError};
 
 const BIG: usize = 64 << 20;
 
@@ -284,5 +284,135 @@ fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
             "took {:?}",
             t0.elapsed()
         );
+    });
+}
+
+/// A fake target that answers every handshake and every auth at once (each
+/// proof with a 1 GiB read-write segment), and answers writes — but while
+/// `hold` is set, stops reading a connection at its next write's header,
+/// so that the initiator's send of that write blocks with its connection's
+/// send lock held.
+fn holding_target(hold: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::net::SocketAddr {
+    use quiesce_transports::wire::{
+        AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, SegmentRef, Status,
+        VERSION,
+    };
+    use std::io::Read;
+    use std::sync::atomic::Ordering;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let hold = hold.clone();
+            std::thread::spawn(move || {
+                let Some(h) = recv_header(&mut s) else { return };
+                let mut p = vec![0u8; h.length as usize];
+                s.read_exact(&mut p).unwrap();
+                let asked = Hello::decode(&p).unwrap().session;
+                let ack = HelloAck {
+                    version: VERSION,
+                    shards: 1,
+                    nonce: [7; 16],
+                    node: "holding".into(),
+                    session: 5,
+                    session_key: if asked == 0 { [3; 16] } else { [0; 16] },
+                }
+                .encode()
+                .unwrap();
+                let hdr = Header {
+                    length: ack.len() as u64,
+                    ..Header::new(Opcode::HelloAck)
+                };
+                send(&mut s, &hdr, &ack);
+                while let Some(h) = recv_header(&mut s) {
+                    if h.op == Opcode::Write {
+                        while hold.load(Ordering::SeqCst) {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                    let mut p = vec![0u8; h.length as usize];
+                    if s.read_exact(&mut p).is_err() {
+                        return;
+                    }
+                    match h.op {
+                        Opcode::Auth => {
+                            let req = AuthRequest::decode(&p).unwrap();
+                            // A segment by any name, its id its first byte.
+                            let seg = |r: &SegmentRef| {
+                                let (id, name) = match r {
+                                    SegmentRef::Name(n) => (n.as_bytes()[0] as u64, n.clone()),
+                                    SegmentRef::Id(id) => (*id, String::new()),
+                                    _ => (1, String::new()),
+                                };
+                                Descriptor {
+                                    id,
+                                    name,
+                                    len: 1 << 30,
+                                    base: 0x1000,
+                                    rights: Rights::READ | Rights::WRITE,
+                                    endpoints: vec![addr],
+                                }
+                            };
+                            let ack = AuthAck {
+                                results: req
+                                    .proofs
+                                    .iter()
+                                    .map(|(r, _)| (Status::Ok, Some(seg(r))))
+                                    .collect(),
+                            }
+                            .encode()
+                            .unwrap();
+                            let hdr = Header {
+                                length: ack.len() as u64,
+                                ..Header::new(Opcode::AuthAck)
+                            };
+                            send(&mut s, &hdr, &ack);
+                        }
+                        Opcode::Write => {
+                            let hdr = Header {
+                                op: Opcode::Status,
+                                flags: Status::Ok as u8,
+                                ..h
+                            };
+                            send(&mut s, &hdr, &[]);
+                        }
+                        _ => {}
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// An `open` given up while it waited for a data connection's send lock
+/// (a large write held it) sent no `Auth` there: it must leave no answer
+/// slot behind, or the next open's answer fills the dead slot and that
+/// open (and every later one) waits for the wrong answer.
+#[test]
+fn an_open_given_up_behind_a_write_leaves_the_next_open_its_answer() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let hold = std::sync::Arc::new(AtomicBool::new(false));
+    let addr = holding_target(hold.clone());
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(tcp()).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let kv = peer.open("kv", Token::random()).await.unwrap();
+        hold.store(true, Ordering::SeqCst);
+        let write = spawn_local(async move { kv.write(0, vec![1u8; BIG], 1).await.0 });
+        time::sleep(Duration::from_millis(100)).await;
+        let given_up =
+            time::timeout(Duration::from_millis(100), peer.open("b", Token::random())).await;
+        assert!(given_up.is_err(), "the open did not wait behind the write");
+        hold.store(false, Ordering::SeqCst);
+        assert_eq!(write.await.unwrap().unwrap(), BIG as u64);
+        let next = time::timeout(Duration::from_secs(2), peer.open("c", Token::random())).await;
+        match next {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => panic!("the next open failed: {e}"),
+            Err(_) => panic!("the next open got no answer within 2 s"),
+        }
+        e.shutdown();
     });
 }

@@ -321,15 +321,20 @@ impl Conn {
         }
         .encode()?;
         let result = slot();
+        // Queued under the send lock, right before the frame: answers come
+        // in the order frames went, and a caller that gives up while it
+        // waits for the lock leaves no slot behind (the next auth's answer
+        // would fill it).
+        let mut g = self.send_guard().await;
         {
             let mut st = self.state.borrow_mut();
             if st.dead.is_some() {
                 drop(st);
+                g.complete = true;
                 return Err(self.lost());
             }
             st.auths.push_back(result.clone());
         }
-        let mut g = self.send_guard().await;
         let r = send_frame(
             &self.stream,
             &Header {
@@ -358,15 +363,17 @@ impl Conn {
     pub(crate) async fn qp_connect(&self, req: QpConnect) -> Result<QpAccept, TransferError> {
         let payload = req.encode();
         let result = slot();
+        // Queued under the send lock, as `auth`'s.
+        let mut g = self.send_guard().await;
         {
             let mut st = self.state.borrow_mut();
             if st.dead.is_some() {
                 drop(st);
+                g.complete = true;
                 return Err(self.lost());
             }
             st.qp_accepts.push_back(result.clone());
         }
-        let mut g = self.send_guard().await;
         let r = send_frame(
             &self.stream,
             &Header {
