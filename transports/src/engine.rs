@@ -93,6 +93,13 @@ impl Drop for LastHandle {
 
 /// Refuses settings no engine can run with.
 fn check(config: &EngineConfig) -> io::Result<()> {
+    if config.connections_per_peer == 0 {
+        // Slices go on the data connections: at least one.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "connections_per_peer must be at least 1",
+        ));
+    }
     if config.slice_size == 0 || config.slice_size as u64 > config.max_frame {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,

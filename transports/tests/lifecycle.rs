@@ -62,3 +62,34 @@ fn two_connects_at_once_make_one_peer() {
         target.shutdown();
     });
 }
+
+/// A configuration that cannot work is refused at bind, with what is
+/// wrong — not a panic at the first transfer.
+#[test]
+fn an_engine_config_that_cannot_work_is_refused_at_bind() {
+    quiesce_runtime::Runtime::new().unwrap().block_on(async {
+        for (cfg, why) in [
+            (
+                EngineConfig {
+                    connections_per_peer: 0,
+                    ..Default::default()
+                },
+                "connections_per_peer",
+            ),
+            (
+                EngineConfig {
+                    slice_size: 0,
+                    ..Default::default()
+                },
+                "slice_size",
+            ),
+        ] {
+            let e = quiesce_transports::Engine::bind(cfg.clone())
+                .err()
+                .unwrap_or_else(|| panic!("bound with {why} 0"));
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+            assert!(e.to_string().contains(why), "{e}");
+            assert!(quiesce_transports::Engine::initiator(cfg).is_err());
+        }
+    });
+}
