@@ -288,11 +288,16 @@ fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
 }
 
 /// A fake target that answers every handshake and every auth at once (each
-/// proof with a 1 GiB read-write segment), and answers writes — but while
+/// proof with a 1 GiB read-write segment), fences, and writes — but while
 /// `hold` is set, stops reading a connection at its next write's header,
 /// so that the initiator's send of that write blocks with its connection's
-/// send lock held.
-fn holding_target(hold: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::net::SocketAddr {
+/// send lock held. With `lure`, it also sends, while it holds, the header
+/// and first byte of a `ReadData` for the request after that write — one
+/// the initiator has not sent — and the rest after the write.
+fn holding_target(
+    hold: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    lure: bool,
+) -> std::net::SocketAddr {
     use quiesce_transports::wire::{
         AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, SegmentRef, Status,
         VERSION,
@@ -326,7 +331,20 @@ fn holding_target(hold: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::n
                 };
                 send(&mut s, &hdr, &ack);
                 while let Some(h) = recv_header(&mut s) {
-                    if h.op == Opcode::Write {
+                    let mut lured = false;
+                    if h.op == Opcode::Write && hold.load(Ordering::SeqCst) {
+                        if lure {
+                            // After the initiator registered its next request.
+                            std::thread::sleep(Duration::from_millis(150));
+                            let rd = Header {
+                                op: Opcode::ReadData,
+                                task: h.task + 1,
+                                length: 4096,
+                                ..h
+                            };
+                            send(&mut s, &rd, &[0x66]);
+                            lured = true;
+                        }
                         while hold.load(Ordering::SeqCst) {
                             std::thread::sleep(Duration::from_millis(1));
                         }
@@ -334,6 +352,13 @@ fn holding_target(hold: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::n
                     let mut p = vec![0u8; h.length as usize];
                     if s.read_exact(&mut p).is_err() {
                         return;
+                    }
+                    if lured {
+                        std::thread::sleep(Duration::from_millis(100));
+                        use std::io::Write;
+                        if s.write_all(&[0x66; 4095]).is_err() {
+                            return;
+                        }
                     }
                     match h.op {
                         Opcode::Auth => {
@@ -377,6 +402,14 @@ fn holding_target(hold: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::n
                             };
                             send(&mut s, &hdr, &[]);
                         }
+                        Opcode::Fence => {
+                            let hdr = Header {
+                                op: Opcode::FenceAck,
+                                offset: 0,
+                                ..h
+                            };
+                            send(&mut s, &hdr, &[]);
+                        }
                         _ => {}
                     }
                 }
@@ -394,7 +427,7 @@ fn holding_target(hold: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::n
 fn an_open_given_up_behind_a_write_leaves_the_next_open_its_answer() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let hold = std::sync::Arc::new(AtomicBool::new(false));
-    let addr = holding_target(hold.clone());
+    let addr = holding_target(hold.clone(), false);
     Runtime::new().unwrap().block_on(async {
         let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(addr).await.unwrap();
@@ -413,6 +446,48 @@ fn an_open_given_up_behind_a_write_leaves_the_next_open_its_answer() {
             Ok(Err(e)) => panic!("the next open failed: {e}"),
             Err(_) => panic!("the next open got no answer within 2 s"),
         }
+        e.shutdown();
+    });
+}
+
+/// A target that answers a read the initiator has not sent yet (a hostile
+/// one, guessing the next request id) while that read waits for its send
+/// lock, and trickles the bytes. The read then gives up unsent (its batch
+/// was fenced meanwhile): it must come back with an error once the reader
+/// let go of its buffer — not panic, and not return while the reader still
+/// writes into the buffer.
+#[test]
+fn a_read_answered_before_it_was_sent_ends_in_an_error_not_a_panic() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let hold = std::sync::Arc::new(AtomicBool::new(false));
+    let addr = holding_target(hold.clone(), true);
+    Runtime::new().unwrap().block_on(async {
+        let cfg = EngineConfig {
+            connections_per_peer: 1,
+            slice_size: BIG,
+            max_frame: BIG as u64,
+            ..tcp()
+        };
+        let e = Engine::bind(cfg).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let kv = peer.open("kv", Token::random()).await.unwrap();
+        hold.store(true, Ordering::SeqCst);
+        let w = kv.clone();
+        let write = spawn_local(async move { w.write(0, vec![1u8; BIG], 1).await.0 });
+        time::sleep(Duration::from_millis(50)).await;
+        let r = kv.clone();
+        let read = spawn_local(async move { r.read(0, 4096, vec![0u8; 4096], 9).await.0 });
+        time::sleep(Duration::from_millis(250)).await;
+        peer.fence(9).await.unwrap();
+        hold.store(false, Ordering::SeqCst);
+        let read = time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("the read never ended");
+        assert!(
+            read.expect("the read panicked").is_err(),
+            "an unsent read succeeded"
+        );
+        assert_eq!(write.await.unwrap().unwrap(), BIG as u64);
         e.shutdown();
     });
 }

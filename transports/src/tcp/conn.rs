@@ -552,6 +552,22 @@ impl Conn {
         let id = self.new_id();
         let result = self.reply();
         let len = part.len() as u64;
+        let h = Header {
+            batch,
+            task: id,
+            segment,
+            offset,
+            length: len,
+            ..Header::new(Opcode::Read)
+        };
+        let mut g = self.send_guard().await;
+        // Registered under the send lock, right before the frame: until
+        // then no answer can name it (one that did came from a target
+        // answering what it was never asked).
+        if self.fenced.borrow().contains(&batch) {
+            g.complete = true;
+            return Err(TransferError::Fenced);
+        }
         if self
             .register(
                 id,
@@ -562,27 +578,21 @@ impl Conn {
             )
             .is_err()
         {
+            g.complete = true;
             return Err(self.lost());
-        }
-        let h = Header {
-            batch,
-            task: id,
-            segment,
-            offset,
-            length: len,
-            ..Header::new(Opcode::Read)
-        };
-        let mut g = self.send_guard().await;
-        if self.fenced_locally(&mut g, id, batch) {
-            return Err(TransferError::Fenced);
         }
         let sent = send_frame(&self.stream, &h, &[]).await;
         g.complete = sent.is_ok();
         drop(g);
         if let Err(e) = sent {
-            // Dropping the pending entry drops the destination part.
-            self.state.borrow_mut().pending.remove(&id);
+            // Dropping the pending entry drops the destination part — unless
+            // the reader took it (an answer to a frame not fully sent): then
+            // the part comes back with the result, which the kill fills.
+            let ours = self.state.borrow_mut().pending.remove(&id).is_some();
             self.kill(&e.to_string());
+            if !ours {
+                let _ = self.answer(result).await;
+            }
             return Err(self.lost());
         }
         self.answer(result).await
