@@ -475,9 +475,6 @@ impl Conn {
     ) -> (Result<u64, TransferError>, Option<Part<B>>) {
         let id = self.new_id();
         let result = self.reply();
-        if self.register(id, Pending::Write(result.clone())).is_err() {
-            return (Err(self.lost()), payload.into_part());
-        }
         let h = Header {
             batch,
             task: id,
@@ -487,6 +484,12 @@ impl Conn {
             ..Header::new(Opcode::Write)
         };
         let mut g = self.send_guard().await;
+        // Registered under the send lock, as a read's: a write given up
+        // while it waits for the lock leaves no entry behind.
+        if self.register(id, Pending::Write(result.clone())).is_err() {
+            g.complete = true;
+            return (Err(self.lost()), payload.into_part());
+        }
         if self.fenced_locally(&mut g, id, batch) {
             return (Err(TransferError::Fenced), payload.into_part());
         }
