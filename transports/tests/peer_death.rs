@@ -491,3 +491,34 @@ fn a_read_answered_before_it_was_sent_ends_in_an_error_not_a_panic() {
         e.shutdown();
     });
 }
+
+/// A reconnect given up mid-handshake (its transfer dropped while the
+/// target had not answered the auth) must close the connection it made:
+/// nothing else can reach it, and left open it would count as a carrier of
+/// every batch fenced while it lives.
+#[test]
+fn a_reconnect_given_up_mid_handshake_closes_its_connection() {
+    let mute = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let addr = muting_target(mute.clone());
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(tcp()).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let kv = peer.open("kv", Token::random()).await.unwrap();
+        mute.store(true, std::sync::atomic::Ordering::SeqCst);
+        peer.abort();
+        let given_up =
+            time::timeout(Duration::from_millis(200), kv.write(0, vec![1u8; 4096], 1)).await;
+        assert!(
+            given_up.is_err(),
+            "the write did not wait for the reconnect"
+        );
+        time::sleep(Duration::from_millis(300)).await;
+        const ESTABLISHED: u8 = 1;
+        let open: Vec<_> = sockets_to(addr.port())
+            .into_iter()
+            .filter(|&(state, _)| state == ESTABLISHED)
+            .collect();
+        assert!(open.is_empty(), "connections left open: {open:?}");
+        e.shutdown();
+    });
+}

@@ -236,6 +236,9 @@ impl Peer {
             TransferError::Handshake(h) => TransferError::ConnectionLost(h.reason),
             e => e,
         })?;
+        // Until it is installed nothing else can reach it: a reconnect
+        // given up from here on (its transfer dropped, an error) closes it.
+        let mut unfinished = Unfinished(Some(c.clone()));
         // Another node now answers at the address (the peer restarted under
         // another name, or a stale directory entry's address was taken):
         // what was proven was proven to the node that is gone.
@@ -299,6 +302,7 @@ impl Peer {
             c.abort();
             return Err(shut_down());
         }
+        unfinished.0 = None;
         self.inner.conns.borrow_mut()[i] = Some(c.clone());
         Ok(c)
     }
@@ -459,4 +463,16 @@ fn check_auth(ids: &[u64], results: &[(Status, Option<Descriptor>)]) -> Result<(
         }
     }
     Ok(())
+}
+
+/// A connection a reconnect made and has not installed: closed if the
+/// reconnect ends any other way.
+struct Unfinished(Option<Rc<Conn>>);
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.kill("the reconnect was given up");
+        }
+    }
 }
