@@ -522,3 +522,146 @@ fn a_reconnect_given_up_mid_handshake_closes_its_connection() {
         e.shutdown();
     });
 }
+
+/// A fake target that keeps, per connection, the segment ids proven on it
+/// (a name's id is its first byte), and refuses a write to any other
+/// (`Forbidden`), as a real target does. With `drop_next_write` set it
+/// closes the connection a write arrives on (once); with `slow_new` set,
+/// connections accepted from then on get their auth answers 300 ms late.
+fn proving_target(
+    drop_next_write: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    slow_new: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::net::SocketAddr {
+    use quiesce_transports::wire::{
+        AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, SegmentRef, Status,
+        VERSION,
+    };
+    use std::io::Read;
+    use std::sync::atomic::Ordering;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let drop_next_write = drop_next_write.clone();
+            let slow = slow_new.load(Ordering::SeqCst);
+            std::thread::spawn(move || {
+                let Some(h) = recv_header(&mut s) else { return };
+                let mut p = vec![0u8; h.length as usize];
+                s.read_exact(&mut p).unwrap();
+                let asked = Hello::decode(&p).unwrap().session;
+                let ack = HelloAck {
+                    version: VERSION,
+                    shards: 1,
+                    nonce: [7; 16],
+                    node: "proving".into(),
+                    session: 5,
+                    session_key: if asked == 0 { [3; 16] } else { [0; 16] },
+                }
+                .encode()
+                .unwrap();
+                let hdr = Header {
+                    length: ack.len() as u64,
+                    ..Header::new(Opcode::HelloAck)
+                };
+                send(&mut s, &hdr, &ack);
+                let mut proven = std::collections::HashSet::new();
+                while let Some(h) = recv_header(&mut s) {
+                    if h.op == Opcode::Write && drop_next_write.swap(false, Ordering::SeqCst) {
+                        return;
+                    }
+                    let mut p = vec![0u8; h.length as usize];
+                    if s.read_exact(&mut p).is_err() {
+                        return;
+                    }
+                    match h.op {
+                        Opcode::Auth => {
+                            if slow {
+                                std::thread::sleep(Duration::from_millis(300));
+                            }
+                            let req = AuthRequest::decode(&p).unwrap();
+                            let results = req
+                                .proofs
+                                .iter()
+                                .map(|(r, _)| {
+                                    let (id, name) = match r {
+                                        SegmentRef::Name(n) => (n.as_bytes()[0] as u64, n.clone()),
+                                        SegmentRef::Id(id) => (*id, String::new()),
+                                        _ => (1, String::new()),
+                                    };
+                                    proven.insert(id);
+                                    let d = Descriptor {
+                                        id,
+                                        name,
+                                        len: 1 << 20,
+                                        base: 0x1000,
+                                        rights: Rights::READ | Rights::WRITE,
+                                        endpoints: vec![addr],
+                                    };
+                                    (Status::Ok, Some(d))
+                                })
+                                .collect();
+                            let ack = AuthAck { results }.encode().unwrap();
+                            let hdr = Header {
+                                length: ack.len() as u64,
+                                ..Header::new(Opcode::AuthAck)
+                            };
+                            send(&mut s, &hdr, &ack);
+                        }
+                        Opcode::Write => {
+                            let st = match proven.contains(&h.segment) {
+                                true => Status::Ok,
+                                false => Status::Forbidden,
+                            };
+                            let hdr = Header {
+                                op: Opcode::Status,
+                                flags: st as u8,
+                                ..h
+                            };
+                            send(&mut s, &hdr, &[]);
+                        }
+                        _ => {}
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// An open that runs while a data connection is being reconnected (its
+/// re-proof of the segments opened so far still unanswered) must end with
+/// its segment proven on that connection too: the reconnect proves what
+/// was opened meanwhile before it installs the connection.
+#[test]
+fn an_open_during_a_reconnect_is_proven_on_the_new_connection() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let drop_next_write = std::sync::Arc::new(AtomicBool::new(false));
+    let slow_new = std::sync::Arc::new(AtomicBool::new(false));
+    let addr = proving_target(drop_next_write.clone(), slow_new.clone());
+    Runtime::new().unwrap().block_on(async {
+        let cfg = EngineConfig {
+            connections_per_peer: 1,
+            ..tcp()
+        };
+        let e = Engine::bind(cfg).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let a = peer.open("a", Token::random()).await.unwrap();
+        assert!(a.write(0, vec![1u8; 64], 1).await.0.is_ok());
+        // The data connection dies; its reconnect's re-proof is slow.
+        drop_next_write.store(true, Ordering::SeqCst);
+        assert!(a.write(0, vec![1u8; 64], 2).await.0.is_err());
+        slow_new.store(true, Ordering::SeqCst);
+        let a2 = a.clone();
+        let again = spawn_local(async move { a2.write(0, vec![1u8; 64], 3).await.0 });
+        time::sleep(Duration::from_millis(50)).await;
+        let b = peer.open("b", Token::random()).await.unwrap();
+        assert!(again.await.unwrap().is_ok());
+        let (res, _) = b.write(0, vec![2u8; 64], 4).await;
+        assert!(
+            res.is_ok(),
+            "b was not proven on the reconnected connection: {res:?}"
+        );
+        e.shutdown();
+    });
+}

@@ -297,6 +297,36 @@ impl Peer {
             let p = &self.inner.params;
             attach_data(&c, p, &self.inner.target).await?;
         }
+        // Opened while this connection was set up (an open that found no
+        // live connection here waits for this one): proven here too before
+        // it is installed, until a look finds nothing new.
+        let mut proven: Vec<u64> = tokens.iter().map(|t| t.0).collect();
+        loop {
+            let more: Vec<(u64, Token)> = self
+                .inner
+                .opened
+                .borrow()
+                .iter()
+                .filter(|(id, _)| !proven.contains(id))
+                .map(|(k, v)| (*k, *v))
+                .collect();
+            if more.is_empty() {
+                break;
+            }
+            proven.extend(more.iter().map(|m| m.0));
+            let limit = self.inner.params.connect_timeout;
+            match timeout(limit, reprove(&c, &more)).await {
+                // One refused now is refused to its transfers, as above.
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(TransferError::ConnectionLost(format!(
+                        "reconnecting to {}: no auth ack within {limit:?}",
+                        self.inner.addr
+                    )))
+                }
+            }
+        }
         // Shut down during the handshake: close() did not see this one.
         if self.inner.closed.get() {
             c.abort();
