@@ -4,10 +4,16 @@
 
 mod common;
 
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::fake::{accept_auth, ack_fence, answer, fake_target, payload};
 use common::*;
 use quiesce_runtime::{spawn_local, time, Runtime};
+use quiesce_transports::wire::{Header, Opcode, Status};
 use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Rights, Token, TransferError};
 
 const BIG: usize = 64 << 20;
@@ -179,78 +185,18 @@ fn abort_discards_what_the_sockets_still_hold() {
 /// A fake target that completes every handshake until `mute` is set, and
 /// after that answers a new connection's hello but never its auth: a target
 /// that hangs between the two steps of a reconnect.
-fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::net::SocketAddr {
-    use quiesce_transports::wire::{
-        AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, Status, VERSION,
-    };
-    use std::io::Read;
-    use std::sync::atomic::Ordering;
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { return };
-            let mute = mute.clone();
-            std::thread::spawn(move || {
-                let silent = mute.load(Ordering::SeqCst);
-                let Some(h) = recv_header(&mut s) else { return };
-                let mut p = vec![0u8; h.length as usize];
-                s.read_exact(&mut p).unwrap();
-                // One session, 5, whose key it never checks: a new one for a
-                // hello that asks for none, joined otherwise.
-                let asked = Hello::decode(&p).unwrap().session;
-                let ack = HelloAck {
-                    version: VERSION,
-                    shards: 1,
-                    nonce: [7; 16],
-                    node: "muting".into(),
-                    session: 5,
-                    session_key: if asked == 0 { [3; 16] } else { [0; 16] },
-                }
-                .encode()
-                .unwrap();
-                let hdr = Header {
-                    length: ack.len() as u64,
-                    ..Header::new(Opcode::HelloAck)
-                };
-                send(&mut s, &hdr, &ack);
-                // Serve auth requests (or, muted, hold the connection open
-                // without a word); everything else is read and ignored.
-                while let Some(h) = recv_header(&mut s) {
-                    let mut p = vec![0u8; h.length as usize];
-                    if s.read_exact(&mut p).is_err() {
-                        return;
-                    }
-                    if h.op == Opcode::Auth && !silent {
-                        let req = AuthRequest::decode(&p).unwrap();
-                        let kv = Descriptor {
-                            id: 1,
-                            name: "kv".into(),
-                            len: 1 << 20,
-                            base: 0x1000,
-                            rights: Rights::READ | Rights::WRITE,
-                            endpoints: vec![addr],
-                        };
-                        let ack = AuthAck {
-                            results: req
-                                .proofs
-                                .iter()
-                                .map(|_| (Status::Ok, Some(kv.clone())))
-                                .collect(),
-                        }
-                        .encode()
-                        .unwrap();
-                        let hdr = Header {
-                            length: ack.len() as u64,
-                            ..Header::new(Opcode::AuthAck)
-                        };
-                        send(&mut s, &hdr, &ack);
-                    }
-                }
-            });
+fn muting_target(mute: Arc<AtomicBool>) -> SocketAddr {
+    fake_target("muting", move |mut s, addr| {
+        let silent = mute.load(Ordering::SeqCst);
+        // Serve auth requests (or, muted, hold the connection open without
+        // a word); everything else is read and ignored.
+        while let Some(h) = recv_header(&mut s) {
+            let Some(p) = payload(&mut s, &h) else { return };
+            if h.op == Opcode::Auth && !silent {
+                accept_auth(&mut s, &p, addr, |_| {});
+            }
         }
-    });
-    addr
+    })
 }
 
 /// The teardown's `Peer::abort` makes the next transfer reconnect; a target
@@ -259,7 +205,7 @@ fn muting_target(mute: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::ne
 /// bounded by the connect timeout.
 #[test]
 fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
-    let mute = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mute = Arc::new(AtomicBool::new(false));
     let addr = muting_target(mute.clone());
     Runtime::new().unwrap().block_on(async {
         let cfg = EngineConfig {
@@ -272,7 +218,7 @@ fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
             .open("kv", quiesce_transports::Token::random())
             .await
             .unwrap();
-        mute.store(true, std::sync::atomic::Ordering::SeqCst);
+        mute.store(true, Ordering::SeqCst);
         peer.abort();
         let t0 = Instant::now();
         let out = time::timeout(Duration::from_secs(3), kv.write(0, vec![1u8; 4096], 1)).await;
@@ -287,136 +233,45 @@ fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
     });
 }
 
-/// A fake target that answers every handshake and every auth at once (each
-/// proof with a 1 GiB read-write segment), fences, and writes — but while
+/// A fake target that answers every auth, fence and write — but while
 /// `hold` is set, stops reading a connection at its next write's header,
 /// so that the initiator's send of that write blocks with its connection's
 /// send lock held. With `lure`, it also sends, while it holds, the header
 /// and first byte of a `ReadData` for the request after that write — one
 /// the initiator has not sent — and the rest after the write.
-fn holding_target(
-    hold: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    lure: bool,
-) -> std::net::SocketAddr {
-    use quiesce_transports::wire::{
-        AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, SegmentRef, Status,
-        VERSION,
-    };
-    use std::io::Read;
-    use std::sync::atomic::Ordering;
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { return };
-            let hold = hold.clone();
-            std::thread::spawn(move || {
-                let Some(h) = recv_header(&mut s) else { return };
-                let mut p = vec![0u8; h.length as usize];
-                s.read_exact(&mut p).unwrap();
-                let asked = Hello::decode(&p).unwrap().session;
-                let ack = HelloAck {
-                    version: VERSION,
-                    shards: 1,
-                    nonce: [7; 16],
-                    node: "holding".into(),
-                    session: 5,
-                    session_key: if asked == 0 { [3; 16] } else { [0; 16] },
-                }
-                .encode()
-                .unwrap();
-                let hdr = Header {
-                    length: ack.len() as u64,
-                    ..Header::new(Opcode::HelloAck)
+fn holding_target(hold: Arc<AtomicBool>, lure: bool) -> SocketAddr {
+    fake_target("holding", move |mut s, addr| {
+        while let Some(h) = recv_header(&mut s) {
+            let lured = h.op == Opcode::Write && hold.load(Ordering::SeqCst) && lure;
+            if lured {
+                // After the initiator registered its next request.
+                std::thread::sleep(Duration::from_millis(150));
+                let rd = Header {
+                    op: Opcode::ReadData,
+                    task: h.task + 1,
+                    length: 4096,
+                    ..h
                 };
-                send(&mut s, &hdr, &ack);
-                while let Some(h) = recv_header(&mut s) {
-                    let mut lured = false;
-                    if h.op == Opcode::Write && hold.load(Ordering::SeqCst) {
-                        if lure {
-                            // After the initiator registered its next request.
-                            std::thread::sleep(Duration::from_millis(150));
-                            let rd = Header {
-                                op: Opcode::ReadData,
-                                task: h.task + 1,
-                                length: 4096,
-                                ..h
-                            };
-                            send(&mut s, &rd, &[0x66]);
-                            lured = true;
-                        }
-                        while hold.load(Ordering::SeqCst) {
-                            std::thread::sleep(Duration::from_millis(1));
-                        }
-                    }
-                    let mut p = vec![0u8; h.length as usize];
-                    if s.read_exact(&mut p).is_err() {
-                        return;
-                    }
-                    if lured {
-                        std::thread::sleep(Duration::from_millis(100));
-                        use std::io::Write;
-                        if s.write_all(&[0x66; 4095]).is_err() {
-                            return;
-                        }
-                    }
-                    match h.op {
-                        Opcode::Auth => {
-                            let req = AuthRequest::decode(&p).unwrap();
-                            // A segment by any name, its id its first byte.
-                            let seg = |r: &SegmentRef| {
-                                let (id, name) = match r {
-                                    SegmentRef::Name(n) => (n.as_bytes()[0] as u64, n.clone()),
-                                    SegmentRef::Id(id) => (*id, String::new()),
-                                    _ => (1, String::new()),
-                                };
-                                Descriptor {
-                                    id,
-                                    name,
-                                    len: 1 << 30,
-                                    base: 0x1000,
-                                    rights: Rights::READ | Rights::WRITE,
-                                    endpoints: vec![addr],
-                                }
-                            };
-                            let ack = AuthAck {
-                                results: req
-                                    .proofs
-                                    .iter()
-                                    .map(|(r, _)| (Status::Ok, Some(seg(r))))
-                                    .collect(),
-                            }
-                            .encode()
-                            .unwrap();
-                            let hdr = Header {
-                                length: ack.len() as u64,
-                                ..Header::new(Opcode::AuthAck)
-                            };
-                            send(&mut s, &hdr, &ack);
-                        }
-                        Opcode::Write => {
-                            let hdr = Header {
-                                op: Opcode::Status,
-                                flags: Status::Ok as u8,
-                                ..h
-                            };
-                            send(&mut s, &hdr, &[]);
-                        }
-                        Opcode::Fence => {
-                            let hdr = Header {
-                                op: Opcode::FenceAck,
-                                offset: 0,
-                                ..h
-                            };
-                            send(&mut s, &hdr, &[]);
-                        }
-                        _ => {}
-                    }
+                send(&mut s, &rd, &[0x66]);
+            }
+            while h.op == Opcode::Write && hold.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let Some(p) = payload(&mut s, &h) else { return };
+            if lured {
+                std::thread::sleep(Duration::from_millis(100));
+                if s.write_all(&[0x66; 4095]).is_err() {
+                    return;
                 }
-            });
+            }
+            match h.op {
+                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
+                Opcode::Write => answer(&mut s, &h, Status::Ok),
+                Opcode::Fence => ack_fence(&mut s, &h),
+                _ => {}
+            }
         }
-    });
-    addr
+    })
 }
 
 /// An `open` given up while it waited for a data connection's send lock
@@ -425,8 +280,7 @@ fn holding_target(
 /// open (and every later one) waits for the wrong answer.
 #[test]
 fn an_open_given_up_behind_a_write_leaves_the_next_open_its_answer() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let hold = std::sync::Arc::new(AtomicBool::new(false));
+    let hold = Arc::new(AtomicBool::new(false));
     let addr = holding_target(hold.clone(), false);
     Runtime::new().unwrap().block_on(async {
         let e = Engine::bind(tcp()).unwrap();
@@ -458,8 +312,7 @@ fn an_open_given_up_behind_a_write_leaves_the_next_open_its_answer() {
 /// writes into the buffer.
 #[test]
 fn a_read_answered_before_it_was_sent_ends_in_an_error_not_a_panic() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let hold = std::sync::Arc::new(AtomicBool::new(false));
+    let hold = Arc::new(AtomicBool::new(false));
     let addr = holding_target(hold.clone(), true);
     Runtime::new().unwrap().block_on(async {
         let cfg = EngineConfig {
@@ -498,13 +351,13 @@ fn a_read_answered_before_it_was_sent_ends_in_an_error_not_a_panic() {
 /// every batch fenced while it lives.
 #[test]
 fn a_reconnect_given_up_mid_handshake_closes_its_connection() {
-    let mute = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mute = Arc::new(AtomicBool::new(false));
     let addr = muting_target(mute.clone());
     Runtime::new().unwrap().block_on(async {
         let e = Engine::bind(tcp()).unwrap();
         let peer = e.connect(addr).await.unwrap();
         let kv = peer.open("kv", Token::random()).await.unwrap();
-        mute.store(true, std::sync::atomic::Ordering::SeqCst);
+        mute.store(true, Ordering::SeqCst);
         peer.abort();
         let given_up =
             time::timeout(Duration::from_millis(200), kv.write(0, vec![1u8; 4096], 1)).await;
@@ -524,109 +377,36 @@ fn a_reconnect_given_up_mid_handshake_closes_its_connection() {
 }
 
 /// A fake target that keeps, per connection, the segment ids proven on it
-/// (a name's id is its first byte), and refuses a write to any other
-/// (`Forbidden`), as a real target does. With `drop_next_write` set it
-/// closes the connection a write arrives on (once); with `slow_new` set,
-/// connections accepted from then on get their auth answers 300 ms late.
-fn proving_target(
-    drop_next_write: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    slow_new: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> std::net::SocketAddr {
-    use quiesce_transports::wire::{
-        AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, SegmentRef, Status,
-        VERSION,
-    };
-    use std::io::Read;
-    use std::sync::atomic::Ordering;
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { return };
-            let drop_next_write = drop_next_write.clone();
-            let slow = slow_new.load(Ordering::SeqCst);
-            std::thread::spawn(move || {
-                let Some(h) = recv_header(&mut s) else { return };
-                let mut p = vec![0u8; h.length as usize];
-                s.read_exact(&mut p).unwrap();
-                let asked = Hello::decode(&p).unwrap().session;
-                let ack = HelloAck {
-                    version: VERSION,
-                    shards: 1,
-                    nonce: [7; 16],
-                    node: "proving".into(),
-                    session: 5,
-                    session_key: if asked == 0 { [3; 16] } else { [0; 16] },
+/// and refuses a write to any other (`Forbidden`), as a real target does.
+/// With `drop_next_write` set it closes the connection a write arrives on
+/// (once); with `slow_new` set, connections opened from then on get their
+/// auth answers 300 ms late.
+fn proving_target(drop_next_write: Arc<AtomicBool>, slow_new: Arc<AtomicBool>) -> SocketAddr {
+    fake_target("proving", move |mut s, addr| {
+        let slow = slow_new.load(Ordering::SeqCst);
+        let mut proven = std::collections::HashSet::new();
+        while let Some(h) = recv_header(&mut s) {
+            if h.op == Opcode::Write && drop_next_write.swap(false, Ordering::SeqCst) {
+                return;
+            }
+            let Some(p) = payload(&mut s, &h) else { return };
+            match h.op {
+                Opcode::Auth => {
+                    if slow {
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                    accept_auth(&mut s, &p, addr, |id| {
+                        proven.insert(id);
+                    });
                 }
-                .encode()
-                .unwrap();
-                let hdr = Header {
-                    length: ack.len() as u64,
-                    ..Header::new(Opcode::HelloAck)
-                };
-                send(&mut s, &hdr, &ack);
-                let mut proven = std::collections::HashSet::new();
-                while let Some(h) = recv_header(&mut s) {
-                    if h.op == Opcode::Write && drop_next_write.swap(false, Ordering::SeqCst) {
-                        return;
-                    }
-                    let mut p = vec![0u8; h.length as usize];
-                    if s.read_exact(&mut p).is_err() {
-                        return;
-                    }
-                    match h.op {
-                        Opcode::Auth => {
-                            if slow {
-                                std::thread::sleep(Duration::from_millis(300));
-                            }
-                            let req = AuthRequest::decode(&p).unwrap();
-                            let results = req
-                                .proofs
-                                .iter()
-                                .map(|(r, _)| {
-                                    let (id, name) = match r {
-                                        SegmentRef::Name(n) => (n.as_bytes()[0] as u64, n.clone()),
-                                        SegmentRef::Id(id) => (*id, String::new()),
-                                        _ => (1, String::new()),
-                                    };
-                                    proven.insert(id);
-                                    let d = Descriptor {
-                                        id,
-                                        name,
-                                        len: 1 << 20,
-                                        base: 0x1000,
-                                        rights: Rights::READ | Rights::WRITE,
-                                        endpoints: vec![addr],
-                                    };
-                                    (Status::Ok, Some(d))
-                                })
-                                .collect();
-                            let ack = AuthAck { results }.encode().unwrap();
-                            let hdr = Header {
-                                length: ack.len() as u64,
-                                ..Header::new(Opcode::AuthAck)
-                            };
-                            send(&mut s, &hdr, &ack);
-                        }
-                        Opcode::Write => {
-                            let st = match proven.contains(&h.segment) {
-                                true => Status::Ok,
-                                false => Status::Forbidden,
-                            };
-                            let hdr = Header {
-                                op: Opcode::Status,
-                                flags: st as u8,
-                                ..h
-                            };
-                            send(&mut s, &hdr, &[]);
-                        }
-                        _ => {}
-                    }
-                }
-            });
+                Opcode::Write => match proven.contains(&h.segment) {
+                    true => answer(&mut s, &h, Status::Ok),
+                    false => answer(&mut s, &h, Status::Forbidden),
+                },
+                _ => {}
+            }
         }
-    });
-    addr
+    })
 }
 
 /// An open that runs while a data connection is being reconnected (its
@@ -635,9 +415,8 @@ fn proving_target(
 /// was opened meanwhile before it installs the connection.
 #[test]
 fn an_open_during_a_reconnect_is_proven_on_the_new_connection() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let drop_next_write = std::sync::Arc::new(AtomicBool::new(false));
-    let slow_new = std::sync::Arc::new(AtomicBool::new(false));
+    let drop_next_write = Arc::new(AtomicBool::new(false));
+    let slow_new = Arc::new(AtomicBool::new(false));
     let addr = proving_target(drop_next_write.clone(), slow_new.clone());
     Runtime::new().unwrap().block_on(async {
         let cfg = EngineConfig {

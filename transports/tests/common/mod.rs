@@ -2,6 +2,8 @@
 //! another shard of this process, and a raw protocol client.
 #![allow(dead_code)]
 
+pub mod fake;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
