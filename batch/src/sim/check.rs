@@ -3,7 +3,7 @@
 
 use quiesce_runtime::{spawn_local, yield_now, IoBuf};
 
-use super::{unwatch_all, watch, Rng, Sim, SimBuf, SimConfig, SimTarget};
+use super::{unwatch_all, watch, Rng, Sim, SimBuf, SimConfig, SimLog, SimTarget};
 
 /// One checked schedule: what went wrong, if anything.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,17 +117,9 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
             yield_now().await;
         }
         // Dropped, it still fences and retires on its own: the same rules.
-        let log = sim.log();
-        if log.retry_over_residue > 0 || log.retry_before_quiescence > 0 {
-            return fail("a dropped batch retried before its earlier attempts settled");
+        if let Some(broken) = broken_rule(&sim.log()) {
+            return fail(&format!("dropped: {broken}"));
         }
-        if log.retired_before_fence_answered > 0 {
-            return fail("a dropped batch retired a wire batch while its fence was on its way");
-        }
-        if log.landed_after_revoke > 0 {
-            return fail("bytes landed under a revoked grant after the revoke resolved");
-        }
-        drop(log);
         unwatch_all();
         return Ok(stats);
     }
@@ -254,20 +246,41 @@ pub async fn check_schedule(seed: u64) -> Result<ScheduleStats, Violation> {
             ));
         }
     }
-    if log.landed_after_revoke > 0 {
-        return fail("bytes landed under a revoked grant after the revoke resolved");
-    }
-    if log.access_after_return > 0 {
-        return fail("a buffer was accessed after it was handed back");
-    }
-    if log.retry_before_quiescence > 0 {
-        return fail("a retry started before the batch quiesced");
-    }
-    if log.retired_before_fence_answered > 0 {
-        return fail("a wire batch was retired while its fence was on its way");
+    if let Some(broken) = broken_rule(&log) {
+        return fail(broken);
     }
     drop(log);
     drop(q);
     unwatch_all();
     Ok(stats)
+}
+
+/// The first rule the schedule's log shows broken, of those every batch
+/// keeps — handed back or dropped.
+fn broken_rule(log: &SimLog) -> Option<&'static str> {
+    [
+        (
+            log.retry_over_residue,
+            "a retry started while an earlier attempt's bytes could still land",
+        ),
+        (
+            log.retry_before_quiescence,
+            "a retry started before the batch quiesced",
+        ),
+        (
+            log.retired_before_fence_answered,
+            "a wire batch was retired while its fence was on its way",
+        ),
+        (
+            log.landed_after_revoke,
+            "bytes landed under a revoked grant after the revoke resolved",
+        ),
+        (
+            log.access_after_return,
+            "a buffer was accessed after it was handed back",
+        ),
+    ]
+    .into_iter()
+    .find(|&(n, _)| n > 0)
+    .map(|(_, what)| what)
 }
