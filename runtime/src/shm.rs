@@ -353,7 +353,9 @@ mod tests {
         assert!(raw >= 0);
         // SAFETY: eventfd returned a new descriptor.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let e = Doorbell::open(fd).err().expect("took a semaphore eventfd");
+        let Err(e) = Doorbell::open(fd) else {
+            panic!("took a semaphore eventfd")
+        };
         assert!(e.to_string().contains("semaphore"), "{e}");
     }
 
