@@ -176,6 +176,10 @@ pub(crate) async fn attach_data(
             if p.mailbox {
                 match timeout(limit, c.open_mailbox()).await {
                     Ok(Ok(())) => {}
+                    // Refused, the connection goes on with small requests
+                    // on the socket; one that died with the offer is no
+                    // connection to install.
+                    Ok(Err(e)) if c.is_dead() => return Err(e),
                     Ok(Err(e)) => tracing::debug!(error = %e, "small requests stay on the socket"),
                     Err(_) => {
                         c.kill("no answer to the mailbox offer within the connect timeout");
