@@ -280,7 +280,17 @@ impl Doorbell {
         };
         // SAFETY: one iovec over a live u64; offset -1 is the (unused)
         // file position; the kernel writes at most 8 bytes there.
-        let _ = unsafe { libc::preadv2(self.fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
+        let r = unsafe { libc::preadv2(self.fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
+        let refused = || {
+            let e = io::Error::last_os_error().raw_os_error();
+            e == Some(libc::EOPNOTSUPP) || e == Some(libc::EINVAL)
+        };
+        if r < 0 && refused() {
+            // Kernels before 5.12 take no RWF_NOWAIT read of an eventfd:
+            // a plain read, non-blocking as the file was when checked.
+            // SAFETY: reads at most 8 bytes into a live u64; EAGAIN when quiet.
+            let _ = unsafe { libc::read(self.fd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+        }
     }
 
     /// Its fd: the one to watch, or to share.
