@@ -300,7 +300,7 @@ impl Peer {
         // Opened while this connection was set up (an open that found no
         // live connection here waits for this one): proven here too before
         // it is installed, until a look finds nothing new.
-        let mut proven: Vec<u64> = tokens.iter().map(|t| t.0).collect();
+        let mut proven: std::collections::HashSet<u64> = tokens.iter().map(|t| t.0).collect();
         loop {
             let more: Vec<(u64, Token)> = self
                 .inner
@@ -316,8 +316,14 @@ impl Peer {
             proven.extend(more.iter().map(|m| m.0));
             let limit = self.inner.params.connect_timeout;
             match timeout(limit, reprove(&c, &more)).await {
-                // One refused now is refused to its transfers, as above.
-                Ok(Ok(_)) => {}
+                // One refused now is refused to its transfers, and
+                // forgotten, as above.
+                Ok(Ok(refused)) => {
+                    let mut opened = self.inner.opened.borrow_mut();
+                    refused.iter().for_each(|id| {
+                        opened.remove(id);
+                    });
+                }
                 Ok(Err(e)) => return Err(e),
                 Err(_) => {
                     return Err(TransferError::ConnectionLost(format!(
