@@ -119,7 +119,8 @@ enum Cmd {
         #[arg(long, value_parser = parse_size)]
         zc_threshold: Option<usize>,
         /// --compare: run the target on a thread of this process instead of
-        /// its own (every implementation then pays a cross-thread wake-up).
+        /// its own (every implementation then pays a cross-thread wake-up,
+        /// and the allocs column counts the target's allocations too).
         #[arg(long, requires = "compare")]
         same_process: bool,
         /// --compare: skip counting instructions under callgrind.
