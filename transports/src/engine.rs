@@ -220,10 +220,19 @@ impl Engine {
         Ok(seg)
     }
 
-    /// Stops serving segment `id`. Writes landing now finish into its
-    /// memory, which stays alive until they do.
+    /// Stops serving segment `id` — over TCP, and over RDMA when an
+    /// `RdmaEngine` serves it (its memory regions go: the NIC refuses its
+    /// keys). Writes landing now finish into its memory, which stays alive
+    /// until they do.
     pub fn deregister(&self, id: u64) -> bool {
-        self.inner.segments.borrow_mut().remove(&id).is_some()
+        let Some(seg) = self.inner.segments.borrow_mut().remove(&id) else {
+            return false;
+        };
+        let withdraw = seg.inner.withdraw.borrow_mut().take();
+        if let Some(f) = withdraw {
+            f();
+        }
+        true
     }
 
     /// Connects to the engine at `addr` (or returns the existing peer).

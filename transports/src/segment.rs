@@ -60,6 +60,9 @@ pub(crate) struct SegmentInner {
     pub(crate) token: Token,
     pub(crate) mem: Rc<ExposedMemory>,
     pub(crate) grants: Grants,
+    /// What else serves the segment (RDMA: its memory regions) and must
+    /// stop when the engine deregisters it, however it is asked to.
+    pub(crate) withdraw: std::cell::RefCell<Option<Box<dyn FnOnce()>>>,
 }
 
 /// A registered segment (the target's side). Cheap to clone.
@@ -92,6 +95,7 @@ impl Segment {
                 token,
                 mem: Rc::new(mem),
                 grants: Grants::default(),
+                withdraw: Default::default(),
             }),
         }
     }

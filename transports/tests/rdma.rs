@@ -707,3 +707,20 @@ fn a_new_control_connection_brings_new_keys_and_the_old_ones_die() {
         assert_eq!((s.in_flight, s.posted), (0, s.completed));
     });
 }
+
+/// Deregistering through the TCP engine underneath (`control()`) withdraws
+/// the segment from the NIC too: its keys die as with
+/// `RdmaEngine::deregister`, and no write lands in it any more.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn deregistering_through_the_control_engine_kills_the_keys_too() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let (r, l) = p.remote.write(0, p.region.lease(0..64).unwrap(), 1).await;
+        assert_eq!(r.unwrap(), 64);
+        drop(l);
+        assert!(p.target.control().deregister(p.kv.id()));
+        let (r, _) = p.remote.write(0, p.region.lease(0..64).unwrap(), 2).await;
+        assert!(matches!(r, Err(TransferError::RemoteAccess(_))), "{r:?}");
+    });
+}

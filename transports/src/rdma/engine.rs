@@ -199,9 +199,17 @@ impl RdmaEngine {
         // NIC refuses every key handed out before it; a connection proving
         // the token again gets a new region (a new key).
         let (node, id) = (Rc::downgrade(node), seg.id());
+        let rekeyed = node.clone();
         seg.inner.grants.set_rekey(Box::new(move || {
-            if let Some(node) = node.upgrade() {
+            if let Some(node) = rekeyed.upgrade() {
                 node.kill_keys(id);
+            }
+        }));
+        // Deregistered however it is asked (here, or through `control()`):
+        // its regions go with it.
+        *seg.inner.withdraw.borrow_mut() = Some(Box::new(move || {
+            if let Some(node) = node.upgrade() {
+                node.withdraw(id);
             }
         }));
         seg
@@ -210,7 +218,6 @@ impl RdmaEngine {
     /// Stops serving segment `id` and deregisters its memory regions: from
     /// now on the target's NIC refuses every access with its keys.
     pub fn deregister(&self, id: u64) -> bool {
-        self.inner.local.node.withdraw(id);
         self.inner.tcp.deregister(id)
     }
 
