@@ -83,3 +83,18 @@ def test_native_api_over_rdma(native_peer):
         assert t.count("kv", 7) == 0
         del src, dst
         assert mine.revoke()
+
+
+def test_a_post_from_inside_the_larger_of_two_overlapping_registrations(peer_factory, local):
+    """Two registrations overlap (a range registered inside a larger one):
+    a transfer from the larger one past the smaller one posts from the
+    larger one's memory region, not -1 as if unregistered."""
+    target = peer_factory(MiB, env=RDMA)
+    (a, _) = target.regions[0]
+    e = engine("rdma")
+    big = local.buffer(MiB, 0x3C)
+    assert e.register_memory(big, MiB) == 0
+    assert e.register_memory(big + 4096, 4096) == 0
+    assert e.transfer_sync_write(target.session, big + 8192, a, 4096) == 0
+    assert target.count(a, 4096, 0x3C) == 4096
+    assert e.batch_unregister_memory([big + 4096, big]) == 0

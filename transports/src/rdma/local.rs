@@ -53,11 +53,17 @@ pub(crate) struct LocalSide {
 }
 
 impl LocalSide {
-    /// The registration covering `addr..addr + len`, if any.
+    /// A registration covering `addr..addr + len`, if any: the nearest
+    /// below `addr` that reaches far enough — registrations may overlap (a
+    /// range registered inside a larger one), and the nearest start may
+    /// belong to a smaller one that ends first.
     pub(crate) fn local(&self, addr: u64, len: u64) -> Option<Rc<LocalMr>> {
-        let locals = self.locals.borrow();
-        let (start, mr) = locals.range(..=addr).next_back()?;
         let end = addr.checked_add(len)?;
-        (end <= start + mr.mr.len() as u64).then(|| mr.clone())
+        let locals = self.locals.borrow();
+        locals
+            .range(..=addr)
+            .rev()
+            .find(|(&start, mr)| end <= start + mr.mr.len() as u64)
+            .map(|(_, mr)| mr.clone())
     }
 }
