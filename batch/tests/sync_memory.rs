@@ -423,3 +423,39 @@ fn another_node_at_a_peers_address_gets_none_of_its_writes() {
     );
     drop(other);
 }
+
+/// Taking back a lending by its segment takes back only that one: once it
+/// went (another call took it back) and the address was lent anew, the new
+/// lending is another thread's, refused here as not lent — and still
+/// served.
+#[test]
+fn reclaiming_a_segment_leaves_a_newer_lending_of_its_address_alone() {
+    let (target, init) = (engine(), engine());
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let mut mem = vec![0u8; LEN].into_boxed_slice();
+    let base = mem.as_mut_ptr() as u64;
+    // SAFETY: as in `lent`.
+    let old = unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    let peer = target.local_addr();
+    let first = init.open_at(peer, base, token).unwrap().segment;
+    assert_eq!(target.reclaim(base, Duration::from_secs(5)), Ok(true));
+    // SAFETY: as in `lent`.
+    let new = unsafe { target.lend("m", base, LEN as u64, token).unwrap() };
+    assert_ne!(new, old);
+    assert_eq!(
+        target.reclaim_segment(base, old, Duration::from_secs(1)),
+        Err(SyncError::NotLent(base))
+    );
+    let second = init.open_at(peer, base, token).unwrap().segment;
+    assert_ne!(second, first);
+    assert_eq!(
+        write_4k_at_0(&init, second, 0x7c),
+        SYNC_OK,
+        "the new lending was taken"
+    );
+    assert_eq!(
+        target.reclaim_segment(base, new, Duration::from_secs(5)),
+        Ok(true)
+    );
+    assert!(mem[..4096].iter().all(|&b| b == 0x7c));
+}

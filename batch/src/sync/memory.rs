@@ -19,12 +19,25 @@ use super::{host, Lent, SegmentBy, SyncEngine, SyncError};
 pub(crate) enum Lending {
     /// `lend` is registering it.
     Starting,
-    /// Served to peers; the receiver says when the engine let go.
-    Serving(mpsc::Receiver<()>),
-    /// A `reclaim` is withdrawing it or waiting for its release.
-    Reclaiming,
-    /// Withdrawn, not yet released (a `reclaim` timed out).
-    Withdrawn(mpsc::Receiver<()>),
+    /// Served to peers as segment `.1`; the receiver says when the engine
+    /// let go.
+    Serving(mpsc::Receiver<()>, u64),
+    /// A `reclaim` is withdrawing segment `.0` or waiting for its release.
+    Reclaiming(u64),
+    /// Segment `.1`, withdrawn, not yet released (a `reclaim` timed out).
+    Withdrawn(mpsc::Receiver<()>, u64),
+}
+
+impl Lending {
+    /// The segment it is, once registered.
+    fn segment(&self) -> Option<u64> {
+        match self {
+            Lending::Starting => None,
+            Lending::Serving(_, id) | Lending::Reclaiming(id) | Lending::Withdrawn(_, id) => {
+                Some(*id)
+            }
+        }
+    }
 }
 
 /// A peer's segment this engine opened (by name, or by an address inside it).
@@ -90,7 +103,7 @@ impl SyncEngine {
         let mut lendings = self.lendings();
         match r {
             Ok(Ok(id)) => {
-                lendings.insert(addr, Lending::Serving(released_rx));
+                lendings.insert(addr, Lending::Serving(released_rx, id));
                 Ok(id)
             }
             Ok(Err(e)) | Err(e) => {
@@ -109,16 +122,42 @@ impl SyncEngine {
     /// call is taking it back right now); it must not be freed or reused
     /// yet — call again to keep waiting.
     pub fn reclaim(&self, addr: u64, timeout: Duration) -> Result<bool, SyncError> {
-        let (rx, serving) = {
+        self.reclaim_lending(addr, None, timeout)
+    }
+
+    /// [`reclaim`](Self::reclaim) of the lending at `addr` only if it is
+    /// segment `segment`: a lending of the address made since (the one
+    /// asked for was taken back meanwhile, by another call) is not this
+    /// call's to take, and the answer is [`SyncError::NotLent`].
+    pub fn reclaim_segment(
+        &self,
+        addr: u64,
+        segment: u64,
+        timeout: Duration,
+    ) -> Result<bool, SyncError> {
+        self.reclaim_lending(addr, Some(segment), timeout)
+    }
+
+    fn reclaim_lending(
+        &self,
+        addr: u64,
+        only: Option<u64>,
+        timeout: Duration,
+    ) -> Result<bool, SyncError> {
+        let (rx, serving, id) = {
             let mut lendings = self.lendings();
             let Some(state) = lendings.get_mut(&addr) else {
                 return Err(SyncError::NotLent(addr));
             };
-            match std::mem::replace(state, Lending::Reclaiming) {
-                Lending::Serving(rx) => (rx, true),
-                Lending::Withdrawn(rx) => (rx, false),
+            if only.is_some_and(|want| state.segment() != Some(want)) {
+                return Err(SyncError::NotLent(addr));
+            }
+            let id = state.segment().unwrap_or(0);
+            match std::mem::replace(state, Lending::Reclaiming(id)) {
+                Lending::Serving(rx, id) => (rx, true, id),
+                Lending::Withdrawn(rx, id) => (rx, false, id),
                 // Another call holds it; it stays as that call leaves it.
-                other @ (Lending::Starting | Lending::Reclaiming) => {
+                other @ (Lending::Starting | Lending::Reclaiming(_)) => {
                     *state = other;
                     return Ok(false);
                 }
@@ -156,7 +195,7 @@ impl SyncEngine {
                 Ok(true)
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                self.lendings().insert(addr, Lending::Withdrawn(rx));
+                self.lendings().insert(addr, Lending::Withdrawn(rx, id));
                 Ok(false)
             }
         }

@@ -560,7 +560,14 @@ impl NativeEngine {
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
                 let began = Instant::now();
-                match self.core.with(|e| e.reclaim(address, left.min(WAIT_SLICE))) {
+                // By segment where known: the address may be lent anew by
+                // another thread, and that lending is not this call's.
+                let slice = left.min(WAIT_SLICE);
+                let r = self.core.with(|e| match segment {
+                    Some(id) => e.reclaim_segment(address, id, slice),
+                    None => e.reclaim(address, slice),
+                });
+                match r {
                     Ok(false) if !left.is_zero() => {
                         // Another call is taking it back and this one was
                         // answered at once: wait, do not spin on the engine.
