@@ -24,9 +24,6 @@ struct Managed {
     len: usize,
     /// Batches whose local ranges lie in it and whose outcome is not final.
     uses: usize,
-    /// Registrations that overlap it (its own included) and have not been
-    /// taken back: peers may write into it while any is.
-    lent: usize,
     /// `free_managed_buffer` is taking it back: no registration may start
     /// in it.
     freeing: bool,
@@ -37,8 +34,19 @@ struct Managed {
 struct Live {
     buffers: BTreeMap<usize, Managed>,
     /// By a registration's address: the buffers (their addresses) it
-    /// overlaps, each counted in that buffer's `lent`.
+    /// overlaps. Peers may write into a buffer while any registration
+    /// here overlaps it.
     lendings: BTreeMap<usize, SmallVec<[usize; 1]>>,
+}
+
+impl Live {
+    /// The registrations that overlap the buffer at `buffer`, by address.
+    fn lent_in(&self, buffer: usize) -> impl Iterator<Item = usize> + '_ {
+        self.lendings
+            .iter()
+            .filter(move |(_, starts)| starts.contains(&buffer))
+            .map(|(&at, _)| at)
+    }
 }
 
 /// Why a registration may not start ([`ManagedBuffers::lending`]).
@@ -106,7 +114,6 @@ impl ManagedBuffers {
             Managed {
                 len,
                 uses: 0,
-                lent: 0,
                 freeing: false,
             },
         );
@@ -136,27 +143,15 @@ impl ManagedBuffers {
         if let Some(&start) = overlapped.iter().find(|s| live.buffers[s].freeing) {
             return Err(NotLendable::BeingFreed(start));
         }
-        if overlapped.is_empty() {
-            return Ok(());
+        if !overlapped.is_empty() {
+            live.lendings.insert(addr, overlapped);
         }
-        for start in &overlapped {
-            live.buffers.get_mut(start).expect("found above").lent += 1;
-        }
-        live.lendings.insert(addr, overlapped);
         Ok(())
     }
 
     /// The registration at `addr` failed or was taken back to the end.
     pub(crate) fn lent_back(&self, addr: usize) {
-        let mut live = lock(&self.live);
-        let Some(starts) = live.lendings.remove(&addr) else {
-            return;
-        };
-        for start in starts {
-            if let Some(m) = live.buffers.get_mut(&start) {
-                m.lent -= 1;
-            }
-        }
+        lock(&self.live).lendings.remove(&addr);
     }
 
     /// `free_managed_buffer(addr, len)` starts: refused while a batch uses
@@ -165,12 +160,7 @@ impl ManagedBuffers {
     /// [`free`](Self::free) or [`end_free`](Self::end_free).
     pub(crate) fn begin_free(&self, addr: usize, len: usize) -> Result<(), Held> {
         let mut live = lock(&self.live);
-        let own = live.lendings.get(&addr).is_some_and(|s| s.contains(&addr)) as usize;
-        let other = live
-            .lendings
-            .iter()
-            .find(|(&at, starts)| at != addr && starts.contains(&addr))
-            .map(|(&at, _)| at);
+        let other = live.lent_in(addr).find(|&at| at != addr);
         let Some(m) = live.buffers.get_mut(&addr).filter(|m| m.len == len) else {
             return Err(Held::NoSuchBuffer);
         };
@@ -180,8 +170,8 @@ impl ManagedBuffers {
         if m.uses > 0 {
             return Err(Held::InUse);
         }
-        if m.lent > own {
-            return Err(Held::LentAt(other.unwrap_or(addr)));
+        if let Some(at) = other {
+            return Err(Held::LentAt(at));
         }
         m.freeing = true;
         Ok(())
@@ -199,9 +189,10 @@ impl ManagedBuffers {
     /// took its own registration back.
     pub(crate) fn free(&self, addr: usize, len: usize) -> Free {
         let mut live = lock(&self.live);
+        let lent = live.lent_in(addr).next().is_some();
         match live.buffers.get(&addr) {
             Some(m) if m.len != len => return Free::NoSuchBuffer,
-            Some(m) if m.uses > 0 || m.lent > 0 => return Free::InUse,
+            Some(m) if m.uses > 0 || lent => return Free::InUse,
             Some(_) => {}
             None => return Free::NoSuchBuffer,
         }

@@ -152,8 +152,7 @@ impl SyncEngine {
             if only.is_some_and(|want| state.segment() != Some(want)) {
                 return Err(SyncError::NotLent(addr));
             }
-            let id = state.segment().unwrap_or(0);
-            match std::mem::replace(state, Lending::Reclaiming(id)) {
+            let taken = match std::mem::replace(state, Lending::Starting) {
                 Lending::Serving(rx, id) => (rx, true, id),
                 Lending::Withdrawn(rx, id) => (rx, false, id),
                 // Another call holds it; it stays as that call leaves it.
@@ -161,7 +160,9 @@ impl SyncEngine {
                     *state = other;
                     return Ok(false);
                 }
-            }
+            };
+            *state = Lending::Reclaiming(taken.2);
+            taken
         };
         if serving {
             let withdrawn = self.call(move |st, tx| {

@@ -137,10 +137,8 @@ impl Mailbox {
             to_target: Doorbell::new()?,
             to_initiator: Doorbell::new()?,
         };
-        let mut token = [0u8; 16];
-        crate::control::auth::random_bytes(&mut token);
-        for (i, w) in token.chunks_exact(8).enumerate() {
-            let w = u64::from_le_bytes(w.try_into().unwrap());
+        for i in 0..2 {
+            let w = crate::control::auth::random_u64();
             mb.mem.word(TOKEN + i * 8).store(w, Ordering::Relaxed);
         }
         Ok(mb)

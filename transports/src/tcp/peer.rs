@@ -3,7 +3,7 @@
 //! ([`RemoteSegment`](crate::tcp::segment::RemoteSegment) moves the data).
 
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
@@ -249,19 +249,49 @@ impl Peer {
                 self.inner.addr, c.hello.node, self.inner.node
             )));
         }
-        let tokens: Vec<(u64, Token)> = self
-            .inner
-            .opened
-            .borrow()
-            .iter()
-            .map(|(k, v)| (*k, *v))
-            .collect();
-        if !tokens.is_empty() {
-            // Bounded like the rest of the handshake: a target that answers
-            // the hello and then never the auth must not hold the transfer
-            // (and the caller's buffer) for ever.
+        // Proven before the attach (the target serves nothing else to an
+        // unproven connection), and again after it: an open that found no
+        // live connection here waits for this one, so whatever was opened
+        // meanwhile is proven here too before it is installed.
+        let mut proven = HashSet::new();
+        self.prove_opened(&c, &mut proven).await?;
+        if i > 0 {
+            let p = &self.inner.params;
+            attach_data(&c, p, &self.inner.target).await?;
+        }
+        self.prove_opened(&c, &mut proven).await?;
+        // Shut down during the handshake: close() did not see this one.
+        if self.inner.closed.get() {
+            c.abort();
+            return Err(shut_down());
+        }
+        unfinished.0 = None;
+        self.inner.conns.borrow_mut()[i] = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Proves on `c` every opened segment not in `proven` yet, until a look
+    /// finds none new. Bounded like the rest of the handshake: a target
+    /// that answers the hello and then never the auth must not hold the
+    /// transfer (and the caller's buffer) for ever. Segments the target
+    /// refuses (deregistered since, or it restarted) are forgotten: their
+    /// transfers fail as refused, the rest go on.
+    async fn prove_opened(&self, c: &Conn, proven: &mut HashSet<u64>) -> Result<(), TransferError> {
+        loop {
+            let more: Vec<(u64, Token)> = self
+                .inner
+                .opened
+                .borrow()
+                .iter()
+                .filter(|(id, _)| !proven.contains(id))
+                .map(|(k, v)| (*k, *v))
+                .collect();
+            if more.is_empty() {
+                return Ok(());
+            }
+            proven.extend(more.iter().map(|m| m.0));
             let limit = self.inner.params.connect_timeout;
-            let refused = match timeout(limit, reprove(&c, &tokens)).await {
+            let refused = match timeout(limit, reprove(c, &more)).await {
                 Ok(Ok(refused)) => refused,
                 Ok(Err(e)) => {
                     c.kill("authentication failed on reconnect");
@@ -276,9 +306,6 @@ impl Peer {
                 }
             };
             if !refused.is_empty() {
-                // Deregistered since (or the target restarted): they are
-                // not proven again, and transfers to them fail as refused;
-                // the rest go on.
                 let mut opened = self.inner.opened.borrow_mut();
                 for id in &refused {
                     opened.remove(id);
@@ -289,58 +316,9 @@ impl Peer {
                     "segments the target no longer serves to this peer"
                 );
                 // (All of them refused: the connection goes on unproven,
-                // and the open that comes next proves its token on it; a
-                // transfer to a refused segment is refused by the target.)
+                // and the open that comes next proves its token on it.)
             }
         }
-        if i > 0 {
-            let p = &self.inner.params;
-            attach_data(&c, p, &self.inner.target).await?;
-        }
-        // Opened while this connection was set up (an open that found no
-        // live connection here waits for this one): proven here too before
-        // it is installed, until a look finds nothing new.
-        let mut proven: std::collections::HashSet<u64> = tokens.iter().map(|t| t.0).collect();
-        loop {
-            let more: Vec<(u64, Token)> = self
-                .inner
-                .opened
-                .borrow()
-                .iter()
-                .filter(|(id, _)| !proven.contains(id))
-                .map(|(k, v)| (*k, *v))
-                .collect();
-            if more.is_empty() {
-                break;
-            }
-            proven.extend(more.iter().map(|m| m.0));
-            let limit = self.inner.params.connect_timeout;
-            match timeout(limit, reprove(&c, &more)).await {
-                // One refused now is refused to its transfers, and
-                // forgotten, as above.
-                Ok(Ok(refused)) => {
-                    let mut opened = self.inner.opened.borrow_mut();
-                    refused.iter().for_each(|id| {
-                        opened.remove(id);
-                    });
-                }
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    return Err(TransferError::ConnectionLost(format!(
-                        "reconnecting to {}: no auth ack within {limit:?}",
-                        self.inner.addr
-                    )))
-                }
-            }
-        }
-        // Shut down during the handshake: close() did not see this one.
-        if self.inner.closed.get() {
-            c.abort();
-            return Err(shut_down());
-        }
-        unfinished.0 = None;
-        self.inner.conns.borrow_mut()[i] = Some(c.clone());
-        Ok(c)
     }
 
     /// The target's process, if a connection attached to it.
