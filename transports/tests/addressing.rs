@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use quiesce_runtime::Runtime;
 use quiesce_transports::wire::{SegmentRef, Status};
-use quiesce_transports::{Engine, EngineConfig, Rights, Token, TransferError};
+use quiesce_transports::{Engine, EngineConfig, ForeignMemory, Rights, Token, TransferError};
 
 fn target() -> ShardTarget {
     ShardTarget::start(
@@ -166,4 +166,43 @@ fn the_first_registered_segment_the_token_opens_opens_by_first() {
     let mut c = RawClient::connect(t.addr);
     let ack = c.auth_ref(SegmentRef::First, b.token);
     assert_eq!(ack.results, vec![(Status::Forbidden, None)]);
+}
+
+/// Segments may overlap (a caller registers a range, then a sub-range of
+/// it, as Mooncake callers do). An address inside both opens the one whose
+/// token the proof shows, whichever was registered first: the inner
+/// segment with its own token, the outer with the outer's, and a token of
+/// neither opens nothing.
+#[test]
+fn an_address_in_overlapping_segments_opens_the_one_the_token_proves() {
+    let mut owned = vec![0u8; 64 << 10].into_boxed_slice();
+    let ptr = owned.as_mut_ptr();
+    Runtime::new().unwrap().block_on(async {
+        let target = Engine::bind(tcp()).unwrap();
+        let rw = Rights::READ | Rights::WRITE;
+        // SAFETY: `owned` outlives `block_on`, which drops the engine (and
+        // with it both lendings); only the engine writes it meanwhile.
+        let (outer, inner) = unsafe {
+            (
+                ForeignMemory::new(ptr, 64 << 10, || {}),
+                ForeignMemory::new(ptr.add(16 << 10), 4096, || {}),
+            )
+        };
+        let outer = target.register("outer", outer, rw).unwrap();
+        let inner = target.register("inner", inner, rw).unwrap();
+        assert!(outer.id() < inner.id());
+        let e = Engine::bind(tcp()).unwrap();
+        let peer = e.connect(target.local_addr()).await.unwrap();
+        let at = inner.base() + 100;
+        let r = peer.open_at(at, inner.token()).await.unwrap();
+        assert_eq!((r.name(), r.base(), r.len()), ("inner", inner.base(), 4096));
+        let r = peer.open_at(at, outer.token()).await.unwrap();
+        assert_eq!((r.name(), r.base()), ("outer", outer.base()));
+        let r = peer.open_at(at, Token::random()).await.err();
+        assert!(matches!(r, Some(TransferError::OpenRefused(_))), "{r:?}");
+        // Outside the inner segment its token opens nothing.
+        let r = peer.open_at(outer.base(), inner.token()).await.err();
+        assert!(matches!(r, Some(TransferError::OpenRefused(_))), "{r:?}");
+    });
+    drop(owned);
 }

@@ -24,6 +24,7 @@ use crate::control::wire::{
     AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, SegmentRef,
     Status, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
 };
+use crate::segment::Segment;
 use crate::tcp::own_ids::OwnIdMap;
 
 /// Why a connection was closed by the target.
@@ -556,8 +557,17 @@ impl ServedConn<'_> {
                 let seg = match seg_ref {
                     SegmentRef::Id(id) => self.engine.segment(*id),
                     SegmentRef::Name(n) => self.engine.segment_named(n),
-                    SegmentRef::Address(a) => self.engine.segment_at(*a),
-                    SegmentRef::First => self.engine.first_segment_proven(verify),
+                    // Segments may overlap: the one the proof opens, of
+                    // those that hold the address.
+                    SegmentRef::Address(a) => {
+                        let holds =
+                            |s: &Segment| a.checked_sub(s.base()).is_some_and(|o| o < s.len());
+                        match self.engine.first_segment_proven(holds, verify) {
+                            (None, tried) if tried > 0 => return (Status::Forbidden, None),
+                            (seg, _) => seg,
+                        }
+                    }
+                    SegmentRef::First => self.engine.first_segment_proven(|_| true, verify).0,
                 };
                 match seg {
                     Some(seg) if verify(&seg.token()) => {

@@ -77,30 +77,25 @@ impl Target {
             .cloned()
     }
 
-    /// The segment whose memory holds the virtual address `addr`.
-    pub(crate) fn segment_at(&self, addr: u64) -> Option<Segment> {
-        self.segments
-            .borrow()
-            .values()
-            .find(|s| addr.checked_sub(s.base()).is_some_and(|o| o < s.len()))
-            .cloned()
-    }
-
     /// The segment registered first (ids only grow) among the live ones
-    /// whose token `proves` accepts. Every segment's token is tried, so the
-    /// work — and a refusal — says nothing about segments the proof does not
-    /// open.
+    /// that `within` admits and whose token `proves` accepts, and how many
+    /// were admitted. Every admitted segment's token is tried, so the work
+    /// — and a refusal — says nothing about the segments the proof does
+    /// not open; a caller that found none admitted does a refusal's work
+    /// all the same.
     pub(crate) fn first_segment_proven(
         &self,
+        within: impl Fn(&Segment) -> bool,
         proves: impl Fn(&crate::control::auth::Token) -> bool,
-    ) -> Option<Segment> {
-        let mut first = None;
-        for s in self.segments.borrow().values() {
+    ) -> (Option<Segment>, usize) {
+        let (mut first, mut tried) = (None, 0);
+        for s in self.segments.borrow().values().filter(|s| within(s)) {
+            tried += 1;
             if proves(&s.token()) && first.is_none() {
                 first = Some(s.clone());
             }
         }
-        first
+        (first, tried)
     }
 
     /// What a peer that proved `s`'s token learns about it.
