@@ -16,9 +16,11 @@
 //! races a copy changes which bytes are copied, never what is safe: every
 //! bound is checked against the mapping, and bytes have no invalid values.
 //!
-//! [`Doorbell`] is an eventfd: one side rings it, the other's reactor
-//! watches it (a [`CompletionSource`](crate::source::CompletionSource)'s
-//! notification fd).
+//! [`Doorbell`] is a pipe: one side rings it, the other's reactor watches
+//! it (a [`CompletionSource`](crate::source::CompletionSource)'s
+//! notification fd). The process that did not make it takes its end with
+//! [`DoorbellButton::open`] or [`DoorbellChime::open`], which open the pipe
+//! afresh: the maker shares its files, and could otherwise make them block.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -214,89 +216,146 @@ impl std::fmt::Debug for SharedMemory {
     }
 }
 
-/// An eventfd that one process rings and another's reactor watches.
+/// A doorbell this process made: a pipe, both ends. One process rings it
+/// ([`ring`](Self::ring): a byte into the pipe), another's reactor watches
+/// it ([`fd`](Self::fd) turns readable) and quiets it. The end that the
+/// other process is to use is shared by fd number and taken with
+/// [`DoorbellButton::open`] or [`DoorbellChime::open`].
 #[derive(Debug)]
 pub struct Doorbell {
-    fd: OwnedFd,
+    button: DoorbellButton,
+    chime: DoorbellChime,
 }
 
 impl Doorbell {
-    /// A new, quiet doorbell (non-blocking).
+    /// A new, quiet doorbell (both ends non-blocking).
     pub fn new() -> io::Result<Doorbell> {
-        // SAFETY: plain syscall; returns a new fd or -1.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if raw < 0 {
+        let mut fds = [0; 2];
+        // SAFETY: writes two fds into a live array of two, or returns -1.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } < 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: eventfd returned a new descriptor nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        Ok(Doorbell { fd })
-    }
-
-    /// Takes `fd`, another process's doorbell, if it is a non-blocking
-    /// eventfd that is not a semaphore (one that counts down by one per
-    /// read would never quiet: its reactor would never sleep).
-    ///
-    /// The other process shares the open file, so it can clear
-    /// `O_NONBLOCK` later: [`quiet`](Self::quiet) does not rely on the
-    /// flag. [`ring`](Self::ring) does (eventfds refuse `RWF_NOWAIT`
-    /// writes): a peer that clears the flag *and* fills the counter to its
-    /// maximum can block the ringing thread (DESIGN.md §16.5).
-    pub fn open(fd: OwnedFd) -> io::Result<Doorbell> {
-        let refuse = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
-        let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
-        // SAFETY: F_GETFL takes no argument.
-        let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-        if link.as_os_str() != "anon_inode:[eventfd]" || flags < 0 || flags & libc::O_NONBLOCK == 0
-        {
-            return Err(refuse("a doorbell must be a non-blocking eventfd"));
-        }
-        // Kernels since 6.2 say; older ones cannot be asked, and are trusted.
-        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))?;
-        if info
-            .lines()
-            .any(|l| l.split_whitespace().eq(["eventfd-semaphore:", "1"]))
-        {
-            return Err(refuse("a doorbell must not be a semaphore eventfd"));
-        }
-        Ok(Doorbell { fd })
+        // SAFETY: pipe2 returned two new descriptors nothing else owns.
+        let (rx, tx) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        Ok(Doorbell {
+            button: DoorbellButton { fd: tx },
+            chime: DoorbellChime { fd: rx },
+        })
     }
 
     /// Rings it: the watching reactor wakes.
     pub fn ring(&self) {
-        let one = 1u64;
-        // It fails only if the counter is saturated, when the bell is ringing anyway.
-        // SAFETY: writes 8 bytes from a live u64.
-        let _ = unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.button.ring()
     }
 
-    /// Quiets it (after it rang). Never blocks, whatever the file's flags
-    /// (`RWF_NOWAIT`: `EAGAIN` when quiet).
+    /// Quiets it (after it rang).
     pub fn quiet(&self) {
-        let mut n = 0u64;
-        let iov = libc::iovec {
-            iov_base: (&mut n as *mut u64).cast(),
-            iov_len: 8,
-        };
-        // SAFETY: one iovec over a live u64; offset -1 is the (unused)
-        // file position; the kernel writes at most 8 bytes there.
-        let r = unsafe { libc::preadv2(self.fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
-        let refused = || {
-            let e = io::Error::last_os_error().raw_os_error();
-            e == Some(libc::EOPNOTSUPP) || e == Some(libc::EINVAL)
-        };
-        if r < 0 && refused() {
-            // Kernels before 5.12 take no RWF_NOWAIT read of an eventfd:
-            // a plain read, non-blocking as the file was when checked.
-            // SAFETY: reads at most 8 bytes into a live u64; EAGAIN when quiet.
-            let _ = unsafe { libc::read(self.fd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+        self.chime.quiet()
+    }
+
+    /// The end to watch (readable while it rings), or to share with the
+    /// process that watches it.
+    pub fn fd(&self) -> RawFd {
+        self.chime.fd()
+    }
+
+    /// The end that rings it, to share with the process that rings it.
+    pub fn button_fd(&self) -> RawFd {
+        self.button.fd.as_raw_fd()
+    }
+}
+
+/// The ringing end of another process's [`Doorbell`].
+#[derive(Debug)]
+pub struct DoorbellButton {
+    fd: OwnedFd,
+}
+
+impl DoorbellButton {
+    /// Takes `fd`, the write end of another process's doorbell.
+    ///
+    /// The other process shares the open file it made: it could clear
+    /// `O_NONBLOCK` on it and fill the pipe, and a ring would then block
+    /// this process's reactor. So the pipe is opened afresh through
+    /// `/proc/self/fd` — a file of this process's own, whose flags only it
+    /// sets — and `fd` is closed.
+    pub fn open(fd: OwnedFd) -> io::Result<DoorbellButton> {
+        Ok(DoorbellButton {
+            fd: reopen_pipe_end(fd, libc::O_WRONLY)?,
+        })
+    }
+
+    /// Rings the doorbell: the watching reactor wakes. A full pipe is
+    /// ringing anyway, so a refused byte is no loss.
+    pub fn ring(&self) {
+        // SAFETY: writes one byte from a live array.
+        let _ = unsafe { libc::write(self.fd.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    }
+}
+
+/// The watched end of another process's [`Doorbell`].
+#[derive(Debug)]
+pub struct DoorbellChime {
+    fd: OwnedFd,
+}
+
+impl DoorbellChime {
+    /// Takes `fd`, the read end of another process's doorbell, opened
+    /// afresh as [`DoorbellButton::open`] does: quieting never blocks,
+    /// whatever the other process does to the file it made.
+    pub fn open(fd: OwnedFd) -> io::Result<DoorbellChime> {
+        Ok(DoorbellChime {
+            fd: reopen_pipe_end(fd, libc::O_RDONLY)?,
+        })
+    }
+
+    /// Quiets it: drains what rang (`EAGAIN` once quiet).
+    pub fn quiet(&self) {
+        let mut buf = [0u8; 64];
+        loop {
+            // SAFETY: reads at most 64 bytes into a live array.
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n < buf.len() as isize {
+                return;
+            }
         }
     }
 
-    /// Its fd: the one to watch, or to share.
+    /// The fd to watch: readable while the doorbell rings.
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
+}
+
+/// `fd`, which must be a pipe's end open for `access`, opened again as a
+/// new non-blocking file of this process's own.
+fn reopen_pipe_end(fd: OwnedFd, access: libc::c_int) -> io::Result<OwnedFd> {
+    let refuse = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    let link = std::fs::read_link(&path)?;
+    // SAFETY: F_GETFL takes no argument.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    let is_pipe = link.to_str().is_some_and(|l| l.starts_with("pipe:["));
+    if !is_pipe || flags < 0 || flags & libc::O_ACCMODE != access {
+        let end = if access == libc::O_WRONLY {
+            "write"
+        } else {
+            "read"
+        };
+        return Err(refuse(&format!(
+            "a doorbell must be the {end} end of a pipe"
+        )));
+    }
+    let path = std::ffi::CString::new(path).expect("no NUL in a /proc path");
+    // SAFETY: a NUL-terminated path; returns a new fd or -1. (A pipe's
+    // write end opens only while a reader holds it, as this one's maker
+    // does: ENXIO otherwise.)
+    let raw = unsafe { libc::open(path.as_ptr(), access | libc::O_NONBLOCK | libc::O_CLOEXEC) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: open returned a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
 #[cfg(test)]
@@ -347,47 +406,61 @@ mod tests {
     }
 
     #[test]
-    fn a_doorbell_is_only_an_eventfd() {
+    fn a_doorbell_is_only_a_pipe_end_of_the_right_direction() {
         let bell = Doorbell::new().unwrap();
-        let same = Doorbell::open(dup(bell.fd())).unwrap();
-        same.ring();
-        bell.quiet();
+        let button = DoorbellButton::open(dup(bell.button_fd())).unwrap();
+        button.ring();
+        let chime = DoorbellChime::open(dup(bell.fd())).unwrap();
+        let mut fds = [libc::pollfd {
+            fd: chime.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: one live pollfd; no wait.
+        assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) }, 1, "it rang");
+        chime.quiet();
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) },
+            0,
+            "it quieted"
+        );
         let mem = SharedMemory::create("test", 4096).unwrap();
-        assert!(Doorbell::open(dup(mem.fd())).is_err());
-    }
-
-    #[test]
-    fn a_semaphore_eventfd_is_no_doorbell() {
+        assert!(DoorbellButton::open(dup(mem.fd())).is_err());
+        assert!(DoorbellChime::open(dup(mem.fd())).is_err());
+        // The ends the wrong way round.
+        assert!(DoorbellButton::open(dup(bell.fd())).is_err());
+        assert!(DoorbellChime::open(dup(bell.button_fd())).is_err());
         // SAFETY: plain syscall; returns a new fd or -1.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_SEMAPHORE) };
-        assert!(raw >= 0);
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK) };
         // SAFETY: eventfd returned a new descriptor.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let Err(e) = Doorbell::open(fd) else {
-            panic!("took a semaphore eventfd")
-        };
-        assert!(e.to_string().contains("semaphore"), "{e}");
+        let efd = unsafe { OwnedFd::from_raw_fd(raw) };
+        assert!(DoorbellButton::open(efd).is_err());
     }
 
-    /// The peer shares the open file and can make it blocking after the
-    /// check: quieting a quiet doorbell must still return.
+    /// The peer shares the files it made and can fill the pipe, then make
+    /// it blocking: ringing and quieting the ends taken from it must still
+    /// return.
     #[test]
-    fn quieting_a_doorbell_the_peer_made_blocking_returns() {
+    fn a_doorbell_the_peer_jammed_neither_blocks_a_ring_nor_a_quiet() {
         let peer = Doorbell::new().unwrap();
-        let mine = Doorbell::open(dup(peer.fd())).unwrap();
-        // SAFETY: a plain syscall on a live fd: clears O_NONBLOCK.
-        assert_eq!(unsafe { libc::fcntl(peer.fd(), libc::F_SETFL, 0) }, 0);
+        let button = DoorbellButton::open(dup(peer.button_fd())).unwrap();
+        let chime = DoorbellChime::open(dup(peer.fd())).unwrap();
+        // Full, then blocking, both ends.
+        // SAFETY: writes 4 KiB from a live array to a live fd, till refused.
+        while unsafe { libc::write(peer.button_fd(), [0u8; 4096].as_ptr().cast(), 4096) } > 0 {}
+        for fd in [peer.fd(), peer.button_fd()] {
+            // SAFETY: a plain syscall on a live fd: clears O_NONBLOCK.
+            assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFL, 0) }, 0);
+        }
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            mine.quiet();
+            button.ring();
+            chime.quiet();
+            chime.quiet();
             tx.send(()).unwrap();
         });
         let returned = rx.recv_timeout(std::time::Duration::from_secs(2)).is_ok();
-        // Unblock a stuck read either way, so the test process can end.
-        peer.ring();
-        assert!(
-            returned,
-            "quiet blocked on a doorbell the peer made blocking"
-        );
+        assert!(returned, "a ring or a quiet blocked on a jammed doorbell");
     }
 }

@@ -183,8 +183,9 @@ fn hand_memory() -> SharedMemory {
 }
 
 /// Attaches `c` to this process and offers a mailbox of the files `mem`
-/// and two doorbells (fd numbers), with [`TOKEN`]; returns the target's
-/// verdict.
+/// and two doorbells (fd numbers: the read end of the one to the target,
+/// the write end of the one to the initiator), with [`TOKEN`]; returns the
+/// target's verdict.
 fn offer(c: &mut RawClient, mem: i32, to_target: i32, to_initiator: i32) -> Status {
     let mut attach = [0u8; 12];
     attach[0..4].copy_from_slice(&std::process::id().to_le_bytes());
@@ -249,18 +250,18 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
         let fake = SharedMemory::create("fake", SIZE).unwrap();
         // A fake sealed mapping passes as memory but not as a doorbell.
         assert_eq!(
-            offer(&mut c, fake.fd(), fake.fd(), bell.fd()),
+            offer(&mut c, fake.fd(), fake.fd(), bell.button_fd()),
             Status::Forbidden
         );
         // The unsealed file, offered as the memory.
         let mut c = connect();
-        let st = offer(&mut c, unsealed.as_raw_fd(), bell.fd(), bell.fd());
+        let st = offer(&mut c, unsealed.as_raw_fd(), bell.fd(), bell.button_fd());
         assert_eq!(st, Status::Forbidden);
         // Memory without the offer's token: not the mailbox it names (the
         // initiator closed the files and their numbers were reused).
         let mut c = connect();
         let (a, b) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
-        let st = offer(&mut c, fake.fd(), a.fd(), b.fd());
+        let st = offer(&mut c, fake.fd(), a.fd(), b.button_fd());
         assert_eq!(st, Status::Forbidden);
     }
     // A good mailbox: every request is checked as if it came from the socket.
@@ -268,7 +269,7 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
     let to_target = Doorbell::new().unwrap();
     let to_initiator = Doorbell::new().unwrap();
     assert_eq!(
-        offer(&mut c, mem.fd(), to_target.fd(), to_initiator.fd()),
+        offer(&mut c, mem.fd(), to_target.fd(), to_initiator.button_fd()),
         Status::Ok
     );
     let mut hand = HandMailbox {
@@ -349,7 +350,7 @@ fn a_request_published_before_a_frame_is_served_before_it() {
     let (to_target, to_initiator) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
     let mem = hand_memory();
     assert_eq!(
-        offer(&mut c, mem.fd(), to_target.fd(), to_initiator.fd()),
+        offer(&mut c, mem.fd(), to_target.fd(), to_initiator.button_fd()),
         Status::Ok
     );
     let hand = HandMailbox {
@@ -386,4 +387,72 @@ fn a_request_published_before_a_frame_is_served_before_it() {
         );
         assert!(target.snapshot("kv", 0, 512) == pattern(512, round as u8));
     }
+}
+
+/// Makes the ringing end `fd` of a doorbell block: full, then blocking —
+/// what a hostile initiator can do to the doorbell the target rings.
+fn jam(fd: i32) {
+    // SAFETY: fcntl and write on an fd this test holds; 8 bytes from a live u64.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        assert!(libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0);
+        let v = u64::MAX - 1;
+        while libc::write(fd, (&v as *const u64).cast(), 8) == 8 {}
+        assert!(libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0);
+    }
+}
+
+/// The doorbell the target rings is a file the initiator made. An
+/// initiator that jams it (fills it, then clears `O_NONBLOCK` on it) and
+/// says it sleeps must not block the target's reactor when it rings: the
+/// request is answered, and every other peer is served.
+#[test]
+fn a_jammed_doorbell_does_not_block_the_target() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let kv = target.seg("kv").clone();
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let (to_target, to_initiator) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
+    let mem = hand_memory();
+    assert_eq!(
+        offer(&mut c, mem.fd(), to_target.fd(), to_initiator.button_fd()),
+        Status::Ok
+    );
+    jam(to_initiator.button_fd());
+    // "Asleep": the target rings after it serves.
+    mem.word(192).store(1, Ordering::Relaxed);
+    let mut hand = HandMailbox {
+        mem,
+        to_target,
+        _to_initiator: to_initiator,
+        next: 0,
+    };
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (st, applied) = hand.request(1, kv.id, 0, &pattern(512, 4), 512);
+        done_tx.send((st, applied, hand)).unwrap();
+    });
+    let answered = done_rx.recv_timeout(Duration::from_secs(10));
+    // The target's reactor still runs: another peer is served.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let addr = target.addr;
+    std::thread::spawn(move || {
+        Runtime::new().unwrap().block_on(async {
+            let engine = initiator(false);
+            let peer = engine.connect(addr).await.unwrap();
+            let kv = peer.open("kv", kv.token).await.unwrap();
+            let (res, _) = kv.write(4096, pattern(512, 9), 9).await;
+            tx.send(res.map_err(|e| e.to_string())).unwrap();
+            engine.shutdown();
+        })
+    });
+    let served = rx.recv_timeout(Duration::from_secs(10));
+    if answered.is_err() || served.is_err() {
+        // A blocked target would never stop: leave its thread behind.
+        std::mem::forget(target);
+    }
+    let (st, applied, _hand) = answered.expect("the request was never answered");
+    assert_eq!((st, applied), (Status::Ok as u64, 512));
+    let res = served.expect("the target's reactor is blocked: another peer was never served");
+    assert_eq!(res.unwrap(), 512);
 }

@@ -14,7 +14,7 @@ use quiesce_runtime::source::{register, CompletionSource, SourceHandle};
 use crate::control::frame::send_frame;
 use crate::control::server::{reject, status_frame, Closed, ServedConn};
 use crate::control::wire::{Header, Opcode, Status};
-use crate::local::mailbox::{End, Kind, Mailbox, Word, MAILBOX_PAYLOAD, SLOTS, SLOT_DATA};
+use crate::local::mailbox::{Kind, Mailbox, Word, MAILBOX_PAYLOAD, SLOTS, SLOT_DATA};
 use crate::memory::Window;
 use crate::segment::Rights;
 
@@ -52,21 +52,21 @@ impl Arrivals {
 
 impl CompletionSource for Arrivals {
     fn poll(&mut self) -> usize {
-        self.mb.awake(End::Target);
+        self.mb.awake();
         self.look()
     }
 
     fn notify_fd(&self) -> Option<std::os::fd::RawFd> {
-        Some(self.mb.bell_fd(End::Target))
+        Some(self.mb.bell_fd())
     }
 
     fn arm(&mut self) -> usize {
-        self.mb.sleep(End::Target);
+        self.mb.sleep();
         self.look()
     }
 
     fn notified(&mut self) {
-        self.mb.quiet(End::Target);
+        self.mb.quiet();
     }
 }
 
@@ -141,7 +141,7 @@ impl ServedConn<'_> {
             c.set(c.get() + waiting);
             inbox.served.set(end);
             mb.set_served(end);
-            mb.wake(End::Initiator);
+            mb.wake();
         }
         Ok(waiting)
     }

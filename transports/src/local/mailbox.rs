@@ -3,9 +3,12 @@
 //! socket (DESIGN.md §16.5, PROTOCOL.md §4.7).
 //!
 //! The initiator makes the mailbox — a sealed memfd and two doorbells
-//! (eventfds) — and names their fd numbers in `LocalMailbox`; the target
-//! takes the files from the initiator's process with `pidfd_getfd(2)` (the
-//! ptrace access its copies need anyway) and maps the memory. From then on
+//! (pipes) — and names their fd numbers in `LocalMailbox`: the memory, the
+//! read end of the doorbell that wakes the target and the write end of the
+//! one that wakes the initiator. The target takes the files from the
+//! initiator's process with `pidfd_getfd(2)` (the ptrace access its copies
+//! need anyway), maps the memory and opens the pipe ends afresh, so that
+//! nothing the initiator does to its own files can block the target. From then on
 //! a write or read of up to [`SLOT_DATA`] bytes on that connection goes
 //! into a slot of the mailbox's ring, and its answer comes back in the same
 //! slot:
@@ -38,7 +41,7 @@ use std::io;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use quiesce_runtime::process::PeerProcess;
-use quiesce_runtime::shm::{Doorbell, SharedMemory};
+use quiesce_runtime::shm::{Doorbell, DoorbellButton, DoorbellChime, SharedMemory};
 
 /// Requests in flight on one mailbox at most.
 pub(crate) const SLOTS: u64 = 32;
@@ -107,7 +110,7 @@ impl Kind {
 
 /// Which end of the mailbox.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum End {
+enum End {
     Initiator,
     Target,
 }
@@ -123,10 +126,23 @@ pub(crate) fn size(slots: u64) -> usize {
 /// [`Mailbox::open`] relies on it.
 pub(crate) struct Mailbox {
     mem: SharedMemory,
-    /// Rung by the initiator when the target sleeps.
-    to_target: Doorbell,
-    /// Rung by the target when the initiator sleeps.
-    to_initiator: Doorbell,
+    bells: Bells,
+}
+
+/// The two doorbells, as one end holds them.
+enum Bells {
+    /// The initiator's: it made both, rings `to_target` and watches
+    /// `to_initiator`, and keeps the ends the target takes.
+    Made {
+        to_target: Doorbell,
+        to_initiator: Doorbell,
+    },
+    /// The target's: the ends it took, watching `to_target` and ringing
+    /// `to_initiator`.
+    Taken {
+        to_target: DoorbellChime,
+        to_initiator: DoorbellButton,
+    },
 }
 
 impl Mailbox {
@@ -134,8 +150,10 @@ impl Mailbox {
     pub(crate) fn create() -> io::Result<Mailbox> {
         let mb = Mailbox {
             mem: SharedMemory::create("quiesce-mailbox", size(SLOTS))?,
-            to_target: Doorbell::new()?,
-            to_initiator: Doorbell::new()?,
+            bells: Bells::Made {
+                to_target: Doorbell::new()?,
+                to_initiator: Doorbell::new()?,
+            },
         };
         for i in 0..2 {
             let w = crate::control::auth::random_u64();
@@ -152,7 +170,14 @@ impl Mailbox {
     /// The `LocalMailbox` payload that shares this mailbox.
     pub(crate) fn payload(&self) -> [u8; MAILBOX_PAYLOAD] {
         let mut p = [0u8; MAILBOX_PAYLOAD];
-        let fds = [self.mem.fd(), self.to_target.fd(), self.to_initiator.fd()];
+        let Bells::Made {
+            to_target,
+            to_initiator,
+        } = &self.bells
+        else {
+            unreachable!("only the initiator offers its mailbox")
+        };
+        let fds = [self.mem.fd(), to_target.fd(), to_initiator.button_fd()];
         for (i, fd) in fds.into_iter().enumerate() {
             p[i * 4..i * 4 + 4].copy_from_slice(&(fd as u32).to_le_bytes());
         }
@@ -188,12 +213,13 @@ impl Mailbox {
             let fd = i32::try_from(field(i)).map_err(|_| io::ErrorKind::InvalidData)?;
             initiator.take_fd(fd)
         };
-        let to_target = Doorbell::open(take(1)?)?;
-        let to_initiator = Doorbell::open(take(2)?)?;
+        let bells = Bells::Taken {
+            to_target: DoorbellChime::open(take(1)?)?,
+            to_initiator: DoorbellButton::open(take(2)?)?,
+        };
         let mb = Mailbox {
             mem: SharedMemory::open(take(0)?, size(SLOTS))?,
-            to_target,
-            to_initiator,
+            bells,
         };
         if mb.token() != [word(0), word(1)] {
             return Err(invalid(
@@ -233,6 +259,14 @@ impl Mailbox {
         (&self.mem, slot(seq) + SLOT_HEAD)
     }
 
+    /// The end that holds this side of the mailbox.
+    fn me(&self) -> End {
+        match self.bells {
+            Bells::Made { .. } => End::Initiator,
+            Bells::Taken { .. } => End::Target,
+        }
+    }
+
     fn asleep(&self, end: End) -> &AtomicU64 {
         self.mem.word(match end {
             End::Initiator => INITIATOR_ASLEEP,
@@ -240,48 +274,54 @@ impl Mailbox {
         })
     }
 
-    fn bell(&self, end: End) -> &Doorbell {
-        match end {
-            End::Initiator => &self.to_initiator,
-            End::Target => &self.to_target,
-        }
-    }
-
-    /// After publishing: rings `end`'s doorbell if it is asleep (or about
-    /// to be: it drains once more after saying so).
-    pub(crate) fn wake(&self, end: End) {
-        // Pairs with the fence in `sleep`: either `end` sees what was just
-        // published, or this sees its word set.
+    /// After publishing: rings the other end's doorbell if it is asleep
+    /// (or about to be: it drains once more after saying so).
+    pub(crate) fn wake(&self) {
+        // Pairs with the fence in `sleep`: either the other end sees what
+        // was just published, or this sees its word set.
         fence(Ordering::SeqCst);
-        let w = self.asleep(end);
+        let other = match self.me() {
+            End::Initiator => End::Target,
+            End::Target => End::Initiator,
+        };
+        let w = self.asleep(other);
         if w.load(Ordering::Relaxed) != 0 && w.swap(0, Ordering::AcqRel) != 0 {
-            self.bell(end).ring();
+            match &self.bells {
+                Bells::Made { to_target, .. } => to_target.ring(),
+                Bells::Taken { to_initiator, .. } => to_initiator.ring(),
+            }
         }
     }
 
-    /// `end` is about to block: the other side must ring. The caller drains
+    /// This end is about to block: the other must ring. The caller drains
     /// once more after this.
-    pub(crate) fn sleep(&self, end: End) {
-        self.asleep(end).store(1, Ordering::Relaxed);
+    pub(crate) fn sleep(&self) {
+        self.asleep(self.me()).store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 
-    /// `end` is awake: no need to ring it.
-    pub(crate) fn awake(&self, end: End) {
-        let w = self.asleep(end);
+    /// This end is awake: no need to ring it.
+    pub(crate) fn awake(&self) {
+        let w = self.asleep(self.me());
         if w.load(Ordering::Relaxed) != 0 {
             w.store(0, Ordering::Relaxed);
         }
     }
 
-    /// `end`'s doorbell fd, for its reactor to watch.
-    pub(crate) fn bell_fd(&self, end: End) -> std::os::fd::RawFd {
-        self.bell(end).fd()
+    /// This end's doorbell fd, for its reactor to watch.
+    pub(crate) fn bell_fd(&self) -> std::os::fd::RawFd {
+        match &self.bells {
+            Bells::Made { to_initiator, .. } => to_initiator.fd(),
+            Bells::Taken { to_target, .. } => to_target.fd(),
+        }
     }
 
-    /// Quiets `end`'s doorbell after it rang.
-    pub(crate) fn quiet(&self, end: End) {
-        self.bell(end).quiet();
+    /// Quiets this end's doorbell after it rang.
+    pub(crate) fn quiet(&self) {
+        match &self.bells {
+            Bells::Made { to_initiator, .. } => to_initiator.quiet(),
+            Bells::Taken { to_target, .. } => to_target.quiet(),
+        }
     }
 }
 

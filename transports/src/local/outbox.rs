@@ -13,7 +13,7 @@ use quiesce_runtime::IoBufMut;
 
 use crate::control::wire::Status;
 use crate::error::TransferError;
-use crate::local::mailbox::{End, Kind, Mailbox, Word, SLOTS, SLOT_DATA};
+use crate::local::mailbox::{Kind, Mailbox, Word, SLOTS, SLOT_DATA};
 use crate::tcp::conn::Conn;
 use crate::tcp::responses::Pending;
 use crate::tcp::split::{Erased, Part};
@@ -94,21 +94,21 @@ fn copy_out(mem: &SharedMemory, at: usize, dst: &mut Erased) {
 
 impl CompletionSource for Answers {
     fn poll(&mut self) -> usize {
-        self.ring.mb.awake(End::Initiator);
+        self.ring.mb.awake();
         self.take()
     }
 
     fn notify_fd(&self) -> Option<std::os::fd::RawFd> {
-        Some(self.ring.mb.bell_fd(End::Initiator))
+        Some(self.ring.mb.bell_fd())
     }
 
     fn arm(&mut self) -> usize {
-        self.ring.mb.sleep(End::Initiator);
+        self.ring.mb.sleep();
         self.take()
     }
 
     fn notified(&mut self) {
-        self.ring.mb.quiet(End::Initiator);
+        self.ring.mb.quiet();
     }
 }
 
@@ -250,7 +250,7 @@ impl Conn {
         ring.tasks.borrow_mut()[(seq % SLOTS) as usize] = (id, p.segment);
         ring.submitted.set(seq + 1);
         mb.set_submitted(seq + 1);
-        mb.wake(End::Target);
+        mb.wake();
         g.complete = true;
         drop(g);
         self.answer(result).await
