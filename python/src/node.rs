@@ -449,10 +449,18 @@ impl Node {
         addr: u64,
         len: u64,
     ) -> Result<OpenedSegment, String> {
-        let holds = |s: &OpenedSegment| addr >= s.base && addr - s.base < s.len;
+        // A kept range that holds the whole transfer. One that holds only
+        // its start may have been withdrawn and registered again larger,
+        // or lie inside a larger one: the target picks (by address, the
+        // range reaching furthest).
+        let fits = |s: &OpenedSegment| {
+            addr.checked_sub(s.base)
+                .and_then(|o| o.checked_add(len))
+                .is_some_and(|end| end <= s.len)
+        };
         let cached = lock(&self.opened)
             .get(&peer)
-            .and_then(|v| v.iter().find(|s| holds(s)).copied());
+            .and_then(|v| v.iter().find(|s| fits(s)).copied());
         let seg = match cached {
             Some(s) => s,
             None => {
@@ -470,10 +478,7 @@ impl Node {
                 s
             }
         };
-        if (addr - seg.base)
-            .checked_add(len)
-            .is_none_or(|end| end > seg.len)
-        {
+        if !fits(&seg) {
             return Err(format!(
                 "{peer}: {len} bytes at {addr:#x} cross the end of the registered range at {:#x} ({} bytes)",
                 seg.base, seg.len

@@ -115,6 +115,38 @@ def test_seed_scenario_minus_one_means_nothing_touches_the_source(peer_factory, 
     assert corrupted == 0, f"{corrupted}/{rounds} rounds had bytes written after -1"
 
 
+def test_overlapping_ranges_open_the_one_reaching_furthest(peer_factory, local):
+    """A target registers a small range, then one around it (one token, as
+    every range of a node has): a write from inside the small range that
+    runs past its end lands in the larger one."""
+    target = peer_factory(2 * MiB)
+    (a, _) = target.regions[0]
+    assert target.ask(f"unregister {a}") == "0"
+    assert target.ask(f"register {a + 16384} 4096") == "0"
+    assert target.ask(f"register {a} {2 * MiB}") == "0"
+    e = engine()
+    src = local.buffer(8192, 0x5A)
+    assert e.transfer_sync_write(target.session, src, a + 16384 + 100, 8192) == 0
+    assert target.count(a + 16384 + 100, 8192, 0x5A) == 8192
+
+
+def test_a_range_registered_again_larger_is_written_past_its_old_end(peer_factory, local):
+    """The initiator keeps the ranges it opened. The target withdraws one
+    and registers a larger one at the same address: a write past the old
+    end goes to the new range, not refused by the kept one."""
+    target = peer_factory(2 * MiB)
+    (a, _) = target.regions[0]
+    assert target.ask(f"unregister {a}") == "0"
+    assert target.ask(f"register {a} {MiB}") == "0"
+    e = engine()
+    src = local.buffer(MiB, 0x3C)
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    assert target.ask(f"unregister {a}") == "0"
+    assert target.ask(f"register {a} {2 * MiB}") == "0"
+    assert e.transfer_sync_write(target.session, src, a + MiB // 2, MiB) == 0
+    assert target.count(a + MiB // 2, MiB, 0x3C) == MiB
+
+
 def test_sixteen_threads_at_once(peer_factory, local):
     """SGLang fans batch_transfer_sync_write out on a thread pool."""
     target = peer_factory(16 * MiB)

@@ -206,3 +206,45 @@ fn an_address_in_overlapping_segments_opens_the_one_the_token_proves() {
     });
     drop(owned);
 }
+
+/// Overlapping segments that share one token (as the Mooncake drop-in
+/// registers every range): an address inside several opens the one that
+/// reaches furthest, whichever was registered first, so a transfer from
+/// that address that fits any of them fits it.
+#[test]
+fn an_address_in_overlapping_segments_of_one_token_opens_the_one_reaching_furthest() {
+    let mut owned = vec![0u8; 64 << 10].into_boxed_slice();
+    let ptr = owned.as_mut_ptr();
+    Runtime::new().unwrap().block_on(async {
+        let target = Engine::bind(tcp()).unwrap();
+        let rw = Rights::READ | Rights::WRITE;
+        let token = Token::derive(b"one secret for every range", "node");
+        // SAFETY: `owned` outlives `block_on`, which drops the engine (and
+        // with it every lending); only the engine writes it meanwhile.
+        let [inner, outer, tail] = unsafe {
+            [
+                ForeignMemory::new(ptr.add(16 << 10), 4096, || {}),
+                ForeignMemory::new(ptr, 32 << 10, || {}),
+                ForeignMemory::new(ptr.add(8 << 10), 8 << 10, || {}),
+            ]
+        };
+        let inner = target
+            .register_with_token("inner", inner, rw, token)
+            .unwrap();
+        let outer = target
+            .register_with_token("outer", outer, rw, token)
+            .unwrap();
+        let _tail = target.register_with_token("tail", tail, rw, token).unwrap();
+        let e = Engine::bind(tcp()).unwrap();
+        let peer = e.connect(target.local_addr()).await.unwrap();
+        let at = inner.base() + 100;
+        let r = peer.open_at(at, token).await.unwrap();
+        assert_eq!((r.name(), r.base()), ("outer", outer.base()));
+        let (res, _) = r.write(at - r.base(), pattern(8192, 6), 1).await;
+        assert_eq!(res.unwrap(), 8192, "8 KiB from inside the inner range");
+        // Where the shorter ones end first, the longest still wins.
+        let r = peer.open_at(outer.base() + (9 << 10), token).await.unwrap();
+        assert_eq!(r.name(), "outer");
+    });
+    drop(owned);
+}

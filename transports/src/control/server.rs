@@ -6,6 +6,7 @@
 //! [`QpPlane`](crate::control::QpPlane).
 
 use std::cell::Cell;
+use std::cmp::Reverse;
 use std::io;
 use std::rc::Rc;
 use std::time::Instant;
@@ -557,17 +558,24 @@ impl ServedConn<'_> {
                 let seg = match seg_ref {
                     SegmentRef::Id(id) => self.engine.segment(*id),
                     SegmentRef::Name(n) => self.engine.segment_named(n),
-                    // Segments may overlap: the one the proof opens, of
-                    // those that hold the address.
+                    // Segments may overlap. Of those that hold the address
+                    // and that the proof opens, the one reaching furthest:
+                    // a transfer from the address that fits any of them
+                    // fits it (ties: the first registered).
                     SegmentRef::Address(a) => {
                         let holds =
                             |s: &Segment| a.checked_sub(s.base()).is_some_and(|o| o < s.len());
-                        match self.engine.first_segment_proven(holds, verify) {
+                        let reach =
+                            |s: &Segment| (Reverse(s.base().saturating_add(s.len())), s.id());
+                        match self.engine.proven_segment(holds, verify, reach) {
                             (None, tried) if tried > 0 => return (Status::Forbidden, None),
                             (seg, _) => seg,
                         }
                     }
-                    SegmentRef::First => self.engine.first_segment_proven(|_| true, verify).0,
+                    // Ids only grow: the first registered.
+                    SegmentRef::First => {
+                        self.engine.proven_segment(|_| true, verify, Segment::id).0
+                    }
                 };
                 match seg {
                     Some(seg) if verify(&seg.token()) => {

@@ -77,25 +77,26 @@ impl Target {
             .cloned()
     }
 
-    /// The segment registered first (ids only grow) among the live ones
-    /// that `within` admits and whose token `proves` accepts, and how many
-    /// were admitted. Every admitted segment's token is tried, so the work
-    /// — and a refusal — says nothing about the segments the proof does
-    /// not open; a caller that found none admitted does a refusal's work
-    /// all the same.
-    pub(crate) fn first_segment_proven(
+    /// The segment whose `rank` is least among the live ones that
+    /// `within` admits and whose token `proves` accepts, and how many were
+    /// admitted. Every admitted segment's token is tried, so the work — and
+    /// a refusal — says nothing about the segments the proof does not open;
+    /// a caller that found none admitted does a refusal's work all the
+    /// same.
+    pub(crate) fn proven_segment<K: Ord>(
         &self,
         within: impl Fn(&Segment) -> bool,
         proves: impl Fn(&crate::control::auth::Token) -> bool,
+        rank: impl Fn(&Segment) -> K,
     ) -> (Option<Segment>, usize) {
-        let (mut first, mut tried) = (None, 0);
+        let (mut best, mut tried) = (None::<Segment>, 0);
         for s in self.segments.borrow().values().filter(|s| within(s)) {
             tried += 1;
-            if proves(&s.token()) && first.is_none() {
-                first = Some(s.clone());
+            if proves(&s.token()) && best.as_ref().is_none_or(|b| rank(s) < rank(b)) {
+                best = Some(s.clone());
             }
         }
-        (first, tried)
+        (best, tried)
     }
 
     /// What a peer that proved `s`'s token learns about it.
