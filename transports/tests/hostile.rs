@@ -382,6 +382,30 @@ fn a_connection_silent_mid_frame_is_closed_after_the_idle_limit() {
     let t0 = Instant::now();
     assert!(c.recv().is_none(), "a proof that stops coming is closed");
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    // And for the address a `WriteLocal` or `ReadLocal` carries (read
+    // before the target looks whether the connection is attached).
+    for op in [Opcode::WriteLocal, Opcode::ReadLocal] {
+        let mut c = RawClient::connect(t.addr);
+        c.auth(t.seg("kv").id, t.seg("kv").token);
+        let h = Header {
+            batch: 1,
+            task: 1,
+            segment: t.seg("kv").id,
+            length: 4096,
+            ..Header::new(op)
+        };
+        c.send(&h, &[1u8; 3]);
+        let t0 = Instant::now();
+        assert!(
+            c.recv().is_none(),
+            "{op:?}: an address that stops coming is closed"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "{op:?}: {:?}",
+            t0.elapsed()
+        );
+    }
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(t.stats().connections, 0);
 }

@@ -97,8 +97,10 @@ impl ServedConn<'_> {
             None => None,
         }
         .unwrap_or_else(|| vec![0u8; ADDRESS_PAYLOAD].into_boxed_slice());
-        // Sent with its header: most likely here already.
-        buf = self.rx.fill(self.s, buf).await?;
+        // Sent with its header: most likely here already. A peer that
+        // stops mid-address is closed after the idle limit, as one that
+        // stops mid-payload.
+        buf = self.idle.within(self.rx.fill(self.s, buf)).await??;
         let addr = u64::from_le_bytes(buf[..].try_into().expect("8 bytes"));
         let exited = match self.local.as_mut() {
             Some(a) => {
