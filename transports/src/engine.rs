@@ -153,6 +153,7 @@ impl Engine {
             local_addr,
             config,
             segments: RefCell::default(),
+            exposed: Rc::default(),
             next_segment: Cell::new(1),
             fences: FenceTable::default(),
             sessions: RefCell::default(),
@@ -215,7 +216,14 @@ impl Engine {
         }
         let id = self.inner.next_segment.get();
         self.inner.next_segment.set(id + 1);
-        let seg = Segment::new(id, name.into(), mem.into(), rights, token);
+        let seg = Segment::new(
+            id,
+            name.into(),
+            mem.into(),
+            rights,
+            token,
+            &self.inner.exposed,
+        );
         segs.insert(id, seg.clone());
         Ok(seg)
     }

@@ -1,6 +1,7 @@
 //! Segments: local memory registered for remote access.
 
-use std::rc::Rc;
+use std::cell::RefCell;
+use std::rc::{Rc, Weak};
 
 use bitflags::bitflags;
 
@@ -62,7 +63,36 @@ pub(crate) struct SegmentInner {
     pub(crate) grants: Grants,
     /// What else serves the segment (RDMA: its memory regions) and must
     /// stop when the engine deregisters it, however it is asked to.
-    pub(crate) withdraw: std::cell::RefCell<Option<Box<dyn FnOnce()>>>,
+    pub(crate) withdraw: RefCell<Option<Box<dyn FnOnce()>>>,
+    /// Every segment of its engine: a revoke reaches those that overlap it.
+    exposed: Rc<ExposedSegments>,
+}
+
+/// Every segment of one engine that peers may still reach: the registered
+/// ones, and deregistered ones that writes still land in (their landing
+/// guards hold them). Segments may overlap — a range registered, then one
+/// inside it — so a revoke of memory reaches each segment that holds part
+/// of it ([`Segment::revoke`]).
+#[derive(Default)]
+pub(crate) struct ExposedSegments(RefCell<Vec<Weak<SegmentInner>>>);
+
+impl ExposedSegments {
+    fn add(&self, s: &Rc<SegmentInner>) {
+        let mut all = self.0.borrow_mut();
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Rc::downgrade(s));
+    }
+
+    /// Those whose memory overlaps the addresses `lo..hi`.
+    fn overlapping(&self, lo: u64, hi: u64) -> Vec<Segment> {
+        self.0
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|inner| Segment { inner })
+            .filter(|s| s.base() < hi && lo < s.base().saturating_add(s.len()))
+            .collect()
+    }
 }
 
 /// A registered segment (the target's side). Cheap to clone.
@@ -81,23 +111,25 @@ impl Segment {
         mem: SegmentMemory,
         rights: Rights,
         token: Token,
+        exposed: &Rc<ExposedSegments>,
     ) -> Segment {
         let mem = match mem {
             SegmentMemory::Vec(v) => ExposedMemory::from_vec(v),
             SegmentMemory::Aligned(b) => ExposedMemory::from_aligned(b),
             SegmentMemory::Foreign(f) => ExposedMemory::from_foreign(f),
         };
-        Segment {
-            inner: Rc::new(SegmentInner {
-                id,
-                name,
-                rights,
-                token,
-                mem: Rc::new(mem),
-                grants: Grants::default(),
-                withdraw: Default::default(),
-            }),
-        }
+        let inner = Rc::new(SegmentInner {
+            id,
+            name,
+            rights,
+            token,
+            mem: Rc::new(mem),
+            grants: Grants::default(),
+            withdraw: Default::default(),
+            exposed: exposed.clone(),
+        });
+        exposed.add(&inner);
+        Segment { inner }
     }
 
     /// The id peers address it by.
@@ -143,11 +175,12 @@ impl Segment {
 
     /// Takes `range` back from every peer: resolves once no byte of any
     /// write accepted, queued in a socket or sent before the call can land
-    /// in it any more, from any peer (a vanished or partitioned one too).
-    /// Writes into the range land again only from connections that prove
-    /// the token after the call (an initiator's `Peer::open`, or any new
-    /// connection); older ones are refused with `Revoked`. See
-    /// `revoke.rs` for how.
+    /// in it any more, from any peer (a vanished or partitioned one too),
+    /// through this segment or any other of the engine that overlaps the
+    /// range's memory (each is revoked over its part of it). Writes into
+    /// the range land again only from connections that prove a token after
+    /// the call (an initiator's `Peer::open`, or any new connection); older
+    /// ones are refused with `Revoked`. See `revoke.rs` for how.
     pub async fn revoke(&self, range: std::ops::Range<u64>) -> Result<(), RevokeError> {
         let (start, end) = (range.start, range.end);
         if start >= end || end > self.len() {
@@ -157,7 +190,25 @@ impl Segment {
                 len: self.len(),
             });
         }
-        self.inner.grants.revoke(start, end).await
+        let (lo, hi) = (self.base() + start, self.base() + end);
+        // Every part revoked first, then waited for: no part's old writes
+        // land on while another's are waited for.
+        let parts: Vec<_> = self
+            .inner
+            .exposed
+            .overlapping(lo, hi)
+            .into_iter()
+            .map(|s| {
+                let from = lo.max(s.base()) - s.base();
+                let to = hi.min(s.base() + s.len()) - s.base();
+                let epoch = s.inner.grants.begin_revoke(from, to);
+                (s, from, to, epoch)
+            })
+            .collect();
+        for (s, from, to, epoch) in &parts {
+            s.inner.grants.quiesced(*from, *to, *epoch).await;
+        }
+        Ok(())
     }
 
     /// Copies bytes out. `false` (and nothing copied) if out of range.

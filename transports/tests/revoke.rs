@@ -172,3 +172,75 @@ fn bad_revokes_are_typed_errors() {
         Err(RevokeError::OutOfBounds { .. })
     ));
 }
+
+/// Segments may overlap (a range registered, then one inside it). A revoke
+/// of a range of one reaches every segment whose memory holds part of it:
+/// a write landing there through the other segment is stopped before the
+/// revoke resolves, and the old grant's later writes there are refused.
+#[test]
+fn a_revoke_reaches_writes_through_every_overlapping_segment() {
+    use quiesce_runtime::time::sleep;
+    use quiesce_transports::ForeignMemory;
+    const PART: usize = 16 << 10;
+    let mut owned = vec![0u8; 64 << 10].into_boxed_slice();
+    let ptr = owned.as_mut_ptr();
+    Runtime::new().unwrap().block_on(async {
+        let engine = Engine::bind(tcp()).unwrap();
+        let rw = Rights::READ | Rights::WRITE;
+        // SAFETY: `owned` outlives `block_on`, which drops the engine (and
+        // with it both lendings); only the engine writes it meanwhile.
+        let (outer, inner) = unsafe {
+            (
+                ForeignMemory::new(ptr, 64 << 10, || {}),
+                ForeignMemory::new(ptr.add(PART), PART, || {}),
+            )
+        };
+        let outer = engine.register("outer", outer, rw).unwrap();
+        let inner = engine.register("inner", inner, rw).unwrap();
+        let (addr, id, token) = (engine.local_addr(), inner.id(), inner.token());
+        // A peer of `inner` sends half a write, and the rest when told.
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let peer = std::thread::spawn(move || {
+            let mut c = RawClient::connect(addr);
+            assert_eq!(c.auth_status(id, token), Status::Ok);
+            c.s.write_all(&write_header(id, 1, PART).encode()).unwrap();
+            c.s.write_all(&[0xA1; PART / 2]).unwrap();
+            go_rx.recv().unwrap();
+            c.s.write_all(&[0xA1; PART / 2]).unwrap();
+            let first = c.recv().expect("an answer to the old write");
+            c.send(&write_header(id, 2, 4096), &[0xA1; 4096]);
+            let second = c.recv().expect("an answer to the second old write");
+            (first, second)
+        });
+        let t0 = Instant::now();
+        let mut half = vec![0u8; PART / 2];
+        while {
+            assert!(outer.read_at(PART as u64, &mut half));
+            half.iter().any(|&b| b != 0xA1)
+        } {
+            assert!(t0.elapsed() < Duration::from_secs(5), "half never landed");
+            sleep(Duration::from_millis(1)).await;
+        }
+        // Revoked through the outer segment: resolves once nothing of the
+        // old grant can land in it, through either segment.
+        outer.revoke(0..(64 << 10)).await.unwrap();
+        assert!(outer.write_at(PART as u64, &[0u8; PART]));
+        go_tx.send(()).unwrap();
+        while !peer.is_finished() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "the peer hangs");
+            sleep(Duration::from_millis(1)).await;
+        }
+        let (first, second) = peer.join().unwrap();
+        assert_eq!(first.status().unwrap(), Status::Revoked, "{first:?}");
+        assert_eq!(second.status().unwrap(), Status::Revoked, "{second:?}");
+        let mut after = vec![1u8; PART];
+        assert!(outer.read_at(PART as u64, &mut after));
+        let stale = after.iter().filter(|&&b| b == 0xA1).count();
+        assert_eq!(
+            stale, 0,
+            "{stale} bytes of the old grant landed after the revoke"
+        );
+        engine.shutdown();
+    });
+    drop(owned);
+}

@@ -11,6 +11,8 @@
 //! queued in a socket or sent before the call lands in the range any more,
 //! whoever sent it — including a peer that vanished or is partitioned: its
 //! bytes still in the target's socket buffers are refused when read.
+//! Segments may overlap, so [`Segment::revoke`] does this on every segment
+//! that holds part of the range's memory.
 //!
 //! Over RDMA the NIC writes without the target's CPU, so a segment served
 //! there is also *re-keyed*: its memory region in every connection's
@@ -157,10 +159,10 @@ impl Grants {
             .any(|&(s, e, ep)| ep > epoch && overlaps(w, (s, e)))
     }
 
-    /// Revokes `start..end` (checked by the caller) and resolves once no
-    /// write of an older grant is landing in it (and, over RDMA, the old
-    /// remote key is dead).
-    pub(crate) async fn revoke(&self, start: u64, end: u64) -> Result<(), RevokeError> {
+    /// Revokes `start..end` (checked by the caller): from now on writes of
+    /// older grants into it are refused, and those landing in it are
+    /// cancelled. Returns the new epoch, for [`quiesced`](Self::quiesced).
+    pub(crate) fn begin_revoke(&self, start: u64, end: u64) -> u64 {
         if let Some(rekey) = self.rekey.borrow().as_ref() {
             rekey();
         }
@@ -175,25 +177,39 @@ impl Grants {
                 *r = vec![(s, e, epoch)];
             }
         }
-        let older = |l: &Landing| l.epoch < epoch && overlaps((l.start, l.end), (start, end));
         let cancellers: Vec<Canceller> = self
             .landing
             .borrow()
             .iter()
-            .filter(|(_, l)| older(l))
+            .filter(|(_, l)| older(l, start, end, epoch))
             .filter_map(|(_, l)| l.canceller.clone())
             .collect();
         // Outside the borrow: cancelling may wake tasks.
         cancellers.iter().for_each(Canceller::cancel);
+        epoch
+    }
+
+    /// Resolves once no write of a grant older than `epoch` is landing in
+    /// `start..end` (and, over RDMA, the old remote key is dead).
+    pub(crate) async fn quiesced(&self, start: u64, end: u64, epoch: u64) {
         std::future::poll_fn(|cx| {
-            if self.landing.borrow().iter().any(|(_, l)| older(l)) {
+            if self
+                .landing
+                .borrow()
+                .iter()
+                .any(|(_, l)| older(l, start, end, epoch))
+            {
                 self.waiters.borrow_mut().push(cx.waker().clone());
                 Poll::Pending
             } else {
                 Poll::Ready(())
             }
         })
-        .await;
-        Ok(())
+        .await
     }
+}
+
+/// A write of a grant older than `epoch` landing in `start..end`.
+fn older(l: &Landing, start: u64, end: u64, epoch: u64) -> bool {
+    l.epoch < epoch && overlaps((l.start, l.end), (start, end))
 }

@@ -36,6 +36,8 @@ pub(crate) struct Target {
     pub(crate) config: EngineConfig,
     pub(crate) local_addr: SocketAddr,
     pub(crate) segments: RefCell<BTreeMap<u64, Segment>>,
+    /// Every segment peers may still reach, deregistered ones too.
+    pub(crate) exposed: Rc<crate::segment::ExposedSegments>,
     pub(crate) next_segment: Cell<u64>,
     pub(crate) fences: FenceTable,
     /// Live target-side connections per initiator session.
