@@ -182,11 +182,8 @@ fn hand_memory() -> SharedMemory {
     mem
 }
 
-/// Attaches `c` to this process and offers a mailbox of the files `mem`
-/// and two doorbells (fd numbers: the read end of the one to the target,
-/// the write end of the one to the initiator), with [`TOKEN`]; returns the
-/// target's verdict.
-fn offer(c: &mut RawClient, mem: i32, to_target: i32, to_initiator: i32) -> Status {
+/// Sends `LocalAttach` for this process on `c`; the target's verdict.
+fn attach(c: &mut RawClient) -> Status {
     let mut attach = [0u8; 12];
     attach[0..4].copy_from_slice(&std::process::id().to_le_bytes());
     attach[4..12].copy_from_slice(&(c.ack.nonce.as_ptr() as u64).to_le_bytes());
@@ -197,8 +194,38 @@ fn offer(c: &mut RawClient, mem: i32, to_target: i32, to_initiator: i32) -> Stat
         },
         &attach,
     );
-    let h = c.recv().expect("an attach answer");
-    assert_eq!(h.status(), Ok(Status::Ok), "the attach was refused");
+    c.recv().expect("an attach answer").status().unwrap()
+}
+
+/// Each `LocalAttach` costs the target a scan of the kernel's socket
+/// tables and the process's fds, on its reactor: a connection gets one
+/// attempt, so a peer cannot repeat it without bound.
+#[test]
+fn a_connection_attaches_once() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 4096, RW)]);
+    let kv = target.seg("kv").clone();
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    assert_eq!(attach(&mut c), Status::Ok);
+    for _ in 0..3 {
+        assert_eq!(attach(&mut c), Status::Forbidden, "attached again");
+    }
+    // A connection whose attempt failed gets no second one either.
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let nonce = c.ack.nonce;
+    c.ack.nonce = [0; 16];
+    assert_eq!(attach(&mut c), Status::Forbidden, "a wrong nonce");
+    c.ack.nonce = nonce;
+    assert_eq!(attach(&mut c), Status::Forbidden, "a second attempt");
+}
+
+/// Attaches `c` to this process and offers a mailbox of the files `mem`
+/// and two doorbells (fd numbers: the read end of the one to the target,
+/// the write end of the one to the initiator), with [`TOKEN`]; returns the
+/// target's verdict.
+fn offer(c: &mut RawClient, mem: i32, to_target: i32, to_initiator: i32) -> Status {
+    assert_eq!(attach(c), Status::Ok, "the attach was refused");
     let mut p = [0u8; 32];
     for (i, v) in [mem, to_target, to_initiator, SLOTS as i32]
         .into_iter()

@@ -72,6 +72,8 @@ pub(crate) struct ServedConn<'a> {
     /// The initiator's process, once the connection attached to it (the
     /// local transport).
     pub(crate) local: Option<crate::local::serve::Attached>,
+    /// It sent a `LocalAttach` (one is answered per connection).
+    pub(crate) attach_tried: bool,
     /// The mailbox the attached initiator shares with us, if any: small
     /// requests and their answers in shared memory.
     pub(crate) inbox: Option<crate::local::inbox::Inbox>,
@@ -277,6 +279,7 @@ async fn handshake<'a>(
         canceller: None,
         landing: None,
         local: None,
+        attach_tried: false,
         inbox: None,
         rx: ReadAhead::default(),
         idle: IdleLimit::new(engine.config.idle_timeout),

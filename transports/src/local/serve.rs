@@ -68,14 +68,24 @@ impl ServedConn<'_> {
         Ok(())
     }
 
-    fn verify(&self, pid: u32, probe: u64) -> Result<PeerProcess, String> {
+    fn verify(&mut self, pid: u32, probe: u64) -> Result<PeerProcess, String> {
         if self.engine.config.local == LocalMode::Off {
             return Err("the local transport is off".into());
+        }
+        // The checks below scan the kernel's socket tables and the
+        // process's fds on the reactor: once per connection, and only for
+        // a peer that can be on this host.
+        if std::mem::replace(&mut self.attach_tried, true) {
+            return Err("the connection already tried to attach".into());
         }
         let (mine, theirs) = (
             self.s.local_addr().map_err(|e| e.to_string())?,
             self.s.peer_addr().map_err(|e| e.to_string())?,
         );
+        let (ip, peer_ip) = (mine.ip().to_canonical(), theirs.ip().to_canonical());
+        if !peer_ip.is_loopback() && peer_ip != ip {
+            return Err("the peer is on another host".into());
+        }
         if !owner::holds_socket(pid, theirs, mine).map_err(|e| e.to_string())? {
             return Err("that process does not hold this connection".into());
         }
