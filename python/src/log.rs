@@ -22,7 +22,8 @@
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::Write;
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, TryLockError};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -174,8 +175,35 @@ impl Drop for RecordWriter {
     }
 }
 
+/// The queue's lock is held for a fork ([`hold_log_records_for_fork`]),
+/// across Python code that may wait for the GIL.
+static HELD_FOR_FORK_NOW: AtomicBool = AtomicBool::new(false);
+/// Records dropped because the lock was held for a fork.
+static DROPPED_IN_FORK: AtomicU64 = AtomicU64::new(0);
+
+/// The queue's lock for [`push`], which may run on a thread that holds the
+/// GIL (a call's complaint): `None` — the record to be dropped — while the
+/// lock is held for a fork, since the fork's holder may be waiting for the
+/// GIL. Its other holders keep it for a few instructions.
+fn lock_to_push() -> Option<MutexGuard<'static, QueueState>> {
+    loop {
+        match QUEUE.state.try_lock() {
+            Ok(q) => return Some(q),
+            Err(TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+            Err(TryLockError::WouldBlock) if HELD_FOR_FORK_NOW.load(Ordering::Acquire) => {
+                return None
+            }
+            Err(TryLockError::WouldBlock) => std::thread::yield_now(),
+        }
+    }
+}
+
 fn push(record: Record) {
-    let mut q = lock(&QUEUE.state);
+    let Some(mut q) = lock_to_push() else {
+        DROPPED_IN_FORK.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    q.dropped += DROPPED_IN_FORK.swap(0, Ordering::Relaxed);
     if q.closed {
         drop(q);
         let (_, logger, message) = record;
@@ -202,6 +230,7 @@ fn push(record: Record) {
 /// process.
 fn take(wait: Option<Duration>) -> (Vec<Record>, bool) {
     let mut q = lock(&QUEUE.state);
+    q.dropped += DROPPED_IN_FORK.swap(0, Ordering::Relaxed);
     let until = wait.map(quiesce_runtime::time::deadline_in);
     while q.records.is_empty() && q.dropped == 0 && !q.closed {
         q = match until {
@@ -225,7 +254,10 @@ fn take(wait: Option<Duration>) -> (Vec<Record>, bool) {
         out.push((
             30,
             "quiesce".to_owned(),
-            format!("{n} log records dropped: more than {CAPACITY} waited for Python's logging"),
+            format!(
+                "{n} log records dropped: more than {CAPACITY} waited for Python's logging, \
+                 or they came while a fork held the queue"
+            ),
         ));
     }
     out.extend(q.records.drain(..));
@@ -279,11 +311,14 @@ thread_local! {
 /// thread hung at the first record). Taken with the GIL held: the lock's
 /// other holders (an engine thread queuing a record, the log thread taking
 /// them with the GIL released) never wait for the GIL while they hold it,
-/// and nothing waits for the lock with the GIL held (the hooks between
-/// this and the release run Python code, where the GIL passes on).
+/// and nothing waits for the lock with the GIL held while a fork holds it
+/// (the hooks between this and the release run Python code, where the GIL
+/// passes on): a record pushed meanwhile, from any thread, is dropped and
+/// counted ([`push`]).
 #[pyfunction]
 pub(crate) fn hold_log_records_for_fork() {
     let guard = lock(&QUEUE.state);
+    HELD_FOR_FORK_NOW.store(true, Ordering::Release);
     HELD_FOR_FORK.with(|h| *h.borrow_mut() = Some(guard));
 }
 
@@ -295,9 +330,11 @@ pub(crate) fn release_log_records_after_fork(child: bool) {
     let Some(mut q) = HELD_FOR_FORK.with(|h| h.borrow_mut().take()) else {
         return;
     };
+    HELD_FOR_FORK_NOW.store(false, Ordering::Release);
     if child {
         q.records.clear();
         q.dropped = 0;
+        DROPPED_IN_FORK.store(0, Ordering::Relaxed);
         q.closed = false;
     }
 }

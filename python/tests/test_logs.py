@@ -299,6 +299,48 @@ def test_a_fork_while_another_thread_finds_the_queue_empty_does_not_hang():
     runs_ok(FORK_IDLE_CODE, 300, timeout=60)
 
 
+FORK_WARN_CODE = """
+import os, sys, threading, time
+
+# Registered before quiesce's own hook, so it runs after it (before-fork
+# hooks run in reverse order): Python code while quiesce holds the log
+# queue's lock, where the GIL passes to other threads.
+os.register_at_fork(before=lambda: time.sleep(0.01))
+from quiesce.mooncake import TransferEngine
+
+sys.setswitchinterval(1e-6)
+e = TransferEngine()
+assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+stop = False
+
+
+def warner():
+    # Each call logs a warning from Rust on this thread, the GIL held.
+    while not stop:
+        assert e.unregister_memory(0x1234) == -1
+
+
+t = threading.Thread(target=warner, daemon=True)
+t.start()
+time.sleep(0.1)
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+stop = True
+print("ok", flush=True)
+"""
+
+
+def test_a_fork_while_another_thread_logs_a_warning_does_not_hang():
+    """A warning logged from a Python thread (a call's complaint) takes the
+    log queue's lock with the GIL held; the fork hooks hold that lock
+    across Python code, where the GIL passes to that thread: it waited for
+    the lock, the hooks for the GIL, for good."""
+    runs_ok(FORK_WARN_CODE, 50, timeout=60)
+
+
 def test_a_logger_name_that_is_not_a_target_does_not_stop_the_log_thread(quiesce_levels):
     """A ``quiesce.*`` logger whose name cannot be a tracing target (here
     with '='), given a level, is left out of the filter; it used to raise
