@@ -149,6 +149,47 @@ impl TransferEngine {
         n
     }
 
+    /// `register_memory`, run without the GIL.
+    fn lend_range(&self, buffer_addr: usize, capacity: usize) -> i32 {
+        let Some(node) = self.not_ready() else {
+            return SYNC_FAILED;
+        };
+        if buffer_addr == 0 || capacity == 0 {
+            return complain("register_memory: null address or zero capacity");
+        }
+        let (addr, len) = (buffer_addr as u64, capacity as u64);
+        // Counted in the managed buffers it lies in, which stay allocated
+        // until it is taken back.
+        match node.managed.lending(buffer_addr, capacity) {
+            Ok(()) => {}
+            Err(NotLendable::BeingFreed(at)) => {
+                return complain(&format!(
+                    "register_memory {addr:#x}: the managed buffer at {at:#x} is being freed"
+                ))
+            }
+            Err(NotLendable::AlreadyLent) => {
+                return complain(&format!(
+                    "register_memory {addr:#x}: already registered (unregister it first)"
+                ))
+            }
+        }
+        // SAFETY: the caller lends the range until unregister_memory returns
+        // 0 (Mooncake's contract for registered memory).
+        match unsafe {
+            node.engine()
+                .lend(&format!("{addr:#x}"), addr, len, node.token)
+        } {
+            Ok(id) => {
+                node.published(id, addr, len);
+                SYNC_OK
+            }
+            Err(e) => {
+                node.managed.lent_back(buffer_addr);
+                complain(&format!("register_memory {addr:#x}: {e}"))
+            }
+        }
+    }
+
     fn submit(
         &self,
         py: Python<'_>,
@@ -237,45 +278,16 @@ impl TransferEngine {
     /// which must stay valid until `unregister_memory` returns 0.
     /// `location` (Mooncake's NUMA/device hint) is ignored.
     #[pyo3(signature = (buffer_addr, capacity, location = "*"))]
-    fn register_memory(&self, buffer_addr: usize, capacity: usize, location: &str) -> i32 {
+    fn register_memory(
+        &self,
+        py: Python<'_>,
+        buffer_addr: usize,
+        capacity: usize,
+        location: &str,
+    ) -> i32 {
         let _ = location;
-        let Some(node) = self.not_ready() else {
-            return SYNC_FAILED;
-        };
-        if buffer_addr == 0 || capacity == 0 {
-            return complain("register_memory: null address or zero capacity");
-        }
-        let (addr, len) = (buffer_addr as u64, capacity as u64);
-        // Counted in the managed buffers it lies in, which stay allocated
-        // until it is taken back.
-        match node.managed.lending(buffer_addr, capacity) {
-            Ok(()) => {}
-            Err(NotLendable::BeingFreed(at)) => {
-                return complain(&format!(
-                    "register_memory {addr:#x}: the managed buffer at {at:#x} is being freed"
-                ))
-            }
-            Err(NotLendable::AlreadyLent) => {
-                return complain(&format!(
-                    "register_memory {addr:#x}: already registered (unregister it first)"
-                ))
-            }
-        }
-        // SAFETY: the caller lends the range until unregister_memory returns
-        // 0 (Mooncake's contract for registered memory).
-        match unsafe {
-            node.engine()
-                .lend(&format!("{addr:#x}"), addr, len, node.token)
-        } {
-            Ok(id) => {
-                node.published(id, addr, len);
-                SYNC_OK
-            }
-            Err(e) => {
-                node.managed.lent_back(buffer_addr);
-                complain(&format!("register_memory {addr:#x}: {e}"))
-            }
-        }
+        // Without the GIL: over RDMA, registering a KV pool pins it (seconds).
+        py.detach(|| self.lend_range(buffer_addr, capacity))
     }
 
     /// Takes the range at `buffer_addr` back: writes landing in it are cut
@@ -293,12 +305,10 @@ impl TransferEngine {
                 SYNC_OK
             }
             Ok(false) => SYNC_UNKNOWN,
-            Err(e) => {
-                if matches!(e, SyncError::NotLent(_)) {
-                    node.managed.lent_back(buffer_addr);
-                }
-                complain(&format!("unregister_memory {buffer_addr:#x}: {e}"))
-            }
+            // (`NotLent`: no record of ours to undo. One there belongs to a
+            // `register_memory` of that address still starting, which
+            // undoes it itself if it fails.)
+            Err(e) => complain(&format!("unregister_memory {buffer_addr:#x}: {e}")),
         }
     }
 
@@ -307,19 +317,23 @@ impl TransferEngine {
     #[pyo3(signature = (buffer_addresses, capacities, location = "*"))]
     fn batch_register_memory(
         &self,
+        py: Python<'_>,
         buffer_addresses: Vec<usize>,
         capacities: Vec<usize>,
         location: &str,
     ) -> i32 {
+        let _ = location;
         if buffer_addresses.len() != capacities.len() {
             return complain("batch_register_memory: addresses and capacities differ in count");
         }
-        let codes: Vec<i32> = buffer_addresses
-            .iter()
-            .zip(&capacities)
-            .map(|(&a, &c)| self.register_memory(a, c, location))
-            .collect();
-        codes.into_iter().min().unwrap_or(SYNC_OK)
+        py.detach(|| {
+            let codes: Vec<i32> = buffer_addresses
+                .iter()
+                .zip(&capacities)
+                .map(|(&a, &c)| self.lend_range(a, c))
+                .collect();
+            codes.into_iter().min().unwrap_or(SYNC_OK)
+        })
     }
 
     /// `unregister_memory` for each address; 0 if every one succeeded, else
@@ -546,21 +560,23 @@ impl TransferEngine {
 
     /// A zeroed, page-aligned buffer of `length` bytes, registered for
     /// peers; its address (0 on failure).
-    fn allocate_managed_buffer(&self, length: usize) -> usize {
+    fn allocate_managed_buffer(&self, py: Python<'_>, length: usize) -> usize {
         let Some(node) = self.not_ready() else {
             return 0;
         };
-        let Some(addr) = node.managed.allocate(length) else {
-            complain(&format!(
-                "allocate_managed_buffer: cannot allocate {length} bytes"
-            ));
-            return 0;
-        };
-        if self.register_memory(addr, length, "*") != SYNC_OK {
-            node.managed.free(addr, length);
-            return 0;
-        }
-        addr
+        py.detach(|| {
+            let Some(addr) = node.managed.allocate(length) else {
+                complain(&format!(
+                    "allocate_managed_buffer: cannot allocate {length} bytes"
+                ));
+                return 0;
+            };
+            if self.lend_range(addr, length) != SYNC_OK {
+                node.managed.free(addr, length);
+                return 0;
+            }
+            addr
+        })
     }
 
     /// Unregisters and frees a managed buffer: 0 once freed, -1 if there is
