@@ -7,11 +7,18 @@
 //! counted until `unregister_memory` took that range back: peers may write
 //! there until then); `write_bytes_to_buffer` / `read_bytes_from_buffer`
 //! copy in and out of them, and refuse addresses outside every one of them.
+//!
+//! Registrations of any memory are counted the same way: each batch counts
+//! the registered ranges its local ranges overlap, so `unregister_memory`
+//! answers 0 only once no batch of this engine still reads or writes the
+//! range either (not only no peer), and refuses new batches from it while
+//! it waits.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
 
 use smallvec::SmallVec;
 
@@ -29,14 +36,32 @@ struct Managed {
     freeing: bool,
 }
 
-/// The managed buffers alive now, and the registrations that overlap them.
+/// One registration (`register_memory`).
+struct Lent {
+    len: usize,
+    /// The managed buffers (their addresses) it overlaps. Peers may write
+    /// into a buffer while any registration overlaps it.
+    buffers: SmallVec<[usize; 1]>,
+    /// Batches whose local ranges overlap it and whose outcome is not final.
+    uses: usize,
+    /// `unregister_memory` is taking it back: no batch may start using it.
+    closing: bool,
+    /// Tells it from a later registration at the same address, which a
+    /// batch's uses of this one must not count down.
+    generation: u64,
+}
+
+/// The managed buffers alive now, and the registrations.
 #[derive(Default)]
 struct Live {
     buffers: BTreeMap<usize, Managed>,
-    /// By a registration's address: the buffers (their addresses) it
-    /// overlaps. Peers may write into a buffer while any registration
-    /// here overlaps it.
-    lendings: BTreeMap<usize, SmallVec<[usize; 1]>>,
+    /// By a registration's address.
+    lendings: BTreeMap<usize, Lent>,
+    /// The longest registration ever made: one that overlaps an address
+    /// starts less than this far below it.
+    longest: usize,
+    /// Registrations made so far.
+    generations: u64,
 }
 
 impl Live {
@@ -44,7 +69,16 @@ impl Live {
     fn lent_in(&self, buffer: usize) -> impl Iterator<Item = usize> + '_ {
         self.lendings
             .iter()
-            .filter(move |(_, starts)| starts.contains(&buffer))
+            .filter(move |(_, l)| l.buffers.contains(&buffer))
+            .map(|(&at, _)| at)
+    }
+
+    /// The registrations that overlap `addr..end`, by address.
+    fn lent_over(&self, addr: usize, end: usize) -> impl Iterator<Item = usize> + '_ {
+        let floor = addr.saturating_sub(self.longest);
+        self.lendings
+            .range(floor..end)
+            .filter(move |(&at, l)| at + l.len > addr)
             .map(|(&at, _)| at)
     }
 }
@@ -70,22 +104,28 @@ pub(crate) enum Held {
     Freeing,
 }
 
-/// The managed buffers alive now, by address.
+/// The managed buffers alive now, by address, and the registrations.
 #[derive(Default)]
 pub(crate) struct ManagedBuffers {
     live: Mutex<Live>,
-    /// How many are live: a batch of the caller's own memory, with none
-    /// allocated, counts its uses without the lock.
+    /// Notified when a registration's uses fall.
+    unused: Condvar,
+    /// How many buffers and registrations are live: with none, a batch
+    /// counts its uses without the lock.
     count: AtomicUsize,
 }
 
-/// The managed buffers one batch uses (by address, each once): taken when
-/// the batch is prepared, given back with [`ManagedBuffers::release`] once
-/// nothing of the batch can touch them. Empty (and allocation-free) for a
-/// batch of the caller's own memory.
+/// The managed buffers and registrations one batch uses (by address, each
+/// once): taken when the batch is prepared, given back with
+/// [`ManagedBuffers::release`] once nothing of the batch can touch them.
+/// Empty (and allocation-free) for a batch of unregistered memory.
 #[derive(Default)]
 #[must_use = "uses must be given back, or the buffers can never be freed"]
-pub(crate) struct Uses(SmallVec<[usize; 2]>);
+pub(crate) struct Uses {
+    buffers: SmallVec<[usize; 2]>,
+    /// (address, generation)
+    lendings: SmallVec<[(usize, u64); 2]>,
+}
 
 /// What [`ManagedBuffers::free`] did.
 #[derive(Debug, PartialEq)]
@@ -133,25 +173,74 @@ impl ManagedBuffers {
         }
         // Buffers never overlap one another: walking down from `end`, the
         // first that ends at or before `addr` ends the overlapping ones.
-        let overlapped: SmallVec<[usize; 1]> = live
+        let buffers: SmallVec<[usize; 1]> = live
             .buffers
             .range(..end)
             .rev()
             .take_while(|(&start, m)| start + m.len > addr)
             .map(|(&start, _)| start)
             .collect();
-        if let Some(&start) = overlapped.iter().find(|s| live.buffers[s].freeing) {
+        if let Some(&start) = buffers.iter().find(|s| live.buffers[s].freeing) {
             return Err(NotLendable::BeingFreed(start));
         }
-        if !overlapped.is_empty() {
-            live.lendings.insert(addr, overlapped);
-        }
+        live.longest = live.longest.max(len);
+        live.generations += 1;
+        let lent = Lent {
+            len,
+            buffers,
+            uses: 0,
+            closing: false,
+            generation: live.generations,
+        };
+        live.lendings.insert(addr, lent);
+        self.count.fetch_add(1, Ordering::Release);
         Ok(())
     }
 
     /// The registration at `addr` failed or was taken back to the end.
     pub(crate) fn lent_back(&self, addr: usize) {
-        lock(&self.live).lendings.remove(&addr);
+        if lock(&self.live).lendings.remove(&addr).is_some() {
+            self.count.fetch_sub(1, Ordering::Release);
+        }
+    }
+
+    /// `unregister_memory(addr)` starts: no batch may start using the
+    /// registration at `addr` until [`end_unregister`](Self::end_unregister).
+    pub(crate) fn begin_unregister(&self, addr: usize) {
+        if let Some(l) = lock(&self.live).lendings.get_mut(&addr) {
+            l.closing = true;
+        }
+    }
+
+    /// Waits up to `wait` for no batch of this engine to use the
+    /// registration at `addr` (true; also if there is none).
+    pub(crate) fn wait_unused(&self, addr: usize, wait: Duration) -> bool {
+        let until = quiesce_runtime::time::deadline_in(wait);
+        let mut live = lock(&self.live);
+        loop {
+            if live.lendings.get(&addr).is_none_or(|l| l.uses == 0) {
+                return true;
+            }
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            live = self
+                .unused
+                .wait_timeout(live, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// `unregister_memory(addr)` ends: the registration was taken back to
+    /// the end (`taken_back`), or stays, usable again.
+    pub(crate) fn end_unregister(&self, addr: usize, taken_back: bool) {
+        if taken_back {
+            self.lent_back(addr);
+        } else if let Some(l) = lock(&self.live).lendings.get_mut(&addr) {
+            l.closing = false;
+        }
     }
 
     /// `free_managed_buffer(addr, len)` starts: refused while a batch uses
@@ -206,50 +295,80 @@ impl ManagedBuffers {
         Free::Done
     }
 
-    /// Counts a batch's use of the managed buffers its local buffers (by
-    /// address) lie in.
+    /// Counts a batch's use of the managed buffers its local ranges
+    /// (`(address, length)`) lie in and of the registrations they overlap;
+    /// refused (the address of the registration) if one of those is being
+    /// unregistered.
     #[inline]
-    pub(crate) fn take_uses(&self, buffers: impl Iterator<Item = usize>) -> Uses {
-        // A buffer a batch uses was allocated before the batch was made (its
-        // address came back from `allocate`): none live, none used.
+    pub(crate) fn take_uses(
+        &self,
+        locals: impl Iterator<Item = (usize, usize)>,
+    ) -> Result<Uses, usize> {
         if self.count.load(Ordering::Acquire) == 0 {
-            return Uses::default();
+            return Ok(Uses::default());
         }
-        self.count_uses(buffers)
+        self.count_uses(locals)
     }
 
-    fn count_uses(&self, buffers: impl Iterator<Item = usize>) -> Uses {
+    fn count_uses(&self, locals: impl Iterator<Item = (usize, usize)>) -> Result<Uses, usize> {
         let mut live = lock(&self.live);
         let mut uses = Uses::default();
-        for addr in buffers {
+        for (addr, len) in locals {
             // The buffer the range starts in (a range crossing its end was
             // refused by the host check: the next page is not its).
-            let Some((&start, m)) = live.buffers.range_mut(..=addr).next_back() else {
-                continue;
-            };
-            if addr - start < m.len && !uses.0.contains(&start) {
-                m.uses += 1;
-                uses.0.push(start);
+            if let Some((&start, m)) = live.buffers.range_mut(..=addr).next_back() {
+                if addr - start < m.len && !uses.buffers.contains(&start) {
+                    m.uses += 1;
+                    uses.buffers.push(start);
+                }
+            }
+            let over: SmallVec<[usize; 2]> =
+                live.lent_over(addr, addr.saturating_add(len)).collect();
+            for at in over {
+                let l = live.lendings.get_mut(&at).expect("just found");
+                if l.closing {
+                    drop(live);
+                    self.give_back(uses);
+                    return Err(at);
+                }
+                if !uses.lendings.contains(&(at, l.generation)) {
+                    l.uses += 1;
+                    uses.lendings.push((at, l.generation));
+                }
             }
         }
-        uses
+        Ok(uses)
     }
 
     /// Gives a batch's uses back: its outcome is final (0 or -1), or its
     /// -2 drained.
     #[inline]
     pub(crate) fn release(&self, uses: Uses) {
-        if !uses.0.is_empty() {
+        if !uses.buffers.is_empty() || !uses.lendings.is_empty() {
             self.give_back(uses);
         }
     }
 
     fn give_back(&self, uses: Uses) {
         let mut live = lock(&self.live);
-        for start in uses.0 {
+        for start in uses.buffers {
             if let Some(m) = live.buffers.get_mut(&start) {
                 m.uses -= 1;
             }
+        }
+        let lent = !uses.lendings.is_empty();
+        for (at, generation) in uses.lendings {
+            if let Some(l) = live
+                .lendings
+                .get_mut(&at)
+                .filter(|l| l.generation == generation)
+            {
+                l.uses -= 1;
+            }
+        }
+        drop(live);
+        if lent {
+            self.unused.notify_all();
         }
     }
 
@@ -332,5 +451,45 @@ mod tests {
         m.lending(b + 4096, 4096).unwrap();
         m.begin_free(b, 4096).unwrap();
         assert_eq!(m.free(b, 4096), Free::Done);
+    }
+
+    /// A batch counts every registration its local ranges overlap; one
+    /// being unregistered takes no new batch, and is unused once the
+    /// batches that counted it gave their uses back — not counted down by
+    /// uses of an earlier registration at its address.
+    #[test]
+    fn batches_count_the_registrations_they_overlap() {
+        let m = ManagedBuffers::default();
+        let (a, b) = (0x10_0000, 0x30_0000);
+        m.lending(a, 1 << 20).unwrap();
+        m.lending(a + 4096, 4096).unwrap();
+        m.lending(b, 4096).unwrap();
+        let one = m.take_uses([(a + 4096 + 100, 16)].into_iter()).unwrap();
+        assert_eq!(one.lendings.len(), 2, "the range and the one inside it");
+        let wait = Duration::from_millis(10);
+        assert!(!m.wait_unused(a, wait) && !m.wait_unused(a + 4096, wait));
+        assert!(m.wait_unused(b, wait), "not overlapped");
+        // Just past its end, and just before the next one.
+        let none = m.take_uses([(a + (1 << 20), 16), (b - 16, 16)].into_iter());
+        assert!(none.as_ref().unwrap().lendings.is_empty());
+        m.release(none.unwrap());
+        m.begin_unregister(a);
+        assert!(matches!(m.take_uses([(a, 1)].into_iter()), Err(at) if at == a));
+        m.release(one);
+        assert!(m.wait_unused(a, wait));
+        m.end_unregister(a, false);
+        let again = m.take_uses([(a, 1)].into_iter()).unwrap();
+        // Taken back while used (as a free does), and registered again:
+        // the old use does not count the new registration down.
+        m.lent_back(a);
+        m.lending(a, 4096).unwrap();
+        let new = m.take_uses([(a, 1)].into_iter()).unwrap();
+        m.release(again);
+        assert!(
+            !m.wait_unused(a, wait),
+            "the new registration's use was lost"
+        );
+        m.release(new);
+        assert!(m.wait_unused(a, wait));
     }
 }

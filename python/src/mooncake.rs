@@ -291,16 +291,16 @@ impl TransferEngine {
     }
 
     /// Takes the range at `buffer_addr` back: writes landing in it are cut
-    /// and none issued before lands later. 0: nothing touches it any more;
-    /// -1: not registered; -2: something still held it after 30 s (do not
-    /// free it; call again).
+    /// and none issued before lands later, and this engine's own batches
+    /// that read or write it are waited for (new ones refused meanwhile).
+    /// 0: nothing touches it any more; -1: not registered; -2: something
+    /// still held it after 30 s (do not free it; call again).
     fn unregister_memory(&self, py: Python<'_>, buffer_addr: usize) -> i32 {
         let Some(node) = self.not_ready() else {
             return SYNC_FAILED;
         };
-        match py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT)) {
+        match py.detach(|| node.unregister(buffer_addr, RECLAIM_WAIT)) {
             Ok(true) => {
-                node.managed.lent_back(buffer_addr);
                 node.withdrawn(buffer_addr as u64);
                 SYNC_OK
             }

@@ -564,7 +564,12 @@ impl Node {
         let bytes = lengths.iter().map(|&l| l as u64).sum();
         // Last: nothing after it fails, so the uses always reach an outcome.
         let locals = buffers.iter().zip(lengths).filter(|(_, &l)| l != 0);
-        let uses = self.managed.take_uses(locals.map(|(&b, _)| b));
+        let uses = self
+            .managed
+            .take_uses(locals.map(|(&b, &l)| (b, l)))
+            .map_err(|at| {
+                format!("the range registered at {at:#x} is being unregistered: no batch may start from it")
+            })?;
         Ok(Prepared {
             peer,
             tasks,
@@ -818,6 +823,27 @@ impl Node {
             tracing::warn!("transfer to {target} failed: {}", failures(&out.tasks));
         }
         out.code
+    }
+
+    /// `unregister_memory(addr)`: once no batch of this engine uses the
+    /// range any more (new ones refused meanwhile; one that answered -2
+    /// counts until it drained, which this collects), takes it back from
+    /// every peer. `Ok(false)`: something still held it after `wait`.
+    pub(crate) fn unregister(&self, addr: usize, wait: Duration) -> Result<bool, SyncError> {
+        let until = deadline_in(wait);
+        self.managed.begin_unregister(addr);
+        let slice = Duration::from_millis(20);
+        while !self.managed.wait_unused(addr, slice) {
+            if Instant::now() >= until {
+                self.managed.end_unregister(addr, false);
+                return Ok(false);
+            }
+            self.quiesce_pending(slice);
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        let r = self.engine().reclaim(addr as u64, left);
+        self.managed.end_unregister(addr, matches!(r, Ok(true)));
+        r
     }
 
     /// Waits up to `timeout` for the batches that returned -2 to drain;

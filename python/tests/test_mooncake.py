@@ -492,6 +492,31 @@ def test_a_stopped_target_with_a_deadline(peer_factory, local, monkeypatch):
     print(f"stopped target: {ret} after {took:.2f} s")
 
 
+def test_unregister_memory_waits_for_this_engines_own_batch(peer_factory, local, monkeypatch):
+    """unregister_memory answers 0 only once nothing touches the range: not
+    while a batch of this engine that answered -2 still holds it as its
+    source (a stopped target on this host holds it lent). It answers once
+    the target resumed and the batch drained; a batch from the range
+    meanwhile is refused."""
+    import threading
+
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
+    assert e.register_memory(src, 64 * MiB) == 0
+    assert e.transfer_sync_write(target.session, src, a, 64 * MiB) == -2
+    out = []
+    t = threading.Thread(target=lambda: out.append((e.unregister_memory(src), time.monotonic())))
+    t.start()
+    time.sleep(1.5)
+    assert not out, f"unregister_memory answered {out[0][0]} while the batch held the range"
+    assert e.transfer_sync_write(target.session, src, a, 4096) == -1, "a batch from a range being unregistered"
+    resumed = time.monotonic()
+    target.signal(signal.SIGCONT)
+    t.join(40)
+    assert out and out[0][0] == 0, out
+    assert out[0][1] >= resumed
+    assert e.wait_for_quiescence(0) == 0
+
+
 def test_the_deadline_grows_with_the_batch_size(peer_factory, local, monkeypatch):
     """As Mooncake's, a batch's deadline is MC_TRANSFER_TIMEOUT plus a
     nanosecond per byte, so a large read at start-up is not cut at the
