@@ -132,8 +132,19 @@ fn bad_input_is_refused_before_posting() {
         let l = p.region.lease(0..4096).unwrap();
         let (r, l) = p.remote.write((1 << 20) - 100, l, 1).await;
         assert!(matches!(r, Err(TransferError::OutOfBounds { .. })), "{r:?}");
-        let (r, _l) = p.remote.read(0, 8192, l, 1).await;
+        let (r, l) = p.remote.read(0, 8192, l, 1).await;
         assert!(matches!(r, Err(TransferError::BadLength(_))), "{r:?}");
+        // A key whose address (the target's word) would wrap past the end
+        // of the address space with the offset: refused, not posted.
+        let key = p.remote.remote_key().expect("a key");
+        let wrapping = p
+            .remote
+            .with_remote_key(quiesce_transports::wire::RemoteKey {
+                addr: u64::MAX - 8,
+                ..key
+            });
+        let (r, _l) = wrapping.write(16, l, 1).await;
+        assert!(matches!(r, Err(TransferError::RemoteAccess(_))), "{r:?}");
         assert_eq!(p.initiator.stats().posted, 0);
     });
 }

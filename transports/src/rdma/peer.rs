@@ -261,6 +261,21 @@ impl RdmaPeer {
                 buf,
             );
         };
+        // The key's address is the target's word: one that would wrap with
+        // the offset names no memory of it.
+        let Some(remote) = key
+            .addr
+            .checked_add(offset)
+            .filter(|r| r.checked_add(len).is_some())
+        else {
+            return (
+                Err(TransferError::RemoteAccess(format!(
+                    "segment {:?}: the target's key address {:#x} overflows at offset {offset}",
+                    segment.desc.name, key.addr
+                ))),
+                buf,
+            );
+        };
         let lkey = mr.mr.lkey();
         let slice = self.inner.local.slice_size;
         let count = len.div_ceil(slice as u64) as u32;
@@ -270,7 +285,7 @@ impl RdmaPeer {
             local: addr + off,
             len: l as u32,
             lkey,
-            remote: key.addr + offset + off,
+            remote: remote + off,
             rkey: key.rkey,
             inline: !read,
         });
