@@ -591,3 +591,33 @@ fn discard_drops_what_it_counts_and_leaves_the_rest() {
         assert_eq!(s.discard(10, true).await.unwrap(), 0, "EOF");
     });
 }
+
+/// An accept whose connection came in but that is dropped before it is
+/// polled again closes the connection it got for nobody: the client sees
+/// the end of the stream, not a socket held open for good.
+#[test]
+fn an_accept_dropped_after_its_connection_came_closes_it() {
+    use std::future::Future;
+    rt().block_on(async {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut accept = Box::pin(l.accept());
+        std::future::poll_fn(|cx| {
+            let _ = accept.as_mut().poll(cx);
+            std::task::Poll::Ready(())
+        })
+        .await;
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        // The reactor takes the connection; nobody polls the accept again.
+        time::sleep(Duration::from_millis(50)).await;
+        drop(accept);
+        drop(l);
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let r = c.read(&mut [0u8; 1]);
+        assert!(
+            matches!(&r, Ok(0))
+                || matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+            "the accepted connection was left open: {r:?}"
+        );
+    });
+}

@@ -170,3 +170,26 @@ fn a_busy_source_is_polled_every_tick_and_deregisters_on_drop() {
         assert_eq!(polls.get(), after, "polled after deregistration");
     });
 }
+
+/// The kernel stops taking a submission queue's entries at the first one it
+/// cannot prepare (here a timeout of `Duration::MAX`: a negative timespec)
+/// and leaves the rest queued. A reactor that never blocks — it has a busy
+/// source — must still submit them: the timeout queued after the refused
+/// one fires.
+#[test]
+fn entries_queued_after_one_the_kernel_refuses_are_still_submitted() {
+    use quiesce_runtime::time::{kernel_sleep, timeout};
+    let rt = rt();
+    rt.block_on(async {
+        let _busy = register(Spin(Rc::new(Cell::new(0))));
+        sleep(Duration::from_millis(5)).await;
+        let refused = kernel_sleep(Duration::MAX);
+        let fires = kernel_sleep(Duration::from_millis(1));
+        let r = timeout(Duration::from_secs(2), fires).await;
+        assert!(
+            matches!(r, Ok(Ok(_))),
+            "the later timeout never fired: {r:?}"
+        );
+        let _ = refused.await;
+    });
+}

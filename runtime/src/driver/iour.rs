@@ -118,6 +118,17 @@ impl Uring {
         self.ops.iter().filter(|(_, s)| s.life.is_live()).count()
     }
 
+    /// Entries still in the submission queue after an enter: the kernel
+    /// stops taking them at the first it cannot prepare (its error CQE
+    /// posted) and leaves the rest, which the next enter must submit. (An
+    /// SQPOLL thread takes them itself: none are ours to submit.)
+    fn queued(&mut self) -> u32 {
+        match self.sqpoll {
+            true => 0,
+            false => self.ring.submission().len() as u32,
+        }
+    }
+
     /// Queues an SQE, submitting early if the queue is full.
     fn push(&mut self, entry: &squeue::Entry, counters: &Counters) {
         loop {
@@ -132,7 +143,7 @@ impl Uring {
             }
             Counters::bump(&counters.submit_full);
             match self.ring.submit() {
-                Ok(_) => self.unsubmitted = 0,
+                Ok(_) => self.unsubmitted = self.queued(),
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => self.reap(counters),
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
                 Err(e) => {
@@ -204,17 +215,33 @@ impl Uring {
     pub(crate) fn park_op(
         &mut self,
         token: u64,
-        op: Box<dyn Parked>,
+        mut op: Box<dyn Parked>,
         counters: &Counters,
     ) -> Option<Box<dyn Parked>> {
         let slot = self.slot(token).expect("dropped op has a slot");
         let needs_cancel = match &mut slot.life {
-            Lifecycle::Completed { more: false, .. } => {
+            // Its result came and nobody took it: the op sees it as a
+            // parked one would (an accept closes the fd it got for nobody).
+            Lifecycle::Completed {
+                more: false,
+                res,
+                flags,
+                ..
+            } => {
+                op.cqe(*res, *flags);
                 self.remove(token);
                 return Some(op);
             }
             // Only the zero-copy notification is outstanding: nothing to cancel.
-            Lifecycle::Completed { more: true, .. } => false,
+            Lifecycle::Completed {
+                more: true,
+                res,
+                flags,
+                ..
+            } => {
+                op.cqe(*res, *flags);
+                false
+            }
             Lifecycle::Submitted | Lifecycle::Waiting(_) => true,
             Lifecycle::Ignored(_) => unreachable!("an op parked twice"),
         };
@@ -310,9 +337,9 @@ impl Uring {
             }
         };
         match res {
-            Ok(_) => self.unsubmitted = 0,
+            Ok(_) => self.unsubmitted = self.queued(),
             Err(e) => match e.raw_os_error() {
-                Some(libc::ETIME) | Some(libc::EINTR) => self.unsubmitted = 0,
+                Some(libc::ETIME) | Some(libc::EINTR) => self.unsubmitted = self.queued(),
                 Some(libc::EBUSY) => {}
                 _ => return Err(e),
             },
