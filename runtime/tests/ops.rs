@@ -621,3 +621,26 @@ fn an_accept_dropped_after_its_connection_came_closes_it() {
         );
     });
 }
+
+/// A receive that tries the socket first (`read_expected`, `discard`
+/// expecting bytes) does so only with no earlier receive on the socket:
+/// one queued before it is first in the stream.
+#[test]
+fn a_receive_that_tries_first_never_overtakes_an_earlier_one() {
+    rt().block_on(async {
+        let (client, mut server) = loopback_pair();
+        let s = TcpStream::from_std(client).unwrap();
+        server.write_all(b"abcdefghijkl").unwrap();
+        time::sleep(Duration::from_millis(20)).await;
+        let a = s.read(vec![0u8; 4]);
+        let b = s.read_expected(vec![0u8; 4]);
+        let c = s.discard(4, true);
+        let ((ra, a), (rb, b), rc) = (a.await, b.await, c.await);
+        assert_eq!((ra.unwrap(), rb.unwrap(), rc.unwrap()), (4, 4, 4));
+        assert_eq!(
+            (&a[..], &b[..]),
+            (&b"abcd"[..], &b"efgh"[..]),
+            "the stream was reordered"
+        );
+    });
+}

@@ -53,11 +53,9 @@ impl<const RECV: bool> Pending<RECV> {
     fn count(&self) -> &Cell<usize> {
         (self.0).0.count(RECV)
     }
-}
 
-impl PendingSend {
-    /// Whether this is the only send operation on the fd: nothing queued or
-    /// in flight can be overtaken.
+    /// Whether this is the only send (receive) operation on the fd: nothing
+    /// queued or in flight can be overtaken.
     pub(crate) fn alone(&self) -> bool {
         self.count().get() == 1
     }

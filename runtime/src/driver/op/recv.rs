@@ -72,7 +72,9 @@ impl<B: IoBufMut> Operation for Recv<B> {
     }
 
     fn try_first(&mut self) -> Option<io::Result<u32>> {
-        if !self.try_first {
+        // Alone: no earlier receive on the socket is queued or in flight,
+        // so going first cannot reorder the stream.
+        if !self.try_first || !self.fd.alone() {
             return None;
         }
         unless_blocked(self.poll_try())
