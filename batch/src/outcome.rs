@@ -54,10 +54,13 @@ pub struct TaskReport {
     pub status: TaskStatus,
     /// Bytes moved. For a fenced (or revoked) write: the bytes that landed
     /// before the fence, summed over the transfer's slices — not necessarily
-    /// a prefix of the range, since slices land in parallel. For a task that
-    /// failed without its target's answer (`remote` is
-    /// [`RemoteState::Unconfirmed`]): 0, and any part of the range may hold
-    /// (or still receive) its bytes.
+    /// a prefix of the range, since slices land in parallel, as the target
+    /// answered them. For a task that failed without its target's answer
+    /// (a lost connection, a deadline): 0, and any part of the range may
+    /// hold its bytes — also when `remote` says a fence confirmed that
+    /// nothing *more* lands ([`RemoteState::Fenced`]), which says nothing of
+    /// what landed before it; with [`RemoteState::Unconfirmed`] the range
+    /// may still receive them.
     pub bytes: u64,
     /// Attempts made (1 unless retried).
     pub attempts: u32,
