@@ -39,6 +39,10 @@ pub struct EngineConfig {
     /// past it the target closes the session's connections, which releases
     /// them all (target).
     pub max_fenced_per_session: usize,
+    /// Fenced batches the whole fence table may hold, all sessions
+    /// together (a peer may open many); a session that fences past it has
+    /// its connections closed (target).
+    pub max_fenced_entries: usize,
     /// Connections one session may have open (target); each may hold a
     /// served RDMA queue pair, so this caps those per peer too.
     pub max_connections_per_session: usize,
@@ -113,6 +117,7 @@ impl Default for EngineConfig {
             max_unauthenticated: 256,
             max_connections: 4096,
             max_fenced_per_session: 4096,
+            max_fenced_entries: 1 << 18,
             max_connections_per_session: 64,
             stall_timeout: Some(Duration::from_secs(30)),
             tcp_congestion: None,

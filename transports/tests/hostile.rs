@@ -638,3 +638,57 @@ fn a_fence_or_forget_with_a_payload_is_a_bad_frame() {
         assert!(c.recv().is_none(), "the connection is closed");
     }
 }
+
+/// Each session may hold `max_fenced_per_session` fenced batches, but a
+/// peer can open many sessions: the table as a whole is capped too
+/// (`max_fenced_entries`); past it the session holding the most has its
+/// connections closed, so the table never holds much more than the cap,
+/// and a session with a few fenced batches is not the one closed.
+#[test]
+fn the_fence_table_is_capped_across_sessions() {
+    use quiesce_transports::wire::{Header, Opcode};
+    use quiesce_transports::Rights;
+    let cfg = EngineConfig {
+        max_fenced_per_session: 16,
+        max_fenced_entries: 64,
+        ..tcp()
+    };
+    let t = ShardTarget::start(cfg, &[("kv", 4096, Rights::READ | Rights::WRITE)]);
+    let (id, token) = (t.seg("kv").id, t.seg("kv").token);
+    let fence = |c: &mut RawClient, batch| {
+        c.send(
+            &Header {
+                batch,
+                ..Header::new(Opcode::Fence)
+            },
+            &[],
+        );
+        c.recv().map(|h| h.op) == Some(Opcode::FenceAck)
+    };
+    // A session with two fenced batches, then many with fifteen each.
+    let mut small = RawClient::connect(t.addr);
+    small.auth(id, token);
+    assert!(fence(&mut small, 1) && fence(&mut small, 2));
+    let mut many = Vec::new();
+    for s in 1..12u64 {
+        let mut c = RawClient::connect(t.addr);
+        c.auth(id, token);
+        for b in 0..15u64 {
+            if !fence(&mut c, s * 100 + b) {
+                break;
+            }
+        }
+        many.push(c);
+        std::thread::sleep(Duration::from_millis(10));
+        let held = t.stats().fence_entries;
+        assert!(
+            held <= 64 + 15,
+            "{held} fence entries after {s} large sessions"
+        );
+    }
+    assert!(t.stats().sessions < 12, "no session was closed");
+    assert!(
+        fence(&mut small, 3),
+        "the session with few fenced batches was closed"
+    );
+}

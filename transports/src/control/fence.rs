@@ -274,6 +274,17 @@ impl FenceTable {
             .count()
     }
 
+    /// The session with the most fenced entries, and how many.
+    pub(crate) fn largest_session(&self) -> Option<(u64, usize)> {
+        let t = self.inner.borrow();
+        let mut per: std::collections::HashMap<u64, usize> = Default::default();
+        for e in t.index.iter().filter(|e| t.states[e.slot].fenced) {
+            *per.entry(e.key.0).or_default() += 1;
+        }
+        per.into_iter()
+            .max_by_key(|&(s, n)| (n, std::cmp::Reverse(s)))
+    }
+
     /// Entries now (fenced batches and batches with landing writes).
     pub(crate) fn len(&self) -> usize {
         self.inner.borrow().index.len()
