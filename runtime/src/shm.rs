@@ -16,11 +16,12 @@
 //! races a copy changes which bytes are copied, never what is safe: every
 //! bound is checked against the mapping, and bytes have no invalid values.
 //!
-//! [`Doorbell`] is a pipe: one side rings it, the other's reactor watches
-//! it (a [`CompletionSource`](crate::source::CompletionSource)'s
-//! notification fd). The process that did not make it takes its end with
-//! [`DoorbellButton::open`] or [`DoorbellChime::open`], which open the pipe
-//! afresh: the maker shares its files, and could otherwise make them block.
+//! [`Doorbell`] is one end of a connected `AF_UNIX` stream socket pair: one
+//! side rings the other, whose reactor watches its end (a
+//! [`CompletionSource`](crate::source::CompletionSource)'s notification
+//! fd). The process that did not make the pair takes its end with
+//! [`Doorbell::open`]; nothing here relies on the file's flags, which the
+//! maker can still change.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -216,107 +217,106 @@ impl std::fmt::Debug for SharedMemory {
     }
 }
 
-/// A doorbell this process made: a pipe, both ends. One process rings it
-/// ([`ring`](Self::ring): a byte into the pipe), another's reactor watches
-/// it ([`fd`](Self::fd) turns readable) and quiets it. The end that the
-/// other process is to use is shared by fd number and taken with
-/// [`DoorbellButton::open`] or [`DoorbellChime::open`].
+/// One end of a doorbell between two processes: a connected `AF_UNIX`
+/// stream socket. [`ring`](Self::ring) sends a byte to the other end,
+/// which turns readable (its reactor watches [`fd`](Self::fd)) until
+/// [`quiet`](Self::quiet) drains it.
+///
+/// The process that made the pair shares the other end by fd number, and
+/// the other process takes it with `pidfd_getfd(2)` ([`Doorbell::open`]):
+/// the maker still holds that open file and can change its flags, so no
+/// call here relies on them — each send and receive says `MSG_DONTWAIT`
+/// itself, and sends say `MSG_NOSIGNAL` (an end whose peer is gone answers
+/// `EPIPE`, never a signal that would kill a host that did not ignore
+/// `SIGPIPE`).
 #[derive(Debug)]
 pub struct Doorbell {
-    button: DoorbellButton,
-    chime: DoorbellChime,
+    fd: OwnedFd,
 }
 
 impl Doorbell {
-    /// A new, quiet doorbell (both ends non-blocking).
-    pub fn new() -> io::Result<Doorbell> {
+    /// A new, quiet doorbell: this process's end, and the other end, for
+    /// the other process to take.
+    pub fn pair() -> io::Result<(Doorbell, OwnedFd)> {
         let mut fds = [0; 2];
+        let kind = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
         // SAFETY: writes two fds into a live array of two, or returns -1.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } < 0 {
+        if unsafe { libc::socketpair(libc::AF_UNIX, kind, 0, fds.as_mut_ptr()) } < 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: pipe2 returned two new descriptors nothing else owns.
-        let (rx, tx) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        Ok(Doorbell {
-            button: DoorbellButton { fd: tx },
-            chime: DoorbellChime { fd: rx },
-        })
+        // SAFETY: socketpair returned two new descriptors nothing else owns.
+        let (mine, theirs) =
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        Ok((Doorbell { fd: mine }, theirs))
     }
 
-    /// Rings it: the watching reactor wakes.
+    /// Takes `fd`, the end of a doorbell another process made, if it is a
+    /// connected `AF_UNIX` stream socket (anything else could stay readable
+    /// without ever draining, or not be a doorbell at all).
+    pub fn open(fd: OwnedFd) -> io::Result<Doorbell> {
+        let refuse = || {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                "a doorbell must be a connected AF_UNIX stream socket",
+            )
+        };
+        let opt = |name| {
+            let mut v: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: writes at most `len` bytes into a live c_int.
+            let r = unsafe {
+                libc::getsockopt(
+                    fd.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    name,
+                    (&mut v as *mut libc::c_int).cast(),
+                    &mut len,
+                )
+            };
+            (r == 0).then_some(v)
+        };
+        let ok = opt(libc::SO_DOMAIN) == Some(libc::AF_UNIX)
+            && opt(libc::SO_TYPE) == Some(libc::SOCK_STREAM)
+            && opt(libc::SO_ACCEPTCONN) == Some(0);
+        if !ok {
+            return Err(refuse());
+        }
+        Ok(Doorbell { fd })
+    }
+
+    /// Rings the other end: its reactor wakes. A full socket is ringing
+    /// anyway, and one whose other end is gone has nobody to wake.
     pub fn ring(&self) {
-        self.button.ring()
+        // SAFETY: sends one byte from a live array.
+        let _ = unsafe {
+            libc::send(
+                self.fd.as_raw_fd(),
+                [1u8].as_ptr().cast(),
+                1,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
     }
 
-    /// Quiets it (after it rang).
-    pub fn quiet(&self) {
-        self.chime.quiet()
-    }
-
-    /// The end to watch (readable while it rings), or to share with the
-    /// process that watches it.
-    pub fn fd(&self) -> RawFd {
-        self.chime.fd()
-    }
-
-    /// The end that rings it, to share with the process that rings it.
-    pub fn button_fd(&self) -> RawFd {
-        self.button.fd.as_raw_fd()
-    }
-}
-
-/// The ringing end of another process's [`Doorbell`].
-#[derive(Debug)]
-pub struct DoorbellButton {
-    fd: OwnedFd,
-}
-
-impl DoorbellButton {
-    /// Takes `fd`, the write end of another process's doorbell.
-    ///
-    /// The other process shares the open file it made: it could clear
-    /// `O_NONBLOCK` on it and fill the pipe, and a ring would then block
-    /// this process's reactor. So the pipe is opened afresh through
-    /// `/proc/self/fd` — a file of this process's own, whose flags only it
-    /// sets — and `fd` is closed.
-    pub fn open(fd: OwnedFd) -> io::Result<DoorbellButton> {
-        Ok(DoorbellButton {
-            fd: reopen_pipe_end(fd, libc::O_WRONLY)?,
-        })
-    }
-
-    /// Rings the doorbell: the watching reactor wakes. A full pipe is
-    /// ringing anyway, so a refused byte is no loss.
-    pub fn ring(&self) {
-        // SAFETY: writes one byte from a live array.
-        let _ = unsafe { libc::write(self.fd.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
-    }
-}
-
-/// The watched end of another process's [`Doorbell`].
-#[derive(Debug)]
-pub struct DoorbellChime {
-    fd: OwnedFd,
-}
-
-impl DoorbellChime {
-    /// Takes `fd`, the read end of another process's doorbell, opened
-    /// afresh as [`DoorbellButton::open`] does: quieting never blocks,
-    /// whatever the other process does to the file it made.
-    pub fn open(fd: OwnedFd) -> io::Result<DoorbellChime> {
-        Ok(DoorbellChime {
-            fd: reopen_pipe_end(fd, libc::O_RDONLY)?,
-        })
-    }
-
-    /// Quiets it: drains what rang (`EAGAIN` once quiet).
-    pub fn quiet(&self) {
+    /// Quiets this end after it rang: drains what came. `false` once the
+    /// other end is gone — it will never ring again, and this end stays
+    /// readable: stop watching it.
+    pub fn quiet(&self) -> bool {
         let mut buf = [0u8; 64];
         loop {
-            // SAFETY: reads at most 64 bytes into a live array.
-            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n < buf.len() as isize {
-                return;
+            // SAFETY: receives at most 64 bytes into a live array.
+            let n = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            match n {
+                0 => return false,
+                n if n == buf.len() as isize => continue,
+                _ => return true,
             }
         }
     }
@@ -325,37 +325,6 @@ impl DoorbellChime {
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
-}
-
-/// `fd`, which must be a pipe's end open for `access`, opened again as a
-/// new non-blocking file of this process's own.
-fn reopen_pipe_end(fd: OwnedFd, access: libc::c_int) -> io::Result<OwnedFd> {
-    let refuse = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
-    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    let link = std::fs::read_link(&path)?;
-    // SAFETY: F_GETFL takes no argument.
-    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-    let is_pipe = link.to_str().is_some_and(|l| l.starts_with("pipe:["));
-    if !is_pipe || flags < 0 || flags & libc::O_ACCMODE != access {
-        let end = if access == libc::O_WRONLY {
-            "write"
-        } else {
-            "read"
-        };
-        return Err(refuse(&format!(
-            "a doorbell must be the {end} end of a pipe"
-        )));
-    }
-    let path = std::ffi::CString::new(path).expect("no NUL in a /proc path");
-    // SAFETY: a NUL-terminated path; returns a new fd or -1. (A pipe's
-    // write end opens only while a reader holds it, as this one's maker
-    // does: ENXIO otherwise.)
-    let raw = unsafe { libc::open(path.as_ptr(), access | libc::O_NONBLOCK | libc::O_CLOEXEC) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: open returned a new descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
 #[cfg(test)]
@@ -406,61 +375,63 @@ mod tests {
     }
 
     #[test]
-    fn a_doorbell_is_only_a_pipe_end_of_the_right_direction() {
-        let bell = Doorbell::new().unwrap();
-        let button = DoorbellButton::open(dup(bell.button_fd())).unwrap();
-        button.ring();
-        let chime = DoorbellChime::open(dup(bell.fd())).unwrap();
-        let mut fds = [libc::pollfd {
-            fd: chime.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        // SAFETY: one live pollfd; no wait.
-        assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) }, 1, "it rang");
-        chime.quiet();
-        // SAFETY: as above.
-        assert_eq!(
-            unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) },
-            0,
-            "it quieted"
-        );
+    fn a_doorbell_is_only_a_connected_unix_stream_socket() {
+        let (mine, theirs) = Doorbell::pair().unwrap();
+        let other = Doorbell::open(theirs).unwrap();
+        let readable = |d: &Doorbell| {
+            let mut fds = [libc::pollfd {
+                fd: d.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            // SAFETY: one live pollfd; no wait.
+            unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) == 1 }
+        };
+        for (ringer, watcher) in [(&mine, &other), (&other, &mine)] {
+            ringer.ring();
+            assert!(readable(watcher), "it did not ring");
+            assert!(watcher.quiet());
+            assert!(!readable(watcher), "it did not quiet");
+        }
         let mem = SharedMemory::create("test", 4096).unwrap();
-        assert!(DoorbellButton::open(dup(mem.fd())).is_err());
-        assert!(DoorbellChime::open(dup(mem.fd())).is_err());
-        // The ends the wrong way round.
-        assert!(DoorbellButton::open(dup(bell.fd())).is_err());
-        assert!(DoorbellChime::open(dup(bell.button_fd())).is_err());
-        // SAFETY: plain syscall; returns a new fd or -1.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK) };
-        // SAFETY: eventfd returned a new descriptor.
-        let efd = unsafe { OwnedFd::from_raw_fd(raw) };
-        assert!(DoorbellButton::open(efd).is_err());
+        assert!(Doorbell::open(dup(mem.fd())).is_err());
+        let mut fds = [0; 2];
+        // SAFETY: writes two fds into a live array, or returns -1.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: pipe2 returned two new descriptors.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        assert!(Doorbell::open(r).is_err() && Doorbell::open(w).is_err());
+        // Its other end gone: quieting says so (and ringing raises nothing).
+        drop(mine);
+        other.ring();
+        assert!(!other.quiet());
     }
 
-    /// The peer shares the files it made and can fill the pipe, then make
-    /// it blocking: ringing and quieting the ends taken from it must still
-    /// return.
+    /// The maker shares the other end's open file: it can fill the socket
+    /// and make the file blocking. Ringing and quieting still return.
     #[test]
-    fn a_doorbell_the_peer_jammed_neither_blocks_a_ring_nor_a_quiet() {
-        let peer = Doorbell::new().unwrap();
-        let button = DoorbellButton::open(dup(peer.button_fd())).unwrap();
-        let chime = DoorbellChime::open(dup(peer.fd())).unwrap();
-        // Full, then blocking, both ends.
-        // SAFETY: writes 4 KiB from a live array to a live fd, till refused.
-        while unsafe { libc::write(peer.button_fd(), [0u8; 4096].as_ptr().cast(), 4096) } > 0 {}
-        for fd in [peer.fd(), peer.button_fd()] {
+    fn a_doorbell_the_maker_jammed_neither_blocks_a_ring_nor_a_quiet() {
+        let (mine, theirs) = Doorbell::pair().unwrap();
+        let shared = theirs.as_raw_fd();
+        let taken = Doorbell::open(dup(shared)).unwrap();
+        // Both ways full, then blocking.
+        for fd in [mine.fd(), shared] {
+            // SAFETY: sends 4 KiB from a live array to a live fd, till refused.
+            while unsafe { libc::send(fd, [0u8; 4096].as_ptr().cast(), 4096, libc::MSG_DONTWAIT) }
+                > 0
+            {}
             // SAFETY: a plain syscall on a live fd: clears O_NONBLOCK.
             assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFL, 0) }, 0);
         }
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            button.ring();
-            chime.quiet();
-            chime.quiet();
+            taken.ring();
+            taken.quiet();
+            taken.quiet();
             tx.send(()).unwrap();
         });
         let returned = rx.recv_timeout(std::time::Duration::from_secs(2)).is_ok();
+        drop(theirs);
         assert!(returned, "a ring or a quiet blocked on a jammed doorbell");
     }
 }

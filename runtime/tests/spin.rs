@@ -108,6 +108,9 @@ fn a_timer_is_not_late_by_the_spin() {
 /// `ready` is set.
 struct Counted {
     bell: quiesce_runtime::shm::Doorbell,
+    /// Its other end, kept open (a doorbell whose other end is gone stays
+    /// readable).
+    _other: std::os::fd::OwnedFd,
     ready: std::sync::Arc<std::sync::atomic::AtomicBool>,
     arms: std::rc::Rc<std::cell::Cell<u32>>,
     waker: std::rc::Rc<std::cell::RefCell<Option<std::task::Waker>>>,
@@ -147,8 +150,10 @@ fn a_spinning_reactor_arms_its_sources_only_when_it_blocks() {
         let ready = Arc::new(AtomicBool::new(false));
         let arms = std::rc::Rc::new(std::cell::Cell::new(0));
         let waker = std::rc::Rc::new(std::cell::RefCell::new(None));
+        let (bell, other) = quiesce_runtime::shm::Doorbell::pair().unwrap();
         let _h = quiesce_runtime::source::register(Counted {
-            bell: quiesce_runtime::shm::Doorbell::new().unwrap(),
+            bell,
+            _other: other,
             ready: ready.clone(),
             arms: arms.clone(),
             waker: waker.clone(),

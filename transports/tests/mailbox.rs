@@ -6,7 +6,7 @@
 mod common;
 
 use std::io::Read;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -171,6 +171,14 @@ impl HandMailbox {
     }
 }
 
+/// Two hand-made doorbells: the initiator's ends (to the target, to
+/// itself), and the other ends, whose fd numbers an offer names.
+fn hand_bells() -> (Doorbell, Doorbell, [OwnedFd; 2]) {
+    let (to_target, target_end) = Doorbell::pair().unwrap();
+    let (to_initiator, initiator_end) = Doorbell::pair().unwrap();
+    (to_target, to_initiator, [target_end, initiator_end])
+}
+
 /// The token every hand-made offer carries (PROTOCOL.md §4.7).
 const TOKEN: [u64; 2] = [0x5155_4945_5343_4521, 0x746f_6b65_6e21_2121];
 
@@ -221,9 +229,9 @@ fn a_connection_attaches_once() {
 }
 
 /// Attaches `c` to this process and offers a mailbox of the files `mem`
-/// and two doorbells (fd numbers: the read end of the one to the target,
-/// the write end of the one to the initiator), with [`TOKEN`]; returns the
-/// target's verdict.
+/// and the target's ends of two doorbells (fd numbers: the one to the
+/// target, the one to the initiator), with [`TOKEN`]; returns the target's
+/// verdict.
 fn offer(c: &mut RawClient, mem: i32, to_target: i32, to_initiator: i32) -> Status {
     assert_eq!(attach(c), Status::Ok, "the attach was refused");
     let mut p = [0u8; 32];
@@ -269,7 +277,7 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
             std::os::fd::OwnedFd::from_raw_fd(raw)
         }
     };
-    let bell = Doorbell::new().unwrap();
+    let (_b, _c, bell) = hand_bells();
     let mem = hand_memory();
     {
         use std::os::fd::AsRawFd;
@@ -277,26 +285,30 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
         let fake = SharedMemory::create("fake", SIZE).unwrap();
         // A fake sealed mapping passes as memory but not as a doorbell.
         assert_eq!(
-            offer(&mut c, fake.fd(), fake.fd(), bell.button_fd()),
+            offer(&mut c, fake.fd(), fake.fd(), bell[1].as_raw_fd()),
             Status::Forbidden
         );
         // The unsealed file, offered as the memory.
         let mut c = connect();
-        let st = offer(&mut c, unsealed.as_raw_fd(), bell.fd(), bell.button_fd());
+        let st = offer(
+            &mut c,
+            unsealed.as_raw_fd(),
+            bell[0].as_raw_fd(),
+            bell[1].as_raw_fd(),
+        );
         assert_eq!(st, Status::Forbidden);
         // Memory without the offer's token: not the mailbox it names (the
         // initiator closed the files and their numbers were reused).
         let mut c = connect();
-        let (a, b) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
-        let st = offer(&mut c, fake.fd(), a.fd(), b.button_fd());
+        let (_a, _b, ab) = hand_bells();
+        let st = offer(&mut c, fake.fd(), ab[0].as_raw_fd(), ab[1].as_raw_fd());
         assert_eq!(st, Status::Forbidden);
     }
     // A good mailbox: every request is checked as if it came from the socket.
     let mut c = connect();
-    let to_target = Doorbell::new().unwrap();
-    let to_initiator = Doorbell::new().unwrap();
+    let (to_target, to_initiator, named) = hand_bells();
     assert_eq!(
-        offer(&mut c, mem.fd(), to_target.fd(), to_initiator.button_fd()),
+        offer(&mut c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
         Status::Ok
     );
     let mut hand = HandMailbox {
@@ -374,10 +386,10 @@ fn a_request_published_before_a_frame_is_served_before_it() {
     let kv = target.seg("kv").clone();
     let mut c = RawClient::connect(target.addr);
     assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
-    let (to_target, to_initiator) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
+    let (to_target, to_initiator, named) = hand_bells();
     let mem = hand_memory();
     assert_eq!(
-        offer(&mut c, mem.fd(), to_target.fd(), to_initiator.button_fd()),
+        offer(&mut c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
         Status::Ok
     );
     let hand = HandMailbox {
@@ -416,8 +428,9 @@ fn a_request_published_before_a_frame_is_served_before_it() {
     }
 }
 
-/// Makes the ringing end `fd` of a doorbell block: full, then blocking —
-/// what a hostile initiator can do to the doorbell the target rings.
+/// Makes the target's end `fd` of a doorbell block: full, then blocking —
+/// what a hostile initiator, which shares the file, can do to the doorbell
+/// the target rings.
 fn jam(fd: i32) {
     // SAFETY: fcntl and write on an fd this test holds; 8 bytes from a live u64.
     unsafe {
@@ -439,13 +452,13 @@ fn a_jammed_doorbell_does_not_block_the_target() {
     let kv = target.seg("kv").clone();
     let mut c = RawClient::connect(target.addr);
     assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
-    let (to_target, to_initiator) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
+    let (to_target, to_initiator, named) = hand_bells();
     let mem = hand_memory();
     assert_eq!(
-        offer(&mut c, mem.fd(), to_target.fd(), to_initiator.button_fd()),
+        offer(&mut c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
         Status::Ok
     );
-    jam(to_initiator.button_fd());
+    jam(named[1].as_raw_fd());
     // "Asleep": the target rings after it serves.
     mem.word(192).store(1, Ordering::Relaxed);
     let mut hand = HandMailbox {
@@ -482,4 +495,58 @@ fn a_jammed_doorbell_does_not_block_the_target() {
     assert_eq!((st, applied), (Status::Ok as u64, 512));
     let res = served.expect("the target's reactor is blocked: another peer was never served");
     assert_eq!(res.unwrap(), 512);
+}
+
+/// An initiator that closes its ends of the doorbells harms only its own
+/// connection. Ringing one whose other end is gone raises no `SIGPIPE` (a
+/// host that did not ignore it died of it with pipe doorbells); a doorbell
+/// whose ringer is gone stays readable for good, so the target closes the
+/// connection rather than wake for it again and again.
+#[test]
+fn closed_doorbells_neither_signal_nor_keep_the_target_waking() {
+    // As a C host that never ignored SIGPIPE. (This binary's other tests
+    // send with MSG_NOSIGNAL, as the engine does.)
+    // SAFETY: sets a signal's disposition; no handler runs.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let kv = target.seg("kv").clone();
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let (to_target, to_initiator, named) = hand_bells();
+    let mem = hand_memory();
+    assert_eq!(
+        offer(&mut c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
+        Status::Ok
+    );
+    drop(named);
+    // The initiator's own end gone, and it "sleeps": the target rings it.
+    drop(to_initiator);
+    mem.word(192).store(1, Ordering::Relaxed);
+    let (_x, dummy, _named) = hand_bells();
+    let mut hand = HandMailbox {
+        mem,
+        to_target,
+        _to_initiator: dummy,
+        next: 0,
+    };
+    let (st, applied) = hand.request(1, kv.id, 0, &pattern(512, 4), 512);
+    assert_eq!(
+        (st, applied),
+        (Status::Ok as u64, 512),
+        "the target died or refused"
+    );
+    // The end that rings the target gone: the target closes the connection.
+    drop(hand);
+    let t0 = Instant::now();
+    assert!(c.recv().is_none(), "the connection stayed open");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    // Everyone else is served as before.
+    Runtime::new().unwrap().block_on(async {
+        let engine = initiator(true);
+        let peer = engine.connect(target.addr).await.unwrap();
+        let kv = peer.open("kv", kv.token).await.unwrap();
+        let (res, _) = kv.write(0, pattern(512, 9), 9).await;
+        assert_eq!(res.unwrap(), 512);
+        engine.shutdown();
+    });
 }

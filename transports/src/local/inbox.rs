@@ -67,6 +67,12 @@ impl CompletionSource for Arrivals {
 
     fn notified(&mut self) {
         self.mb.quiet();
+        if self.mb.gone() {
+            // The serve loop closes the connection.
+            if let Some(w) = self.waiter.borrow_mut().take() {
+                w.wake();
+            }
+        }
     }
 }
 
@@ -118,6 +124,11 @@ impl ServedConn<'_> {
             return Ok(0);
         };
         let mb = &inbox.mb;
+        if mb.gone() {
+            return Err(Closed::Protocol(
+                "the initiator closed its end of the mailbox's doorbell".into(),
+            ));
+        }
         let (start, end) = (inbox.served.get(), mb.submitted());
         let waiting = end.wrapping_sub(start);
         if waiting > SLOTS {

@@ -3,12 +3,11 @@
 //! socket (DESIGN.md §16.5, PROTOCOL.md §4.7).
 //!
 //! The initiator makes the mailbox — a sealed memfd and two doorbells
-//! (pipes) — and names their fd numbers in `LocalMailbox`: the memory, the
-//! read end of the doorbell that wakes the target and the write end of the
-//! one that wakes the initiator. The target takes the files from the
-//! initiator's process with `pidfd_getfd(2)` (the ptrace access its copies
-//! need anyway), maps the memory and opens the pipe ends afresh, so that
-//! nothing the initiator does to its own files can block the target. From then on
+//! (`AF_UNIX` socket pairs) — and names the fd numbers of the memory and of
+//! the doorbells' other ends in `LocalMailbox`; the target takes the files
+//! from the initiator's process with `pidfd_getfd(2)` (the ptrace access
+//! its copies need anyway) and maps the memory. Nothing the initiator does
+//! to the files it shares can block the target (see [`Doorbell`]). From then on
 //! a write or read of up to [`SLOT_DATA`] bytes on that connection goes
 //! into a slot of the mailbox's ring, and its answer comes back in the same
 //! slot:
@@ -41,7 +40,10 @@ use std::io;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use quiesce_runtime::process::PeerProcess;
-use quiesce_runtime::shm::{Doorbell, DoorbellButton, DoorbellChime, SharedMemory};
+use std::cell::Cell;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use quiesce_runtime::shm::{Doorbell, SharedMemory};
 
 /// Requests in flight on one mailbox at most.
 pub(crate) const SLOTS: u64 = 32;
@@ -126,34 +128,32 @@ pub(crate) fn size(slots: u64) -> usize {
 /// [`Mailbox::open`] relies on it.
 pub(crate) struct Mailbox {
     mem: SharedMemory,
-    bells: Bells,
-}
-
-/// The two doorbells, as one end holds them.
-enum Bells {
-    /// The initiator's: it made both, rings `to_target` and watches
-    /// `to_initiator`, and keeps the ends the target takes.
-    Made {
-        to_target: Doorbell,
-        to_initiator: Doorbell,
-    },
-    /// The target's: the ends it took, watching `to_target` and ringing
-    /// `to_initiator`.
-    Taken {
-        to_target: DoorbellChime,
-        to_initiator: DoorbellButton,
-    },
+    /// Which end this is.
+    me: End,
+    /// Rings the other end (the initiator's end of the doorbell to the
+    /// target, or the target's of the one to the initiator).
+    to_other: Doorbell,
+    /// This end's own, watched.
+    to_me: Doorbell,
+    /// The initiator's: the doorbells' other ends, named in its offer and
+    /// kept open for the target to take.
+    named: Option<[OwnedFd; 2]>,
+    /// The other end closed this end's doorbell: it will never ring again.
+    gone: Cell<bool>,
 }
 
 impl Mailbox {
     /// The initiator's new mailbox.
     pub(crate) fn create() -> io::Result<Mailbox> {
+        let (to_target, target_end) = Doorbell::pair()?;
+        let (to_initiator, initiator_end) = Doorbell::pair()?;
         let mb = Mailbox {
             mem: SharedMemory::create("quiesce-mailbox", size(SLOTS))?,
-            bells: Bells::Made {
-                to_target: Doorbell::new()?,
-                to_initiator: Doorbell::new()?,
-            },
+            me: End::Initiator,
+            to_other: to_target,
+            to_me: to_initiator,
+            named: Some([target_end, initiator_end]),
+            gone: Cell::new(false),
         };
         for i in 0..2 {
             let w = crate::control::auth::random_u64();
@@ -170,14 +170,15 @@ impl Mailbox {
     /// The `LocalMailbox` payload that shares this mailbox.
     pub(crate) fn payload(&self) -> [u8; MAILBOX_PAYLOAD] {
         let mut p = [0u8; MAILBOX_PAYLOAD];
-        let Bells::Made {
-            to_target,
-            to_initiator,
-        } = &self.bells
-        else {
-            unreachable!("only the initiator offers its mailbox")
-        };
-        let fds = [self.mem.fd(), to_target.fd(), to_initiator.button_fd()];
+        let [to_target, to_initiator] = self
+            .named
+            .as_ref()
+            .expect("only the initiator offers its mailbox");
+        let fds = [
+            self.mem.fd(),
+            to_target.as_raw_fd(),
+            to_initiator.as_raw_fd(),
+        ];
         for (i, fd) in fds.into_iter().enumerate() {
             p[i * 4..i * 4 + 4].copy_from_slice(&(fd as u32).to_le_bytes());
         }
@@ -213,13 +214,15 @@ impl Mailbox {
             let fd = i32::try_from(field(i)).map_err(|_| io::ErrorKind::InvalidData)?;
             initiator.take_fd(fd)
         };
-        let bells = Bells::Taken {
-            to_target: DoorbellChime::open(take(1)?)?,
-            to_initiator: DoorbellButton::open(take(2)?)?,
-        };
+        let to_me = Doorbell::open(take(1)?)?;
+        let to_other = Doorbell::open(take(2)?)?;
         let mb = Mailbox {
             mem: SharedMemory::open(take(0)?, size(SLOTS))?,
-            bells,
+            me: End::Target,
+            to_other,
+            to_me,
+            named: None,
+            gone: Cell::new(false),
         };
         if mb.token() != [word(0), word(1)] {
             return Err(invalid(
@@ -259,14 +262,6 @@ impl Mailbox {
         (&self.mem, slot(seq) + SLOT_HEAD)
     }
 
-    /// The end that holds this side of the mailbox.
-    fn me(&self) -> End {
-        match self.bells {
-            Bells::Made { .. } => End::Initiator,
-            Bells::Taken { .. } => End::Target,
-        }
-    }
-
     fn asleep(&self, end: End) -> &AtomicU64 {
         self.mem.word(match end {
             End::Initiator => INITIATOR_ASLEEP,
@@ -280,29 +275,26 @@ impl Mailbox {
         // Pairs with the fence in `sleep`: either the other end sees what
         // was just published, or this sees its word set.
         fence(Ordering::SeqCst);
-        let other = match self.me() {
+        let other = match self.me {
             End::Initiator => End::Target,
             End::Target => End::Initiator,
         };
         let w = self.asleep(other);
         if w.load(Ordering::Relaxed) != 0 && w.swap(0, Ordering::AcqRel) != 0 {
-            match &self.bells {
-                Bells::Made { to_target, .. } => to_target.ring(),
-                Bells::Taken { to_initiator, .. } => to_initiator.ring(),
-            }
+            self.to_other.ring();
         }
     }
 
     /// This end is about to block: the other must ring. The caller drains
     /// once more after this.
     pub(crate) fn sleep(&self) {
-        self.asleep(self.me()).store(1, Ordering::Relaxed);
+        self.asleep(self.me).store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 
     /// This end is awake: no need to ring it.
     pub(crate) fn awake(&self) {
-        let w = self.asleep(self.me());
+        let w = self.asleep(self.me);
         if w.load(Ordering::Relaxed) != 0 {
             w.store(0, Ordering::Relaxed);
         }
@@ -310,18 +302,20 @@ impl Mailbox {
 
     /// This end's doorbell fd, for its reactor to watch.
     pub(crate) fn bell_fd(&self) -> std::os::fd::RawFd {
-        match &self.bells {
-            Bells::Made { to_initiator, .. } => to_initiator.fd(),
-            Bells::Taken { to_target, .. } => to_target.fd(),
-        }
+        self.to_me.fd()
     }
 
     /// Quiets this end's doorbell after it rang.
     pub(crate) fn quiet(&self) {
-        match &self.bells {
-            Bells::Made { to_initiator, .. } => to_initiator.quiet(),
-            Bells::Taken { to_target, .. } => to_target.quiet(),
+        if !self.to_me.quiet() {
+            self.gone.set(true);
         }
+    }
+
+    /// The other end closed this end's doorbell (a dead or hostile peer):
+    /// it never rings again, and it stays readable — stop serving.
+    pub(crate) fn gone(&self) -> bool {
+        self.gone.get()
     }
 }
 
