@@ -44,8 +44,9 @@ struct Lent {
     buffers: SmallVec<[usize; 1]>,
     /// Batches whose local ranges overlap it and whose outcome is not final.
     uses: usize,
-    /// `unregister_memory` is taking it back: no batch may start using it.
-    closing: bool,
+    /// `unregister_memory` calls taking it back now: while any does, no
+    /// batch may start using it.
+    closing: u32,
     /// Tells it from a later registration at the same address, which a
     /// batch's uses of this one must not count down.
     generation: u64,
@@ -189,7 +190,7 @@ impl ManagedBuffers {
             len,
             buffers,
             uses: 0,
-            closing: false,
+            closing: 0,
             generation: live.generations,
         };
         live.lendings.insert(addr, lent);
@@ -208,7 +209,7 @@ impl ManagedBuffers {
     /// registration at `addr` until [`end_unregister`](Self::end_unregister).
     pub(crate) fn begin_unregister(&self, addr: usize) {
         if let Some(l) = lock(&self.live).lendings.get_mut(&addr) {
-            l.closing = true;
+            l.closing += 1;
         }
     }
 
@@ -239,7 +240,7 @@ impl ManagedBuffers {
         if taken_back {
             self.lent_back(addr);
         } else if let Some(l) = lock(&self.live).lendings.get_mut(&addr) {
-            l.closing = false;
+            l.closing = l.closing.saturating_sub(1);
         }
     }
 
@@ -326,7 +327,7 @@ impl ManagedBuffers {
                 live.lent_over(addr, addr.saturating_add(len)).collect();
             for at in over {
                 let l = live.lendings.get_mut(&at).expect("just found");
-                if l.closing {
+                if l.closing > 0 {
                     drop(live);
                     self.give_back(uses);
                     return Err(at);
@@ -475,6 +476,14 @@ mod tests {
         m.release(none.unwrap());
         m.begin_unregister(a);
         assert!(matches!(m.take_uses([(a, 1)].into_iter()), Err(at) if at == a));
+        // A second unregister call meanwhile; the first gives up: still
+        // closed to new batches while the second waits.
+        m.begin_unregister(a);
+        m.end_unregister(a, false);
+        assert!(
+            m.take_uses([(a, 1)].into_iter()).is_err(),
+            "reopened under the second"
+        );
         m.release(one);
         assert!(m.wait_unused(a, wait));
         m.end_unregister(a, false);

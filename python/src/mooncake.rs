@@ -612,9 +612,13 @@ impl TransferEngine {
         let reclaimed = py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT));
         let code = match reclaimed {
             // Nothing holds it now — or nothing was lent there any more (an
-            // earlier unregister_memory took it back to the end).
+            // earlier unregister_memory took it back to the end, and its
+            // record with it: one there now is a `register_memory` still
+            // starting, which `free` sees).
             Ok(true) | Err(SyncError::NotLent(_)) => {
-                node.managed.lent_back(buffer_addr);
+                if reclaimed.is_ok() {
+                    node.managed.lent_back(buffer_addr);
+                }
                 node.withdrawn(buffer_addr as u64);
                 match node.managed.free(buffer_addr, length) {
                     Free::Done => return SYNC_OK,

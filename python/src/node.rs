@@ -839,11 +839,34 @@ impl Node {
                 return Ok(false);
             }
             self.quiesce_pending(slice);
+            self.release_finished();
         }
         let left = until.saturating_duration_since(Instant::now());
         let r = self.engine().reclaim(addr as u64, left);
         self.managed.end_unregister(addr, matches!(r, Ok(true)));
         r
+    }
+
+    /// Gives back the uses of the asynchronous batches that finished (0 or
+    /// -1) but whose status nobody has read yet; their outcomes stay for
+    /// the status call. (A -2 keeps its uses until it drained.)
+    fn release_finished(&self) {
+        let mut all = lock(&self.outstanding);
+        for o in all.values_mut() {
+            let Some(rx) = o.outcome.as_ref() else {
+                continue;
+            };
+            let Ok(out) = rx.try_recv() else {
+                continue;
+            };
+            if out.code != SYNC_UNKNOWN {
+                self.managed.release(std::mem::take(&mut o.uses));
+            }
+            // Put back for the status call.
+            let (tx, rx) = mpsc::channel();
+            let _ = tx.send(out);
+            o.outcome = Some(rx);
+        }
     }
 
     /// Waits up to `timeout` for the batches that returned -2 to drain;

@@ -33,6 +33,27 @@ def test_opcodes_as_enum_and_int(peer_factory, local):
         pass
 
 
+def test_a_finished_async_batch_does_not_hold_its_range_until_its_status_is_read(
+    peer_factory, local
+):
+    """unregister_memory waits for this engine's batches on the range; an
+    asynchronous batch that finished holds nothing, read or not: the call
+    answers at once, and the batch's status is still there to read."""
+    target = peer_factory(MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(MiB, 0x24)
+    assert e.register_memory(src, MiB) == 0
+    bid = e.batch_transfer_async_write(target.session, [src], [a], [MiB])
+    assert bid != 0
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert e.unregister_memory(src) == 0
+    assert time.monotonic() - t0 < 5, "waited for a batch that had finished"
+    assert e.get_batch_transfer_status([bid]) == 0
+    assert target.count(a, MiB, 0x24) == MiB
+
+
 def test_async_batches_and_their_status(peer_factory, local):
     target = peer_factory(4 * MiB)
     (a, _) = target.regions[0]
