@@ -248,3 +248,53 @@ fn an_address_in_overlapping_segments_of_one_token_opens_the_one_reaching_furthe
     });
     drop(owned);
 }
+
+/// A proof by address tries every segment holding the address, so one
+/// `Auth` of many such proofs into deeply overlapping segments would cost
+/// the target that many HMACs each, from a peer that proved nothing. Past a
+/// budget (two per proof, and one pass over every segment) the frame is
+/// bad and the connection closed; one such proof is served.
+#[test]
+fn an_auth_of_many_proofs_into_overlapping_segments_is_a_bad_frame() {
+    use quiesce_transports::wire::Opcode;
+    const DEPTH: usize = 16;
+    let mut owned = vec![0u8; 64 << 10].into_boxed_slice();
+    let ptr = owned.as_mut_ptr();
+    Runtime::new().unwrap().block_on(async {
+        let target = Engine::bind(tcp()).unwrap();
+        for i in 0..DEPTH {
+            // SAFETY: `owned` outlives `block_on`, which drops the engine
+            // (and with it every lending); only the engine writes it.
+            let mem = unsafe { ForeignMemory::new(ptr.add(i * 1024), (64 - i) << 10, || {}) };
+            target
+                .register(&format!("s{i}"), mem, Rights::READ | Rights::WRITE)
+                .unwrap();
+        }
+        let at = ptr as u64 + (32 << 10);
+        let addr = target.local_addr();
+        let peer = std::thread::spawn(move || {
+            let mut c = RawClient::connect(addr);
+            c.send_auth(&[(SegmentRef::Address(at), Token::random())]);
+            let one = c.recv().map(|h| h.op);
+            let mut c = RawClient::connect(addr);
+            c.send_auth(&vec![(SegmentRef::Address(at), Token::random()); 64]);
+            let many = c.recv();
+            // (An AuthAck's payload is not a header: read on only after a Status.)
+            let closed = many.is_some_and(|h| h.op == Opcode::Status) && c.recv().is_none();
+            (one, many, closed)
+        });
+        while !peer.is_finished() {
+            quiesce_runtime::time::sleep(Duration::from_millis(1)).await;
+        }
+        let (one, many, closed) = peer.join().unwrap();
+        assert_eq!(one, Some(Opcode::AuthAck), "one proof by address is served");
+        let many = many.expect("an answer");
+        assert_eq!(
+            (many.op, many.status()),
+            (Opcode::Status, Ok(Status::BadFrame)),
+            "{many:?}"
+        );
+        assert!(closed, "the connection stayed open");
+    });
+    drop(owned);
+}

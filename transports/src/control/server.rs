@@ -570,11 +570,21 @@ impl ServedConn<'_> {
                 .await);
             }
         }
+        // The HMACs one Auth may cost: two per proof, and one First's pass
+        // over every segment. Proofs by address try every segment holding
+        // the address, so a frame of many into overlapping segments could
+        // cost more: past the budget it is a bad frame.
+        let budget = 2 * req.proofs.len() + self.engine.segments.borrow().len() + 1;
+        let work = Cell::new(0usize);
         let results = req
             .proofs
             .iter()
             .map(|(seg_ref, proof)| {
+                if work.get() > budget {
+                    return (Status::BadFrame, None);
+                }
                 let verify = |t: &crate::control::auth::Token| {
+                    work.set(work.get() + 1);
                     t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)
                 };
                 let seg = match seg_ref {
@@ -615,6 +625,10 @@ impl ServedConn<'_> {
                 }
             })
             .collect::<Vec<_>>();
+        if work.get() > budget {
+            let why = format!("an Auth whose proofs cost over {budget} HMACs");
+            return Err(reject(self.s, h, Status::BadFrame, why).await);
+        }
         let refused = results.iter().filter(|(st, _)| *st != Status::Ok).count();
         if refused > 0 {
             let limit = &self.engine.peer_logs.refused_proof;
