@@ -433,6 +433,19 @@ fn an_auth_with_more_than_one_first_proof_is_a_bad_frame() {
     assert!(c.recv().is_none(), "the connection is closed");
 }
 
+/// Sends `Fence(batch)` on `c`: whether a `FenceAck` came back.
+fn fenced(c: &mut RawClient, batch: u64) -> bool {
+    use quiesce_transports::wire::{Header, Opcode};
+    c.send(
+        &Header {
+            batch,
+            ..Header::new(Opcode::Fence)
+        },
+        &[],
+    );
+    c.recv().map(|h| h.op) == Some(Opcode::FenceAck)
+}
+
 /// A fenced batch's entry stays while a connection of its session that
 /// could still carry a frame of it is open and has not said `Forget`, and
 /// goes once the last one does (or closes); a session that piles up fenced
@@ -454,16 +467,7 @@ fn fence_entries_go_when_no_connection_can_carry_the_batch() {
     assert_eq!(b.ack.session, a.ack.session);
     b.auth(id, token);
     assert_eq!(t.stats().sessions, 1);
-    let fence = |c: &mut RawClient, batch| {
-        c.send(
-            &Header {
-                batch,
-                ..Header::new(Opcode::Fence)
-            },
-            &[],
-        );
-        assert_eq!(c.recv().map(|h| h.op), Some(Opcode::FenceAck));
-    };
+    let fence = |c: &mut RawClient, batch| assert!(fenced(c, batch), "no FenceAck");
     let forget = |c: &mut RawClient, batch| {
         c.send(
             &Header {
@@ -646,7 +650,6 @@ fn a_fence_or_forget_with_a_payload_is_a_bad_frame() {
 /// and a session with a few fenced batches is not the one closed.
 #[test]
 fn the_fence_table_is_capped_across_sessions() {
-    use quiesce_transports::wire::{Header, Opcode};
     use quiesce_transports::Rights;
     let cfg = EngineConfig {
         max_fenced_per_session: 16,
@@ -655,26 +658,16 @@ fn the_fence_table_is_capped_across_sessions() {
     };
     let t = ShardTarget::start(cfg, &[("kv", 4096, Rights::READ | Rights::WRITE)]);
     let (id, token) = (t.seg("kv").id, t.seg("kv").token);
-    let fence = |c: &mut RawClient, batch| {
-        c.send(
-            &Header {
-                batch,
-                ..Header::new(Opcode::Fence)
-            },
-            &[],
-        );
-        c.recv().map(|h| h.op) == Some(Opcode::FenceAck)
-    };
     // A session with two fenced batches, then many with fifteen each.
     let mut small = RawClient::connect(t.addr);
     small.auth(id, token);
-    assert!(fence(&mut small, 1) && fence(&mut small, 2));
+    assert!(fenced(&mut small, 1) && fenced(&mut small, 2));
     let mut many = Vec::new();
     for s in 1..12u64 {
         let mut c = RawClient::connect(t.addr);
         c.auth(id, token);
         for b in 0..15u64 {
-            if !fence(&mut c, s * 100 + b) {
+            if !fenced(&mut c, s * 100 + b) {
                 break;
             }
         }
@@ -688,7 +681,7 @@ fn the_fence_table_is_capped_across_sessions() {
     }
     assert!(t.stats().sessions < 12, "no session was closed");
     assert!(
-        fence(&mut small, 3),
+        fenced(&mut small, 3),
         "the session with few fenced batches was closed"
     );
 }

@@ -122,11 +122,31 @@ const SIZE: usize = RING + SLOTS * STRIDE;
 struct HandMailbox {
     mem: SharedMemory,
     to_target: Doorbell,
-    _to_initiator: Doorbell,
+    /// `None` once a test closed it.
+    to_initiator: Option<Doorbell>,
+    /// The doorbells' other ends, as the offer named them.
+    named: [OwnedFd; 2],
     next: u64,
 }
 
 impl HandMailbox {
+    /// Offers a hand-made mailbox on `c`; the target's verdict must be `Ok`.
+    fn offer(c: &mut RawClient) -> HandMailbox {
+        let (to_target, to_initiator, named) = hand_bells();
+        let mem = hand_memory();
+        assert_eq!(
+            offer(c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
+            Status::Ok
+        );
+        HandMailbox {
+            mem,
+            to_target,
+            to_initiator: Some(to_initiator),
+            named,
+            next: 0,
+        }
+    }
+
     /// Publishes one request (`kind` 1 write, 2 read) and waits for its
     /// answer: (status, applied).
     fn request(
@@ -278,9 +298,7 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
         }
     };
     let (_b, _c, bell) = hand_bells();
-    let mem = hand_memory();
     {
-        use std::os::fd::AsRawFd;
         let mut c = connect();
         let fake = SharedMemory::create("fake", SIZE).unwrap();
         // A fake sealed mapping passes as memory but not as a doorbell.
@@ -306,17 +324,7 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
     }
     // A good mailbox: every request is checked as if it came from the socket.
     let mut c = connect();
-    let (to_target, to_initiator, named) = hand_bells();
-    assert_eq!(
-        offer(&mut c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
-        Status::Ok
-    );
-    let mut hand = HandMailbox {
-        mem,
-        to_target,
-        _to_initiator: to_initiator,
-        next: 0,
-    };
+    let mut hand = HandMailbox::offer(&mut c);
     let other = target.seg("other").clone();
     let before = target.stats();
     let cases: [(u64, u64, u64, u64, Status); 5] = [
@@ -386,18 +394,7 @@ fn a_request_published_before_a_frame_is_served_before_it() {
     let kv = target.seg("kv").clone();
     let mut c = RawClient::connect(target.addr);
     assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
-    let (to_target, to_initiator, named) = hand_bells();
-    let mem = hand_memory();
-    assert_eq!(
-        offer(&mut c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
-        Status::Ok
-    );
-    let hand = HandMailbox {
-        mem,
-        to_target,
-        _to_initiator: to_initiator,
-        next: 0,
-    };
+    let hand = HandMailbox::offer(&mut c);
     for round in 0..5u64 {
         // Let the target's reactor go to sleep.
         std::thread::sleep(Duration::from_millis(20));
@@ -452,21 +449,10 @@ fn a_jammed_doorbell_does_not_block_the_target() {
     let kv = target.seg("kv").clone();
     let mut c = RawClient::connect(target.addr);
     assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
-    let (to_target, to_initiator, named) = hand_bells();
-    let mem = hand_memory();
-    assert_eq!(
-        offer(&mut c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
-        Status::Ok
-    );
-    jam(named[1].as_raw_fd());
+    let mut hand = HandMailbox::offer(&mut c);
+    jam(hand.named[1].as_raw_fd());
     // "Asleep": the target rings after it serves.
-    mem.word(192).store(1, Ordering::Relaxed);
-    let mut hand = HandMailbox {
-        mem,
-        to_target,
-        _to_initiator: to_initiator,
-        next: 0,
-    };
+    hand.mem.word(192).store(1, Ordering::Relaxed);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let (st, applied) = hand.request(1, kv.id, 0, &pattern(512, 4), 512);
@@ -512,23 +498,10 @@ fn closed_doorbells_neither_signal_nor_keep_the_target_waking() {
     let kv = target.seg("kv").clone();
     let mut c = RawClient::connect(target.addr);
     assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
-    let (to_target, to_initiator, named) = hand_bells();
-    let mem = hand_memory();
-    assert_eq!(
-        offer(&mut c, mem.fd(), named[0].as_raw_fd(), named[1].as_raw_fd()),
-        Status::Ok
-    );
-    drop(named);
+    let mut hand = HandMailbox::offer(&mut c);
     // The initiator's own end gone, and it "sleeps": the target rings it.
-    drop(to_initiator);
-    mem.word(192).store(1, Ordering::Relaxed);
-    let (_x, dummy, _named) = hand_bells();
-    let mut hand = HandMailbox {
-        mem,
-        to_target,
-        _to_initiator: dummy,
-        next: 0,
-    };
+    hand.to_initiator = None;
+    hand.mem.word(192).store(1, Ordering::Relaxed);
     let (st, applied) = hand.request(1, kv.id, 0, &pattern(512, 4), 512);
     assert_eq!(
         (st, applied),

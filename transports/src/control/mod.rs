@@ -12,6 +12,7 @@ pub(crate) mod fence;
 pub(crate) mod frame;
 pub(crate) mod idle;
 pub(crate) mod log_limit;
+pub(crate) mod prove;
 pub(crate) mod read_ahead;
 pub(crate) mod revoke;
 pub(crate) mod server;

@@ -6,7 +6,6 @@
 //! [`QpPlane`](crate::control::QpPlane).
 
 use std::cell::Cell;
-use std::cmp::Reverse;
 use std::io;
 use std::rc::Rc;
 use std::time::Instant;
@@ -22,10 +21,9 @@ use crate::control::idle::IdleLimit;
 use crate::control::read_ahead::ReadAhead;
 use crate::control::target::Target;
 use crate::control::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, SegmentRef,
-    Status, MAX_HANDSHAKE_PAYLOAD, MAX_QP_PAYLOAD,
+    Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, Status, MAX_HANDSHAKE_PAYLOAD,
+    MAX_QP_PAYLOAD,
 };
-use crate::segment::Segment;
 use crate::tcp::own_ids::OwnIdMap;
 
 /// Why a connection was closed by the target.
@@ -53,18 +51,18 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) s: &'a TcpStream,
     pub(crate) session: u64,
     /// How the connection enters its session once it authenticates.
-    entry: SessionEntry,
+    pub(crate) entry: SessionEntry,
     /// This connection's nonce (the target's), which an initiator attaching
     /// for the local transport shows in its memory.
     pub(crate) nonce: [u8; 16],
-    peer_nonce: [u8; 16],
+    pub(crate) peer_nonce: [u8; 16],
     /// Segments whose token this connection proved, with the grant epoch
     /// current when it did (see `revoke.rs`).
     pub(crate) authorised: OwnIdMap<u64>,
     /// What the RDMA plane serves this connection (its protection domain,
     /// queue pair and keys), from its first `QpConnect`.
     served: Option<Box<dyn crate::control::ServedLink>>,
-    census: Census<'a>,
+    pub(crate) census: Census<'a>,
     /// The canceller of the last write's receive, re-armed for the next.
     pub(crate) canceller: Option<quiesce_runtime::Canceller>,
     /// The last write's landing cell, reused when no parked receive holds it.
@@ -85,7 +83,7 @@ pub(crate) struct ServedConn<'a> {
 }
 
 /// How a connection enters its session.
-enum SessionEntry {
+pub(crate) enum SessionEntry {
     /// It asked for a new session (or one the target no longer has): the
     /// target chose `session` and this key, and creates the session when
     /// the connection authenticates.
@@ -101,7 +99,7 @@ enum SessionEntry {
 /// whether it has proven a token yet. The accept loop shares `flag`: it
 /// evicts the oldest connections that have not authenticated when there are
 /// too many.
-struct Census<'a> {
+pub(crate) struct Census<'a> {
     counters: &'a crate::control::target::Counters,
     authenticated: bool,
     flag: Rc<Cell<bool>>,
@@ -120,7 +118,7 @@ impl<'a> Census<'a> {
         }
     }
 
-    fn authenticated(&mut self) {
+    pub(crate) fn authenticated(&mut self) {
         if !std::mem::replace(&mut self.authenticated, true) {
             self.flag.set(true);
             let u = &self.counters.unauthenticated;
@@ -182,7 +180,7 @@ pub(crate) async fn serve(engine: Rc<Target>, s: TcpStream, authenticated: Rc<Ce
 }
 
 /// A peer's address for a log line (`?` if the socket no longer has one).
-fn peer_name(peer: Option<std::net::SocketAddr>) -> String {
+pub(crate) fn peer_name(peer: Option<std::net::SocketAddr>) -> String {
     peer.map_or_else(|| "?".into(), |a| a.to_string())
 }
 
@@ -284,15 +282,6 @@ async fn handshake<'a>(
         rx: ReadAhead::default(),
         idle: IdleLimit::new(engine.config.idle_timeout),
     })
-}
-
-/// The key proofs for unknown segment ids are checked against, so that a
-/// refusal costs the same whether the segment exists or not.
-fn unknown_segment_token() -> crate::control::auth::Token {
-    thread_local! {
-        static T: crate::control::auth::Token = crate::control::auth::Token::random();
-    }
-    T.with(|t| *t)
 }
 
 /// The header read (`None`: the peer closed), or the connection closed with
@@ -520,136 +509,6 @@ impl ServedConn<'_> {
             self.s,
             &Header {
                 op: Opcode::QpAccept,
-                length: payload.len() as u64,
-                ..*h
-            },
-            &payload,
-        )
-        .await?;
-        Ok(())
-    }
-
-    async fn auth(&mut self, h: &Header) -> Result<(), Closed> {
-        if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
-            return Err(reject(self.s, h, Status::BadFrame, "auth payload too large".into()).await);
-        }
-        let req = match AuthRequest::decode(
-            &self
-                .idle
-                .within(self.rx.payload(self.s, h.length as usize))
-                .await??,
-        ) {
-            Ok(r) => r,
-            Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
-        };
-        // A `First` proof is checked against every segment served: one per
-        // request (all `open_first` sends), or one frame from a peer that
-        // proved nothing could cost thousands of HMACs per segment.
-        let firsts = req
-            .proofs
-            .iter()
-            .filter(|(r, _)| matches!(r, SegmentRef::First));
-        if firsts.count() > 1 {
-            let why = "more than one First proof in one Auth".into();
-            return Err(reject(self.s, h, Status::BadFrame, why).await);
-        }
-        // Joining a live session takes its key: checked on the first Auth,
-        // before any proof counts.
-        if matches!(self.entry, SessionEntry::Join) {
-            let ok = self
-                .engine
-                .session_key(self.session)
-                .is_some_and(|k| k.verify(&req.join, &self.nonce, &self.peer_nonce, self.session));
-            if !ok {
-                return Err(reject(
-                    self.s,
-                    h,
-                    Status::Forbidden,
-                    "no proof of the session's key".into(),
-                )
-                .await);
-            }
-        }
-        // The HMACs one Auth may cost: two per proof, and one First's pass
-        // over every segment. Proofs by address try every segment holding
-        // the address, so a frame of many into overlapping segments could
-        // cost more: past the budget it is a bad frame.
-        let budget = 2 * req.proofs.len() + self.engine.segments.borrow().len() + 1;
-        let work = Cell::new(0usize);
-        let results = req
-            .proofs
-            .iter()
-            .map(|(seg_ref, proof)| {
-                if work.get() > budget {
-                    return (Status::BadFrame, None);
-                }
-                let verify = |t: &crate::control::auth::Token| {
-                    work.set(work.get() + 1);
-                    t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)
-                };
-                let seg = match seg_ref {
-                    SegmentRef::Id(id) => self.engine.segment(*id),
-                    SegmentRef::Name(n) => self.engine.segment_named(n),
-                    // Segments may overlap. Of those that hold the address
-                    // and that the proof opens, the one reaching furthest:
-                    // a transfer from the address that fits any of them
-                    // fits it (ties: the first registered).
-                    SegmentRef::Address(a) => {
-                        let holds =
-                            |s: &Segment| a.checked_sub(s.base()).is_some_and(|o| o < s.len());
-                        let reach =
-                            |s: &Segment| (Reverse(s.base().saturating_add(s.len())), s.id());
-                        match self.engine.proven_segment(holds, verify, reach) {
-                            (None, tried) if tried > 0 => return (Status::Forbidden, None),
-                            (seg, _) => seg,
-                        }
-                    }
-                    // Ids only grow: the first registered.
-                    SegmentRef::First => {
-                        self.engine.proven_segment(|_| true, verify, Segment::id).0
-                    }
-                };
-                match seg {
-                    Some(seg) if verify(&seg.token()) => {
-                        self.authorised.insert(seg.id(), seg.inner.grants.current());
-                        self.census.authenticated();
-                        (Status::Ok, Some(self.engine.descriptor(&seg)))
-                    }
-                    Some(_) => (Status::Forbidden, None),
-                    // The same answer, after the same work, as a wrong
-                    // proof: a refusal does not say whether it exists.
-                    None => {
-                        let _ = verify(&unknown_segment_token());
-                        (Status::Forbidden, None)
-                    }
-                }
-            })
-            .collect::<Vec<_>>();
-        if work.get() > budget {
-            let why = format!("an Auth whose proofs cost over {budget} HMACs");
-            return Err(reject(self.s, h, Status::BadFrame, why).await);
-        }
-        let refused = results.iter().filter(|(st, _)| *st != Status::Ok).count();
-        if refused > 0 {
-            let limit = &self.engine.peer_logs.refused_proof;
-            if let Some(suppressed) = limit.admit() {
-                tracing::warn!(
-                    peer = %peer_name(self.s.peer_addr().ok()),
-                    refused,
-                    suppressed,
-                    "{}",
-                    limit.what()
-                );
-            }
-        }
-        let payload = match (AuthAck { results }).encode() {
-            Ok(p) => p,
-            Err(e) => return Err(Closed::Protocol(e.to_string())),
-        };
-        send_frame(
-            self.s,
-            &Header {
-                op: Opcode::AuthAck,
                 length: payload.len() as u64,
                 ..*h
             },

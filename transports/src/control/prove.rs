@@ -1,0 +1,158 @@
+//! `Auth` on a served connection: each proof checked against the segments
+//! it can name — by id, by name, by an address inside it (segments may
+//! overlap: every one holding the address is tried), or the first the
+//! proof opens — for no more work than a budget per frame, and a refusal
+//! that looks the same, after the same work, whatever it refused.
+
+use std::cell::Cell;
+use std::cmp::Reverse;
+
+use crate::control::frame::send_frame;
+use crate::control::server::{peer_name, reject, Closed, ServedConn, SessionEntry};
+use crate::control::wire::{
+    AuthAck, AuthRequest, Header, Opcode, SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD,
+};
+use crate::segment::Segment;
+
+impl ServedConn<'_> {
+    /// `Auth`: each proof checked against the segment it names; answers
+    /// `AuthAck` with a status (and, opened, a descriptor) per proof.
+    pub(crate) async fn auth(&mut self, h: &Header) -> Result<(), Closed> {
+        if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
+            return Err(reject(self.s, h, Status::BadFrame, "auth payload too large".into()).await);
+        }
+        let req = match AuthRequest::decode(
+            &self
+                .idle
+                .within(self.rx.payload(self.s, h.length as usize))
+                .await??,
+        ) {
+            Ok(r) => r,
+            Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
+        };
+        // A `First` proof is checked against every segment served: one per
+        // request (all `open_first` sends), or one frame from a peer that
+        // proved nothing could cost thousands of HMACs per segment.
+        let firsts = req
+            .proofs
+            .iter()
+            .filter(|(r, _)| matches!(r, SegmentRef::First));
+        if firsts.count() > 1 {
+            let why = "more than one First proof in one Auth".into();
+            return Err(reject(self.s, h, Status::BadFrame, why).await);
+        }
+        // Joining a live session takes its key: checked on the first Auth,
+        // before any proof counts.
+        if matches!(self.entry, SessionEntry::Join) {
+            let ok = self
+                .engine
+                .session_key(self.session)
+                .is_some_and(|k| k.verify(&req.join, &self.nonce, &self.peer_nonce, self.session));
+            if !ok {
+                return Err(reject(
+                    self.s,
+                    h,
+                    Status::Forbidden,
+                    "no proof of the session's key".into(),
+                )
+                .await);
+            }
+        }
+        // The HMACs one Auth may cost: two per proof, and one First's pass
+        // over every segment. Proofs by address try every segment holding
+        // the address, so a frame of many into overlapping segments could
+        // cost more: past the budget it is a bad frame.
+        let budget = 2 * req.proofs.len() + self.engine.segments.borrow().len() + 1;
+        let work = Cell::new(0usize);
+        let results = req
+            .proofs
+            .iter()
+            .map(|(seg_ref, proof)| {
+                if work.get() > budget {
+                    return (Status::BadFrame, None);
+                }
+                let verify = |t: &crate::control::auth::Token| {
+                    work.set(work.get() + 1);
+                    t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)
+                };
+                let seg = match seg_ref {
+                    SegmentRef::Id(id) => self.engine.segment(*id),
+                    SegmentRef::Name(n) => self.engine.segment_named(n),
+                    // Segments may overlap. Of those that hold the address
+                    // and that the proof opens, the one reaching furthest:
+                    // a transfer from the address that fits any of them
+                    // fits it (ties: the first registered).
+                    SegmentRef::Address(a) => {
+                        let holds =
+                            |s: &Segment| a.checked_sub(s.base()).is_some_and(|o| o < s.len());
+                        let reach =
+                            |s: &Segment| (Reverse(s.base().saturating_add(s.len())), s.id());
+                        match self.engine.proven_segment(holds, verify, reach) {
+                            (None, tried) if tried > 0 => return (Status::Forbidden, None),
+                            (seg, _) => seg,
+                        }
+                    }
+                    // Ids only grow: the first registered.
+                    SegmentRef::First => {
+                        self.engine.proven_segment(|_| true, verify, Segment::id).0
+                    }
+                };
+                match seg {
+                    Some(seg) if verify(&seg.token()) => {
+                        self.authorised.insert(seg.id(), seg.inner.grants.current());
+                        self.census.authenticated();
+                        (Status::Ok, Some(self.engine.descriptor(&seg)))
+                    }
+                    Some(_) => (Status::Forbidden, None),
+                    // The same answer, after the same work, as a wrong
+                    // proof: a refusal does not say whether it exists.
+                    None => {
+                        let _ = verify(&unknown_segment_token());
+                        (Status::Forbidden, None)
+                    }
+                }
+            })
+            .collect::<Vec<_>>();
+        if work.get() > budget {
+            let why = format!("an Auth whose proofs cost over {budget} HMACs");
+            return Err(reject(self.s, h, Status::BadFrame, why).await);
+        }
+        let refused = results.iter().filter(|(st, _)| *st != Status::Ok).count();
+        if refused > 0 {
+            let limit = &self.engine.peer_logs.refused_proof;
+            if let Some(suppressed) = limit.admit() {
+                tracing::warn!(
+                    peer = %peer_name(self.s.peer_addr().ok()),
+                    refused,
+                    suppressed,
+                    "{}",
+                    limit.what()
+                );
+            }
+        }
+        let payload = match (AuthAck { results }).encode() {
+            Ok(p) => p,
+            Err(e) => return Err(Closed::Protocol(e.to_string())),
+        };
+        send_frame(
+            self.s,
+            &Header {
+                op: Opcode::AuthAck,
+                length: payload.len() as u64,
+                ..*h
+            },
+            &payload,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// The key proofs for unknown segment ids are checked against, so that a
+/// refusal costs the same whether the segment exists or not.
+fn unknown_segment_token() -> crate::control::auth::Token {
+    thread_local! {
+        static T: crate::control::auth::Token = crate::control::auth::Token::random();
+    }
+    T.with(|t| *t)
+}
