@@ -193,6 +193,28 @@ async fn quiet(seg: &Segment, len: usize, after: Duration) -> bool {
     a == b
 }
 
+/// Each fence retires the queue pair; the next transfer builds one on the
+/// same control connection. What resets a link when that connection ends
+/// is registered once per peer and connection, not once per queue pair: a
+/// peer that fences often on a long-lived connection does not pile hooks
+/// up.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn queue_pairs_rebuilt_on_one_connection_register_one_close_hook() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        for round in 0..20u64 {
+            let mut l = p.region.lease(0..4096).unwrap();
+            fill(&mut l, round as u8);
+            let (r, _l) = p.remote.write(0, l, 100 + round).await;
+            assert_eq!(r.unwrap(), 4096, "round {round}");
+            p.remote.peer().fence(100 + round).await.unwrap();
+        }
+        let hooks = p.remote.peer().control_close_hooks();
+        assert!(hooks <= 1, "{hooks} close hooks after 20 queue pairs");
+    });
+}
+
 #[test]
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn fence_stops_a_write_mid_flight() {

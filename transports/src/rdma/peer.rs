@@ -5,7 +5,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 use quiesce_runtime::{IoBuf, IoBufMut};
 
@@ -16,6 +16,7 @@ use crate::control::auth::Token;
 use crate::control::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
 use crate::error::TransferError;
 use crate::lock::SetupGate;
+use crate::tcp::conn::Conn;
 use crate::tcp::peer::Peer;
 use crate::tcp::segment::{check_range, check_read, descriptor_accessors};
 use crate::tcp::split::set_filled;
@@ -28,6 +29,10 @@ struct PeerState {
     keys: RefCell<HashMap<u64, RemoteKey>>,
     /// Serialises link set-up; who waited behind a failed one fails with it.
     setup: SetupGate,
+    /// The control connection whose end resets this peer's link (a hook
+    /// registered once per connection; the `Weak` keeps its address from
+    /// naming a later connection).
+    hooked: RefCell<Weak<Conn>>,
 }
 
 /// A connected remote RDMA engine. Cheap to clone.
@@ -45,6 +50,7 @@ impl RdmaPeer {
                 link: RefCell::default(),
                 keys: RefCell::default(),
                 setup: SetupGate::default(),
+                hooked: RefCell::default(),
             }),
         }
     }
@@ -168,16 +174,26 @@ impl RdmaPeer {
             Rc::as_ptr(&conn) as usize,
             remote.qpn,
         ));
-        // The target's queue pair dies with the control connection: reset
-        // ours at once instead of waiting for the NIC's retries to run out.
-        let weak = Rc::downgrade(&link);
-        conn.on_close(move || {
-            if let Some(l) = weak.upgrade() {
-                l.lost();
-            }
-        });
         if let Some(old) = self.inner.link.replace(Some(link.clone())) {
             old.fence(None);
+        }
+        // The target's queue pair dies with the control connection: reset
+        // ours at once instead of waiting for the NIC's retries to run out.
+        // One hook per connection resets whichever link is on it then (an
+        // older one was fenced when it was replaced).
+        let this = Rc::downgrade(&conn);
+        if !self.inner.hooked.borrow().ptr_eq(&this) {
+            *self.inner.hooked.borrow_mut() = this;
+            let (peer, at) = (Rc::downgrade(&self.inner), link.conn);
+            conn.on_close(move || {
+                let Some(peer) = peer.upgrade() else {
+                    return;
+                };
+                let current = peer.link.borrow().clone();
+                if let Some(l) = current.filter(|l| l.conn == at) {
+                    l.lost();
+                }
+            });
         }
         tracing::debug!(peer = %self.addr(), qpn = local.qpn, remote_qpn = remote.qpn, "queue pair connected");
         Ok(link)
@@ -188,6 +204,14 @@ impl RdmaPeer {
         let conn = self.inner.tcp.live_control()?;
         (link.state() == LinkState::Ready && Rc::as_ptr(&conn) as usize == link.conn)
             .then_some(link)
+    }
+
+    /// Hooks waiting for the live control connection to end (0 with
+    /// none): one per peer, however many queue pairs it built on it. For
+    /// tests; nothing else needs it.
+    #[doc(hidden)]
+    pub fn control_close_hooks(&self) -> usize {
+        self.inner.tcp.live_control().map_or(0, |c| c.close_hooks())
     }
 
     /// Fences `batch`: the local queue pair to the error state (nothing more

@@ -349,6 +349,11 @@ impl Conn {
         wait(&result).await
     }
 
+    /// Hooks waiting for the connection to end.
+    pub(crate) fn close_hooks(&self) -> usize {
+        self.on_close.borrow().len()
+    }
+
     /// Runs `f` when the connection ends (at once if it has).
     pub(crate) fn on_close(&self, f: impl FnOnce() + 'static) {
         if self.is_dead() {
