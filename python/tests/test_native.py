@@ -506,6 +506,8 @@ def test_a_close_waiting_for_a_blocking_call_does_not_freeze_python(native_peer)
     time.sleep(0.3)
     closer.start()
     time.sleep(0.3)
+    # (So did pending(), asking whether the engine closed.)
+    e.pending()
     try:
         e.address
     except quiesce.EngineClosed:
@@ -516,6 +518,41 @@ def test_a_close_waiting_for_a_blocking_call_does_not_freeze_python(native_peer)
     beat.join()
     t.signal(signal.SIGCONT)
     assert max(gaps) < 1.0, f"Python stalled for {max(gaps):.1f} s"
+
+
+def test_a_wait_for_quiescence_across_an_undrained_close_says_false(native_peer, monkeypatch):
+    """A wait_for_quiescence() that began before a close() which could not
+    drain (a stopped target on this host reads the source itself) must not
+    say True: the batch's buffers are held for good. It found the tickets
+    and flights emptied by the close and said True."""
+    import threading
+
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+    src = bytearray(64 * MiB)
+    out = []
+
+    async def main():
+        b = e.batch(deadline=60.0)
+        b.write(src, kv)
+        task = asyncio.ensure_future(b.run_async())
+        await asyncio.sleep(0.1)
+        waiter = threading.Thread(target=lambda: out.append(e.wait_for_quiescence(60)))
+        waiter.start()
+        await asyncio.sleep(0.2)
+        assert e.close() is False
+        waiter.join(30)
+        try:
+            await asyncio.wait_for(task, 10)
+        except quiesce.EngineClosed:
+            pass
+
+    asyncio.run(main())
+    t.signal(signal.SIGCONT)
+    assert out == [False], out
 
 
 def test_a_batch_used_while_it_runs_is_a_typed_error(native_peer, eng):
