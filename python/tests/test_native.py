@@ -115,6 +115,49 @@ def test_a_batch_holds_its_buffers_from_add_to_outcome(native_peer, eng):
     assert resizable(buf), "the buffer is still held after the outcome"
 
 
+BAD_POINTER_CODE = """
+import sys
+import quiesce
+
+class Pointer:
+    nbytes = 4096
+    def data_ptr(self):
+        return int(sys.argv[2])
+
+e = quiesce.Engine(secret=sys.argv[3])
+kv = e.open(sys.argv[1], "kv")
+for op in ("write", "read"):
+    b = e.batch()
+    try:
+        getattr(b, op)(Pointer(), kv)
+    except quiesce.InvalidInput:
+        continue
+    b.run()
+    print(op, "took the pointer", flush=True)
+    sys.exit(1)
+print("ok", flush=True)
+"""
+
+
+def test_a_data_ptr_that_is_not_host_memory_is_refused(native_peer):
+    """An object giving its memory by data_ptr() (a tensor) whose pointer
+    is not memory this process can read and write — a device pointer, a
+    wrong one — is refused as InvalidInput, as the Mooncake API refuses it:
+    the first copy from it would kill the interpreter (SIGSEGV)."""
+    import subprocess
+    import sys
+
+    t = native_peer(kv=MiB)
+    for ptr in (4096, 0x7FFF_0000_0000_0000):
+        out = subprocess.run(
+            [sys.executable, "-c", BAD_POINTER_CODE, t.address, str(ptr), SECRET],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and "ok" in out.stdout, (ptr, out.returncode, out.stdout + out.stderr[-1500:])
+
+
 def test_bad_input_raises_a_typed_error_and_loses_nothing(native_peer, eng):
     t = native_peer(kv=MiB)
     kv = eng.open(t.address, "kv")

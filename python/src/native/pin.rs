@@ -3,8 +3,12 @@
 //! strong reference to an object that gives its memory by `data_ptr()`
 //! (torch CPU tensors).
 
+use std::sync::OnceLock;
+
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
+
+use quiesce_batch::sync::HostRanges;
 
 use super::error::{invalid, zero_length};
 
@@ -98,6 +102,21 @@ impl Held {
         }
         if addr == 0 {
             return Err(invalid(py, "the tensor has no memory"));
+        }
+        // Its word only: a device pointer (or a wrong one) would kill the
+        // process at the first copy. A buffer export is host memory.
+        static HOST: OnceLock<HostRanges> = OnceLock::new();
+        if let Some((a, l)) = HOST
+            .get_or_init(HostRanges::new)
+            .first_bad([(addr as u64, len as u64)])
+        {
+            return Err(invalid(
+                py,
+                &format!(
+                    "the tensor's memory {a:#x}..+{l} is not memory this process can read and write \
+                     (device memory? quiesce moves host memory)"
+                ),
+            ));
         }
         Ok(Held {
             keep: Some(Keep::Object(obj.clone().unbind())),
