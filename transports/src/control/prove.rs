@@ -18,18 +18,9 @@ impl ServedConn<'_> {
     /// `Auth`: each proof checked against the segment it names; answers
     /// `AuthAck` with a status (and, opened, a descriptor) per proof.
     pub(crate) async fn auth(&mut self, h: &Header) -> Result<(), Closed> {
-        if h.length as usize > MAX_HANDSHAKE_PAYLOAD {
-            return Err(reject(self.s, h, Status::BadFrame, "auth payload too large".into()).await);
-        }
-        let req = match AuthRequest::decode(
-            &self
-                .idle
-                .within(self.rx.payload(self.s, h.length as usize))
-                .await??,
-        ) {
-            Ok(r) => r,
-            Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
-        };
+        let req = self
+            .decoded(h, MAX_HANDSHAKE_PAYLOAD, AuthRequest::decode)
+            .await?;
         // A `First` proof is checked against every segment served: one per
         // request (all `open_first` sends), or one frame from a peer that
         // proved nothing could cost thousands of HMACs per segment.

@@ -451,20 +451,31 @@ async fn serve_inner(
 }
 
 impl ServedConn<'_> {
+    /// The frame's payload, of at most `max` bytes, decoded by `decode`;
+    /// one too large or malformed is `BadFrame`, and the connection closed.
+    pub(crate) async fn decoded<T, E: std::fmt::Display>(
+        &mut self,
+        h: &Header,
+        max: usize,
+        decode: impl FnOnce(&[u8]) -> Result<T, E>,
+    ) -> Result<T, Closed> {
+        if h.length as usize > max {
+            let why = format!("{:?} payload too large", h.op);
+            return Err(reject(self.s, h, Status::BadFrame, why).await);
+        }
+        let payload = self
+            .idle
+            .within(self.rx.payload(self.s, h.length as usize))
+            .await??;
+        match decode(&payload) {
+            Ok(r) => Ok(r),
+            Err(e) => Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
+        }
+    }
+
     /// Sets up (or, for `qpn == 0`, only reports keys of) an RDMA queue pair.
     async fn qp_connect(&mut self, h: &Header) -> Result<(), Closed> {
-        if h.length as usize > MAX_QP_PAYLOAD {
-            return Err(reject(self.s, h, Status::BadFrame, "qp payload too large".into()).await);
-        }
-        let req = match QpConnect::decode(
-            &self
-                .idle
-                .within(self.rx.payload(self.s, h.length as usize))
-                .await??,
-        ) {
-            Ok(r) => r,
-            Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
-        };
+        let req = self.decoded(h, MAX_QP_PAYLOAD, QpConnect::decode).await?;
         let plane = self.engine.qp_plane.borrow().clone();
         let mut answer = QpAccept {
             status: 1,
