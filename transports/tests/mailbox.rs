@@ -118,6 +118,18 @@ const RING: usize = 256;
 const STRIDE: usize = 64 + SLOT_DATA;
 const SIZE: usize = RING + SLOTS * STRIDE;
 
+/// Another initiator, with a mailbox of its own, writes to `target`'s "kv".
+fn others_are_served(target: &ShardTarget, token: quiesce_transports::Token) {
+    Runtime::new().unwrap().block_on(async {
+        let engine = initiator(true);
+        let peer = engine.connect(target.addr).await.unwrap();
+        let kv = peer.open("kv", token).await.unwrap();
+        let (res, _) = kv.write(0, pattern(512, 9), 9).await;
+        assert_eq!(res.unwrap(), 512);
+        engine.shutdown();
+    });
+}
+
 /// A mailbox made by hand, published over a raw connection.
 struct HandMailbox {
     mem: SharedMemory,
@@ -373,14 +385,7 @@ fn a_hostile_mailbox_is_refused_checked_or_closes_only_its_own_connection() {
         "served past the ring"
     );
     // Everyone else is served as before.
-    Runtime::new().unwrap().block_on(async {
-        let engine = initiator(true);
-        let peer = engine.connect(target.addr).await.unwrap();
-        let kv = peer.open("kv", kv.token).await.unwrap();
-        let (res, _) = kv.write(0, pattern(512, 9), 9).await;
-        assert_eq!(res.unwrap(), 512);
-        engine.shutdown();
-    });
+    others_are_served(&target, kv.token);
 }
 
 /// The mailbox and the socket are one stream: a request published before
@@ -514,12 +519,5 @@ fn closed_doorbells_neither_signal_nor_keep_the_target_waking() {
     assert!(c.recv().is_none(), "the connection stayed open");
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     // Everyone else is served as before.
-    Runtime::new().unwrap().block_on(async {
-        let engine = initiator(true);
-        let peer = engine.connect(target.addr).await.unwrap();
-        let kv = peer.open("kv", kv.token).await.unwrap();
-        let (res, _) = kv.write(0, pattern(512, 9), 9).await;
-        assert_eq!(res.unwrap(), 512);
-        engine.shutdown();
-    });
+    others_are_served(&target, kv.token);
 }

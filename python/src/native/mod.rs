@@ -240,12 +240,16 @@ impl Core {
         f(d.as_ref().ok_or(DirectoryError::Closed)?)
     }
 
-    /// Whether the engine was closed.
-    fn closed(&self) -> bool {
-        self.engine
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
+    /// Whether the engine was closed, asked without the GIL: a close
+    /// waiting for a blocking call holds the engine's lock's writer place,
+    /// and a reader waits behind it.
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.detach(|| {
+            self.engine
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none()
+        })
     }
 
     /// Runs `f` on the engine, or says it is closed.

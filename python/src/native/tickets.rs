@@ -57,7 +57,7 @@ impl Core {
     /// delivered (a -2 among them becomes a ticket), then for every ticket
     /// to drain; whether none of either is left.
     pub(super) fn quiesce_all(&self, py: Python<'_>, deadline: Instant) -> PyResult<bool> {
-        if !self.closed_now(py) {
+        if !self.closed(py) {
             py.detach(|| {
                 while !lock(&self.flights).is_empty() && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(1));
@@ -66,7 +66,7 @@ impl Core {
             let left = self.quiesce(py, deadline)?;
             // (A close meanwhile emptied the tickets and flights, drained
             // or not: its ending says which.)
-            if !self.closed_now(py) {
+            if !self.closed(py) {
                 return Ok(left.is_empty() && lock(&self.flights).is_empty());
             }
         }
@@ -75,18 +75,11 @@ impl Core {
         Ok(drained && lock(&self.tickets).is_empty())
     }
 
-    /// Whether the engine was closed, asked without the GIL: a close
-    /// waiting for a blocking call holds the engine's lock's writer place,
-    /// and a reader waits behind it.
-    fn closed_now(&self, py: Python<'_>) -> bool {
-        py.detach(|| self.closed())
-    }
-
     /// Reaps every ticket until `deadline` (each at least once), keeping
     /// the outcomes of those that drained; the tickets still undrained.
     pub(super) fn quiesce(&self, py: Python<'_>, deadline: Instant) -> PyResult<Vec<u64>> {
         let tickets: Vec<u64> = lock(&self.tickets).keys().copied().collect();
-        if self.closed_now(py) {
+        if self.closed(py) {
             // Closed: nothing drains any more, and what is held stays held.
             return Ok(tickets);
         }

@@ -266,7 +266,7 @@ impl FenceTable {
     }
 
     /// Fenced entries of `session` now.
-    pub(crate) fn fenced_in(&self, session: u64) -> usize {
+    fn fenced_in(&self, session: u64) -> usize {
         let t = self.inner.borrow();
         t.index
             .iter()
@@ -274,8 +274,32 @@ impl FenceTable {
             .count()
     }
 
+    /// After a fence of `session`: the session that holds too many fenced
+    /// batches, how many, and why — `session` past `per_session`, or, past
+    /// `total` for the whole table (a peer may open many sessions), the
+    /// session holding the most. (No session holds more than the whole
+    /// table: the per-session scan runs only when it is larger than
+    /// `per_session`.)
+    pub(crate) fn session_over_cap(
+        &self,
+        session: u64,
+        per_session: usize,
+        total: usize,
+    ) -> Option<(u64, usize, &'static str)> {
+        let all = self.len();
+        if all > total {
+            let (s, held) = self.largest_session()?;
+            return Some((s, held, "the fence table is full"));
+        }
+        if all <= per_session {
+            return None;
+        }
+        let held = self.fenced_in(session);
+        (held > per_session).then_some((session, held, "a session holds too many fenced batches"))
+    }
+
     /// The session with the most fenced entries, and how many.
-    pub(crate) fn largest_session(&self) -> Option<(u64, usize)> {
+    fn largest_session(&self) -> Option<(u64, usize)> {
         let t = self.inner.borrow();
         let mut per: std::collections::HashMap<u64, usize> = Default::default();
         for e in t.index.iter().filter(|e| t.states[e.slot].fenced) {

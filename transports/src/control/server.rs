@@ -414,28 +414,14 @@ async fn serve_inner(
                     &[],
                 )
                 .await?;
-                // Safe to release only by closing what could still carry
-                // those batches: every connection of the session. (No
-                // session holds more than the whole table: the scan is
-                // needed only past the per-session cap.)
-                // The table as a whole is capped too (a peer may open many
-                // sessions): past it the session holding the most goes.
-                let (all, cfg) = (engine.fences.len(), &engine.config);
-                let over = if all > cfg.max_fenced_entries {
-                    engine
-                        .fences
-                        .largest_session()
-                        .map(|(s, held)| (s, held, "the fence table is full"))
-                } else if all > cfg.max_fenced_per_session {
-                    let held = engine.fences.fenced_in(c.session);
-                    (held > cfg.max_fenced_per_session).then_some((
-                        c.session,
-                        held,
-                        "a session holds too many fenced batches",
-                    ))
-                } else {
-                    None
-                };
+                // Released only by closing what could still carry those
+                // batches: every connection of the session that holds them.
+                let cfg = &engine.config;
+                let over = engine.fences.session_over_cap(
+                    c.session,
+                    cfg.max_fenced_per_session,
+                    cfg.max_fenced_entries,
+                );
                 if let Some((session, held, why)) = over {
                     tracing::warn!(
                         held,
