@@ -689,3 +689,90 @@ def test_a_tickets_wait_from_two_threads_keeps_to_its_timeout():
     for t in threads:
         t.join()
     assert max(took) < 1.6, took
+
+
+def completion_unknown(e, t, kv):
+    """A batch of 64 MiB to the native peer ``t`` (stopped, on this host:
+    its own process reads the source, and may still once resumed) that
+    answers CompletionUnknown after a 1 s deadline; the target is left
+    stopped."""
+    warm = e.batch()
+    warm.write(bytearray(4096), kv)
+    assert isinstance(warm.run(), quiesce.Completed)
+    t.signal(signal.SIGSTOP)
+    b = e.batch(deadline=1.0)
+    b.write(bytearray([5]) * (64 * MiB), kv)
+    out = b.run()
+    assert isinstance(out, quiesce.CompletionUnknown), out
+    return out
+
+
+def test_a_tickets_wait_racing_a_sweep_gets_the_outcome(native_peer, eng, monkeypatch):
+    """A CompletionUnknown's wait() while another thread sweeps (pending())
+    gets the drained outcome, whichever of the two the engine answered, and
+    the sweep raises nothing: the loser of the race was told "unknown
+    ticket" (InvalidInput)."""
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    for _ in range(3):
+        out = completion_unknown(eng, t, kv)
+        stop, errors = threading.Event(), []
+
+        def sweep():
+            while not stop.is_set():
+                try:
+                    eng.pending()
+                except Exception as err:  # noqa: BLE001 - any is the bug
+                    errors.append(err)
+                    return
+
+        sweeper = threading.Thread(target=sweep)
+        sweeper.start()
+        t.signal(signal.SIGCONT)
+        try:
+            got = out.wait(30)
+        finally:
+            stop.set()
+            sweeper.join(30)
+        assert errors == [], errors
+        assert isinstance(got, (quiesce.Completed, quiesce.Failed)), got
+        assert eng.pending() == []
+
+
+def test_a_tickets_wait_after_an_undrained_close_says_its_buffers_are_held(native_peer, monkeypatch):
+    """wait() on a CompletionUnknown, and revoke() of a registered range,
+    after a close() that could not drain raise EngineClosed with
+    buffers_held=True: the memory stays held for good and must not be
+    reused. They said buffers_held=False."""
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    mine = e.register("mine", bytearray(4096))
+    out = completion_unknown(e, t, kv)
+    try:
+        assert e.close() is False
+        with pytest.raises(quiesce.EngineClosed) as waited:
+            out.wait(1)
+        assert waited.value.buffers_held is True
+        with pytest.raises(quiesce.EngineClosed) as revoked:
+            mine.revoke(1)
+        assert revoked.value.buffers_held is True
+    finally:
+        t.signal(signal.SIGCONT)
+
+
+def test_a_call_after_a_drained_close_says_nothing_is_held(native_peer):
+    """After a close() that drained, wait() and revoke() raise EngineClosed
+    with buffers_held=False: the memory is the caller's again."""
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    mine = e.register("mine", bytearray(4096))
+    assert e.close() is True
+    with pytest.raises(quiesce.EngineClosed) as revoked:
+        mine.revoke(1)
+    assert revoked.value.buffers_held is False
+    with pytest.raises(quiesce.EngineClosed) as opened:
+        e.open(t.address, "kv")
+    assert opened.value.buffers_held is False

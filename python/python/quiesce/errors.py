@@ -2,8 +2,9 @@
 
 Raised before anything moves: a batch that raises while being built or run
 took nothing of yours (no buffer is held, nothing was sent) — except
-``EngineClosed`` from ``run_async`` for a batch already running when the
-engine closed, which says in ``buffers_held`` whether its buffers came back. Failures of
+``EngineClosed`` about memory the engine held when it closed (``run_async``,
+``CompletionUnknown.wait``, ``LocalSegment.revoke``), which says in
+``buffers_held`` whether it came back. Failures of
 transfers themselves are not exceptions but outcomes (``Failed``,
 ``CompletionUnknown``).
 """
@@ -51,10 +52,12 @@ class SecretMissing(QuiesceError):
 
 class EngineClosed(QuiesceError):
     """The engine was closed. Raised by a call made after ``close()``, where
-    nothing moved; or by ``run_async`` for a batch the close overtook, where
-    ``buffers_held`` says what became of its buffers: False, the engine
-    drained and they are yours; True, it could not drain and they stay held
-    for good (a transfer may still touch them: never reuse or free them)."""
+    nothing moved; or about memory the engine held — by ``run_async`` for a
+    batch the close overtook, ``CompletionUnknown.wait()`` and
+    ``LocalSegment.revoke()`` — where ``buffers_held`` says what became of
+    it: False, the engine drained and it is yours; True, it could not drain
+    and the memory stays held for good (a transfer may still touch it: never
+    reuse or free it)."""
 
     def __init__(self, *args, buffers_held: bool = False) -> None:
         super().__init__(*args)

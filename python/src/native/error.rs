@@ -20,6 +20,25 @@ pub(crate) fn raise(py: Python<'_>, kind: &str, msg: &str) -> PyErr {
     }
 }
 
+/// `EngineClosed` saying whether the memory the call was about stays
+/// held for good (the close could not drain).
+pub(crate) fn engine_closed(py: Python<'_>, buffers_held: bool) -> PyErr {
+    let msg = if buffers_held {
+        "the engine was closed without draining: its memory stays held for good"
+    } else {
+        "the engine has stopped"
+    };
+    let made = py.import("quiesce.errors").and_then(|m| {
+        let kwargs = pyo3::types::PyDict::new(py);
+        kwargs.set_item("buffers_held", buffers_held)?;
+        m.getattr("EngineClosed")?.call((msg,), Some(&kwargs))
+    });
+    match made {
+        Ok(e) => PyErr::from_value(e),
+        Err(e) => PyRuntimeError::new_err(format!("{msg} (and quiesce.errors.EngineClosed: {e})")),
+    }
+}
+
 /// Bad input of no more precise kind.
 pub(crate) fn invalid(py: Python<'_>, msg: &str) -> PyErr {
     raise(py, "InvalidInput", msg)

@@ -252,6 +252,18 @@ impl Core {
         })
     }
 
+    /// `EngineClosed` for a call about memory the engine held (a ticket's,
+    /// a lent range's): whether the close left it held for good.
+    fn engine_closed(&self, py: Python<'_>) -> PyErr {
+        // After the close that stopped it has said how it ended (it holds
+        // `closing` throughout; without the GIL, which it may wait for).
+        let held = py.detach(|| {
+            let _closed = lock(&self.closing);
+            *lock(&self.ending) == Ending::Undrained
+        });
+        error::engine_closed(py, held)
+    }
+
     /// Runs `f` on the engine, or says it is closed.
     fn with<R>(&self, f: impl FnOnce(&SyncEngine) -> Result<R, SyncError>) -> Result<R, SyncError> {
         let engine = self.engine.read().unwrap_or_else(|e| e.into_inner());
@@ -547,6 +559,11 @@ impl NativeEngine {
         // address may be lent again (by another thread) before the entries
         // below are removed, and those are not this call's to remove.
         let lent = lock(&self.core.lent).get(&address).map(|l| l.segment);
+        // Closed (the close took every lending): whether it left the range
+        // held for good, not "not lent".
+        if lent.is_none() && self.core.closed(py) {
+            return Err(self.core.engine_closed(py));
+        }
         if segment.is_some() && lent != segment {
             return Err(from_sync(py, &SyncError::NotLent(address)));
         }
@@ -584,7 +601,10 @@ impl NativeEngine {
                     r => return r,
                 }
             })
-            .map_err(|e| from_sync(py, &e))?;
+            .map_err(|e| match e {
+                SyncError::Stopped => self.core.engine_closed(py),
+                e => from_sync(py, &e),
+            })?;
         if back {
             let ours = |id: u64| Some(id) == segment;
             let held = {
@@ -708,11 +728,8 @@ impl NativeEngine {
     /// Waits up to `timeout` s for the batch behind `ticket` to drain: its
     /// report, or None if it has not yet.
     fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<Option<Report>> {
-        if let Some(r) = self.core.answer(ticket) {
-            return Ok(Some(r));
-        }
         self.core
-            .reap(py, ticket, Instant::now() + seconds(timeout))
+            .wait(py, ticket, Instant::now() + seconds(timeout))
     }
 
     /// Tickets whose batches have not drained yet (those that did are

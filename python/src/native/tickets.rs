@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 use quiesce_batch::ffi::RawBuf;
 
+use quiesce_batch::sync::SyncError;
+
 use super::error::from_sync;
 use super::{report, Core, Ending, Report, WAIT_SLICE};
 use crate::node::lock;
@@ -27,29 +29,71 @@ impl Core {
         answered.remove(i).map(|(_, r)| r)
     }
 
-    /// Waits until `deadline` for `ticket`'s batch to drain; settles its
-    /// memory (lets it go) once it did.
-    pub(super) fn reap(
+    /// Waits until `deadline` for `ticket`'s batch to drain: its outcome,
+    /// or None if it has not. A sweep on another thread (`quiesce`) may be
+    /// answered the ticket first (the engine answers a ticket once): its
+    /// outcome is then taken from the kept answers.
+    pub(super) fn wait(
         &self,
         py: Python<'_>,
         ticket: u64,
         deadline: Instant,
     ) -> PyResult<Option<Report>> {
-        let out = py
-            .detach(|| loop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                match self.with(|e| e.wait::<RawBuf>(ticket, left.min(WAIT_SLICE))) {
-                    Ok(None) if !left.is_zero() => continue,
-                    r => return r,
+        loop {
+            if let Some(r) = self.answer(ticket) {
+                return Ok(Some(r));
+            }
+            match self.reap(py, ticket, deadline, false) {
+                // Answered to a sweep, which keeps the outcome before it
+                // lets go of the ticket: here soon, unless it is gone.
+                Err(SyncError::UnknownTicket(_)) if lock(&self.tickets).contains_key(&ticket) => {
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                    py.detach(|| std::thread::sleep(Duration::from_micros(200)));
                 }
-            })
-            .map_err(|e| from_sync(py, &e))?;
+                Err(SyncError::UnknownTicket(_)) if self.answered_has(ticket) => {}
+                Err(SyncError::Stopped) => return Err(self.engine_closed(py)),
+                r => return r.map_err(|e| from_sync(py, &e)),
+            }
+        }
+    }
+
+    fn answered_has(&self, ticket: u64) -> bool {
+        lock(&self.answered).iter().any(|(t, _)| *t == ticket)
+    }
+
+    /// Waits until `deadline` for `ticket`'s batch to drain; settles its
+    /// memory (lets it go) once it did, first keeping the outcome among
+    /// the answers if `keep` (a sweep's, for the ticket's own `wait`).
+    fn reap(
+        &self,
+        py: Python<'_>,
+        ticket: u64,
+        deadline: Instant,
+        keep: bool,
+    ) -> Result<Option<Report>, SyncError> {
+        let out = py.detach(|| loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.with(|e| e.wait::<RawBuf>(ticket, left.min(WAIT_SLICE))) {
+                Ok(None) if !left.is_zero() => continue,
+                r => return r,
+            }
+        })?;
         Ok(out.map(|out| {
+            let r = report(&out);
+            if keep {
+                let mut answered = lock(&self.answered);
+                if answered.len() == ANSWERS_KEPT {
+                    answered.pop_front();
+                }
+                answered.push_back((ticket, r.clone()));
+            }
             let held = lock(&self.tickets).remove(&ticket);
             if let Some(held) = held {
                 self.settle(py, &out, held);
             }
-            report(&out)
+            r
         }))
     }
 
@@ -85,20 +129,14 @@ impl Core {
         }
         let mut left = Vec::new();
         for t in tickets {
-            let reaped = match self.reap(py, t, deadline) {
-                // Another thread's `wait` took it meanwhile: not this sweep's.
-                Err(_) if !lock(&self.tickets).contains_key(&t) => continue,
-                r => r?,
-            };
-            match reaped {
-                Some(r) => {
-                    let mut answered = lock(&self.answered);
-                    if answered.len() == ANSWERS_KEPT {
-                        answered.pop_front();
-                    }
-                    answered.push_back((t, r));
-                }
-                None => left.push(t),
+            match self.reap(py, t, deadline, true) {
+                Ok(Some(_)) => {}
+                Ok(None) => left.push(t),
+                // The ticket's own `wait` on another thread was answered
+                // it: not this sweep's; nor one a close took meanwhile.
+                Err(SyncError::UnknownTicket(_)) => {}
+                Err(SyncError::Stopped) if self.closed(py) => {}
+                Err(e) => return Err(from_sync(py, &e)),
             }
         }
         Ok(left)
