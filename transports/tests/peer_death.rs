@@ -444,3 +444,43 @@ fn an_open_during_a_reconnect_is_proven_on_the_new_connection() {
         e.shutdown();
     });
 }
+
+/// A target's answer may count no more bytes than the write carried: `Ok`
+/// says every byte landed, and a partial answer counts those that did. One
+/// that answers a 4 KiB write `Ok` for 1 byte, or 2⁶³ landed of a
+/// partial one, broke the protocol: the write fails as a bad frame, never
+/// `Ok(1)` (a task reported completed with 1 of its 4,096 bytes) nor a sum
+/// that overflows over slices.
+#[test]
+fn a_write_answered_for_another_length_is_a_bad_frame() {
+    for (st, length) in [(Status::Ok, 1), (Status::FencedPartial, 1 << 63)] {
+        let addr = fake_target("miscounting", move |mut s, addr| {
+            while let Some(h) = recv_header(&mut s) {
+                let Some(p) = payload(&mut s, &h) else { return };
+                match h.op {
+                    Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
+                    Opcode::Write => {
+                        let a = Header {
+                            op: Opcode::Status,
+                            flags: st as u8,
+                            length,
+                            ..h
+                        };
+                        send(&mut s, &a, &[]);
+                    }
+                    _ => {}
+                }
+            }
+        });
+        Runtime::new().unwrap().block_on(async {
+            let kv = open(addr, Token::random()).await;
+            for len in [4096, 256 << 10] {
+                let (r, _) = kv.write(0, vec![1u8; len], 1).await;
+                assert!(
+                    matches!(r, Err(TransferError::BadFrame(_))),
+                    "{st:?} for {length} bytes of a {len}-byte write: {r:?}"
+                );
+            }
+        });
+    }
+}

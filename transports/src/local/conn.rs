@@ -115,7 +115,13 @@ impl Conn {
     ) -> Result<(), TransferError> {
         h.task = self.new_id();
         if self
-            .register(h.task, Pending::Write(result.clone()))
+            .register(
+                h.task,
+                Pending::Write {
+                    len: h.length,
+                    result: result.clone(),
+                },
+            )
             .is_err()
         {
             g.complete = true;

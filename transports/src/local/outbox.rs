@@ -217,7 +217,10 @@ impl Conn {
         let id = self.new_id();
         let result = self.reply();
         let pending = match dst {
-            None => Pending::Write(result.clone()),
+            None => Pending::Write {
+                len: p.len,
+                result: result.clone(),
+            },
             Some(dst) => Pending::Read {
                 dst: Some(dst),
                 result: result.clone(),

@@ -491,7 +491,11 @@ impl Conn {
         let mut g = self.send_guard().await;
         // Registered under the send lock, as a read's: a write given up
         // while it waits for the lock leaves no entry behind.
-        if self.register(id, Pending::Write(result.clone())).is_err() {
+        let pending = Pending::Write {
+            len: payload.len() as u64,
+            result: result.clone(),
+        };
+        if self.register(id, pending).is_err() {
             g.complete = true;
             return (Err(self.lost()), payload.into_part());
         }

@@ -42,6 +42,36 @@ pub(crate) fn slot<T>() -> Reply<T> {
     }))
 }
 
+/// Answers a write of `len` bytes with the target's `res`, unless it
+/// counts more than that (`Ok` means every byte landed; a partial answer
+/// counts those that did): a target that says so broke the protocol, and
+/// the write fails as a bad frame (the caller closes the connection).
+fn answer_write(
+    result: &Reply<Result<u64, TransferError>>,
+    len: u64,
+    res: Result<u64, TransferError>,
+) -> Result<(), &'static str> {
+    let why = match &res {
+        Ok(n) if *n != len => Some("a write answered Ok for another length"),
+        Err(TransferError::FencedPartial { landed } | TransferError::Revoked { landed })
+            if *landed > len =>
+        {
+            Some("a write answered with more bytes landed than it carried")
+        }
+        _ => None,
+    };
+    match why {
+        Some(why) => {
+            fill(result, Err(TransferError::BadFrame(why.into())));
+            Err(why)
+        }
+        None => {
+            fill(result, res);
+            Ok(())
+        }
+    }
+}
+
 pub(crate) fn fill<T>(s: &Reply<T>, v: T) {
     let w = {
         let mut s = s.borrow_mut();
@@ -68,7 +98,11 @@ pub(crate) async fn wait<T>(s: &Reply<T>) -> T {
 }
 
 pub(crate) enum Pending {
-    Write(Reply<Result<u64, TransferError>>),
+    /// A write of `len` bytes: its answer may count no more.
+    Write {
+        len: u64,
+        result: Reply<Result<u64, TransferError>>,
+    },
     Read {
         dst: Option<Erased>,
         result: Reply<Result<u64, TransferError>>,
@@ -104,7 +138,12 @@ impl Conn {
             Some(e) => Err(e),
         };
         match p {
-            Some(Pending::Write(r)) => fill(&r, res),
+            Some(Pending::Write { len, result }) => {
+                if let Err(why) = answer_write(&result, len, res) {
+                    self.kill(why);
+                    return;
+                }
+            }
             Some(Pending::Read {
                 dst: Some(mut dst),
                 result,
@@ -150,7 +189,7 @@ pub(super) async fn read_loop(conn: Rc<Conn>) {
     let err = TransferError::ConnectionLost(why);
     for (_, p) in st.pending {
         match p {
-            Pending::Write(r) => fill(&r, Err(err.clone())),
+            Pending::Write { result, .. } => fill(&result, Err(err.clone())),
             Pending::Read { result, .. } => fill(&result, Err(err.clone())),
         }
     }
@@ -188,7 +227,11 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                     }
                 };
                 match p {
-                    Some(Pending::Write(r)) => fill(&r, res),
+                    Some(Pending::Write { len, result }) => {
+                        if let Err(why) = answer_write(&result, len, res) {
+                            return Err(TransferError::BadFrame(why.into()));
+                        }
+                    }
                     // A read succeeds with ReadData; a status is always a refusal.
                     Some(Pending::Read { result, .. }) => fill(
                         &result,
@@ -244,7 +287,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                             "read data of the wrong length".into(),
                         ));
                     }
-                    Some(Pending::Write(r)) => {
+                    Some(Pending::Write { result: r, .. }) => {
                         fill(
                             &r,
                             Err(TransferError::BadFrame("read data for a write".into())),

@@ -194,6 +194,7 @@ pub(crate) async fn join_slices(
     let mut first_err = None;
     for h in handles {
         match h.await {
+            // (Each answer counts at most its slice: checked as it came.)
             Ok(Ok(n)) => total += n,
             Ok(Err(e)) => {
                 if let TransferError::FencedPartial { landed } | TransferError::Revoked { landed } =
