@@ -459,3 +459,56 @@ fn reclaiming_a_segment_leaves_a_newer_lending_of_its_address_alone() {
     );
     assert!(mem[..4096].iter().all(|&b| b == 0x7c));
 }
+
+/// The same node restarted at the same address, lending other memory under
+/// the same name (ids count per process, so the new one has the old one's
+/// id too), is not the segment the initiator opened: its writes must not
+/// land in the new memory at the old offsets. The reconnect re-proved the
+/// segment by id and took the new process's for it.
+#[test]
+fn a_restarted_peer_gets_none_of_the_writes_meant_for_its_old_memory() {
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let node = |listen| {
+        SyncEngine::start(EngineConfig {
+            node: "decode-3".into(),
+            listen,
+            ..EngineConfig::default()
+        })
+        .unwrap()
+    };
+    let lend = |e: &SyncEngine, mem: &mut [u8]| {
+        // SAFETY: the test keeps `mem` past the engine (dropped first).
+        unsafe { e.lend("m", mem.as_mut_ptr() as u64, LEN as u64, token) }.unwrap();
+    };
+    let init = engine();
+    let write = |segment: u32| write_4k_at_0(&init, segment, 0x5a);
+    let mut old_mem = vec![0u8; LEN];
+    let old = node("127.0.0.1:0".parse().unwrap());
+    let addr = old.local_addr();
+    lend(&old, &mut old_mem);
+    let seg = init.open_named(addr, "m", token).unwrap();
+    assert_eq!(write(seg.segment), SYNC_OK);
+    drop(old);
+    let mut new_mem = vec![0u8; LEN];
+    let restarted = node(addr);
+    lend(&restarted, &mut new_mem);
+    assert_ne!(
+        new_mem.as_ptr(),
+        old_mem.as_ptr(),
+        "the new memory must lie elsewhere"
+    );
+    assert_ne!(
+        write(seg.segment),
+        SYNC_OK,
+        "a write reached the restarted peer"
+    );
+    assert!(
+        new_mem.iter().all(|&b| b == 0),
+        "the restarted peer's memory was written at the old segment's offsets"
+    );
+    // Opened again, it is the new segment: writes land there.
+    let again = init.open_named(addr, "m", token).unwrap();
+    assert_eq!(write(again.segment), SYNC_OK);
+    assert!(new_mem[..4096].iter().all(|&b| b == 0x5a));
+    drop(restarted);
+}

@@ -250,6 +250,37 @@ fn fence_stops_a_write_mid_flight() {
     });
 }
 
+/// A fence resets every queue pair the target serves the session, not only
+/// the one on the connection it arrived on. A control connection the
+/// initiator gave up on (its reset lost in a partition, so the target
+/// still holds it open) keeps its queue pair ready to accept the requests
+/// still in the network; a fence confirmed over the new connection must
+/// have reset it too, or writes of the fenced batch may land after it.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_fence_resets_the_queue_pairs_of_every_connection_of_its_session() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, l) = p.remote.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert_eq!(p.target.stats().served_queue_pairs, 1);
+
+        p.remote.peer().strand_control();
+        let (r, _l) = p.remote.write(4096, l, 2).await;
+        assert_eq!(r.unwrap(), 4096, "the write on a new control connection");
+        assert_eq!(p.target.stats().served_queue_pairs, 2);
+
+        p.remote.peer().fence(2).await.unwrap();
+        assert_eq!(
+            p.target.stats().served_queue_pairs,
+            0,
+            "a queue pair of the fenced session still accepts requests"
+        );
+    });
+}
+
 #[test]
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn memory_is_deregistered_only_after_quiescence() {

@@ -77,7 +77,10 @@ pub(crate) struct LaneKey {
     pub(crate) name: Option<String>,
     /// The segment's id at the peer.
     pub(crate) id: u64,
+    /// Its memory there (a restarted peer's segment may have its id, not
+    /// its memory).
     pub(crate) base: u64,
+    pub(crate) len: u64,
 }
 
 /// What an engine shares with the lanes of the threads that call it.
@@ -507,7 +510,7 @@ async fn open(net: &Engine, key: &LaneKey) -> Result<RemoteSegment, LaneOpen> {
         None => peer.open_at(key.base, key.token).await,
     }
     .map_err(|_| LaneOpen::Failed)?;
-    if seg.id() == key.id {
+    if (seg.id(), seg.base(), seg.len()) == (key.id, key.base, key.len) {
         Ok(seg)
     } else {
         Err(LaneOpen::Another)

@@ -149,6 +149,7 @@ impl State {
             name,
             id,
             base,
+            len,
         });
         let mut segs = self.segments.borrow_mut();
         let mut handles = self.handles.borrow_mut();

@@ -29,9 +29,14 @@ pub(crate) trait QpPlane {
     fn open_link(&self) -> Result<Box<dyn ServedLink>, String>;
 }
 
+/// What a [`QpPlane`] serves one control connection, from its first
+/// `QpConnect`; its session reaches it too (a fence on any connection of
+/// the session resets it).
+pub(crate) type ServedSlot = std::rc::Rc<std::cell::RefCell<Option<Box<dyn ServedLink>>>>;
+
 /// The target's end of what a [`QpPlane`] serves one control connection: a
-/// queue pair (replaced on each `QpConnect`, reset by the connection's
-/// fences) and the keys of the segments the connection proved, which work
+/// queue pair (replaced on each `QpConnect`, reset by the fences of its
+/// session) and the keys of the segments the connection proved, which work
 /// on that connection's queue pairs only. Gone with the connection.
 pub(crate) trait ServedLink {
     /// Replaces the queue pair (the old one reset first) with one connected

@@ -61,7 +61,7 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) authorised: OwnIdMap<u64>,
     /// What the RDMA plane serves this connection (its protection domain,
     /// queue pair and keys), from its first `QpConnect`.
-    served: Option<Box<dyn crate::control::ServedLink>>,
+    served: crate::control::ServedSlot,
     pub(crate) census: Census<'a>,
     /// The canceller of the last write's receive, re-armed for the next.
     pub(crate) canceller: Option<quiesce_runtime::Canceller>,
@@ -272,7 +272,7 @@ async fn handshake<'a>(
         nonce,
         peer_nonce: hello.nonce,
         authorised: OwnIdMap::default(),
-        served: None,
+        served: Default::default(),
         census,
         canceller: None,
         landing: None,
@@ -347,7 +347,7 @@ async fn serve_inner(
         SessionEntry::Create(k) => Some(k),
         _ => None,
     };
-    let session = match engine.session_guard(c.session, key, stream) {
+    let session = match engine.session_guard(c.session, key, stream, &c.served) {
         Ok(g) => g,
         Err(why) => {
             return Err(reject(
@@ -390,12 +390,20 @@ async fn serve_inner(
             Opcode::Fence => {
                 timeline::mark(Step::FenceReceived);
                 // RDMA: the responder accepts no further packet of any batch
-                // on this queue pair; the initiator builds a new one.
-                // The ack names the queue pair reset (its QPN in `offset`,
-                // 0 if none), so the initiator resets the link it belongs to.
+                // on this queue pair, nor on those of the session's other
+                // connections; the initiator builds a new one. The ack names
+                // the queue pair reset on this connection (its QPN in
+                // `offset`, 0 if none), so the initiator resets the link it
+                // belongs to.
                 let reset_qpn = match engine.config.ignore_fences {
                     true => 0,
-                    false => c.served.as_mut().map_or(0, |link| link.reset() as u64),
+                    false => {
+                        let mut served = c.served.borrow_mut();
+                        let qpn = served.as_mut().map_or(0, |link| link.reset() as u64);
+                        drop(served);
+                        engine.reset_served(c.session);
+                        qpn
+                    }
                 };
                 if !engine.config.ignore_fences {
                     let carriers = engine.session_conns(c.session);
@@ -468,35 +476,40 @@ impl ServedConn<'_> {
             qp: QpWire::default(),
             keys: Vec::new(),
         };
-        if let Some(plane) = plane {
-            answer.status = 0;
-            if self.served.is_none() {
-                match plane.open_link() {
-                    Ok(link) => self.served = Some(link),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot serve RDMA to a connection");
-                        answer.status = 2;
+        // Borrowed in this synchronous block only: a fence on another
+        // connection of the session resets it meanwhile.
+        {
+            let mut served = self.served.borrow_mut();
+            if let Some(plane) = plane {
+                answer.status = 0;
+                if served.is_none() {
+                    match plane.open_link() {
+                        Ok(link) => *served = Some(link),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot serve RDMA to a connection");
+                            answer.status = 2;
+                        }
                     }
                 }
             }
-        }
-        if let Some(link) = self.served.as_mut().filter(|_| answer.status == 0) {
-            if req.qp.qpn != 0 {
-                match link.connect(&req.qp) {
-                    Ok(wire) => answer.qp = wire,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot serve a queue pair");
-                        answer.status = 2;
+            if let Some(link) = served.as_mut().filter(|_| answer.status == 0) {
+                if req.qp.qpn != 0 {
+                    match link.connect(&req.qp) {
+                        Ok(wire) => answer.qp = wire,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot serve a queue pair");
+                            answer.status = 2;
+                        }
                     }
                 }
+                // Keys only for grants no revoke has overtaken (a revoke kills
+                // the segment's keys): after one the peer proves the token again.
+                let engine = self.engine;
+                answer.keys = link.keys(&mut self.authorised.iter().filter_map(|(&id, &epoch)| {
+                    let seg = engine.segment(id)?;
+                    (!seg.inner.grants.revoked_since(epoch)).then_some(id)
+                }));
             }
-            // Keys only for grants no revoke has overtaken (a revoke kills
-            // the segment's keys): after one the peer proves the token again.
-            let engine = self.engine;
-            answer.keys = link.keys(&mut self.authorised.iter().filter_map(|(&id, &epoch)| {
-                let seg = engine.segment(id)?;
-                (!seg.inner.grants.revoked_since(epoch)).then_some(id)
-            }));
         }
         let payload = match answer.encode() {
             Ok(p) => p,

@@ -16,6 +16,7 @@ use crate::control::auth::{random_u64, SessionKey};
 use crate::control::fence::FenceTable;
 use crate::control::log_limit::PeerLogs;
 use crate::control::wire::Descriptor;
+use crate::control::{ServedLink, ServedSlot};
 use crate::segment::Segment;
 
 #[derive(Default)]
@@ -173,6 +174,7 @@ impl Target {
         session: u64,
         key: Option<SessionKey>,
         s: &Rc<TcpStream>,
+        served: &ServedSlot,
     ) -> Result<SessionGuard<'_>, &'static str> {
         let conn = self.next_conn.get();
         self.next_conn.set(conn + 1);
@@ -189,7 +191,11 @@ impl Target {
         if entry.conns.len() >= self.config.max_connections_per_session.max(1) {
             return Err("its session has as many connections as a session may");
         }
-        entry.conns.insert(conn, Rc::downgrade(s));
+        let member = SessionConn {
+            stream: Rc::downgrade(s),
+            served: Rc::downgrade(served),
+        };
+        entry.conns.insert(conn, member);
         Ok(SessionGuard {
             engine: self,
             session,
@@ -208,24 +214,58 @@ impl Target {
     /// Closes every connection of `session` (it holds too much state): once
     /// they are gone nothing of it can arrive, and its entries go.
     pub(crate) fn close_session(&self, session: u64) {
-        let conns: Vec<Rc<TcpStream>> = self
-            .sessions
-            .borrow()
-            .get(&session)
-            .map_or_else(Vec::new, |c| {
-                c.conns.values().filter_map(|w| w.upgrade()).collect()
-            });
+        let conns: Vec<Rc<TcpStream>> =
+            self.sessions
+                .borrow()
+                .get(&session)
+                .map_or_else(Vec::new, |c| {
+                    c.conns
+                        .values()
+                        .filter_map(|m| m.stream.upgrade())
+                        .collect()
+                });
         for s in conns {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
+
+    /// Resets the RDMA queue pair served on every connection of `session`
+    /// (a fence): nothing more of any batch lands through one, also through
+    /// a connection the initiator gave up on that is still open here (its
+    /// reset lost in a partition), whose queue pair would accept the
+    /// requests still in the network.
+    pub(crate) fn reset_served(&self, session: u64) {
+        let slots: Vec<ServedSlot> =
+            self.sessions
+                .borrow()
+                .get(&session)
+                .map_or_else(Vec::new, |c| {
+                    c.conns
+                        .values()
+                        .filter_map(|m| m.served.upgrade())
+                        .collect()
+                });
+        for slot in slots {
+            // (Borrowed only in synchronous steps: never busy here.)
+            if let Some(link) = slot.borrow_mut().as_mut() {
+                link.reset();
+            }
+        }
+    }
 }
 
-/// A session the target bound: its key and its open connections (id → the
-/// socket, to close them all when the session holds too much state).
+/// A session the target bound: its key and its open connections, by id.
 pub(crate) struct Session {
     key: SessionKey,
-    conns: HashMap<usize, std::rc::Weak<TcpStream>>,
+    conns: HashMap<usize, SessionConn>,
+}
+
+/// An open connection of a session.
+struct SessionConn {
+    /// To close them all when the session holds too much state.
+    stream: std::rc::Weak<TcpStream>,
+    /// To reset every queue pair of the session on a fence.
+    served: std::rc::Weak<std::cell::RefCell<Option<Box<dyn ServedLink>>>>,
 }
 
 /// A served connection's place in its session.
@@ -266,6 +306,6 @@ impl Target {
     pub(crate) fn session_streams(&self) -> Vec<Rc<TcpStream>> {
         let sessions = self.sessions.borrow();
         let conns = sessions.values().flat_map(|s| s.conns.values());
-        conns.filter_map(std::rc::Weak::upgrade).collect()
+        conns.filter_map(|m| m.stream.upgrade()).collect()
     }
 }

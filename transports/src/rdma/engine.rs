@@ -284,7 +284,11 @@ impl RdmaEngine {
 
     /// Work request counters.
     pub fn stats(&self) -> RdmaStats {
-        self.inner.local.node.reaper.borrow().stats()
+        let node = &self.inner.local.node;
+        RdmaStats {
+            served_queue_pairs: node.served_qps.get(),
+            ..node.reaper.borrow().stats()
+        }
     }
 
     /// Tears down: every queue pair to the error state, the completion

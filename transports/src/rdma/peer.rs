@@ -98,7 +98,7 @@ impl RdmaPeer {
 
     /// The RDMA handle of a segment just proven on the control connection.
     async fn keyed(&self, seg: crate::RemoteSegment) -> Result<RdmaSegment, TransferError> {
-        let desc = seg.descriptor().clone();
+        let desc = Rc::new(seg.descriptor().clone());
         {
             // Keys only: the queue pair (if any) stays as it is. Fetched on
             // every open: after the target's revoke the segment has a new key,
@@ -214,6 +214,12 @@ impl RdmaPeer {
         self.inner.tcp.live_control().map_or(0, |c| c.close_hooks())
     }
 
+    /// [`Peer::strand_control`](crate::Peer::strand_control). For tests.
+    #[doc(hidden)]
+    pub fn strand_control(&self) {
+        self.inner.tcp.strand_control();
+    }
+
     /// Fences `batch`: the local queue pair to the error state (nothing more
     /// leaves, posted requests flush), then the target's (nothing more
     /// lands); resolves once the target confirmed.
@@ -285,6 +291,12 @@ impl RdmaPeer {
                 buf,
             );
         };
+        // A key for other memory than the segment opened: the target
+        // restarted, and its segment of this id is another (ids count per
+        // process). Nothing of this handle may land there.
+        if segment.forged.is_none() && key.addr != segment.desc.base {
+            return (Err(TransferError::NoSuchSegment(segment.desc.id)), buf);
+        }
         // The key's address is the target's word: one that would wrap with
         // the offset names no memory of it.
         let Some(remote) = key

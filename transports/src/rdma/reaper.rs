@@ -203,6 +203,9 @@ pub struct RdmaStats {
     pub in_flight: u64,
     /// Memory regions registered now (local and segments).
     pub memory_regions: u64,
+    /// Queue pairs this engine serves peers now (target side): one per
+    /// control connection at most, none after a fence of its session.
+    pub served_queue_pairs: u64,
 }
 
 /// The shard's CQ and the slots of its work requests.

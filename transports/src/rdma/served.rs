@@ -68,6 +68,8 @@ pub(crate) struct Node {
     next_domain: Cell<u64>,
     /// Memory regions registered now.
     pub(crate) mrs: Rc<Cell<u64>>,
+    /// Queue pairs served now (a [`ServedDomain`]'s, until reset).
+    pub(crate) served_qps: Cell<u64>,
     /// Itself, for the domains it serves to hold.
     pub(crate) this: Weak<Node>,
 }
@@ -94,6 +96,7 @@ impl Node {
             domains: RefCell::default(),
             next_domain: Cell::new(0),
             mrs,
+            served_qps: Cell::new(0),
             this: this.clone(),
         })
     }
@@ -221,6 +224,7 @@ impl crate::control::ServedLink for ServedDomain {
         qp.connect(&local, remote, self.node.gid_index, access)
             .map_err(|e| e.to_string())?;
         self.qp = Some(qp);
+        self.node.served_qps.set(self.node.served_qps.get() + 1);
         Ok(local)
     }
 
@@ -239,6 +243,7 @@ impl crate::control::ServedLink for ServedDomain {
         let Some(qp) = self.qp.take() else {
             return 0;
         };
+        self.node.served_qps.set(self.node.served_qps.get() - 1);
         if let Err(e) = qp.set_error() {
             tracing::warn!(error = %e, "fencing a served queue pair failed");
         }

@@ -2,6 +2,8 @@
 //! small writes copied into one frame (or the mailbox), larger transfers
 //! cut into slices and striped over the peer's data connections.
 
+use std::cell::Cell;
+use std::ops::Deref;
 use std::rc::Rc;
 
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
@@ -19,7 +21,40 @@ use crate::tcp::split::{bytes_of, init_bytes, join_slices, set_filled, slices, P
 pub struct RemoteSegment {
     pub(crate) peer: Peer,
     /// Shared: a segment handle is cloned per transfer.
-    pub(crate) desc: Rc<Descriptor>,
+    pub(crate) desc: Rc<Proven>,
+}
+
+/// What the target described when a segment was opened, shared by its
+/// handles and the peer's list of opened segments; and whether it is still
+/// the segment of that id there. A restarted target's new process counts
+/// ids from 1 again: its segment of an old id is other memory, and the
+/// peer, finding another segment under the id on a reconnect (or an open),
+/// marks this one gone — nothing of its handles may reach the new one.
+pub(crate) struct Proven {
+    desc: Descriptor,
+    current: Cell<bool>,
+}
+
+impl Proven {
+    pub(crate) fn new(desc: Descriptor) -> Proven {
+        Proven {
+            desc,
+            current: Cell::new(true),
+        }
+    }
+
+    /// Another segment has this one's id at the peer now.
+    pub(crate) fn forget(&self) {
+        self.current.set(false);
+    }
+}
+
+impl Deref for Proven {
+    type Target = Descriptor;
+
+    fn deref(&self) -> &Descriptor {
+        &self.desc
+    }
 }
 
 /// A transfer of `len` bytes at `offset` of a segment of `seg_len` bytes:
@@ -99,8 +134,19 @@ impl RemoteSegment {
     descriptor_accessors!();
 
     /// What the target told about it when it was opened.
-    pub(crate) fn descriptor(&self) -> &Rc<Descriptor> {
+    pub(crate) fn descriptor(&self) -> &Descriptor {
         &self.desc
+    }
+
+    /// `conn`, on which to send a request of this segment — unless the
+    /// segment is gone at the peer ([`Proven`]): a connection to a restarted
+    /// target may have the segment of this id proven, and it is not this one.
+    /// Asked once the connection is in hand, since opening it re-proves.
+    fn on(&self, conn: Rc<Conn>) -> Result<Rc<Conn>, TransferError> {
+        match self.desc.current.get() {
+            true => Ok(conn),
+            false => Err(TransferError::NoSuchSegment(self.desc.id)),
+        }
     }
 
     /// The peer it lives on.
@@ -144,9 +190,9 @@ impl RemoteSegment {
                 let i = inner.rr.get();
                 inner.rr.set(i.wrapping_add(1));
                 let part = shared.part(off as usize, l as usize);
-                let (peer, slice) = (self.peer.clone(), slice.clone());
+                let (seg, slice) = (self.clone(), slice.clone());
                 spawn_local(async move {
-                    let conn = peer.conn(1 + i % n).await?;
+                    let conn = seg.on(seg.peer.conn(1 + i % n).await?)?;
                     slice(conn, off, part).await
                 })
             })
@@ -173,8 +219,8 @@ impl RemoteSegment {
     /// The next data connection, round-robin.
     async fn next_conn(&self) -> Result<Rc<Conn>, TransferError> {
         match self.next_live_conn() {
-            Ok(c) => Ok(c),
-            Err(i) => self.peer.conn(i).await,
+            Ok(c) => self.on(c),
+            Err(i) => self.on(self.peer.conn(i).await?),
         }
     }
 
@@ -238,11 +284,15 @@ impl RemoteSegment {
             return (Err(e), src);
         }
         let conn = match self.next_live_conn() {
-            Ok(c) => c,
+            Ok(c) => self.on(c),
             Err(i) => match self.peer.conn(i).await {
-                Ok(c) => c,
-                Err(e) => return (Err(e), src),
+                Ok(c) => self.on(c),
+                Err(e) => Err(e),
             },
+        };
+        let conn = match conn {
+            Ok(c) => c,
+            Err(e) => return (Err(e), src),
         };
         if conn.has_outbox() {
             let res = conn

@@ -75,12 +75,17 @@ pub fn accept_auth(s: &mut TcpStream, p: &[u8], addr: SocketAddr, mut proven: im
         .proofs
         .iter()
         .map(|(r, _)| {
+            // A segment proven by id again is described as when it was
+            // opened (a real target does: another name is another segment).
             let (id, name) = match r {
                 SegmentRef::Name(n) => (n.as_bytes()[0] as u64, n.clone()),
-                SegmentRef::Id(id) => (*id, String::new()),
+                SegmentRef::Id(id) => (*id, name_of(*id)),
                 _ => (1, String::new()),
             };
             proven(id);
+            if let SegmentRef::Name(n) = r {
+                NAMES.lock().unwrap().insert(id, n.clone());
+            }
             let d = Descriptor {
                 id,
                 name,
@@ -99,6 +104,15 @@ pub fn accept_auth(s: &mut TcpStream, p: &[u8], addr: SocketAddr, mut proven: im
     };
     send(s, &h, &ack);
 }
+
+/// The name a segment of this id was opened by, by any fake target of the
+/// process (ids are the names' first bytes, so each has one name).
+fn name_of(id: u64) -> String {
+    NAMES.lock().unwrap().get(&id).cloned().unwrap_or_default()
+}
+
+static NAMES: std::sync::Mutex<std::collections::BTreeMap<u64, String>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 /// Answers write `h` with `st`: `Ok` applied all of it, anything else
 /// nothing.

@@ -51,6 +51,16 @@ pub struct Descriptor {
     pub endpoints: Vec<SocketAddr>,
 }
 
+impl Descriptor {
+    /// Whether `other` describes the same segment: id, name, memory and
+    /// rights. A restarted target's segment may have an old one's id and
+    /// name, not its memory.
+    pub fn same_segment(&self, other: &Descriptor) -> bool {
+        (self.id, &self.name, self.base, self.len, self.rights)
+            == (other.id, &other.name, other.base, other.len, other.rights)
+    }
+}
+
 /// Target → initiator, the answer to `Hello`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HelloAck {
