@@ -349,3 +349,64 @@ fn slices_waiting_on_a_failed_reconnect_fail_with_it() {
         );
     });
 }
+
+/// A peer's connections stay in one session at the target. After its
+/// session ended there (every connection closed idle, its linger over),
+/// a data connection reconnecting first was given a session of its own
+/// and the control connection another; a segment opened then was proven
+/// on both, and a fence — sent on the control connection, covering its
+/// session — was confirmed while the data connection's writes of the
+/// batch went on landing.
+#[test]
+fn a_peer_whose_session_ended_comes_back_in_one_session() {
+    const B: usize = 4 << 20;
+    let cfg = EngineConfig {
+        idle_timeout: Some(Duration::from_millis(300)),
+        handshake_timeout: Duration::from_secs(1),
+        ..tcp()
+    };
+    let t = ShardTarget::start(
+        cfg,
+        &[
+            ("a", 64 << 10, Rights::READ | Rights::WRITE),
+            ("b", B, Rights::READ | Rights::WRITE),
+        ],
+    );
+    let (ta, tb) = (t.seg("a").token, t.seg("b").token);
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(small_slices()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let a = peer.open("a", ta).await.unwrap();
+        let (r, _) = a.write(0, vec![1u8; 4096], 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert!(t.deregister("a"));
+        // Idle-closed, and the session's linger over.
+        time::sleep(Duration::from_millis(1600)).await;
+        assert_eq!(t.stats().sessions, 0);
+        let _ = peer.fence(9).await;
+        let _ = a.write(0, vec![1u8; 4096], 9).await;
+        let b = peer.open("b", tb).await.unwrap();
+        let (r, _) = b.write(0, vec![2u8; 4096], 10).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert_eq!(
+            t.stats().sessions,
+            1,
+            "the peer's connections are in two sessions"
+        );
+
+        // And a fence covers every connection that carries the batch.
+        let before = t.stats().bytes_landed;
+        let b2 = b.clone();
+        let w = spawn_local(async move { b2.write(0, vec![0xab; B], 7).await });
+        while t.stats().bytes_landed < before + (64 << 10) {
+            time::sleep(Duration::from_millis(1)).await;
+        }
+        t.stall(Duration::from_millis(200));
+        peer.fence(7).await.expect("fence confirmed");
+        let at_ack = count(&t.snapshot("b", 0, B), 0xab);
+        let _ = w.await.unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let later = count(&t.snapshot("b", 0, B), 0xab);
+        assert_eq!(later, at_ack, "bytes landed after the fence was confirmed");
+    });
+}

@@ -48,7 +48,7 @@ impl Conn {
         };
         let result = self.reply();
         let g = self.send_guard().await;
-        self.request(g, h, &payload, &result).await?;
+        self.request(g, h, &payload, &result, None).await?;
         let sent = wait(&result).await;
         let pid = match sent {
             Ok(pid) => u32::try_from(pid).map_err(|_| refused("a pid out of range"))?,
@@ -78,7 +78,7 @@ impl Conn {
         let result = self.reply();
         let g = self.send_guard().await;
         // `mb` holds the files open until the target has taken them.
-        self.request(g, h, &mb.payload(), &result).await?;
+        self.request(g, h, &mb.payload(), &result, None).await?;
         wait(&result).await?;
         let _ = self.outbox.set(Outbox::new(mb, self));
         Ok(())
@@ -101,24 +101,27 @@ impl Conn {
             length: req.len,
             ..Header::new(req.op)
         };
-        self.request(g, h, &req.addr.to_le_bytes(), result).await
+        self.request(g, h, &req.addr.to_le_bytes(), result, Some(req.len))
+            .await
     }
 
     /// Sends `h` (its `task` set to a new request id) with `payload` under
-    /// `g`, its answer to fill `result`, as [`send_local`](Self::send_local).
+    /// `g`, its answer to fill `result`, as [`send_local`](Self::send_local);
+    /// `moves`: the bytes it moves, which its answer may count no more of.
     async fn request(
         &self,
         mut g: SendGuard<'_>,
         mut h: Header,
         payload: &[u8],
         result: &Reply<Result<u64, TransferError>>,
+        moves: Option<u64>,
     ) -> Result<(), TransferError> {
         h.task = self.new_id();
         if self
             .register(
                 h.task,
                 Pending::Write {
-                    len: h.length,
+                    len: moves,
                     result: result.clone(),
                 },
             )

@@ -218,7 +218,7 @@ impl Conn {
         let result = self.reply();
         let pending = match dst {
             None => Pending::Write {
-                len: p.len,
+                len: Some(p.len),
                 result: result.clone(),
             },
             Some(dst) => Pending::Read {

@@ -90,7 +90,7 @@ pub(crate) struct Conn {
     pub(crate) hello: HelloAck,
     pub(crate) nonce: [u8; 16],
     /// The session the target put the connection in.
-    session: u64,
+    pub(crate) session: u64,
     /// The proof of the session's key that a joining connection sends with
     /// its first `Auth` (zeros for the connection that created it).
     join: [u8; 32],
@@ -123,6 +123,10 @@ pub(crate) struct ConnParams<'a> {
     pub(crate) node: &'a str,
     pub(crate) shards: u16,
     pub(crate) session: SessionBinding,
+    /// A control connection may start a session at the target (the one
+    /// asked for is gone there); a data connection only joins its peer's:
+    /// a peer's connections in two sessions would be fenced apart.
+    pub(crate) may_start_session: bool,
     pub(crate) connect_timeout: std::time::Duration,
     /// `TCP_USER_TIMEOUT` ([`EngineConfig::stall_timeout`]).
     ///
@@ -135,6 +139,10 @@ pub(crate) struct ConnParams<'a> {
     /// completes after it says nothing and resets.
     pub(crate) closed: &'a std::cell::Cell<bool>,
 }
+
+/// Why a data connection was refused: the session it asked to join ended
+/// at the target (only a control connection starts a new one).
+pub(crate) const SESSION_ENDED: &str = "the peer's session ended at the target";
 
 /// Why a shut-down engine's peer opens no connection.
 pub(super) fn shut_down() -> TransferError {
@@ -209,6 +217,11 @@ impl Conn {
         // A key means a new session (the one asked for, if any, is gone at
         // the target): the peer's later connections join this one.
         let join = if hello.session_key != [0; 16] {
+            if !p.may_start_session {
+                // Closed before any proof: the target starts no session.
+                let _ = stream.set_linger(Some(std::time::Duration::ZERO));
+                return Err(hs(SESSION_ENDED.into()));
+            }
             p.session
                 .set(Some((hello.session, SessionKey(hello.session_key))));
             [0; 32]
@@ -492,7 +505,7 @@ impl Conn {
         // Registered under the send lock, as a read's: a write given up
         // while it waits for the lock leaves no entry behind.
         let pending = Pending::Write {
-            len: payload.len() as u64,
+            len: Some(payload.len() as u64),
             result: result.clone(),
         };
         if self.register(id, pending).is_err() {

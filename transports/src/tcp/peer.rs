@@ -18,7 +18,7 @@ use crate::control::wire::{Descriptor, SegmentRef, Status};
 use crate::error::TransferError;
 use crate::local::conn::attach_data;
 use crate::lock::SetupGate;
-use crate::tcp::conn::{shut_down, Conn, ConnParams, LocalFences, SessionBinding};
+use crate::tcp::conn::{shut_down, Conn, ConnParams, LocalFences, SessionBinding, SESSION_ENDED};
 use crate::tcp::segment::{Proven, RemoteSegment};
 
 /// How an initiator talks to peers.
@@ -214,10 +214,14 @@ impl Peer {
         })
     }
 
+    /// Connection `i` if it is up — and, a data connection, in the session
+    /// the control connection is in now (one in another would not be
+    /// covered by its fences).
     pub(crate) fn live(&self, i: usize) -> Option<Rc<Conn>> {
+        let bound = || self.inner.session.get().map(|(s, _)| s);
         self.inner.conns.borrow()[i]
             .clone()
-            .filter(|c| !c.is_dead())
+            .filter(|c| !c.is_dead() && (i == 0 || Some(c.session) == bound()))
     }
 
     /// Connection `i`, reconnecting (and re-proving tokens) if it died —
@@ -231,31 +235,45 @@ impl Peer {
         }
         // Rare: boxed, so the handshake's state is not part of every
         // transfer's future (a one-task batch holds that future inline).
-        Box::pin(
+        Box::pin(async {
+            // A data connection joins the control connection's session:
+            // that one first (it starts a new session if the old one ended).
+            if i > 0 {
+                self.conn(0).await?;
+            }
             self.inner
                 .reconnect
-                .run(|| self.live(i), || self.reconnect(i)),
-        )
+                .run(|| self.live(i), || self.reconnect(i))
+                .await
+        })
         .await
     }
 
     /// Opens connection `i` again (through the reconnect gate).
     async fn reconnect(&self, i: usize) -> Result<Rc<Conn>, TransferError> {
-        let c = Conn::connect(
-            self.inner.addr,
-            &conn_params(
-                &self.inner.params,
-                &self.inner.fenced,
-                &self.inner.session,
-                &self.inner.closed,
-            ),
-        )
-        .await
-        .map_err(|e| match e {
-            // For a transfer, a failed reconnect is a lost peer.
-            TransferError::Handshake(h) => TransferError::ConnectionLost(h.reason),
-            e => e,
-        })?;
+        let mut p = conn_params(
+            &self.inner.params,
+            &self.inner.fenced,
+            &self.inner.session,
+            &self.inner.closed,
+        );
+        p.may_start_session = i == 0;
+        let c = Conn::connect(self.inner.addr, &p)
+            .await
+            .map_err(|e| match e {
+                // For a transfer, a failed reconnect is a lost peer.
+                TransferError::Handshake(h) => {
+                    if h.reason == SESSION_ENDED {
+                        // The control connection was of it too, its end not
+                        // read yet: the next transfer starts over from a new one.
+                        if let Some(c) = self.live(0) {
+                            c.kill(SESSION_ENDED);
+                        }
+                    }
+                    TransferError::ConnectionLost(h.reason)
+                }
+                e => e,
+            })?;
         // Until it is installed nothing else can reach it: a reconnect
         // given up from here on (its transfer dropped, an error) closes it.
         let mut unfinished = Unfinished(Some(c.clone()));
@@ -467,6 +485,7 @@ fn conn_params<'a>(
         node: &p.node,
         shards: p.shards,
         session: session.clone(),
+        may_start_session: true,
         connect_timeout: p.connect_timeout,
         stall_timeout: p.stall_timeout,
         tcp_congestion: p.tcp_congestion.as_deref(),

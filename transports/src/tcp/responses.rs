@@ -48,16 +48,15 @@ pub(crate) fn slot<T>() -> Reply<T> {
 /// the write fails as a bad frame (the caller closes the connection).
 fn answer_write(
     result: &Reply<Result<u64, TransferError>>,
-    len: u64,
+    len: Option<u64>,
     res: Result<u64, TransferError>,
 ) -> Result<(), &'static str> {
-    let why = match &res {
-        Ok(n) if *n != len => Some("a write answered Ok for another length"),
-        Err(TransferError::FencedPartial { landed } | TransferError::Revoked { landed })
-            if *landed > len =>
-        {
-            Some("a write answered with more bytes landed than it carried")
-        }
+    let why = match (&res, len) {
+        (Ok(n), Some(len)) if *n != len => Some("a write answered Ok for another length"),
+        (
+            Err(TransferError::FencedPartial { landed } | TransferError::Revoked { landed }),
+            Some(len),
+        ) if *landed > len => Some("a write answered with more bytes landed than it carried"),
         _ => None,
     };
     match why {
@@ -98,9 +97,10 @@ pub(crate) async fn wait<T>(s: &Reply<T>) -> T {
 }
 
 pub(crate) enum Pending {
-    /// A write of `len` bytes: its answer may count no more.
+    /// A write of `len` bytes (its answer may count no more), or another
+    /// request answered by a status (`None`: its count is not of bytes).
     Write {
-        len: u64,
+        len: Option<u64>,
         result: Reply<Result<u64, TransferError>>,
     },
     Read {
