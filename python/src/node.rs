@@ -126,7 +126,7 @@ pub(crate) struct Node {
     /// Peer segments opened so far, by peer. (FNV: both maps are looked up
     /// on every transfer, by keys this process chose, where SipHash's
     /// flood resistance buys nothing and costs ~200 instructions a lookup.)
-    opened: Mutex<FnvHashMap<SocketAddr, Vec<OpenedSegment>>>,
+    opened: Mutex<FnvHashMap<SocketAddr, PeerSegments>>,
     /// P2P session names resolved so far.
     peers: Mutex<FnvHashMap<String, SocketAddr>>,
     /// Batches that returned -2: their memory stays pinned.
@@ -200,6 +200,24 @@ pub(crate) fn tcp_congestion() -> Result<Option<String>, String> {
             Ok(Some(name))
         }
         _ => Ok(None),
+    }
+}
+
+/// The segments opened at one peer address, and the node name they were
+/// opened for (checked there, with an etcd directory, before opening).
+#[derive(Default)]
+struct PeerSegments {
+    node: String,
+    segments: Vec<OpenedSegment>,
+}
+
+impl PeerSegments {
+    /// The segments, now kept for `node` (checked at the address just now).
+    fn of(&mut self, node: &str) -> &mut Vec<OpenedSegment> {
+        if self.node != node {
+            self.node = node.to_string();
+        }
+        &mut self.segments
     }
 }
 
@@ -458,9 +476,12 @@ impl Node {
                 .and_then(|o| o.checked_add(len))
                 .is_some_and(|end| end <= s.len)
         };
+        // Kept for the node found at `peer` then: with an etcd directory a
+        // stale entry of another name may give the same address.
         let cached = lock(&self.opened)
             .get(&peer)
-            .and_then(|v| v.iter().find(|s| fits(s)).copied());
+            .filter(|p| p.node == target || matches!(self.directory, Directory::P2p))
+            .and_then(|p| p.segments.iter().find(|s| fits(s)).copied());
         let seg = match cached {
             Some(s) => s,
             None => {
@@ -471,7 +492,7 @@ impl Node {
                 // (Another thread may have opened it meanwhile: the engine
                 // gave it the same handle.)
                 let mut opened = lock(&self.opened);
-                let known = opened.entry(peer).or_default();
+                let known = opened.entry(peer).or_default().of(target);
                 if !known.contains(&s) {
                     known.push(s);
                 }
@@ -497,7 +518,7 @@ impl Node {
             .open_first(peer, self.token)
             .map_err(|e| format!("{target}: no registered memory open to this secret ({e})"))?;
         let mut opened = lock(&self.opened);
-        let known = opened.entry(peer).or_default();
+        let known = opened.entry(peer).or_default().of(target);
         if !known
             .iter()
             .any(|k| k.segment == s.segment || k.base == s.base)
@@ -817,8 +838,8 @@ impl Node {
         }
         self.managed.release(uses);
         if out.code != SYNC_OK {
-            if let Some(v) = lock(&self.opened).get_mut(&peer) {
-                v.retain(|s| !used.contains(&s.segment));
+            if let Some(p) = lock(&self.opened).get_mut(&peer) {
+                p.segments.retain(|s| !used.contains(&s.segment));
             }
             tracing::warn!("transfer to {target} failed: {}", failures(&out.tasks));
         }

@@ -224,6 +224,30 @@ def _copy_entry(etcd, key_from, key_to):
     call("put", {"key": enc(key_to), "value": kvs[0]["value"]})
 
 
+def test_a_stale_entry_at_a_cached_peers_address_writes_nothing(etcd):
+    """As above, but the caller wrote to the live node first, so the range
+    at that address is kept: a transfer by the dead node's name must be
+    refused, not land in the kept range. The kept range skipped the check
+    of who is at the address, and the write answered 0."""
+    target = _engine("127.0.0.21", f"etcd://{etcd}/stale3")
+    caller = _engine("127.0.0.22", f"etcd://{etcd}/stale3")
+    dst = target.allocate_managed_buffer(1 << 20)
+    src = caller.allocate_managed_buffer(4096)
+    try:
+        caller.write_bytes_to_buffer(src, b"\x11" * 4096, 4096)
+        assert caller.transfer_sync_write("127.0.0.21", src, dst, 4096) == 0
+        _copy_entry(etcd, "stale3/nodes/127.0.0.21", "stale3/nodes/127.0.0.23")
+        caller.write_bytes_to_buffer(src, b"\x77" * 4096, 4096)
+        assert caller.transfer_sync_write("127.0.0.23", src, dst, 4096) == -1
+        assert target.read_bytes_from_buffer(dst, 4096) == b"\x11" * 4096
+        # The live node's own name still reaches it.
+        assert caller.transfer_sync_write("127.0.0.21", src, dst, 4096) == 0
+        assert target.read_bytes_from_buffer(dst, 4096) == b"\x77" * 4096
+    finally:
+        caller.free_managed_buffer(src, 4096)
+        target.free_managed_buffer(dst, 1 << 20)
+
+
 def test_a_stale_entry_at_another_nodes_address_opens_nothing(etcd):
     """A dead node's entry names an address another node listens on now,
     with a segment of the same name and the same secret: opening by the
