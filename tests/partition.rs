@@ -38,7 +38,10 @@ fn run(args: &[&str]) -> bool {
 
 impl Net {
     fn create() -> Option<Net> {
-        let pid = std::process::id();
+        // Tests run side by side in one process: names of their own.
+        static NETS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pid = format!("{}n{n}", std::process::id());
         let net = Net {
             initiator: format!("qzi{pid}"),
             target: format!("qzt{pid}"),
@@ -120,12 +123,22 @@ fn holding(port: u16) -> Vec<(u8, u64)> {
 }
 
 async fn open_kv(t: &TargetChild, zero_copy: bool) -> (Engine, RemoteSegment) {
+    open_kv_with(
+        t,
+        EngineConfig {
+            // SEND_ZC for every slice: a zero-copy send waits for the kernel's
+            // notification, which a silent peer never triggers by itself.
+            zc_threshold: zero_copy.then_some(64 << 10),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+async fn open_kv_with(t: &TargetChild, cfg: EngineConfig) -> (Engine, RemoteSegment) {
     let e = Engine::bind(EngineConfig {
         listen: "0.0.0.0:0".parse().unwrap(),
-        // SEND_ZC for every slice: a zero-copy send waits for the kernel's
-        // notification, which a silent peer never triggers by itself.
-        zc_threshold: zero_copy.then_some(64 << 10),
-        ..Default::default()
+        ..cfg
     })
     .unwrap();
     let kv = e
@@ -138,24 +151,75 @@ async fn open_kv(t: &TargetChild, zero_copy: bool) -> (Engine, RemoteSegment) {
     (e, kv)
 }
 
-#[test]
-fn a_silent_peer_gets_no_stale_byte_and_no_false_confirmation() {
-    let Some(net) = Net::create() else {
+/// The namespaces, or `None` (the test is skipped) where they cannot be
+/// made — never under `CI=true`.
+fn net_or_skip() -> Option<Net> {
+    let net = Net::create();
+    if net.is_none() {
         assert!(
             std::env::var("CI").is_err(),
             "CI must run the partition test: it needs root, iproute2 and nftables"
         );
         eprintln!("skipped: needs root, iproute2 and nftables");
-        return;
-    };
+    }
+    net
+}
+
+/// A target in its namespace, started from the initiator's.
+fn target_in(net: &Net) -> TargetChild {
+    let mut launcher = Command::new("ip");
+    launcher.args(["netns", "exec", &net.target, env!("CARGO_BIN_EXE_quiesce")]);
+    let listen = format!("{}:0", net.target_ip);
+    TargetChild::spawn_command(launcher, BIG, false, &["--listen", &listen])
+        .expect("target in its namespace")
+}
+
+/// A read with no deadline whose target falls silent once the read is
+/// asked for: the initiator has nothing unacknowledged, so the stall
+/// timeout (`TCP_USER_TIMEOUT`) alone never fires, and the reader waited
+/// for ever. Keep-alive probes, bounded by the stall timeout, end the
+/// connection and the read gets its outcome.
+#[test]
+fn a_read_from_a_target_that_falls_silent_gets_an_outcome_without_a_deadline() {
+    let Some(net) = net_or_skip() else { return };
     std::thread::scope(|s| {
         s.spawn(|| {
             net.enter_initiator();
-            let mut launcher = Command::new("ip");
-            launcher.args(["netns", "exec", &net.target, env!("CARGO_BIN_EXE_quiesce")]);
-            let listen = format!("{}:0", net.target_ip);
-            let mut t = TargetChild::spawn_command(launcher, BIG, false, &["--listen", &listen])
-                .expect("target in its namespace");
+            let t = target_in(&net);
+            Runtime::new().unwrap().block_on(async {
+                let stall = Duration::from_secs(2);
+                let cfg = EngineConfig {
+                    stall_timeout: Some(stall),
+                    ..Default::default()
+                };
+                let (e, kv) = open_kv_with(&t, cfg).await;
+                let mut b = Batch::new(Tcp, BatchOptions::default());
+                b.read(vec![0u8; BIG], RemoteRange::new(&kv, 0, BIG as u64))
+                    .ok()
+                    .unwrap();
+                let sub = b.submit();
+                time::sleep(Duration::from_millis(5)).await;
+                net.cut();
+                let q = time::timeout(stall * 5, async { sub.await.quiesced().await })
+                    .await
+                    .expect(
+                        "no outcome 10 s after the target fell silent, with a 2 s stall timeout",
+                    );
+                assert!(!q.all_completed(), "a silent target completed the read");
+                net.heal();
+                e.shutdown();
+            });
+        });
+    });
+}
+
+#[test]
+fn a_silent_peer_gets_no_stale_byte_and_no_false_confirmation() {
+    let Some(net) = net_or_skip() else { return };
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            net.enter_initiator();
+            let mut t = target_in(&net);
             Runtime::new().unwrap().block_on(async {
                 let rounds = [(false, false), (true, false), (false, true), (true, true)];
                 for (round, (revoke, zero_copy)) in rounds.into_iter().enumerate() {

@@ -271,6 +271,15 @@ impl TcpStream {
         crate::driver::socket::set_user_timeout(&self.fd.raw(), limit)
     }
 
+    /// Turns keep-alive probes on, bounded by the stall limit `limit` (see
+    /// [`set_user_timeout`](Self::set_user_timeout), which should be set to
+    /// the same): a peer that falls silent while nothing sent here is
+    /// unacknowledged — a read waiting for its data — is found out within
+    /// about `limit` too. `None` leaves them off.
+    pub fn set_keepalive(&self, limit: Option<std::time::Duration>) -> io::Result<()> {
+        crate::driver::socket::set_keepalive(&self.fd.raw(), limit)
+    }
+
     /// Sets the kernel's congestion-control algorithm for this connection
     /// (`TCP_CONGESTION`: `cubic`, `reno`, `bbr`, … — one the kernel has,
     /// and for an unprivileged process one listed in

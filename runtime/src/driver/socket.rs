@@ -162,6 +162,42 @@ pub(crate) fn set_linger(fd: &impl AsRawFd, linger: Option<std::time::Duration>)
     Ok(())
 }
 
+/// Turns keep-alive probes on for a connection whose stall limit is
+/// `limit` (`TCP_USER_TIMEOUT`): the first after `limit / 2` of silence,
+/// then every `limit / 6` (at least a second each). With the user timeout
+/// set, the kernel drops the connection once nothing was received for
+/// `limit` and a probe went unanswered — a peer that fell silent while
+/// this side had nothing unacknowledged is found out too. `None` or zero
+/// leaves keep-alive off.
+pub(crate) fn set_keepalive(
+    fd: &impl AsRawFd,
+    limit: Option<std::time::Duration>,
+) -> io::Result<()> {
+    let Some(limit) = limit.filter(|d| !d.is_zero()) else {
+        return Ok(());
+    };
+    let secs = |d: std::time::Duration| d.as_secs().clamp(1, i32::MAX as u64) as libc::c_int;
+    let opts = [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, secs(limit / 2)),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, secs(limit / 6)),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6),
+    ];
+    for (level, name, value) in opts {
+        // SAFETY: `value` is a live c_int and its size is passed.
+        cvt(unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        } as isize)?;
+    }
+    Ok(())
+}
+
 /// Sets `TCP_USER_TIMEOUT`: data sent and not acknowledged (or held back
 /// by a zero window) for `limit` makes the kernel drop the connection with
 /// `ETIMEDOUT`; `None` or zero restores the system's retransmission limits.

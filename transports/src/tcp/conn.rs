@@ -169,6 +169,11 @@ impl Conn {
         stream
             .set_user_timeout(p.stall_timeout)
             .map_err(|e| hs(e.to_string()))?;
+        // A target that falls silent while nothing sent is unacknowledged
+        // (a read waiting for its data) is found out as stalled too.
+        stream
+            .set_keepalive(p.stall_timeout)
+            .map_err(|e| hs(e.to_string()))?;
         if let Some(name) = p.tcp_congestion {
             stream.set_congestion(name).map_err(|e| hs(e.to_string()))?;
         }
