@@ -205,7 +205,9 @@ impl ShardBuilder {
                 let _span = tracing::debug_span!("shard", index).entered();
                 let ctx = ShardContext { index, count, core, shutdown: signal };
                 let out = rt.block_on(root(ctx));
-                drop(rt); // drains every in-flight op before the thread ends
+                // Drains every in-flight op before the thread ends; one that
+                // could not is the caller's to know (memory it lent stays).
+                rt.shutdown().map_err(std::io::Error::other)?;
                 Ok(out)
             });
             match t {
@@ -254,7 +256,10 @@ impl<R> Shards<R> {
 
     /// Requests shutdown, then joins every shard. Each runtime has cancelled
     /// and reaped its in-flight operations before its thread ended. Returns
-    /// each shard's output in index order (`Err` if it panicked or failed to build).
+    /// each shard's output in index order: `Err` if it panicked, failed to
+    /// build, or could not drain ([`Undrained`](crate::Undrained), its
+    /// message: operations still in flight — memory lent to them must never
+    /// be freed).
     pub fn shutdown(mut self) -> Vec<thread::Result<R>> {
         self.request_shutdown();
         std::mem::take(&mut self.threads)

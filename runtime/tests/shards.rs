@@ -147,3 +147,23 @@ fn pinning_to_a_core_past_the_cpu_set_is_an_error() {
     let e = quiesce_runtime::shard::pin_current_thread(1 << 16).unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
 }
+
+/// A shard whose runtime could not drain (an operation, or memory it holds
+/// for the kernel or a peer, still live at its end) answers an error from
+/// `shutdown`, so its caller never frees memory lent to it on a guess. Its
+/// runtime's verdict was dropped and `shutdown` answered its output.
+#[test]
+fn a_shard_that_could_not_drain_says_so() {
+    let shards = Shards::builder()
+        .count(1)
+        .pin(false)
+        .spawn(|shard| async move {
+            quiesce_runtime::strand(vec![0u8; 64]);
+            shard.shutdown_requested().await;
+        })
+        .unwrap();
+    let out = shards.shutdown();
+    let err = out[0].as_ref().expect_err("an undrained shard answered Ok");
+    let why = err.downcast_ref::<String>().expect("a message");
+    assert!(why.contains("still in flight"), "{why}");
+}
