@@ -511,3 +511,25 @@ pub async fn yield_now() {
     }
     YieldNow(false).await
 }
+
+/// Wakes wakers taken off a driver's or the timers' lists — every one,
+/// even past one that panics (a waker is anyone's code): the rest were
+/// taken off too, and would never be woken. The first panic goes on once
+/// all were ([`finish`](Self::finish)).
+#[derive(Default)]
+pub(crate) struct Wakes(Option<Box<dyn std::any::Any + Send>>);
+
+impl Wakes {
+    pub(crate) fn wake(&mut self, w: Waker) {
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())) {
+            self.0.get_or_insert(p);
+        }
+    }
+
+    /// Goes on with the first panic, if a waker panicked.
+    pub(crate) fn finish(self) {
+        if let Some(p) = self.0 {
+            std::panic::resume_unwind(p);
+        }
+    }
+}

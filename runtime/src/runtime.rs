@@ -387,7 +387,8 @@ fn turn(cx: &Context) {
     time::fire_due(cx);
     // Yielded tasks run after what this turn woke.
     let mut deferred = std::mem::take(&mut *cx.deferred.borrow_mut());
-    deferred.drain(..).for_each(Waker::wake);
+    let mut wakes = crate::executor::Wakes::default();
+    deferred.drain(..).for_each(|w| wakes.wake(w));
     // Waking defers nothing (a yielded task defers itself when it runs, after
     // this turn): the emptied list goes back with its capacity, so a task
     // that yields every turn allocates nothing.
@@ -395,6 +396,8 @@ fn turn(cx: &Context) {
     if list.is_empty() {
         *list = deferred;
     }
+    drop(list);
+    wakes.finish();
 }
 
 /// How long the current thread's runtime busy-polls before it blocks

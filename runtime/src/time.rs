@@ -119,7 +119,9 @@ pub(crate) fn fire_due(cx: &context::Context) {
         }
         t.expire(Instant::now())
     };
-    due.into_iter().for_each(Waker::wake);
+    let mut wakes = crate::executor::Wakes::default();
+    due.into_iter().for_each(|w| wakes.wake(w));
+    wakes.finish();
 }
 
 /// Future of [`sleep`] / [`sleep_until`].

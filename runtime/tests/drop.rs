@@ -265,3 +265,58 @@ fn a_panic_inside_an_ops_poll_leaves_its_buffer_to_the_kernel() {
         assert!(log.borrow().dropped, "the buffer never came back");
     });
 }
+
+/// A waker that panics when woken (cloning and dropping it work).
+fn waker_that_panics_when_woken() -> std::task::Waker {
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+    fn clone(p: *const ()) -> RawWaker {
+        RawWaker::new(p, &VTABLE)
+    }
+    fn wake(_: *const ()) {
+        panic!("a waker that panics when woken")
+    }
+    fn ignore(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake, ignore);
+    // SAFETY: every function of the vtable ignores the (null) data pointer.
+    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
+}
+
+/// Two receives, on two connections, whose completions come in one reap
+/// (io_uring) or one readiness wait (epoll): the first's waker panics. The
+/// task awaiting the second is still woken: the driver had taken both off
+/// the ring (the event list) before waking the first, and dropped the rest
+/// with the panic — a task never woken, an op never completed (io_uring),
+/// its buffer never back.
+#[test]
+fn a_waker_that_panics_loses_no_other_completion() {
+    let rt = rt();
+    let ((a, b), (c, d)) = rt.block_on(async { (pair().await, pair().await) });
+    let mut first = Box::pin(a.read(vec![0u8; 1]));
+    rt.block_on(std::future::poll_fn(|_| {
+        let w = waker_that_panics_when_woken();
+        let mut panicky = std::task::Context::from_waker(&w);
+        assert!(std::future::Future::poll(first.as_mut(), &mut panicky).is_pending());
+        std::task::Poll::Ready(())
+    }));
+    let woken = std::rc::Rc::new(std::cell::Cell::new(false));
+    let w = woken.clone();
+    let _second = rt.spawn_local(async move {
+        let (r, _) = c.read(vec![0u8; 1]).await;
+        w.set(r.is_ok());
+    });
+    // Both receives wait in the kernel (in the driver) now; a byte each
+    // completes them, the first first.
+    rt.block_on(quiesce_runtime::time::sleep(Duration::from_millis(20)));
+    for s in [&b, &d] {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&**s);
+        // SAFETY: `fd` is an open socket of the pair; the byte is a live array.
+        assert_eq!(unsafe { libc::write(fd, b"x".as_ptr().cast(), 1) }, 1);
+    }
+    let turned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rt.block_on(quiesce_runtime::time::sleep(Duration::from_millis(50)))
+    }));
+    assert!(turned.is_err(), "the waker's panic comes out of the turn");
+    rt.block_on(quiesce_runtime::time::sleep(Duration::from_millis(100)));
+    assert!(woken.get(), "the task of the receive completed with the panicking one was never woken");
+    drop(first);
+}

@@ -79,3 +79,47 @@ fn dropped_sleeps_unregister() {
         s.await;
     });
 }
+
+/// A waker that panics when woken (cloning and dropping it work).
+fn waker_that_panics_when_woken() -> std::task::Waker {
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+    fn clone(p: *const ()) -> RawWaker {
+        RawWaker::new(p, &VTABLE)
+    }
+    fn wake(_: *const ()) {
+        panic!("a waker that panics when woken")
+    }
+    fn ignore(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake, ignore);
+    // SAFETY: every function of the vtable ignores the (null) data pointer.
+    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
+}
+
+/// A timer whose waker panics when it fires takes no other timer due in
+/// the same turn with it: the runtime had taken them all off its heap
+/// before waking the first, and the rest were never woken — a deadline
+/// that never came.
+#[test]
+fn a_waker_that_panics_loses_no_other_due_timer() {
+    let rt = rt();
+    let at = Instant::now() + Duration::from_millis(20);
+    let fired = Rc::new(std::cell::Cell::new(false));
+    let mut first = Box::pin(sleep_until(at));
+    rt.block_on(async {
+        let w = waker_that_panics_when_woken();
+        let mut cx = std::task::Context::from_waker(&w);
+        assert!(std::future::Future::poll(first.as_mut(), &mut cx).is_pending());
+    });
+    let f = fired.clone();
+    let _later = rt.spawn_local(async move {
+        sleep_until(at).await;
+        f.set(true);
+    });
+    let woke = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rt.block_on(sleep(Duration::from_millis(100)))
+    }));
+    assert!(woke.is_err(), "the waker's panic comes out of the turn");
+    rt.block_on(sleep(Duration::from_millis(50)));
+    assert!(fired.get(), "the other timer due with it never fired");
+    drop(first);
+}

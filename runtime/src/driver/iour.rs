@@ -16,6 +16,7 @@ use slab::Slab;
 
 use super::lifecycle::{cqe_result, Lifecycle, Parked};
 use super::ParkEvents;
+use crate::executor::Wakes;
 use crate::stats::Counters;
 
 /// `user_data` of async-cancel SQEs (their CQEs are ignored).
@@ -362,14 +363,23 @@ impl Uring {
             batch.clear();
             batch.extend(cq.by_ref().take(256));
             drop(cq);
+            // (Off the ring: a completion not dispatched now never comes again.)
+            let mut wakes = crate::executor::Wakes::default();
             for cqe in &batch {
-                self.dispatch(cqe.user_data(), cqe.result(), cqe.flags(), counters);
+                self.dispatch(
+                    cqe.user_data(),
+                    cqe.result(),
+                    cqe.flags(),
+                    counters,
+                    &mut wakes,
+                );
             }
             self.reaped = batch;
+            wakes.finish();
         }
     }
 
-    fn dispatch(&mut self, ud: u64, res: i32, flags: u32, counters: &Counters) {
+    fn dispatch(&mut self, ud: u64, res: i32, flags: u32, counters: &Counters, wakes: &mut Wakes) {
         Counters::bump(&counters.completions);
         if ud == CANCEL_TOKEN {
             return;
@@ -410,7 +420,7 @@ impl Uring {
                         waker: None,
                     };
                     if let Some(w) = waker {
-                        w.wake();
+                        wakes.wake(w);
                     }
                 } else {
                     *life = Lifecycle::Completed {
@@ -426,7 +436,7 @@ impl Uring {
                 if last {
                     *more = false;
                     if let Some(w) = waker.take() {
-                        w.wake();
+                        wakes.wake(w);
                     }
                 }
             }

@@ -153,6 +153,8 @@ impl Poller {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
             Err(e) => return Err(e),
         }
+        // (Edge-triggered: an event not handed on now never comes again.)
+        let mut wakes = crate::executor::Wakes::default();
         for ev in self.mio_events.iter() {
             let Token(t) = ev.token();
             if ev.token() == WAKE {
@@ -162,13 +164,14 @@ impl Poller {
             } else if let Some(slot) = self.io.get_mut(t) {
                 let err = ev.is_error();
                 if ev.is_readable() || ev.is_read_closed() || err {
-                    slot.readers.drain(..).for_each(Waker::wake);
+                    slot.readers.drain(..).for_each(|w| wakes.wake(w));
                 }
                 if ev.is_writable() || ev.is_write_closed() || err {
-                    slot.writers.drain(..).for_each(Waker::wake);
+                    slot.writers.drain(..).for_each(|w| wakes.wake(w));
                 }
             }
         }
+        wakes.finish();
         Ok(())
     }
 }
