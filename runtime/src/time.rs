@@ -156,6 +156,11 @@ impl Future for Sleep {
     type Output = ();
 
     fn poll(mut self: Pin<&mut Self>, tcx: &mut TaskCx<'_>) -> Poll<()> {
+        // Registered with a runtime that is gone (nothing fires its timers
+        // any more): registered anew with the one polling it now.
+        if self.key.as_ref().is_some_and(|(cx, _)| cx.closed.get()) {
+            self.unregister();
+        }
         // Registered and still armed: the reactor has not fired it (firing
         // disarms it), so it wakes this task when due; no clock read.
         if let Some((cx, k)) = &self.key {
@@ -175,7 +180,8 @@ impl Future for Sleep {
         let deadline = self.deadline;
         let (cx, key) = match self.key.take() {
             Some((cx, k)) => (cx, Some(k)),
-            // Registered with the runtime it is first polled on, and kept there.
+            // Registered with the runtime it is first polled on, and kept
+            // there while that one runs.
             None => (context::current(), None),
         };
         let new_key = {

@@ -317,6 +317,39 @@ fn a_waker_that_panics_loses_no_other_completion() {
     }));
     assert!(turned.is_err(), "the waker's panic comes out of the turn");
     rt.block_on(quiesce_runtime::time::sleep(Duration::from_millis(100)));
-    assert!(woken.get(), "the task of the receive completed with the panicking one was never woken");
+    assert!(
+        woken.get(),
+        "the task of the receive completed with the panicking one was never woken"
+    );
     drop(first);
+}
+
+/// An op waiting when its runtime shut down, polled later on another,
+/// completes with an error — on epoll as on io_uring (whose drain cancels
+/// it). On epoll it registered its waker with the dead runtime's poller
+/// and waited for ever, even once its data came.
+#[test]
+fn an_op_outliving_its_runtime_completes_on_either_driver() {
+    let first = rt();
+    let (a, b) = first.block_on(pair());
+    let mut op = Box::pin(a.read(vec![0u8; 16]));
+    first.block_on(std::future::poll_fn(|cx| {
+        assert!(std::future::Future::poll(op.as_mut(), cx).is_pending());
+        std::task::Poll::Ready(())
+    }));
+    drop(first);
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&*b);
+    let done = rt().block_on(async move {
+        // The data comes after the op was polled here.
+        let _late = spawn_local(async move {
+            quiesce_runtime::time::sleep(Duration::from_millis(50)).await;
+            // SAFETY: `fd` is the pair's open socket (`b` lives on); the
+            // bytes are a live array.
+            assert_eq!(unsafe { libc::write(fd, b"late".as_ptr().cast(), 4) }, 4);
+        });
+        quiesce_runtime::time::timeout(Duration::from_secs(1), op).await
+    });
+    drop(b);
+    let (res, _buf) = done.expect("the op never completed on the next runtime");
+    assert!(res.is_err(), "its runtime is gone: {res:?}");
 }

@@ -123,3 +123,20 @@ fn a_waker_that_panics_loses_no_other_due_timer() {
     assert!(fired.get(), "the other timer due with it never fired");
     drop(first);
 }
+
+/// A sleep first polled on a runtime that is gone since still ends, on the
+/// runtime that polls it now: it stayed registered with the dead one's
+/// timers, which nothing fires any more, and waited for ever — as a batch's
+/// deadline would. (An op outliving its runtime completes, DESIGN §4.4.)
+#[test]
+fn a_sleep_outliving_its_runtime_ends_on_the_next() {
+    let mut s = Box::pin(sleep(Duration::from_millis(10)));
+    let first = rt();
+    first.block_on(std::future::poll_fn(|cx| {
+        assert!(std::future::Future::poll(s.as_mut(), cx).is_pending());
+        std::task::Poll::Ready(())
+    }));
+    drop(first);
+    let done = rt().block_on(timeout(Duration::from_millis(500), s));
+    assert!(done.is_ok(), "the sleep never ended on the next runtime");
+}

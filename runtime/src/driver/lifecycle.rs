@@ -259,6 +259,11 @@ impl<T: Operation> Future for Op<T> {
                 if this.cancel_requested() {
                     return Poll::Ready(spec.complete(Err(canceled()), 0));
                 }
+                // Its runtime is gone: nothing would wake it (an io_uring op
+                // was cancelled by that runtime's drain; this one ends alike).
+                if this.cx.closed.get() {
+                    return Poll::Ready(spec.complete(Err(runtime_gone()), 0));
+                }
                 if crate::executor::op_budget(tcx, T::MOVES_BYTES).is_pending() {
                     this.state = State::Idle(spec);
                     return Poll::Pending;
@@ -293,12 +298,15 @@ impl<T: Operation> Future for Op<T> {
                 crate::stats::Counters::bump(&this.cx.counters.completions);
                 Poll::Ready(spec.complete(res, 0))
             }
-            State::Refused(spec) => Poll::Ready(
-                spec.complete(Err(io::Error::other("the op's runtime has shut down")), 0),
-            ),
+            State::Refused(spec) => Poll::Ready(spec.complete(Err(runtime_gone()), 0)),
             State::Done => panic!("Op polled after it completed"),
         }
     }
+}
+
+/// The error of an op whose runtime has shut down.
+fn runtime_gone() -> io::Error {
+    io::Error::other("the op's runtime has shut down")
 }
 
 impl<T: Operation> Drop for Op<T> {
