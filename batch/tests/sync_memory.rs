@@ -512,3 +512,42 @@ fn a_restarted_peer_gets_none_of_the_writes_meant_for_its_old_memory() {
     assert!(new_mem[..4096].iter().all(|&b| b == 0x5a));
     drop(restarted);
 }
+
+/// Once another node answers at a peer's address, that node is reachable
+/// there: its name is what the address answers now, and it can be opened
+/// and written. The engine kept the first peer (and its hello's name) for
+/// the address for good: the new node was "not at" its own address, its
+/// correct directory entry taken for a stale one, until the initiator
+/// restarted.
+#[test]
+fn another_node_at_a_peers_address_is_reachable_under_its_own_name() {
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let node = |name: &str, listen| {
+        SyncEngine::start(EngineConfig {
+            node: name.into(),
+            listen,
+            ..EngineConfig::default()
+        })
+        .unwrap()
+    };
+    let lend = |e: &SyncEngine, mem: &mut [u8]| {
+        // SAFETY: the test keeps `mem` past the engine (dropped first).
+        unsafe { e.lend("m", mem.as_mut_ptr() as u64, LEN as u64, token) }.unwrap();
+    };
+    let init = engine();
+    let mut gone_mem = vec![0u8; LEN];
+    let gone = node("decode-3", "127.0.0.1:0".parse().unwrap());
+    let addr = gone.local_addr();
+    lend(&gone, &mut gone_mem);
+    let seg = init.open_named(addr, "m", token).unwrap();
+    assert_eq!(write_4k_at_0(&init, seg.segment, 0x11), SYNC_OK);
+    drop(gone);
+    let mut new_mem = vec![0u8; LEN];
+    let other = node("decode-7", addr);
+    lend(&other, &mut new_mem);
+    assert_eq!(init.peer_node(addr).unwrap(), "decode-7");
+    let seg = init.open_named(addr, "m", token).unwrap();
+    assert_eq!(write_4k_at_0(&init, seg.segment, 0x22), SYNC_OK);
+    assert!(new_mem[..4096].iter().all(|&b| b == 0x22));
+    drop(other);
+}

@@ -243,9 +243,16 @@ impl Engine {
         true
     }
 
-    /// Connects to the engine at `addr` (or returns the existing peer).
+    /// Connects to the engine at `addr` (or returns the existing peer,
+    /// unless another node answers there now: [`Peer::is_replaced`]).
     pub async fn connect(&self, addr: SocketAddr) -> Result<Peer, TransferError> {
-        let known = || self.peers.borrow().get(&addr).cloned();
+        let known = || {
+            self.peers
+                .borrow()
+                .get(&addr)
+                .filter(|p| !p.is_replaced())
+                .cloned()
+        };
         self.connecting
             .run(addr, known, || async {
                 let params = self.peer_params(self.inner.config.connections_per_peer);

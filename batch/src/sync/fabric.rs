@@ -85,16 +85,32 @@ impl Setup {
 }
 
 impl Fabric {
-    /// Connects to `addr` (or finds the peer connected there) and names
-    /// the node its hello gave.
+    /// Connects to `addr` (or finds the peer connected there, its control
+    /// connection reconnected if it is down) and names the node its hello
+    /// gave — the one answering there now: a peer that found another node
+    /// at its address is replaced by a new one.
     pub(crate) async fn node(
         &self,
         engine: &Engine,
         addr: SocketAddr,
     ) -> Result<String, TransferError> {
         Ok(match self {
-            Fabric::Tcp => engine.connect(addr).await?.node().to_string(),
-            Fabric::Rdma(r) => r.connect(addr).await?.node().to_string(),
+            Fabric::Tcp => {
+                let p = engine.connect(addr).await?;
+                let p = match p.check_in().await {
+                    Err(_) if p.is_replaced() => engine.connect(addr).await?,
+                    r => r.map(|_| p)?,
+                };
+                p.node().to_string()
+            }
+            Fabric::Rdma(r) => {
+                let p = r.connect(addr).await?;
+                let p = match p.check_in().await {
+                    Err(_) if p.is_replaced() => r.connect(addr).await?,
+                    r => r.map(|_| p)?,
+                };
+                p.node().to_string()
+            }
         })
     }
 

@@ -267,10 +267,18 @@ impl RdmaEngine {
         })
     }
 
-    /// Connects to the engine at `addr` (or returns the existing peer).
+    /// Connects to the engine at `addr` (or returns the existing peer,
+    /// unless another node answers there now: [`RdmaPeer::is_replaced`]).
     pub async fn connect(&self, addr: SocketAddr) -> Result<RdmaPeer, TransferError> {
         let inner = &self.inner;
-        let known = || inner.peers.borrow().get(&addr).cloned();
+        let known = || {
+            inner
+                .peers
+                .borrow()
+                .get(&addr)
+                .filter(|p| !p.is_replaced())
+                .cloned()
+        };
         inner
             .connecting
             .run(addr, known, || async {

@@ -71,6 +71,16 @@ impl RdmaPeer {
         self.inner.tcp.node()
     }
 
+    /// As [`Peer::is_replaced`](crate::Peer::is_replaced).
+    pub fn is_replaced(&self) -> bool {
+        self.inner.tcp.is_replaced()
+    }
+
+    /// As [`Peer::check_in`](crate::Peer::check_in).
+    pub async fn check_in(&self) -> Result<(), TransferError> {
+        self.inner.tcp.check_in().await
+    }
+
     /// Proves `token` for segment `name` and fetches its remote key.
     pub async fn open(&self, name: &str, token: Token) -> Result<RdmaSegment, TransferError> {
         let seg = self.inner.tcp.open(name, token).await?;

@@ -60,6 +60,9 @@ pub(crate) struct PeerInner {
     /// Set when the engine shuts down ([`Peer::close`]): no connection
     /// opens after it, not even one whose `connect` was under way.
     closed: Cell<bool>,
+    /// Set when a reconnect found another node at the address: this peer
+    /// is gone, and the engine connects anew for the one there now.
+    replaced: Cell<bool>,
 }
 
 /// A connected remote engine. Cheap to clone.
@@ -99,13 +102,27 @@ impl Peer {
                 fenced,
                 target: RefCell::default(),
                 closed: Cell::new(false),
+                replaced: Cell::new(false),
             }),
         })
     }
 
-    /// The peer's node name.
+    /// The peer's node name (its first hello's).
     pub fn node(&self) -> &str {
         &self.inner.node
+    }
+
+    /// Whether a reconnect found another node at this peer's address: this
+    /// peer is gone for good (its segments were proven to the node that
+    /// left), and the engine's `connect` gives a new one for the node there.
+    pub fn is_replaced(&self) -> bool {
+        self.inner.replaced.get()
+    }
+
+    /// Reconnects the control connection if it is down, so that a hello
+    /// says who answers at the address now ([`is_replaced`](Self::is_replaced)).
+    pub async fn check_in(&self) -> Result<(), TransferError> {
+        self.control().await.map(|_| ())
     }
 
     /// The peer's address.
@@ -281,6 +298,7 @@ impl Peer {
         // another name, or a stale directory entry's address was taken):
         // what was proven was proven to the node that is gone.
         if c.hello.node != self.inner.node {
+            self.inner.replaced.set(true);
             c.kill("another node answers at the peer's address");
             return Err(TransferError::ConnectionLost(format!(
                 "{} is now node {:?}, not {:?}",
