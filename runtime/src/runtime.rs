@@ -318,10 +318,14 @@ fn turn(cx: &Context) {
     // Timers are fired once a turn, after the park (below): one due now
     // makes `until_next_timer` zero, so the park does not block, and it
     // fires in this turn all the same; a clock reading fewer.
+    // (Events the driver took outside a park — a submit that found the
+    // completion queue full reaps it — are this turn's too: blocking
+    // would leave a source's readiness for the next wake-up.)
     let busy = reaped > 0
         || !cx.ready.borrow().is_empty()
         || !cx.deferred.borrow().is_empty()
-        || cx.sources.borrow().busy();
+        || cx.sources.borrow().busy()
+        || cx.driver.borrow().has_events();
     let mut timeout = if busy {
         Some(Duration::ZERO)
     } else {
