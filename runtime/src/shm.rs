@@ -275,9 +275,25 @@ impl Doorbell {
             };
             (r == 0).then_some(v)
         };
+        // Connected: a socket that never was polls as hung up for ever.
+        let connected = {
+            // SAFETY: zeroed sockaddr_storage is a valid out-buffer.
+            let mut addr: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            // SAFETY: writes at most `len` bytes into a live sockaddr_storage.
+            let r = unsafe {
+                libc::getpeername(
+                    fd.as_raw_fd(),
+                    (&mut addr as *mut libc::sockaddr_storage).cast(),
+                    &mut len,
+                )
+            };
+            r == 0
+        };
         let ok = opt(libc::SO_DOMAIN) == Some(libc::AF_UNIX)
             && opt(libc::SO_TYPE) == Some(libc::SOCK_STREAM)
-            && opt(libc::SO_ACCEPTCONN) == Some(0);
+            && opt(libc::SO_ACCEPTCONN) == Some(0)
+            && connected;
         if !ok {
             return Err(refuse());
         }
@@ -316,7 +332,13 @@ impl Doorbell {
             match n {
                 0 => return false,
                 n if n == buf.len() as isize => continue,
-                _ => return true,
+                n if n > 0 => return true,
+                _ => {
+                    // Nothing more to drain, or a signal: still there. Any
+                    // other error (a reset end) will not ring again.
+                    let e = io::Error::last_os_error().raw_os_error();
+                    return matches!(e, Some(libc::EAGAIN) | Some(libc::EINTR));
+                }
             }
         }
     }

@@ -521,3 +521,84 @@ fn closed_doorbells_neither_signal_nor_keep_the_target_waking() {
     // Everyone else is served as before.
     others_are_served(&target, kv.token);
 }
+
+/// CPU time (s) each target shard thread of the process used so far, by
+/// thread id.
+fn shard_cpu() -> std::collections::HashMap<String, f64> {
+    let tick = 100.0; // USER_HZ
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| {
+            let dir = t.ok()?.path();
+            let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
+            comm.starts_with("target-shard").then_some(())?;
+            let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+            // After the ")" closing comm: state is field 3, utime 14, stime 15.
+            let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            let cpu = (f[11].parse::<f64>().ok()? + f[12].parse::<f64>().ok()?) / tick;
+            Some((dir.file_name()?.to_string_lossy().into_owned(), cpu))
+        })
+        .collect()
+}
+
+/// The most CPU one target shard thread used over an idle second (the
+/// tests alongside serve a request or two in it, not a second's worth).
+fn idle_cpu() -> f64 {
+    let before = shard_cpu();
+    std::thread::sleep(Duration::from_secs(1));
+    shard_cpu()
+        .into_iter()
+        .map(|(tid, cpu)| cpu - before.get(&tid).copied().unwrap_or(cpu))
+        .fold(0.0, f64::max)
+}
+
+/// Nothing an initiator writes in the shared mapping makes the target
+/// spin: a `served` count it moved past `submitted` woke the serve loop at
+/// every reactor turn for nothing (the reactor compared the two words of
+/// the mapping, the serve loop its own count), one core at 100 % for as
+/// long as the connection lived.
+#[test]
+fn a_served_count_moved_by_the_initiator_does_not_make_the_target_spin() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let kv = target.seg("kv").clone();
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let hand = HandMailbox::offer(&mut c);
+    hand.mem.word(64).store(1, Ordering::Release);
+    hand.to_target.ring();
+    let used = idle_cpu();
+    assert!(
+        used < 0.5,
+        "the target's shard used {used:.2} s of one idle second"
+    );
+    drop(hand);
+}
+
+/// A doorbell must be a connected socket (PROTOCOL.md §4.7): one that was
+/// never connected polls as hung up for ever, and the target, watching it,
+/// never blocked again.
+#[test]
+fn an_unconnected_doorbell_is_refused() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let kv = target.seg("kv").clone();
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let (_to_target, _to_initiator, named) = hand_bells();
+    // SAFETY: a plain socket(2) call; the fd is owned below.
+    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(raw >= 0);
+    // SAFETY: `raw` is a new fd nothing else owns.
+    let unconnected = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mem = hand_memory();
+    let st = offer(
+        &mut c,
+        mem.fd(),
+        unconnected.as_raw_fd(),
+        named[1].as_raw_fd(),
+    );
+    if st == Status::Ok {
+        let used = idle_cpu();
+        panic!("an unconnected doorbell was accepted (the target's shard then used {used:.2} s of one idle second)");
+    }
+    assert_eq!(st, Status::Forbidden);
+}

@@ -22,8 +22,8 @@ use crate::segment::Rights;
 pub(crate) struct Inbox {
     mb: Rc<Mailbox>,
     /// Requests served: this side's own count, never read back from the
-    /// mapping.
-    served: Cell<u64>,
+    /// mapping (the reactor's look compares with it too).
+    served: Rc<Cell<u64>>,
     /// The serve loop, while it waits for a frame.
     waiter: Rc<RefCell<Option<Waker>>>,
     _source: SourceHandle,
@@ -33,13 +33,17 @@ pub(crate) struct Inbox {
 /// are published, asks the initiator to ring before the reactor blocks.
 struct Arrivals {
     mb: Rc<Mailbox>,
+    /// The inbox's own count: the mapping's `served` is the initiator's to
+    /// write, and one moved past `submitted` would wake the serve loop at
+    /// every turn for nothing.
+    served: Rc<Cell<u64>>,
     waiter: Rc<RefCell<Option<Waker>>>,
 }
 
 impl Arrivals {
     /// Wakes the serve loop if it waits and requests are there.
     fn look(&self) -> usize {
-        if self.waiter.borrow().is_none() || self.mb.submitted() == self.mb.served() {
+        if self.waiter.borrow().is_none() || self.mb.submitted() == self.served.get() {
             return 0;
         }
         let waiter = self.waiter.borrow_mut().take();
@@ -96,11 +100,14 @@ impl ServedConn<'_> {
         let st = match opened {
             Ok(mb) => {
                 let (mb, waiter) = (Rc::new(mb), Rc::new(RefCell::new(None)));
+                // (Read from the mapping once, here.)
+                let served = Rc::new(Cell::new(mb.served()));
                 self.inbox = Some(Inbox {
                     mb: mb.clone(),
-                    served: Cell::new(mb.served()),
+                    served: served.clone(),
                     _source: register(Arrivals {
                         mb,
+                        served,
                         waiter: waiter.clone(),
                     }),
                     waiter,
