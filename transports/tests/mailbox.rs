@@ -224,8 +224,14 @@ fn hand_memory() -> SharedMemory {
 
 /// Sends `LocalAttach` for this process on `c`; the target's verdict.
 fn attach(c: &mut RawClient) -> Status {
+    attach_as(c, std::process::id())
+}
+
+/// Sends `LocalAttach` naming process `pid` (which must hold `c`'s socket
+/// and the nonce at the same address: this process or a fork of it).
+fn attach_as(c: &mut RawClient, pid: u32) -> Status {
     let mut attach = [0u8; 12];
-    attach[0..4].copy_from_slice(&std::process::id().to_le_bytes());
+    attach[0..4].copy_from_slice(&pid.to_le_bytes());
     attach[4..12].copy_from_slice(&(c.ack.nonce.as_ptr() as u64).to_le_bytes());
     c.send(
         &Header {
@@ -601,4 +607,60 @@ fn an_unconnected_doorbell_is_refused() {
         panic!("an unconnected doorbell was accepted (the target's shard then used {used:.2} s of one idle second)");
     }
     assert_eq!(st, Status::Forbidden);
+}
+
+/// The target copies between its segments and an attached process with
+/// its own credentials, for as long as the connection lives: a process of
+/// another user must not attach. Through it (its child that keeps the
+/// socket, once it exec'd a setuid program), a target with more rights
+/// than the initiator — root, as in many containers — would read and write
+/// memory the initiator's user may not. Only a process of the target's own
+/// user attaches; others stay on TCP.
+#[test]
+fn a_process_of_another_user_does_not_attach() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a process as another user");
+        return;
+    }
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 4096, RW)]);
+    let kv = target.seg("kv").clone();
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    // A fork holds the socket and the nonce at the same address; it turns
+    // into user `nobody` and waits.
+    // SAFETY: the child calls only async-signal-safe functions.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0);
+    if child == 0 {
+        // SAFETY: async-signal-safe calls in the forked child.
+        unsafe {
+            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                libc::_exit(1);
+            }
+            loop {
+                libc::pause();
+            }
+        }
+    }
+    // Until the child runs as `nobody`.
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(format!("/proc/{child}/status"))
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("65534"))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the child never changed user"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let st = attach_as(&mut c, child as u32);
+    // SAFETY: kills and reaps the child forked above.
+    unsafe {
+        libc::kill(child, libc::SIGKILL);
+        libc::waitpid(child, std::ptr::null_mut(), 0);
+    }
+    assert_eq!(st, Status::Forbidden, "a process of another user attached");
 }

@@ -12,6 +12,50 @@
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
+/// Why process `pid` may not be attached to for its user, if so. The
+/// target copies with its own credentials for as long as the connection
+/// lives, while the process may change: its child keeping the socket, it
+/// may exec a setuid program, whose memory a target with more rights than
+/// the initiator (root) could then reach. So only a process all of whose
+/// user ids are the target's effective one attaches — a root target takes
+/// root processes only — and a target that is not root but may ptrace any
+/// process (`CAP_SYS_PTRACE`) takes none.
+pub(crate) fn refuses_user(pid: u32) -> io::Result<Option<&'static str>> {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let ids = |key: &str| -> Vec<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .map(|v| {
+                v.split_whitespace()
+                    .filter_map(|n| n.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let uids = ids("Uid:");
+    if uids.len() != 4 || uids.iter().any(|&u| u != u64::from(me)) {
+        return Ok(Some("the process runs as another user"));
+    }
+    if me != 0 {
+        let mine = std::fs::read_to_string("/proc/self/status")?;
+        let cap_eff = mine
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .unwrap_or(0);
+        const CAP_SYS_PTRACE: u32 = 19;
+        if cap_eff & (1 << CAP_SYS_PTRACE) != 0 {
+            return Ok(Some(
+                "this target may ptrace any process (CAP_SYS_PTRACE) without being root",
+            ));
+        }
+    }
+    Ok(None)
+}
+
 /// True if process `pid` holds the socket whose local end is `local` and
 /// whose remote end is `remote`.
 pub(crate) fn holds_socket(pid: u32, local: SocketAddr, remote: SocketAddr) -> io::Result<bool> {

@@ -90,6 +90,10 @@ impl ServedConn<'_> {
             return Err("that process does not hold this connection".into());
         }
         let process = PeerProcess::open(pid).map_err(|e| e.to_string())?;
+        // (After the pidfd: the pid cannot be another process's by now.)
+        if let Some(why) = owner::refuses_user(pid).map_err(|e| e.to_string())? {
+            return Err(why.into());
+        }
         let mut seen = vec![0u8; 16];
         let (_, r) = process.read_into(probe, &mut seen, 16);
         r.map_err(|e| format!("cannot read its memory: {e}"))?;
