@@ -382,3 +382,39 @@ fn stopping_an_engine_inside_a_runtime_leaves_its_lane_for_later() {
     assert_eq!(write(&e2, kv2, 0, vec![2u8; 4096]), SYNC_OK);
     assert_eq!(t.wait_sessions(2), 2, "e2's engine and lane; e's lane gone");
 }
+
+/// A lane's opening takes a quarter of the batch's deadline at most, over
+/// all the segments it opens — not a quarter for each: ten peers that each
+/// answer an open just inside a quarter held a first lane call for ten
+/// quarters, and its batch then ran with no deadline left.
+#[test]
+fn a_lane_opening_many_segments_keeps_the_deadline() {
+    const PEERS: u64 = 10;
+    let targets: Vec<Target> = (0..PEERS).map(|_| Target::start()).collect();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let handles: Vec<u32> = targets
+        .iter()
+        .map(|t| e.open(t.addr, "kv", t.kv).unwrap())
+        .collect();
+    let opts = BatchOptions::default()
+        .policy(FailurePolicy::FailFast)
+        .deadline(Duration::from_millis(400))
+        .fence_grace(Duration::from_millis(100));
+    // Peer k wakes (k + 1) × 80 ms after the call starts: each lane open,
+    // one after the other, waits about 80 ms — inside a quarter of the
+    // deadline. (`stall` returns 20 ms after it froze the peer: the call
+    // starts PEERS × 20 ms after the first froze.)
+    for (k, t) in targets.iter().enumerate() {
+        let k = k as u64;
+        t.stall(Duration::from_millis(PEERS * 20 + 80 * (k + 1) - 20 * k));
+    }
+    let tasks: Vec<_> = handles.iter().map(|&h| task(h, 0, vec![5u8; 4096])).collect();
+    let started = std::time::Instant::now();
+    let out = e.batch(Direction::Write, tasks, opts).unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(700),
+        "deadline 400 ms + grace 100 ms, answered after {took:?} ({})",
+        out.code
+    );
+}

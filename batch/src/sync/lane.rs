@@ -423,6 +423,8 @@ impl Lane {
         let mut out = SmallVec::with_capacity(tasks.len());
         // Time spent opening, read from the clock only when one is opened.
         let mut spent = Duration::ZERO;
+        // What opening may take, over every segment this call opens.
+        let budget = deadline.map(|d| d / OPEN_SHARE);
         for (_, t) in tasks {
             let known = self.opened.get(t.segment as usize).cloned().flatten();
             let seg = match known {
@@ -430,8 +432,14 @@ impl Lane {
                 Some(LaneSegment::Another) => return (None, spent),
                 Some(LaneSegment::Slow(until)) if now < until => return (None, spent),
                 Some(LaneSegment::Slow(_)) | None => {
+                    let left = budget.map(|b| b.saturating_sub(spent));
+                    if left.is_some_and(|l| l.is_zero()) {
+                        // Spent: the engine's thread runs it (this segment
+                        // is tried on a later call).
+                        return (None, spent);
+                    }
                     let started = Instant::now();
-                    let state = self.open_here(t.segment, keys, deadline);
+                    let state = self.open_here(t.segment, keys, left, budget);
                     spent += started.elapsed();
                     match state {
                         Some(LaneSegment::Open(s)) => s,
@@ -453,11 +461,15 @@ impl Lane {
     /// Opens the engine's handle `handle` on this lane as `keys` says the
     /// engine opened it, and records how that went; `None` if it is not a
     /// TCP handle of this engine (the engine's thread answers it).
+    /// `left`: how long it may take (`None`: as long as it takes); a
+    /// segment not opened within the whole `budget` is slow, one cut
+    /// shorter is only tried again later.
     fn open_here(
         &mut self,
         handle: u32,
         keys: &Mutex<Vec<Option<LaneKey>>>,
-        deadline: Option<Duration>,
+        left: Option<Duration>,
+        budget: Option<Duration>,
     ) -> Option<LaneSegment> {
         let key = {
             let all = keys.lock().unwrap_or_else(|e| e.into_inner());
@@ -465,10 +477,14 @@ impl Lane {
         };
         let net = self.net.clone()?;
         let opening = open(&net, &key);
-        let opened = match deadline {
-            Some(d) => self.rt.block_on(timeout(d / OPEN_SHARE, opening)).ok(),
+        let opened = match left {
+            Some(d) => self.rt.block_on(timeout(d, opening)).ok(),
             None => Some(self.rt.block_on(opening)),
         };
+        if opened.is_none() && left != budget {
+            // Out of this call's budget, not necessarily slow.
+            return None;
+        }
         let state = match opened {
             Some(Ok(s)) => LaneSegment::Open(s),
             Some(Err(LaneOpen::Another)) => LaneSegment::Another,
