@@ -410,3 +410,23 @@ fn a_peer_whose_session_ended_comes_back_in_one_session() {
         assert_eq!(later, at_ack, "bytes landed after the fence was confirmed");
     });
 }
+
+/// A stall timeout longer than the kernel's keep-alive settings take
+/// (32,767 s; a day, to ride out a debugger or a VM migration) still
+/// connects: the probes' timing is clamped, not refused with every connect.
+#[test]
+fn a_stall_timeout_of_a_day_connects() {
+    let t = ShardTarget::start(tcp(), &[("kv", 4096, Rights::READ | Rights::WRITE)]);
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(EngineConfig {
+            stall_timeout: Some(Duration::from_secs(86_400)),
+            ..tcp()
+        })
+        .unwrap();
+        let peer = e.connect(t.addr).await.expect("connect");
+        let kv = peer.open("kv", token).await.unwrap();
+        let (r, _) = kv.write(0, vec![1u8; 4096], 1).await;
+        assert_eq!(r.unwrap(), 4096);
+    });
+}

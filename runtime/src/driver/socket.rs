@@ -176,7 +176,8 @@ pub(crate) fn set_keepalive(
     let Some(limit) = limit.filter(|d| !d.is_zero()) else {
         return Ok(());
     };
-    let secs = |d: std::time::Duration| d.as_secs().clamp(1, i32::MAX as u64) as libc::c_int;
+    // (The kernel takes 1..=32767 s for each.)
+    let secs = |d: std::time::Duration| d.as_secs().clamp(1, 32_767) as libc::c_int;
     let opts = [
         (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
         (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, secs(limit / 2)),
