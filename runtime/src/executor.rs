@@ -532,4 +532,12 @@ impl Wakes {
             std::panic::resume_unwind(p);
         }
     }
+
+    /// As [`finish`](Self::finish), where going on with a panic would
+    /// abort the process (a runtime's drop): logs it instead.
+    pub(crate) fn finish_in_drop(self) {
+        if self.0.is_some() {
+            tracing::error!("a waker panicked while a runtime shut down");
+        }
+    }
 }

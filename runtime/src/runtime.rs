@@ -544,8 +544,19 @@ impl Runtime {
                 "buffers lent to another process were not let go before the shutdown; leaking them"
             );
         }
+        // Whoever waits on its timers or (epoll) its poller — tasks of other
+        // runtimes holding its sleeps and ops — is woken: nothing would
+        // otherwise, and at their next poll they end or move on.
+        let mut waiting = cx.timers.borrow_mut().take_all();
         let mut d = cx.driver.borrow_mut();
         let Driver::Uring(u) = &mut *d else {
+            if let Driver::Poll(p) = &mut *d {
+                waiting.extend(p.take_waiters());
+            }
+            drop(d);
+            let mut wakes = crate::executor::Wakes::default();
+            waiting.into_iter().for_each(|w| wakes.wake(w));
+            wakes.finish_in_drop();
             return stranded;
         };
         let live = u.drain(self.drain_timeout, &cx.counters);
@@ -559,6 +570,9 @@ impl Runtime {
         }
         drop(d);
         drop(released);
+        let mut wakes = crate::executor::Wakes::default();
+        waiting.into_iter().for_each(|w| wakes.wake(w));
+        wakes.finish_in_drop();
         stranded + live
     }
 }

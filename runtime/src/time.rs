@@ -74,6 +74,13 @@ impl Timers {
         }
     }
 
+    /// Removes every timer; returns their wakers (the runtime shut down:
+    /// their sleeps move to the runtime that polls them next).
+    pub(crate) fn take_all(&mut self) -> Vec<Waker> {
+        self.heap.clear();
+        self.armed.drain().map(|a| a.waker).collect()
+    }
+
     /// Drops stale entries from the top of the heap.
     fn prune(&mut self) {
         while let Some(Reverse((_, gen, slot))) = self.heap.peek() {

@@ -353,3 +353,28 @@ fn an_op_outliving_its_runtime_completes_on_either_driver() {
     let (res, _buf) = done.expect("the op never completed on the next runtime");
     assert!(res.is_err(), "its runtime is gone: {res:?}");
 }
+
+/// A task of another runtime waiting on an op of a runtime that then shuts
+/// down is woken and its op ends: io_uring's drain completes it cancelled;
+/// on epoll the waker sat in the dead runtime's poller, and only a fresh
+/// poll ended the op.
+#[test]
+fn a_task_waiting_on_an_op_of_a_runtime_that_shuts_down_is_woken() {
+    let (first, second) = (rt(), rt());
+    let (a, _b) = first.block_on(pair());
+    let op = a.read(vec![0u8; 16]);
+    let done = std::rc::Rc::new(std::cell::Cell::new(false));
+    let d = done.clone();
+    let _waiting = second.spawn_local(async move {
+        let (r, _) = op.await;
+        d.set(r.is_err());
+    });
+    // The task polled the op: it waits in the first runtime's driver.
+    second.block_on(quiesce_runtime::time::sleep(Duration::from_millis(20)));
+    drop(first);
+    second.block_on(quiesce_runtime::time::sleep(Duration::from_millis(200)));
+    assert!(
+        done.get(),
+        "the task waiting on the dead runtime's op was never woken"
+    );
+}

@@ -140,3 +140,31 @@ fn a_sleep_outliving_its_runtime_ends_on_the_next() {
     let done = rt().block_on(timeout(Duration::from_millis(500), s));
     assert!(done.is_ok(), "the sleep never ended on the next runtime");
 }
+
+/// A task of another runtime waiting on a sleep registered with a runtime
+/// that then shuts down is woken by that shutdown, and its sleep ends on
+/// its own runtime: the dead runtime's timers are never fired, and only a
+/// fresh poll moved the sleep.
+#[test]
+fn a_task_waiting_on_a_sleep_of_a_runtime_that_shuts_down_is_woken() {
+    let (first, second) = (rt(), rt());
+    let mut s = Box::pin(sleep(Duration::from_millis(50)));
+    first.block_on(std::future::poll_fn(|cx| {
+        assert!(std::future::Future::poll(s.as_mut(), cx).is_pending());
+        std::task::Poll::Ready(())
+    }));
+    let done = Rc::new(std::cell::Cell::new(false));
+    let d = done.clone();
+    let _waiting = second.spawn_local(async move {
+        s.await;
+        d.set(true);
+    });
+    // The task polled the sleep: its waker is in the first runtime's timers.
+    second.block_on(sleep(Duration::from_millis(10)));
+    drop(first);
+    second.block_on(sleep(Duration::from_millis(200)));
+    assert!(
+        done.get(),
+        "the task waiting on the dead runtime's sleep was never woken"
+    );
+}

@@ -107,6 +107,15 @@ impl Poller {
         Ok(())
     }
 
+    /// Takes every waiter of every fd (the runtime shut down: their ops end
+    /// at their next poll).
+    pub(crate) fn take_waiters(&mut self) -> Vec<Waker> {
+        self.io
+            .iter_mut()
+            .flat_map(|(_, s)| s.readers.drain(..).chain(s.writers.drain(..)))
+            .collect()
+    }
+
     /// Deregisters `fd` (its owner is about to close it); wakes its waiters.
     pub(crate) fn forget(&mut self, fd: RawFd) {
         let taken = usize::try_from(fd)
@@ -116,9 +125,11 @@ impl Poller {
         if let Some(key) = taken {
             let slot = self.io.remove(key);
             let _ = self.poll.registry().deregister(&mut SourceFd(&slot.fd));
+            let mut wakes = crate::executor::Wakes::default();
             for w in slot.readers.into_iter().chain(slot.writers) {
-                w.wake();
+                wakes.wake(w);
             }
+            wakes.finish();
         }
     }
 
