@@ -408,7 +408,10 @@ fn a_lane_opening_many_segments_keeps_the_deadline() {
         let k = k as u64;
         t.stall(Duration::from_millis(PEERS * 20 + 80 * (k + 1) - 20 * k));
     }
-    let tasks: Vec<_> = handles.iter().map(|&h| task(h, 0, vec![5u8; 4096])).collect();
+    let tasks: Vec<_> = handles
+        .iter()
+        .map(|&h| task(h, 0, vec![5u8; 4096]))
+        .collect();
     let started = std::time::Instant::now();
     let out = e.batch(Direction::Write, tasks, opts).unwrap();
     let took = started.elapsed();

@@ -3,7 +3,7 @@
 //! ([`RemoteSegment`](crate::tcp::segment::RemoteSegment) moves the data).
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
@@ -309,7 +309,7 @@ impl Peer {
         // unproven connection), and again after it: an open that found no
         // live connection here waits for this one, so whatever was opened
         // meanwhile is proven here too before it is installed.
-        let mut proven = HashSet::new();
+        let mut proven = HashMap::new();
         self.prove_opened(&c, &mut proven).await?;
         if i > 0 {
             let p = &self.inner.params;
@@ -326,26 +326,32 @@ impl Peer {
         Ok(c)
     }
 
-    /// Proves on `c` every opened segment not in `proven` yet, until a look
+    /// Proves on `c` every opened segment not in `proven` yet (by id, as
+    /// opened: one opened anew under an id proven meanwhile is proven
+    /// again), until a look
     /// finds none new. Bounded like the rest of the handshake: a target
     /// that answers the hello and then never the auth must not hold the
     /// transfer (and the caller's buffer) for ever. Segments the target
     /// refuses (deregistered since, or it restarted) are forgotten: their
     /// transfers fail as refused, the rest go on.
-    async fn prove_opened(&self, c: &Conn, proven: &mut HashSet<u64>) -> Result<(), TransferError> {
+    async fn prove_opened(
+        &self,
+        c: &Conn,
+        proven: &mut HashMap<u64, Rc<Proven>>,
+    ) -> Result<(), TransferError> {
         loop {
             let more: Vec<(u64, Opened)> = self
                 .inner
                 .opened
                 .borrow()
                 .iter()
-                .filter(|(id, _)| !proven.contains(id))
+                .filter(|(id, o)| !proven.get(id).is_some_and(|p| Rc::ptr_eq(p, &o.desc)))
                 .map(|(k, v)| (*k, v.clone()))
                 .collect();
             if more.is_empty() {
                 return Ok(());
             }
-            proven.extend(more.iter().map(|m| m.0));
+            proven.extend(more.iter().map(|(id, o)| (*id, o.desc.clone())));
             let limit = self.inner.params.connect_timeout;
             let refused = match timeout(limit, reprove(c, &more)).await {
                 Ok(Ok(refused)) => refused,
