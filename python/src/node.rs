@@ -212,10 +212,12 @@ struct PeerSegments {
 }
 
 impl PeerSegments {
-    /// The segments, now kept for `node` (checked at the address just now).
+    /// The segments, now kept for `node` (checked at the address just now):
+    /// those kept for another node there are its, not this one's.
     fn of(&mut self, node: &str) -> &mut Vec<OpenedSegment> {
         if self.node != node {
             self.node = node.to_string();
+            self.segments.clear();
         }
         &mut self.segments
     }
@@ -445,6 +447,16 @@ impl Node {
         Ok(addr)
     }
 
+    /// The name ranges kept at an address are kept for: the node name
+    /// checked there (etcd); none for P2P, whose names are addresses (two
+    /// spellings of one address are one node).
+    fn checked_name<'a>(&self, target: &'a str) -> &'a str {
+        match self.directory {
+            Directory::P2p => "",
+            _ => target,
+        }
+    }
+
     /// With an etcd directory, that `target` (found there at `peer`) is the
     /// node at `peer` ([`stale_entry`]).
     fn check_node(&self, target: &str, peer: SocketAddr) -> Result<(), String> {
@@ -480,7 +492,7 @@ impl Node {
         // stale entry of another name may give the same address.
         let cached = lock(&self.opened)
             .get(&peer)
-            .filter(|p| p.node == target || matches!(self.directory, Directory::P2p))
+            .filter(|p| p.node == self.checked_name(target))
             .and_then(|p| p.segments.iter().find(|s| fits(s)).copied());
         let seg = match cached {
             Some(s) => s,
@@ -492,7 +504,10 @@ impl Node {
                 // (Another thread may have opened it meanwhile: the engine
                 // gave it the same handle.)
                 let mut opened = lock(&self.opened);
-                let known = opened.entry(peer).or_default().of(target);
+                let known = opened
+                    .entry(peer)
+                    .or_default()
+                    .of(self.checked_name(target));
                 if !known.contains(&s) {
                     known.push(s);
                 }
@@ -518,7 +533,10 @@ impl Node {
             .open_first(peer, self.token)
             .map_err(|e| format!("{target}: no registered memory open to this secret ({e})"))?;
         let mut opened = lock(&self.opened);
-        let known = opened.entry(peer).or_default().of(target);
+        let known = opened
+            .entry(peer)
+            .or_default()
+            .of(self.checked_name(target));
         if !known
             .iter()
             .any(|k| k.segment == s.segment || k.base == s.base)

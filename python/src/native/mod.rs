@@ -573,11 +573,17 @@ impl NativeEngine {
             .detach(|| loop {
                 // Another call took this lending back meanwhile (and the
                 // address may be lent anew, which is not this call's to
-                // take): the engine let go of it.
+                // take): the engine let go of it — unless a close took it
+                // (it sets how it ended before it takes the lendings): then
+                // whether the memory is free is the close's to say.
+                let gone = || match *lock(&self.core.ending) {
+                    Ending::Running => Ok(true),
+                    _ => Err(SyncError::Stopped),
+                };
                 if segment.is_some()
                     && lock(&self.core.lent).get(&address).map(|l| l.segment) != segment
                 {
-                    return Ok(true);
+                    return gone();
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
                 let began = Instant::now();
@@ -597,7 +603,7 @@ impl NativeEngine {
                         }
                     }
                     // That other call took it back: the engine let go.
-                    Err(SyncError::NotLent(_)) if segment.is_some() => return Ok(true),
+                    Err(SyncError::NotLent(_)) if segment.is_some() => return gone(),
                     r => return r,
                 }
             })

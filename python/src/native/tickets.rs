@@ -75,8 +75,15 @@ impl Core {
     ) -> Result<Option<Report>, SyncError> {
         let out = py.detach(|| loop {
             let left = deadline.saturating_duration_since(Instant::now());
+            let began = Instant::now();
             match self.with(|e| e.wait::<RawBuf>(ticket, left.min(WAIT_SLICE))) {
-                Ok(None) if !left.is_zero() => continue,
+                Ok(None) if !left.is_zero() => {
+                    // Answered at once (an engine whose thread died never
+                    // drains anything): wait, do not spin on its lock.
+                    if began.elapsed() < Duration::from_millis(1) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
                 r => return r,
             }
         })?;
