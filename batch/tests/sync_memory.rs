@@ -383,6 +383,22 @@ fn host_ranges_read_the_table_once_per_call() {
     assert_eq!(check.first_bad(with_bad), Some((none, 16)));
 }
 
+/// An engine named `name` listening on `listen`.
+fn node_at(name: &str, listen: std::net::SocketAddr) -> SyncEngine {
+    SyncEngine::start(EngineConfig {
+        node: name.into(),
+        listen,
+        ..EngineConfig::default()
+    })
+    .unwrap()
+}
+
+/// Lends `mem` (LEN bytes) on `e` as segment "m".
+fn lend_m(e: &SyncEngine, mem: &mut [u8], token: Token) {
+    // SAFETY: the tests keep `mem` past the engine (dropped first).
+    unsafe { e.lend("m", mem.as_mut_ptr() as u64, LEN as u64, token) }.unwrap();
+}
+
 /// Another node answering at a peer's address — the peer restarted under
 /// another name, or the address of a stale directory entry was taken — is
 /// not that peer, even with a segment of the same name and token: the
@@ -391,22 +407,11 @@ fn host_ranges_read_the_table_once_per_call() {
 #[test]
 fn another_node_at_a_peers_address_gets_none_of_its_writes() {
     let token = Token::derive(b"a secret both sides hold", "node");
-    let node = |name: &str, listen| {
-        SyncEngine::start(EngineConfig {
-            node: name.into(),
-            listen,
-            ..EngineConfig::default()
-        })
-        .unwrap()
-    };
-    let lend = |e: &SyncEngine, mem: &mut [u8]| {
-        // SAFETY: the test keeps `mem` past the engine (dropped first).
-        unsafe { e.lend("m", mem.as_mut_ptr() as u64, LEN as u64, token) }.unwrap();
-    };
+    let lend = |e: &SyncEngine, mem: &mut [u8]| lend_m(e, mem, token);
     let init = engine();
     let write = |segment: u32| write_4k_at_0(&init, segment, 0x5a);
     let mut gone_mem = vec![0u8; LEN];
-    let gone = node("decode-3", "127.0.0.1:0".parse().unwrap());
+    let gone = node_at("decode-3", "127.0.0.1:0".parse().unwrap());
     let addr = gone.local_addr();
     lend(&gone, &mut gone_mem);
     let seg = init.open_named(addr, "m", token).unwrap();
@@ -414,7 +419,7 @@ fn another_node_at_a_peers_address_gets_none_of_its_writes() {
     assert_eq!(init.peer_node(addr).unwrap(), "decode-3");
     drop(gone);
     let mut new_mem = vec![0u8; LEN];
-    let other = node("decode-7", addr);
+    let other = node_at("decode-7", addr);
     lend(&other, &mut new_mem);
     assert_ne!(write(seg.segment), SYNC_OK, "a write reached another node");
     assert!(
@@ -468,18 +473,8 @@ fn reclaiming_a_segment_leaves_a_newer_lending_of_its_address_alone() {
 #[test]
 fn a_restarted_peer_gets_none_of_the_writes_meant_for_its_old_memory() {
     let token = Token::derive(b"a secret both sides hold", "node");
-    let node = |listen| {
-        SyncEngine::start(EngineConfig {
-            node: "decode-3".into(),
-            listen,
-            ..EngineConfig::default()
-        })
-        .unwrap()
-    };
-    let lend = |e: &SyncEngine, mem: &mut [u8]| {
-        // SAFETY: the test keeps `mem` past the engine (dropped first).
-        unsafe { e.lend("m", mem.as_mut_ptr() as u64, LEN as u64, token) }.unwrap();
-    };
+    let node = |listen| node_at("decode-3", listen);
+    let lend = |e: &SyncEngine, mem: &mut [u8]| lend_m(e, mem, token);
     let init = engine();
     let write = |segment: u32| write_4k_at_0(&init, segment, 0x5a);
     let mut old_mem = vec![0u8; LEN];
@@ -522,28 +517,17 @@ fn a_restarted_peer_gets_none_of_the_writes_meant_for_its_old_memory() {
 #[test]
 fn another_node_at_a_peers_address_is_reachable_under_its_own_name() {
     let token = Token::derive(b"a secret both sides hold", "node");
-    let node = |name: &str, listen| {
-        SyncEngine::start(EngineConfig {
-            node: name.into(),
-            listen,
-            ..EngineConfig::default()
-        })
-        .unwrap()
-    };
-    let lend = |e: &SyncEngine, mem: &mut [u8]| {
-        // SAFETY: the test keeps `mem` past the engine (dropped first).
-        unsafe { e.lend("m", mem.as_mut_ptr() as u64, LEN as u64, token) }.unwrap();
-    };
+    let lend = |e: &SyncEngine, mem: &mut [u8]| lend_m(e, mem, token);
     let init = engine();
     let mut gone_mem = vec![0u8; LEN];
-    let gone = node("decode-3", "127.0.0.1:0".parse().unwrap());
+    let gone = node_at("decode-3", "127.0.0.1:0".parse().unwrap());
     let addr = gone.local_addr();
     lend(&gone, &mut gone_mem);
     let seg = init.open_named(addr, "m", token).unwrap();
     assert_eq!(write_4k_at_0(&init, seg.segment, 0x11), SYNC_OK);
     drop(gone);
     let mut new_mem = vec![0u8; LEN];
-    let other = node("decode-7", addr);
+    let other = node_at("decode-7", addr);
     lend(&other, &mut new_mem);
     assert_eq!(init.peer_node(addr).unwrap(), "decode-7");
     let seg = init.open_named(addr, "m", token).unwrap();

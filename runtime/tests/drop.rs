@@ -266,21 +266,6 @@ fn a_panic_inside_an_ops_poll_leaves_its_buffer_to_the_kernel() {
     });
 }
 
-/// A waker that panics when woken (cloning and dropping it work).
-fn waker_that_panics_when_woken() -> std::task::Waker {
-    use std::task::{RawWaker, RawWakerVTable, Waker};
-    fn clone(p: *const ()) -> RawWaker {
-        RawWaker::new(p, &VTABLE)
-    }
-    fn wake(_: *const ()) {
-        panic!("a waker that panics when woken")
-    }
-    fn ignore(_: *const ()) {}
-    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake, ignore);
-    // SAFETY: every function of the vtable ignores the (null) data pointer.
-    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
-}
-
 /// Two receives, on two connections, whose completions come in one reap
 /// (io_uring) or one readiness wait (epoll): the first's waker panics. The
 /// task awaiting the second is still woken: the driver had taken both off

@@ -80,21 +80,6 @@ fn dropped_sleeps_unregister() {
     });
 }
 
-/// A waker that panics when woken (cloning and dropping it work).
-fn waker_that_panics_when_woken() -> std::task::Waker {
-    use std::task::{RawWaker, RawWakerVTable, Waker};
-    fn clone(p: *const ()) -> RawWaker {
-        RawWaker::new(p, &VTABLE)
-    }
-    fn wake(_: *const ()) {
-        panic!("a waker that panics when woken")
-    }
-    fn ignore(_: *const ()) {}
-    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake, ignore);
-    // SAFETY: every function of the vtable ignores the (null) data pointer.
-    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
-}
-
 /// A timer whose waker panics when it fires takes no other timer due in
 /// the same turn with it: the runtime had taken them all off its heap
 /// before waking the first, and the rest were never woken — a deadline

@@ -126,3 +126,18 @@ pub fn loopback_pair() -> (std::net::TcpStream, std::net::TcpStream) {
     let (server, _) = l.accept().unwrap();
     (client, server)
 }
+
+/// A waker that panics when woken (cloning and dropping it work).
+pub fn waker_that_panics_when_woken() -> std::task::Waker {
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+    fn clone(p: *const ()) -> RawWaker {
+        RawWaker::new(p, &VTABLE)
+    }
+    fn wake(_: *const ()) {
+        panic!("a waker that panics when woken")
+    }
+    fn ignore(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake, ignore);
+    // SAFETY: every function of the vtable ignores the (null) data pointer.
+    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
+}

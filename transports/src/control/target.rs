@@ -211,20 +211,19 @@ impl Target {
             .map_or_else(Vec::new, |s| s.conns.keys().copied().collect())
     }
 
+    /// What `pick` takes from each open connection of `session` (taken out
+    /// first: acting on it may end a connection, which changes the table).
+    fn members<T>(&self, session: u64, pick: impl Fn(&SessionConn) -> Option<T>) -> Vec<T> {
+        self.sessions
+            .borrow()
+            .get(&session)
+            .map_or_else(Vec::new, |c| c.conns.values().filter_map(pick).collect())
+    }
+
     /// Closes every connection of `session` (it holds too much state): once
     /// they are gone nothing of it can arrive, and its entries go.
     pub(crate) fn close_session(&self, session: u64) {
-        let conns: Vec<Rc<TcpStream>> =
-            self.sessions
-                .borrow()
-                .get(&session)
-                .map_or_else(Vec::new, |c| {
-                    c.conns
-                        .values()
-                        .filter_map(|m| m.stream.upgrade())
-                        .collect()
-                });
-        for s in conns {
+        for s in self.members(session, |m| m.stream.upgrade()) {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -235,16 +234,7 @@ impl Target {
     /// reset lost in a partition), whose queue pair would accept the
     /// requests still in the network.
     pub(crate) fn reset_served(&self, session: u64) {
-        let slots: Vec<ServedSlot> =
-            self.sessions
-                .borrow()
-                .get(&session)
-                .map_or_else(Vec::new, |c| {
-                    c.conns
-                        .values()
-                        .filter_map(|m| m.served.upgrade())
-                        .collect()
-                });
+        let slots: Vec<ServedSlot> = self.members(session, |m| m.served.upgrade());
         for slot in slots {
             // (Borrowed only in synchronous steps: never busy here.)
             if let Some(link) = slot.borrow_mut().as_mut() {
