@@ -141,7 +141,6 @@ impl Conn {
             Some(Pending::Write { len, result }) => {
                 if let Err(why) = answer_write(&result, len, res) {
                     self.kill(why);
-                    return;
                 }
             }
             Some(Pending::Read {
