@@ -408,11 +408,12 @@ impl Lane {
 
     /// This lane's segment for every task (opening those it has not yet,
     /// as `keys` says the engine opened them), or `None` if one cannot be
-    /// opened here as the engine opened it, or not in time. An open may
-    /// take [`OPEN_SHARE`] of the batch's deadline at most, leaving the
-    /// rest for the batch; one that runs out is not tried again for
-    /// [`OPEN_BACKOFF`]. Also the time spent opening (the clock is not read
-    /// when every segment was open already).
+    /// opened here as the engine opened it, or not in time. Opening may
+    /// take [`OPEN_SHARE`] of the batch's deadline at most, over all the
+    /// segments of the call, leaving the rest for the batch; an open is
+    /// started only with half of that left, and one that runs out is not
+    /// tried again for [`OPEN_BACKOFF`]. Also the time spent opening (the
+    /// clock is not read when every segment was open already).
     fn segments<B>(
         &mut self,
         tasks: &[(Direction, SyncTask<B>)],
@@ -433,13 +434,16 @@ impl Lane {
                 Some(LaneSegment::Slow(until)) if now < until => return (None, spent),
                 Some(LaneSegment::Slow(_)) | None => {
                     let left = budget.map(|b| b.saturating_sub(spent));
-                    if left.is_some_and(|l| l.is_zero()) {
-                        // Spent: the engine's thread runs it (this segment
-                        // is tried on a later call).
-                        return (None, spent);
+                    if let (Some(l), Some(b)) = (left, budget) {
+                        if l.is_zero() || l < b / 2 {
+                            // Mostly spent: the engine's thread runs it
+                            // (this segment is tried on a later call, with
+                            // at least half the budget).
+                            return (None, spent);
+                        }
                     }
                     let started = Instant::now();
-                    let state = self.open_here(t.segment, keys, left, budget);
+                    let state = self.open_here(t.segment, keys, left);
                     spent += started.elapsed();
                     match state {
                         Some(LaneSegment::Open(s)) => s,
@@ -461,15 +465,13 @@ impl Lane {
     /// Opens the engine's handle `handle` on this lane as `keys` says the
     /// engine opened it, and records how that went; `None` if it is not a
     /// TCP handle of this engine (the engine's thread answers it).
-    /// `left`: how long it may take (`None`: as long as it takes); a
-    /// segment not opened within the whole `budget` is slow, one cut
-    /// shorter is only tried again later.
+    /// `left`: how long it may take (`None`: as long as it takes; else at
+    /// least half the call's budget), past which it is slow.
     fn open_here(
         &mut self,
         handle: u32,
         keys: &Mutex<Vec<Option<LaneKey>>>,
         left: Option<Duration>,
-        budget: Option<Duration>,
     ) -> Option<LaneSegment> {
         let key = {
             let all = keys.lock().unwrap_or_else(|e| e.into_inner());
@@ -481,10 +483,6 @@ impl Lane {
             Some(d) => self.rt.block_on(timeout(d, opening)).ok(),
             None => Some(self.rt.block_on(opening)),
         };
-        if opened.is_none() && left != budget {
-            // Out of this call's budget, not necessarily slow.
-            return None;
-        }
         let state = match opened {
             Some(Ok(s)) => LaneSegment::Open(s),
             Some(Err(LaneOpen::Another)) => LaneSegment::Another,

@@ -337,7 +337,7 @@ impl Peer {
     async fn prove_opened(
         &self,
         c: &Conn,
-        proven: &mut HashMap<u64, Rc<Proven>>,
+        proven: &mut HashMap<u64, Opened>,
     ) -> Result<(), TransferError> {
         loop {
             let more: Vec<(u64, Opened)> = self
@@ -345,13 +345,13 @@ impl Peer {
                 .opened
                 .borrow()
                 .iter()
-                .filter(|(id, o)| !proven.get(id).is_some_and(|p| Rc::ptr_eq(p, &o.desc)))
+                .filter(|(id, o)| !proven.get(id).is_some_and(|p| p.same(o)))
                 .map(|(k, v)| (*k, v.clone()))
                 .collect();
             if more.is_empty() {
                 return Ok(());
             }
-            proven.extend(more.iter().map(|(id, o)| (*id, o.desc.clone())));
+            proven.extend(more.iter().cloned());
             let limit = self.inner.params.connect_timeout;
             let refused = match timeout(limit, reprove(c, &more)).await {
                 Ok(Ok(refused)) => refused,
@@ -371,11 +371,8 @@ impl Peer {
                 let mut opened = self.inner.opened.borrow_mut();
                 for id in &refused {
                     // (Unless an open replaced it while this proved.)
-                    let asked = more.iter().find(|(i, _)| i == id).map(|(_, o)| &o.desc);
-                    if let Some(o) = opened
-                        .get(id)
-                        .filter(|o| asked.is_some_and(|a| Rc::ptr_eq(a, &o.desc)))
-                    {
+                    let asked = more.iter().find(|(i, _)| i == id).map(|(_, o)| o);
+                    if let Some(o) = opened.get(id).filter(|o| asked.is_some_and(|a| a.same(o))) {
                         o.desc.forget();
                         opened.remove(id);
                     }
@@ -528,6 +525,14 @@ const REPROVE_CHUNK: usize = 512;
 struct Opened {
     token: Token,
     desc: Rc<Proven>,
+}
+
+impl Opened {
+    /// The same entry: an open may keep the description and bring another
+    /// token, which a connection must be proven with too.
+    fn same(&self, other: &Opened) -> bool {
+        Rc::ptr_eq(&self.desc, &other.desc) && self.token == other.token
+    }
 }
 
 /// Proves `tokens` (segment id, what opened it) on a new connection, in
