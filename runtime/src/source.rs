@@ -199,12 +199,18 @@ pub(crate) fn arm_all(cx: &Context) -> std::io::Result<usize> {
 /// The driver reported source `token`'s fd readable.
 pub(crate) fn notified(cx: &Context, token: u64) {
     let key = (token & 0xffff_ffff) as usize;
+    // io_uring polls are one-shot: the fd is no longer watched. An epoll
+    // registration stays (re-arming it is idempotent), and a source dropped
+    // before the next arm must still take it away, or its fd goes on
+    // waking the reactor.
+    let one_shot = matches!(*cx.driver.borrow(), crate::driver::Driver::Uring(_));
     {
         let mut s = cx.sources.borrow_mut();
         match s.slab.get_mut(key) {
             Some(e) if e.gen == (token >> 32) as u32 => {
-                // io_uring polls are one-shot; epoll registration is idempotent.
-                e.watching = false;
+                if one_shot {
+                    e.watching = false;
+                }
             }
             _ => return,
         }

@@ -193,3 +193,45 @@ fn entries_queued_after_one_the_kernel_refuses_are_still_submitted() {
         let _ = refused.await;
     });
 }
+
+/// A source dropped after its fd fired and before the reactor armed it
+/// again stops waking the reactor. On epoll the fd stayed registered
+/// (the firing cleared the source's "watching" mark, and the drop
+/// unregisters only a watched fd): every later write to it woke the
+/// reactor, for as long as anyone held the fd open.
+#[test]
+fn a_source_dropped_after_it_fired_no_longer_wakes_the_reactor() {
+    let rt = rt();
+    let (cq, shared) = fake_cq();
+    let (reaped, waiter) = (cq.reaped.clone(), cq.waiter.clone());
+    rt.block_on(async {
+        let h = register(cq);
+        let s = shared.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            s.push();
+        });
+        wait_for(&reaped, &waiter, 1).await;
+        drop(h);
+        t.join().unwrap();
+    });
+    let before = rt.block_on(async { quiesce_runtime::stats().ticks });
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (s, st) = (shared.clone(), stop.clone());
+    let writer = std::thread::spawn(move || {
+        while !st.load(Ordering::SeqCst) {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes to the eventfd `s` keeps open.
+            unsafe { libc::write(s.efd.as_raw_fd(), one.as_ptr().cast(), 8) };
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+    rt.block_on(sleep(Duration::from_millis(200)));
+    stop.store(true, Ordering::SeqCst);
+    writer.join().unwrap();
+    let ticks = rt.block_on(async { quiesce_runtime::stats().ticks }) - before;
+    assert!(
+        ticks < 50,
+        "{ticks} reactor turns in 200 ms of a dropped source's fd firing"
+    );
+}
