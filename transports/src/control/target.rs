@@ -234,6 +234,11 @@ impl Target {
     /// reset lost in a partition), whose queue pair would accept the
     /// requests still in the network.
     pub(crate) fn reset_served(&self, session: u64) {
+        // A target without an RDMA plane serves no queue pair: a TCP fence
+        // walks nothing.
+        if self.qp_plane.borrow().is_none() {
+            return;
+        }
         let slots: Vec<ServedSlot> = self.members(session, |m| m.served.upgrade());
         for slot in slots {
             // (Borrowed only in synchronous steps: never busy here.)
