@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use quiesce_runtime::time::{sleep_until, Sleep};
 use quiesce_runtime::timeline::{self, Step};
 use quiesce_runtime::{spawn_local, JoinError};
+use quiesce_transports::TransferError;
 use smallvec::{smallvec, SmallVec};
 use tracing::Instrument;
 
@@ -161,6 +162,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
     /// [`run`](Self::run)'s body.
     async fn drive<K: Start<T, B>>(&mut self) {
         self.deadline_sleep = self.deadline.map(sleep_until);
+        if self.expired_unstarted().await {
+            self.publish();
+            return;
+        }
         let mut first = std::pin::pin!(None);
         let mut wire = next_wire_batch();
         // A one-task batch's first attempt waits for its transfer
@@ -205,6 +210,30 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             wire = next_wire_batch();
         }
         self.publish();
+    }
+
+    /// True if the deadline passed before anything started (the call that
+    /// submitted the batch waited, on a busy engine thread, past it): then
+    /// every task ends fenced with nothing sent, which needs no fence. The
+    /// deadline's first poll reads the clock the driver reads anyway.
+    async fn expired_unstarted(&mut self) -> bool {
+        let Some(s) = self.deadline_sleep.as_mut() else {
+            return false;
+        };
+        let expired = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *s).poll(cx).is_ready()));
+        if !expired.await {
+            return false;
+        }
+        tracing::info!(
+            batch = self.id,
+            "the deadline passed before the batch started: nothing sent"
+        );
+        self.deadline_sleep = None;
+        for t in &mut self.tasks {
+            let buf = t.buf.take().expect("a queued task holds its buffer");
+            t.record(Err(TransferError::Fenced), buf);
+        }
+        true
     }
 
     /// Builds the outcome from the terminal tasks and hands it over (or,

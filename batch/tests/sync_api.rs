@@ -416,3 +416,55 @@ fn deadlines_past_what_an_instant_holds_are_no_limit() {
         .unwrap();
     assert_eq!(out.code, SYNC_FAILED);
 }
+
+/// A batch's deadline counts from the call, not from when the engine's
+/// thread gets to it: a deadline that passed while the call waited behind
+/// a busy engine thread fails the batch, and nothing of it starts (it
+/// started then, and on a live target completed long after its deadline).
+#[test]
+fn a_deadline_counts_from_the_call_and_one_past_starts_nothing() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    // Every call through the engine's thread, none on a caller lane.
+    e.caller_lanes(false);
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    let task = |offset, fill| SyncTask {
+        segment: kv,
+        offset,
+        buf: vec![fill; 4096],
+    };
+    // A `done` that blocks the engine's thread (which a real one must
+    // not): the next call waits behind it for 300 ms.
+    let (busy_tx, busy_rx) = std::sync::mpsc::channel();
+    e.submit_with(
+        vec![(Direction::Write, task(0, 1))],
+        BatchOptions::default(),
+        move |out| {
+            assert_eq!(out.code, SYNC_OK);
+            busy_tx.send(()).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+        },
+    )
+    .unwrap();
+    busy_rx.recv().unwrap();
+    let opts = BatchOptions::default().deadline(Duration::from_millis(50));
+    let out = e
+        .batch(Direction::Write, vec![task(4096, 2)], opts)
+        .unwrap();
+    assert_eq!(
+        out.code, SYNC_FAILED,
+        "the deadline passed before it started"
+    );
+    assert!(out.remote_confirmed, "nothing was sent");
+    assert_eq!((out.tasks[0].bytes, out.tasks[0].attempts), (0, 0));
+    // Nothing of it landed.
+    let out = e
+        .batch(
+            Direction::Read,
+            vec![task(4096, 7)],
+            BatchOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(out.code, SYNC_OK);
+    assert!(out.buffers.unwrap()[0].iter().all(|&b| b == 0));
+}

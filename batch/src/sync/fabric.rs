@@ -4,7 +4,7 @@
 //! building a batch, stopping — is here.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quiesce_runtime::IoBufMut;
 use quiesce_transports::rdma::{LocalMemory, RdmaConfig, RdmaEngine, RdmaSegment};
@@ -199,14 +199,15 @@ impl Fabric {
         &self,
         tasks: SyncTasks<B>,
         opts: BatchOptions,
+        called: Instant,
         segment: impl Fn(u32) -> Option<Opened>,
     ) -> Result<(Submitted<B>, AbortOnUnwind), SyncError> {
         match self {
-            Fabric::Tcp => build(Tcp, tasks, opts, |h| match segment(h)? {
+            Fabric::Tcp => build(Tcp, tasks, opts, called, |h| match segment(h)? {
                 Opened::Tcp(s) => Some(s),
                 Opened::Rdma(_) => None,
             }),
-            Fabric::Rdma(_) => build(Rdma, tasks, opts, |h| match segment(h)? {
+            Fabric::Rdma(_) => build(Rdma, tasks, opts, called, |h| match segment(h)? {
                 Opened::Rdma(s) => Some(s),
                 Opened::Tcp(_) => None,
             }),
@@ -218,9 +219,13 @@ fn build<S: OneSided, B: IoBufMut>(
     transport: Segments<S>,
     tasks: SyncTasks<B>,
     opts: BatchOptions,
+    called: Instant,
     segment: impl Fn(u32) -> Option<S>,
 ) -> Result<(Submitted<B>, AbortOnUnwind), SyncError> {
     let mut batch = Batch::new(transport, opts);
+    // The deadline counts from the caller's call, not from when this
+    // thread got to it (after other jobs, or a blocking `lend`).
+    batch.started_at(called);
     for (dir, t) in tasks {
         let Some(seg) = segment(t.segment) else {
             return Err(SyncError::UnknownSegment(t.segment));

@@ -32,7 +32,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::{mpsc, Arc};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quiesce_runtime::shard::{channel, Sender};
 use quiesce_runtime::{spawn_local, IoBufMut, Runtime};
@@ -407,9 +407,10 @@ impl SyncEngine {
             Ok(answer) => return answer,
             Err(back) => back,
         };
+        let called = Instant::now();
         self.call(move |st, tx| {
             let reply = tx.clone();
-            if let Err(e) = launch(st, tasks, opts, move |out| {
+            if let Err(e) = launch(st, tasks, opts, called, move |out| {
                 let _ = reply.send(Ok(out));
             }) {
                 let _ = tx.send(Err(e));
@@ -461,8 +462,9 @@ impl SyncEngine {
         done: impl FnOnce(SyncOutcome<B>) + Send + 'static,
     ) -> Result<(), SyncError> {
         let tasks = tasks.into();
+        let called = Instant::now();
         self.call(move |st, tx| {
-            let _ = tx.send(launch(st, tasks, opts, done));
+            let _ = tx.send(launch(st, tasks, opts, called, done));
         })?
     }
 
@@ -482,7 +484,7 @@ impl SyncEngine {
             };
             match polled {
                 Some(o) => return Ok(Some(o)),
-                None if std::time::Instant::now() >= deadline => return Ok(None),
+                None if Instant::now() >= deadline => return Ok(None),
                 None => thread::sleep(Duration::from_micros(200)),
             }
         }
@@ -545,7 +547,7 @@ fn recv_spinning<R>(
     finished: impl Fn() -> bool,
 ) -> Option<R> {
     if !spin.is_zero() {
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         loop {
             match rx.try_recv() {
                 Ok(v) => return Some(v),
@@ -578,6 +580,7 @@ fn launch<B: IoBufMut + Send>(
     st: &State,
     tasks: SyncTasks<B>,
     opts: BatchOptions,
+    called: Instant,
     done: impl FnOnce(SyncOutcome<B>) + 'static,
 ) -> Result<(), SyncError> {
     // The guard is armed before the batch's first poll (inside `submit`):
@@ -585,7 +588,7 @@ fn launch<B: IoBufMut + Send>(
     // -1 while the batch may still hold its memory. It moves into the task:
     // a panic elsewhere on this thread before the task's first poll drops
     // the task, and with it this guard, while unwinding.
-    let (sub, pinned) = st.fabric.submit(tasks, opts, |h| {
+    let (sub, pinned) = st.fabric.submit(tasks, opts, called, |h| {
         st.segments.borrow().get(h as usize).cloned()
     })?;
     let st = st.clone();
