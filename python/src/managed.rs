@@ -315,16 +315,24 @@ impl ManagedBuffers {
         let mut live = lock(&self.live);
         let mut uses = Uses::default();
         for (addr, len) in locals {
-            // The buffer the range starts in (a range crossing its end was
-            // refused by the host check: the next page is not its).
-            if let Some((&start, m)) = live.buffers.range_mut(..=addr).next_back() {
-                if addr - start < m.len && !uses.buffers.contains(&start) {
+            let end = addr.saturating_add(len);
+            // Every buffer the range overlaps, not only the one it starts
+            // in: the host check asks only that the memory be mapped, and
+            // the bytes just before an allocation are (its chunk's header),
+            // so a range may start outside a buffer and run into one.
+            // Buffers do not overlap: walking down from the last one that
+            // starts before `end`, the first that ends at or before `addr`
+            // ends the walk.
+            for (&start, m) in live.buffers.range_mut(..end).rev() {
+                if start + m.len <= addr {
+                    break;
+                }
+                if !uses.buffers.contains(&start) {
                     m.uses += 1;
                     uses.buffers.push(start);
                 }
             }
-            let over: SmallVec<[usize; 2]> =
-                live.lent_over(addr, addr.saturating_add(len)).collect();
+            let over: SmallVec<[usize; 2]> = live.lent_over(addr, end).collect();
             for at in over {
                 let l = live.lendings.get_mut(&at).expect("just found");
                 if l.closing > 0 {
@@ -373,9 +381,8 @@ impl ManagedBuffers {
         }
     }
 
-    /// Whether `addr..addr + len` lies inside one managed buffer.
-    pub(crate) fn holds(&self, addr: usize, len: usize) -> bool {
-        let live = lock(&self.live);
+    /// Whether `addr..addr + len` lies inside one managed buffer of `live`.
+    fn holds(live: &Live, addr: usize, len: usize) -> bool {
         live.buffers
             .range(..=addr)
             .next_back()
@@ -385,24 +392,31 @@ impl ManagedBuffers {
             })
     }
 
-    /// Copies `data` to `addr` (inside a managed buffer: checked).
+    /// Copies `data` to `addr` (inside a managed buffer: checked). The lock
+    /// is held for the copy: a `free` on another thread (free-threaded
+    /// Python, or one that released the GIL) waits for it.
     pub(crate) fn write(&self, addr: usize, data: &[u8]) -> bool {
-        if !self.holds(addr, data.len()) {
+        let live = lock(&self.live);
+        if !Self::holds(&live, addr, data.len()) {
             return false;
         }
-        // SAFETY: the range lies inside a live managed buffer (checked), and
-        // `data` is a separate Python bytes object.
+        // SAFETY: the range lies inside a live managed buffer (checked), which
+        // no `free` can take while this lock is held; `data` is a separate
+        // Python bytes object.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
         true
     }
 
-    /// The `len` bytes at `addr` (inside a managed buffer: checked).
+    /// The `len` bytes at `addr` (inside a managed buffer: checked; the
+    /// lock held for the copy, as for [`write`](Self::write)).
     pub(crate) fn read(&self, addr: usize, len: usize) -> Option<Vec<u8>> {
-        if !self.holds(addr, len) {
+        let live = lock(&self.live);
+        if !Self::holds(&live, addr, len) {
             return None;
         }
         let mut out = vec![0u8; len];
-        // SAFETY: the range lies inside a live managed buffer (checked).
+        // SAFETY: the range lies inside a live managed buffer (checked), which
+        // no `free` can take while this lock is held.
         unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
         Some(out)
     }
