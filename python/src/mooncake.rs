@@ -593,7 +593,16 @@ impl TransferEngine {
         };
         // No registration may start in it from here, and none but its own
         // may lie in it: peers could write there until it is taken back.
-        match node.managed.begin_free(buffer_addr, length) {
+        let held = match node.managed.begin_free(buffer_addr, length) {
+            // Perhaps by asynchronous batches that finished but nobody
+            // polled: their uses go back first.
+            Err(Held::InUse) => {
+                node.release_finished();
+                node.managed.begin_free(buffer_addr, length)
+            }
+            held => held,
+        };
+        match held {
             Ok(()) => {}
             Err(Held::NoSuchBuffer) => {
                 return complain(&format!(

@@ -889,7 +889,7 @@ impl Node {
     /// Gives back the uses of the asynchronous batches that finished (0 or
     /// -1) but whose status nobody has read yet; their outcomes stay for
     /// the status call. (A -2 keeps its uses until it drained.)
-    fn release_finished(&self) {
+    pub(crate) fn release_finished(&self) {
         let mut all = lock(&self.outstanding);
         for o in all.values_mut() {
             let Some(rx) = o.outcome.as_ref() else {

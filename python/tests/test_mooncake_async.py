@@ -211,6 +211,39 @@ def test_an_asynchronous_batch_in_flight_keeps_its_managed_buffer(peer_factory, 
     assert e.free_managed_buffer(b, MiB) == 0
 
 
+def test_a_batch_crossing_into_a_managed_buffer_keeps_it(peer_factory, local, monkeypatch):
+    """A batch's local range that starts before a managed buffer and runs
+    into it uses that buffer too: it is not freed under the batch (only the
+    buffer a range starts in was counted, and the 64 bytes before an
+    allocation are mapped, so the range passed the host check)."""
+    target, a, e, _ = stopped_target(peer_factory, local, monkeypatch, 6)
+    b = e.allocate_managed_buffer(MiB)
+    bid = e.batch_transfer_async_write(target.session, [b - 64], [a], [MiB])
+    assert bid, "the range before the buffer is mapped"
+    assert e.free_managed_buffer(b, MiB) == -2, "freed under a running batch"
+    target.signal(signal.SIGCONT)
+    assert e.wait_for_quiescence(20) == 0
+    assert e.get_batch_transfer_status([bid]) == 0
+    assert e.free_managed_buffer(b, MiB) == 0
+
+
+def test_a_finished_unpolled_batch_does_not_hold_its_managed_buffer(peer_factory):
+    """An asynchronous batch that finished holds nothing, polled or not:
+    its managed buffer frees (it answered -2, 'in use', until someone
+    polled the batch or unregistered memory)."""
+    target = peer_factory(MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    b = e.allocate_managed_buffer(MiB)
+    bid = e.batch_transfer_async_write(target.session, [b], [a], [MiB])
+    assert bid
+    deadline = time.monotonic() + 20
+    while e.free_managed_buffer(b, MiB) != 0:
+        assert time.monotonic() < deadline, "a finished batch still holds its buffer"
+        time.sleep(0.05)
+    assert e.get_batch_transfer_status([bid]) == 0
+
+
 def test_a_batch_waited_on_is_running_to_every_other_caller(peer_factory, local, monkeypatch):
     """While get_batch_transfer_status waits out a -2 (QUIESCE_WAIT_UNKNOWN),
     another thread asking about the same batch hears 'running' (0), never
