@@ -217,6 +217,9 @@ impl std::fmt::Debug for SharedMemory {
     }
 }
 
+/// The most one [`Doorbell::quiet`] drains.
+pub const QUIET_MOST: usize = 1024;
+
 /// One end of a doorbell between two processes: a connected `AF_UNIX`
 /// stream socket. [`ring`](Self::ring) sends a byte to the other end,
 /// which turns readable (its reactor watches [`fd`](Self::fd)) until
@@ -314,12 +317,17 @@ impl Doorbell {
         };
     }
 
-    /// Quiets this end after it rang: drains what came. `false` once the
+    /// Quiets this end after it rang: drains what came, up to
+    /// [`QUIET_MOST`] bytes (a ring is one byte; an end that sends more is
+    /// left the rest for the next wake, so that it cannot hold the reactor).
+    /// A one-shot watch fires again at once on the rest; an edge-triggered
+    /// one does not, which loses nothing: a doorbell only wakes its owner,
+    /// whose work is in the mailbox, looked at after every arm. `false` once the
     /// other end is gone — it will never ring again, and this end stays
     /// readable: stop watching it.
     pub fn quiet(&self) -> bool {
         let mut buf = [0u8; 64];
-        loop {
+        for _ in 0..QUIET_MOST / buf.len() {
             // SAFETY: receives at most 64 bytes into a live array.
             let n = unsafe {
                 libc::recv(
@@ -341,6 +349,8 @@ impl Doorbell {
                 }
             }
         }
+        // More came than any ringing sends: the rest waits for the next wake.
+        true
     }
 
     /// The fd to watch: readable while the doorbell rings.
@@ -455,5 +465,52 @@ mod tests {
         let returned = rx.recv_timeout(std::time::Duration::from_secs(2)).is_ok();
         drop(theirs);
         assert!(returned, "a ring or a quiet blocked on a jammed doorbell");
+    }
+
+    /// One quiet drains a bounded amount, however much the other end sent:
+    /// an end that keeps it full (sends faster than the drain's receives)
+    /// must not hold the reactor that quiets it. The rest waits for the
+    /// next wake, the doorbell still readable.
+    #[test]
+    fn a_quiet_drains_a_bounded_amount() {
+        let (mine, theirs) = Doorbell::pair().unwrap();
+        let theirs = Doorbell::open(theirs).unwrap();
+        let mut sent = 0usize;
+        // SAFETY: sends 4 KiB from a live array to a live fd, till refused.
+        while unsafe {
+            libc::send(
+                theirs.fd(),
+                [1u8; 4096].as_ptr().cast(),
+                4096,
+                libc::MSG_DONTWAIT,
+            )
+        } > 0
+        {
+            sent += 4096;
+        }
+        assert!(sent > QUIET_MOST, "{sent} bytes fill the socket");
+        assert!(mine.quiet(), "the other end is there");
+        let mut left = 0usize;
+        let mut buf = [0u8; 4096];
+        loop {
+            // SAFETY: receives at most 4 KiB into a live array.
+            let n = unsafe {
+                libc::recv(
+                    mine.fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                break;
+            }
+            left += n as usize;
+        }
+        assert!(
+            sent - left <= QUIET_MOST,
+            "one quiet drained {} of {sent} bytes",
+            sent - left
+        );
     }
 }

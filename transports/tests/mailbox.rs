@@ -494,6 +494,59 @@ fn a_jammed_doorbell_does_not_block_the_target() {
     assert_eq!(res.unwrap(), 512);
 }
 
+/// An initiator that floods the doorbell it rings the target with (bytes
+/// faster than 64-byte receives drain them) holds nothing of the target:
+/// its reactor drains a bounded amount per wake and serves every other
+/// peer meanwhile (the drain looped while a receive came back full, for as
+/// long as the flood lasted).
+#[test]
+fn a_flooded_doorbell_does_not_hold_the_target() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let kv = target.seg("kv").clone();
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let hand = HandMailbox::offer(&mut c);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        let fd = hand.to_target.fd();
+        std::thread::spawn(move || {
+            let bytes = vec![1u8; 64 << 10];
+            let t0 = Instant::now();
+            while !stop.load(Ordering::Relaxed) && t0.elapsed() < Duration::from_secs(20) {
+                // SAFETY: sends from a live buffer on an fd `hand` keeps open.
+                unsafe {
+                    libc::send(
+                        fd,
+                        bytes.as_ptr().cast(),
+                        bytes.len(),
+                        libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                    )
+                };
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let addr = target.addr;
+    std::thread::spawn(move || {
+        Runtime::new().unwrap().block_on(async {
+            let engine = initiator(false);
+            let peer = engine.connect(addr).await.unwrap();
+            let kv = peer.open("kv", kv.token).await.unwrap();
+            let (res, _) = kv.write(4096, pattern(512, 9), 9).await;
+            tx.send(res.map_err(|e| e.to_string())).unwrap();
+            engine.shutdown();
+        })
+    });
+    let served = rx.recv_timeout(Duration::from_secs(10));
+    stop.store(true, Ordering::Relaxed);
+    flood.join().unwrap();
+    drop(hand);
+    let res = served.expect("the target's reactor is held: another peer was never served");
+    assert_eq!(res.unwrap(), 512);
+}
+
 /// An initiator that closes its ends of the doorbells harms only its own
 /// connection. Ringing one whose other end is gone raises no `SIGPIPE` (a
 /// host that did not ignore it died of it with pipe doorbells); a doorbell
