@@ -211,7 +211,7 @@ impl Engine {
             return Err(RegisterError::NoRights);
         }
         let mut segs = self.inner.segments.borrow_mut();
-        if segs.values().any(|s| s.name() == name) {
+        if segs.has_name(name) {
             return Err(RegisterError::Duplicate(name.into()));
         }
         let id = self.inner.next_segment.get();
@@ -224,7 +224,7 @@ impl Engine {
             token,
             &self.inner.exposed,
         );
-        segs.insert(id, seg.clone());
+        segs.insert(seg.clone());
         Ok(seg)
     }
 
@@ -233,7 +233,7 @@ impl Engine {
     /// keys). Writes landing now finish into its memory, which stays alive
     /// until they do.
     pub fn deregister(&self, id: u64) -> bool {
-        let Some(seg) = self.inner.segments.borrow_mut().remove(&id) else {
+        let Some(seg) = self.inner.segments.borrow_mut().remove(id) else {
             return false;
         };
         let withdraw = seg.inner.withdraw.borrow_mut().take();

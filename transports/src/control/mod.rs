@@ -14,6 +14,7 @@ pub(crate) mod idle;
 pub(crate) mod log_limit;
 pub(crate) mod prove;
 pub(crate) mod read_ahead;
+pub(crate) mod registered;
 pub(crate) mod revoke;
 pub(crate) mod server;
 pub(crate) mod target;

@@ -74,19 +74,15 @@ impl ServedConn<'_> {
                     // a transfer from the address that fits any of them
                     // fits it (ties: the first registered).
                     SegmentRef::Address(a) => {
-                        let holds =
-                            |s: &Segment| a.checked_sub(s.base()).is_some_and(|o| o < s.len());
                         let reach =
                             |s: &Segment| (Reverse(s.base().saturating_add(s.len())), s.id());
-                        match self.engine.proven_segment(holds, verify, reach) {
+                        match self.engine.proven_segment(Some(*a), verify, reach) {
                             (None, tried) if tried > 0 => return (Status::Forbidden, None),
                             (seg, _) => seg,
                         }
                     }
                     // Ids only grow: the first registered.
-                    SegmentRef::First => {
-                        self.engine.proven_segment(|_| true, verify, Segment::id).0
-                    }
+                    SegmentRef::First => self.engine.proven_segment(None, verify, Segment::id).0,
                 };
                 match seg {
                     Some(seg) if verify(&seg.token()) => {

@@ -3,7 +3,7 @@
 //! the fence table, admission, and counters.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Instant;
@@ -15,6 +15,7 @@ use crate::config::EngineConfig;
 use crate::control::auth::{random_u64, SessionKey};
 use crate::control::fence::FenceTable;
 use crate::control::log_limit::PeerLogs;
+use crate::control::registered::Registered;
 use crate::control::wire::Descriptor;
 use crate::control::{ServedLink, ServedSlot};
 use crate::segment::Segment;
@@ -36,7 +37,7 @@ pub(crate) struct Counters {
 pub(crate) struct Target {
     pub(crate) config: EngineConfig,
     pub(crate) local_addr: SocketAddr,
-    pub(crate) segments: RefCell<BTreeMap<u64, Segment>>,
+    pub(crate) segments: RefCell<Registered>,
     /// Every segment peers may still reach, deregistered ones too.
     pub(crate) exposed: Rc<crate::segment::ExposedSegments>,
     pub(crate) next_segment: Cell<u64>,
@@ -68,38 +69,39 @@ impl Target {
     }
 
     pub(crate) fn segment(&self, id: u64) -> Option<Segment> {
-        self.segments.borrow().get(&id).cloned()
+        self.segments.borrow().get(id).cloned()
     }
 
     /// The segment registered as `name`.
     pub(crate) fn segment_named(&self, name: &str) -> Option<Segment> {
-        self.segments
-            .borrow()
-            .values()
-            .find(|s| s.name() == name)
-            .cloned()
+        self.segments.borrow().named(name).cloned()
     }
 
-    /// The segment whose `rank` is least among the live ones that
-    /// `within` admits and whose token `proves` accepts, and how many were
-    /// admitted. Every admitted segment's token is tried, so the work — and
-    /// a refusal — says nothing about the segments the proof does not open;
-    /// a caller that found none admitted does a refusal's work all the
-    /// same.
+    /// The segment whose `rank` is least among the live ones holding
+    /// address `holding` (every one if `None`) whose token `proves`
+    /// accepts, and how many were tried. Every such segment's token is
+    /// tried, so the work — and a refusal — says nothing about the segments
+    /// the proof does not open; a caller that found none to try does a
+    /// refusal's work all the same.
     pub(crate) fn proven_segment<K: Ord>(
         &self,
-        within: impl Fn(&Segment) -> bool,
+        holding: Option<u64>,
         proves: impl Fn(&crate::control::auth::Token) -> bool,
         rank: impl Fn(&Segment) -> K,
     ) -> (Option<Segment>, usize) {
-        let (mut best, mut tried) = (None::<Segment>, 0);
-        for s in self.segments.borrow().values().filter(|s| within(s)) {
+        let segments = self.segments.borrow();
+        let candidates: Box<dyn Iterator<Item = &Segment>> = match holding {
+            Some(a) => Box::new(segments.holding(a)),
+            None => Box::new(segments.all()),
+        };
+        let (mut best, mut tried) = (None::<&Segment>, 0);
+        for s in candidates {
             tried += 1;
-            if proves(&s.token()) && best.as_ref().is_none_or(|b| rank(s) < rank(b)) {
-                best = Some(s.clone());
+            if proves(&s.token()) && best.is_none_or(|b| rank(s) < rank(b)) {
+                best = Some(s);
             }
         }
-        (best, tried)
+        (best.cloned(), tried)
     }
 
     /// What a peer that proved `s`'s token learns about it.
