@@ -513,7 +513,9 @@ impl TransferEngine {
     /// Waits for every batch in `batch_ids`: 0 if all completed, -1 if any
     /// failed (and none is unknown), -2 if any ended with completion
     /// unknown (its memory pinned until `wait_for_quiescence()` returns 0).
-    /// Reported batches are forgotten, as Mooncake frees their ids.
+    /// A reported batch answers its code again to a later status call (the
+    /// last 4,096 reported; -2 for one reported longer ago, never -1: its
+    /// memory may be pinned). An id never issued is -1.
     fn get_batch_transfer_status(&self, py: Python<'_>, batch_ids: Vec<u64>) -> i32 {
         let Some(node) = self.not_ready() else {
             return SYNC_FAILED;
@@ -545,7 +547,8 @@ impl TransferEngine {
     /// touches the buffer any more). -2 is quiesce's completion unknown
     /// where Mooncake's is its TIMEOUT: either way not done — here the
     /// buffer stays pinned until `wait_for_quiescence()` returns 0. A
-    /// reported batch (1, -1 or -2) is forgotten.
+    /// reported batch (1, -1 or -2) answers the same again (the last
+    /// 4,096 reported; -2 for one longer ago); an id never issued is -1.
     fn transfer_check_status(&self, batch_id: u64) -> i32 {
         let Some(node) = self.not_ready() else {
             return SYNC_FAILED;

@@ -3,7 +3,7 @@
 //! segments opened so far, and the batches still out (asynchronous ones,
 //! and those that returned -2).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Mutex, MutexGuard};
@@ -87,7 +87,8 @@ pub(crate) enum Progress {
     Running,
     /// Done with this code (0, -1, or -2 with its ticket kept pending).
     Done(i32),
-    /// No such batch (never submitted, or its outcome already reported).
+    /// No such batch: never submitted. (One whose outcome a call reported
+    /// answers that code again, or -2 once it is forgotten.)
     Unknown,
 }
 
@@ -138,8 +139,16 @@ pub(crate) struct Node {
     waiting: Mutex<()>,
     /// Asynchronous batches without a reported outcome, by id.
     outstanding: Mutex<HashMap<u64, Outstanding>>,
+    /// The codes of the last [`REPORTS_KEPT`] batches whose outcome a
+    /// status call reported (and took out of `outstanding`), oldest first.
+    /// Locked before `outstanding` where both are.
+    reported: Mutex<VecDeque<(u64, i32)>>,
     next_id: AtomicU64,
 }
+
+/// How many reported codes a node remembers for status calls that come
+/// after another call reported the batch.
+const REPORTS_KEPT: usize = 4096;
 
 /// The cluster's shared secret: `explicit` (16+ bytes), an open cluster's
 /// public one if `open_cluster`, else from the environment.
@@ -393,6 +402,7 @@ impl Node {
             lost: AtomicU64::new(0),
             waiting: Mutex::default(),
             outstanding: Mutex::default(),
+            reported: Mutex::default(),
             next_id: AtomicU64::new(1),
         })
     }
@@ -749,7 +759,8 @@ impl Node {
         let (rx, target, peer, used) = {
             let mut all = lock(&self.outstanding);
             let Some(o) = all.get_mut(&id) else {
-                return Progress::Unknown;
+                drop(all);
+                return self.reported(id);
             };
             // Another call is waiting on it: running, as far as this one knows.
             let Some(rx) = o.outcome.take() else {
@@ -763,8 +774,13 @@ impl Node {
                 // a -2 as a sync call does; one that polls does not. The
                 // batch stays listed meanwhile, running to any other call.
                 let out = self.drained_within(out, self.wait_unknown.min(wait));
+                // Held until the code is recorded: a call that finds the
+                // batch gone from `outstanding` waits for its code here.
+                let mut reported = lock(&self.reported);
                 let uses = lock(&self.outstanding).remove(&id).map(|o| o.uses);
-                Progress::Done(self.settle(&target, peer, &used, uses.unwrap_or_default(), out))
+                let code = self.settle(&target, peer, &used, uses.unwrap_or_default(), out);
+                Self::record(&mut reported, id, code);
+                Progress::Done(code)
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if let Some(o) = lock(&self.outstanding).get_mut(&id) {
@@ -778,9 +794,11 @@ impl Node {
             // drain may have run out of time), so it is -2 for good and its
             // managed buffers stay pinned.
             Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let mut reported = lock(&self.reported);
                 if let Some(o) = lock(&self.outstanding).remove(&id) {
                     self.lose(o.uses);
                 }
+                Self::record(&mut reported, id, SYNC_UNKNOWN);
                 tracing::error!(
                     "transfer: the engine's thread died before the batch had an outcome; \
                      its memory stays pinned"
@@ -790,27 +808,39 @@ impl Node {
         }
     }
 
+    /// How batch `id`, not outstanding, stands: never issued, `Unknown`;
+    /// reported already, that code again; reported so long ago that its
+    /// code is forgotten, -2 — -1 would say its memory is free while it may
+    /// be pinned (`wait_for_quiescence()` says when nothing is).
+    fn reported(&self, id: u64) -> Progress {
+        let reported = lock(&self.reported);
+        if let Some(&(_, code)) = reported.iter().rev().find(|(r, _)| *r == id) {
+            return Progress::Done(code);
+        }
+        match id != 0 && id < self.next_id.load(Ordering::Relaxed) {
+            true => Progress::Done(SYNC_UNKNOWN),
+            false => Progress::Unknown,
+        }
+    }
+
+    fn record(reported: &mut VecDeque<(u64, i32)>, id: u64, code: i32) {
+        if reported.len() == REPORTS_KEPT {
+            reported.pop_front();
+        }
+        reported.push_back((id, code));
+    }
+
     /// Waits for every batch in `ids`: 0 if all completed, else the worst
     /// code (-2 before -1). Unknown ids count as -1.
     pub(crate) fn wait_all(&self, ids: &[u64], timeout: Duration) -> i32 {
         let deadline = deadline_in(timeout);
         let mut worst = SYNC_OK;
         for &id in ids {
-            // Whether this call saw the batch running while another waited.
-            let mut seen = false;
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match self.progress(id, left.max(Duration::from_millis(1))) {
                     Progress::Done(c) => {
                         worst = worst.min(c);
-                        break;
-                    }
-                    // Another call took its outcome meanwhile, which this one
-                    // cannot know: -1 would say the memory is free, and the
-                    // outcome may have been -2. wait_for_quiescence() says
-                    // when nothing is pinned.
-                    Progress::Unknown if seen => {
-                        worst = SYNC_UNKNOWN;
                         break;
                     }
                     Progress::Unknown => {
@@ -825,10 +855,7 @@ impl Node {
                         return SYNC_UNKNOWN;
                     }
                     // Another call holds its channel: look again shortly.
-                    Progress::Running => {
-                        seen = true;
-                        std::thread::sleep(Duration::from_micros(200))
-                    }
+                    Progress::Running => std::thread::sleep(Duration::from_micros(200)),
                 }
             }
         }

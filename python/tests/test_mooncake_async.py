@@ -72,7 +72,9 @@ def test_async_batches_and_their_status(peer_factory, local):
     assert e.get_batch_transfer_status(ids) == 0
     for i in range(4):
         assert target.count(a + i * MiB, MiB, 0x40 + i) == MiB
-    assert e.get_batch_transfer_status(ids) == -1, "reported ids are forgotten"
+    # Reported ids answer their code again (-1 for a -2 another call took
+    # would say its pinned memory is free).
+    assert e.get_batch_transfer_status(ids) == 0, "reported ids answer the same again"
     dst = local.buffer(MiB)
     rid = e.batch_transfer_async_read(target.session, [dst], [a + MiB], [MiB])
     assert e.get_batch_transfer_status([rid]) == 0
@@ -85,7 +87,8 @@ def test_async_batches_and_their_status(peer_factory, local):
     while status == 0 and time.monotonic() < deadline:
         status = e.transfer_check_status(wid)
     assert status == 1
-    assert e.transfer_check_status(wid) == -1, "already reported"
+    assert e.transfer_check_status(wid) == 1, "already reported: the same again"
+    assert e.transfer_check_status(wid + 1000) == -1, "never issued"
     # Refused before it starts: no id.
     assert e.batch_transfer_async_write(target.session, [srcs[0]], [a + 64 * MiB], [MiB]) == 0
     assert e.transfer_submit_write(target.session, srcs[0], a, 0) == -1
@@ -242,6 +245,33 @@ def test_a_finished_unpolled_batch_does_not_hold_its_managed_buffer(peer_factory
         assert time.monotonic() < deadline, "a finished batch still holds its buffer"
         time.sleep(0.05)
     assert e.get_batch_transfer_status([bid]) == 0
+
+
+def test_a_poll_after_another_call_reported_minus_2_is_never_minus_1(peer_factory, local, monkeypatch):
+    """Once one call reported a batch's -2 (its memory pinned), a status
+    call on the same id never says -1 ('nothing touches the buffer'): it
+    answered -1 for an id whose outcome another call had taken."""
+    import threading
+
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
+    bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
+    assert bid
+    out = []
+    t = threading.Thread(target=lambda: out.append(e.get_batch_transfer_status([bid])))
+    t.start()
+    polled = 0
+    deadline = time.monotonic() + 30
+    while polled == 0 and time.monotonic() < deadline:
+        polled = e.transfer_check_status(bid)
+        time.sleep(0.01)
+    t.join(30)
+    assert out == [-2], "the stopped target's batch is unknown"
+    assert polled == -2, f"a poller was told {polled} for a batch whose memory is pinned"
+    assert e.transfer_check_status(bid) == -2
+    assert e.get_batch_transfer_status([bid]) == -2
+    assert e.transfer_check_status(bid + 1000) == -1, "an id never issued"
+    target.signal(signal.SIGCONT)
+    assert e.wait_for_quiescence(20) == 0
 
 
 def test_a_batch_waited_on_is_running_to_every_other_caller(peer_factory, local, monkeypatch):
