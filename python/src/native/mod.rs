@@ -271,10 +271,14 @@ impl Core {
     }
 
     /// Settles `held` by its batch's outcome: kept under the ticket for -2,
-    /// released otherwise.
+    /// released for 0 and -1. A -2 without a ticket (the engine gives every
+    /// one a ticket) has nothing to say when it drains: its memory is kept
+    /// for good, never released on a guess.
     fn settle(&self, py: Python<'_>, out: &SyncOutcome<RawBuf>, held: Vec<Held>) {
         match (out.code, out.ticket) {
             (SYNC_UNKNOWN, Some(t)) => self.keep(py, &self.tickets, t, held),
+            // Dropped unreleased: kept for good.
+            (SYNC_UNKNOWN, None) => drop(held),
             _ => held.into_iter().for_each(|h| h.release(py)),
         }
     }
