@@ -314,10 +314,20 @@ thread_local! {
 /// and nothing waits for the lock with the GIL held while a fork holds it
 /// (the hooks between this and the release run Python code, where the GIL
 /// passes on): a record pushed meanwhile, from any thread, is dropped and
-/// counted ([`push`]).
+/// counted ([`push`]). Another thread forking at the same time waits for
+/// the lock here with the GIL released, so that the first can finish its
+/// fork (it hung both, waiting with the GIL held).
 #[pyfunction]
-pub(crate) fn hold_log_records_for_fork() {
-    let guard = lock(&QUEUE.state);
+pub(crate) fn hold_log_records_for_fork(py: Python<'_>) {
+    let guard = loop {
+        match QUEUE.state.try_lock() {
+            Ok(g) => break g,
+            Err(TryLockError::Poisoned(e)) => break e.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                py.detach(|| std::thread::sleep(Duration::from_micros(50)))
+            }
+        }
+    };
     HELD_FOR_FORK_NOW.store(true, Ordering::Release);
     HELD_FOR_FORK.with(|h| *h.borrow_mut() = Some(guard));
 }

@@ -341,6 +341,41 @@ def test_a_fork_while_another_thread_logs_a_warning_does_not_hang():
     runs_ok(FORK_WARN_CODE, 50, timeout=60)
 
 
+FORK_TWO_CODE = """
+import os, sys, threading, time
+
+# Python code while quiesce's hook holds the log queue's lock: the GIL
+# passes to the other forking thread.
+os.register_at_fork(before=lambda: time.sleep(0.01))
+import quiesce
+
+sys.setswitchinterval(1e-6)
+
+
+def forker():
+    for _ in range(int(sys.argv[1])):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+
+ts = [threading.Thread(target=forker) for _ in range(2)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+print("ok", flush=True)
+"""
+
+
+def test_two_threads_forking_at_once_do_not_hang():
+    """The second thread's fork hook waited for the log queue's lock with
+    the GIL held, while the first held that lock and waited for the GIL
+    (its hooks run Python code): both hung for good."""
+    runs_ok(FORK_TWO_CODE, 50, timeout=60)
+
+
 def test_a_logger_name_that_is_not_a_target_does_not_stop_the_log_thread(quiesce_levels):
     """A ``quiesce.*`` logger whose name cannot be a tracing target (here
     with '='), given a level, is left out of the filter; it used to raise
