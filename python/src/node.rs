@@ -983,10 +983,16 @@ impl Drop for Node {
         let Some(engine) = self.engine.take() else {
             return;
         };
-        if let Err(e) = engine.stop() {
-            // Something may still touch the managed buffers: never free them.
-            tracing::error!("{e}; leaking the managed buffers rather than free memory in use");
-            std::mem::forget(std::mem::take(&mut self.managed));
+        match engine.stop() {
+            Ok(()) => {}
+            // A forked child's copy of the parent's engine: its buffers are
+            // the parent's business (a child's copies, left as they are).
+            Err(SyncError::Forked) => std::mem::forget(std::mem::take(&mut self.managed)),
+            Err(e) => {
+                // Something may still touch the managed buffers: never free them.
+                tracing::error!("{e}; leaking the managed buffers rather than free memory in use");
+                std::mem::forget(std::mem::take(&mut self.managed));
+            }
         }
     }
 }

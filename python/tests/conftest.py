@@ -209,3 +209,23 @@ def answers_after_resume(target, e, call):
     assert out and out[0] in (0, -1), out
     assert time.monotonic() - t0 < 37
     assert e.wait_for_quiescence(0) == 0, "a ticket left pending"
+
+
+def runs_ok(code, n, timeout, quiesce_log=None):
+    """Runs ``code`` with argument ``n`` in a fresh interpreter (with
+    ``QUIESCE_LOG`` only if given); it must print "ok" within ``timeout``
+    seconds."""
+    env = {k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"}
+    if quiesce_log is not None:
+        env["QUIESCE_LOG"] = quiesce_log
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(n)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"hung: no answer in {timeout} s")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import quiesce
-from conftest import engine, logged
+from conftest import engine, logged, runs_ok
 
 
 def test_a_failed_call_is_a_warning_on_a_quiesce_logger(peer_factory, local, caplog):
@@ -193,30 +193,6 @@ def test_quiesce_log_wins_over_the_levels(env):
     assert out.returncode == 0, out.stderr
     made = "quiesce.batch.run" in out.stdout and "batch quiesced" in out.stdout
     assert made == (env is None), out.stdout
-
-
-def runs_ok(code, n, timeout, quiesce_log=None):
-    """Runs ``code`` with argument ``n`` in a fresh interpreter (with
-    ``QUIESCE_LOG`` only if given); it must print "ok" within ``timeout``
-    seconds."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "QUIESCE_LOG"}
-    if quiesce_log is not None:
-        env["QUIESCE_LOG"] = quiesce_log
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(n)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-        )
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"hung: no answer in {timeout} s")
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 FORK_CODE = """

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import answers_after_resume, engine, logged, seed_round, stopped_target
+from conftest import answers_after_resume, engine, logged, runs_ok, seed_round, stopped_target
 from quiesce.mooncake import TransferEngine, TransferOpcode
 
 MiB = 1 << 20
@@ -575,3 +575,34 @@ def test_the_opcode_is_built_from_its_int_as_in_mooncake():
     assert TransferEngine.TransferOpcode(1) == TransferOpcode.Write
     with pytest.raises(ValueError):
         TransferOpcode(2)
+
+
+FORKED_ENGINE_CODE = """
+import os, sys, time
+from quiesce.mooncake import TransferEngine
+
+e = TransferEngine()
+assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+buf = e.allocate_managed_buffer(4096)
+assert buf
+pid = os.fork()
+if pid == 0:
+    # The engine's thread is the parent's: nothing here serves this call.
+    code = e.transfer_sync_write("127.0.0.1:1", buf, 0x1000, 8)
+    print("child", code, flush=True)
+    sys.exit(0 if code == -1 else 3)  # an interpreter exit drops the engine
+_, status = os.waitpid(pid, 0)
+assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+# The parent's engine is untouched.
+assert e.transfer_sync_write("127.0.0.1:1", buf, 0x1000, 8) == -1
+assert e.free_managed_buffer(buf, 4096) == 0
+print("ok", flush=True)
+"""
+
+
+def test_an_engine_used_in_a_forked_child_answers_minus_1():
+    """A forked child has none of the parent's threads, the engine's among
+    them: a call there answers -1 at once (nothing started; the parent's
+    engine is not its to use), and the child's exit does not wait for the
+    thread. It hung in the call, and again dropping the engine."""
+    runs_ok(FORKED_ENGINE_CODE, 0, timeout=60)

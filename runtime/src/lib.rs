@@ -39,6 +39,7 @@ mod crowding;
 pub mod driver;
 mod executor;
 pub mod fd;
+pub mod fork;
 pub mod heap;
 pub mod net;
 pub mod process;

@@ -34,6 +34,7 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use quiesce_runtime::fork::Lineage;
 use quiesce_runtime::shard::{channel, Sender};
 use quiesce_runtime::{spawn_local, IoBufMut, Runtime};
 use quiesce_transports::rdma::RdmaConfig;
@@ -184,6 +185,8 @@ pub struct SyncEngine {
     thread: Option<thread::JoinHandle<usize>>,
     /// Small batches run on their callers' threads ([`lane`]).
     lanes: Arc<Lanes>,
+    /// The process it started in: a forked child has not its thread.
+    lineage: Lineage,
 }
 
 /// Errors of the sync API that happen before any transfer starts.
@@ -231,6 +234,11 @@ pub enum SyncError {
     /// The address is lent already, or not yet reclaimed to the end.
     #[error("memory at {0:#x} is lent already (or not yet reclaimed)")]
     StillLent(u64),
+    /// This process is a fork of the one the engine started in, whose
+    /// thread (and io_uring rings) are not this process's to use: nothing
+    /// started. Start an engine in this process.
+    #[error("the engine belongs to the process this one was forked from; start a new one here")]
+    Forked,
     /// The engine refused to register the memory.
     #[error(transparent)]
     Register(#[from] quiesce_transports::RegisterError),
@@ -324,6 +332,7 @@ impl SyncEngine {
                 released: Default::default(),
                 thread: Some(thread),
                 lanes,
+                lineage: Lineage::here(),
             }),
             Ok(Err(e)) => Err(SyncError::Setup(e)),
             Err(_) => Err(SyncError::Stopped),
@@ -336,6 +345,9 @@ impl SyncEngine {
         &self,
         f: impl FnOnce(&State, mpsc::Sender<R>) + Send + 'static,
     ) -> Result<R, SyncError> {
+        if self.lineage.forked() {
+            return Err(SyncError::Forked);
+        }
         let (tx, rx) = mpsc::channel();
         let jobs = self.jobs.as_ref().ok_or(SyncError::Stopped)?;
         jobs.send(Box::new(move |st: &State| f(st, tx)))
@@ -403,6 +415,10 @@ impl SyncEngine {
         tasks: impl Into<SyncTasks<B>>,
         opts: BatchOptions,
     ) -> Result<SyncOutcome<B>, SyncError> {
+        // (A lane's rings are shared with the parent too.)
+        if self.lineage.forked() {
+            return Err(SyncError::Forked);
+        }
         let (tasks, opts) = match self.lanes.run(tasks.into(), opts) {
             Ok(answer) => return answer,
             Err(back) => back,
@@ -653,6 +669,15 @@ impl SyncEngine {
     }
 
     fn join(&mut self) -> Result<(), SyncError> {
+        if self.lineage.forked() {
+            // Nothing to join here, and nothing of it this process's to
+            // close (a sender's wake-up would ring the parent's runtime):
+            // left as it is.
+            std::mem::forget(self.jobs.take());
+            std::mem::forget(self.thread.take());
+            std::mem::forget(self.lanes.clone());
+            return Err(SyncError::Forked);
+        }
         self.lanes.stop();
         // Closing the job channel stops the loop; the runtime then drains.
         drop(self.jobs.take());
@@ -667,8 +692,10 @@ impl SyncEngine {
 
 impl Drop for SyncEngine {
     fn drop(&mut self) {
-        if let Err(e) = self.join() {
-            tracing::error!(error = %e, "sync engine stopped without draining");
+        match self.join() {
+            // A forked child's copy: the parent's engine runs on.
+            Ok(()) | Err(SyncError::Forked) => {}
+            Err(e) => tracing::error!(error = %e, "sync engine stopped without draining"),
         }
     }
 }

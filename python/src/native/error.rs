@@ -61,7 +61,7 @@ pub(crate) fn from_sync(py: Python<'_>, e: &SyncError) -> PyErr {
         SyncError::Batch(BatchError::Empty) => "ZeroLength",
         SyncError::Batch(_) | SyncError::Revoke(_) | SyncError::Register(_) => "InvalidInput",
         SyncError::Transfer(t) => transfer_kind(t),
-        SyncError::Setup(_) | SyncError::Undrained(_) => "QuiesceError",
+        SyncError::Setup(_) | SyncError::Undrained(_) | SyncError::Forked => "QuiesceError",
     };
     raise(py, kind, &e.to_string())
 }
