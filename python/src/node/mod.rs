@@ -3,42 +3,35 @@
 //! segments opened so far, and the batches still out (asynchronous ones,
 //! and those that returned -2).
 
+mod outstanding;
+mod settings;
+
 use std::collections::{HashMap, VecDeque};
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 use fnv::FnvHashMap;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{
     Direction, HostRanges, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask, SyncTasks,
 };
-use quiesce_batch::{
-    BatchOptions, FailurePolicy, TaskReport, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN,
-};
+use quiesce_batch::{BatchOptions, TaskReport, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
-use quiesce_runtime::time::{deadline_in, LONGEST_WAIT};
 use quiesce_transports::rdma::RdmaConfig;
-use quiesce_transports::{EngineConfig, LocalMode, Token};
+use quiesce_transports::{EngineConfig, Token};
 use smallvec::SmallVec;
 
 use crate::managed::{ManagedBuffers, Uses};
 
-/// The environment variable holding the cluster's shared secret (at least
-/// 16 bytes; the same on every peer).
-pub const SECRET_ENV: &str = "QUIESCE_SECRET";
-/// Set to `1` to run without a secret: any peer that can connect may read
-/// and write every registered range. Only on a trusted network.
-pub const OPEN_CLUSTER_ENV: &str = "QUIESCE_OPEN_CLUSTER";
-/// What an open cluster derives its token from (public by design).
-const OPEN_CLUSTER_SECRET: &[u8] = b"quiesce open cluster: whoever connects may read and write";
-/// The label every range's token is derived under: Mooncake's callers never
-/// see segment names, so all of a node's ranges share one token.
-const TOKEN_LABEL: &str = "mooncake-node";
+use self::outstanding::{Outstanding, Pinned};
+use self::settings::{options, wait_unknown, PUBLISH_WAIT, QUIESCE_WAIT_UNKNOWN, TOKEN_LABEL};
 
-/// How long `initialize` waits for the metadata server to hold this node.
-const PUBLISH_WAIT: Duration = Duration::from_secs(10);
+pub(crate) use outstanding::Progress;
+pub(crate) use settings::{
+    listen_addr, local_mode, seconds, secret, spin, tcp_congestion, OPEN_CLUSTER_ENV, SECRET_ENV,
+};
 
 /// Logs why a call failed (a warning: Mooncake logs and returns -1 too).
 pub(crate) fn complain(what: &str) -> i32 {
@@ -60,36 +53,6 @@ pub(crate) enum Fabric {
         /// The device's name.
         device: Option<String>,
     },
-}
-
-/// An asynchronous batch: its outcome's channel (taken out by the one call
-/// that waits on it), and what it used.
-struct Outstanding {
-    /// `None` while a status call waits on it (the batch runs on, as far as
-    /// any other call is told).
-    outcome: Option<mpsc::Receiver<SyncOutcome<RawBuf>>>,
-    target: String,
-    peer: SocketAddr,
-    used: SmallVec<[u32; 4]>,
-    uses: Uses,
-}
-
-/// A batch that answered -2: its ticket, and the managed buffers it holds
-/// until it drains.
-struct Pinned {
-    ticket: u64,
-    uses: Uses,
-}
-
-/// How an asynchronous batch stands.
-pub(crate) enum Progress {
-    /// Still running.
-    Running,
-    /// Done with this code (0, -1, or -2 with its ticket kept pending).
-    Done(i32),
-    /// No such batch: never submitted. (One whose outcome a call reported
-    /// answers that code again, or -2 once it is forgotten.)
-    Unknown,
 }
 
 /// What one call's tasks became.
@@ -146,72 +109,6 @@ pub(crate) struct Node {
     next_id: AtomicU64,
 }
 
-/// How many reported codes a node remembers for status calls that come
-/// after another call reported the batch.
-const REPORTS_KEPT: usize = 4096;
-
-/// The cluster's shared secret: `explicit` (16+ bytes), an open cluster's
-/// public one if `open_cluster`, else from the environment.
-pub(crate) fn secret(explicit: Option<&[u8]>, open_cluster: bool) -> Result<Vec<u8>, String> {
-    if let Some(s) = explicit {
-        if s.len() < 16 {
-            return Err("the secret must hold at least 16 bytes".into());
-        }
-        return Ok(s.to_vec());
-    }
-    if open_cluster {
-        tracing::warn!(
-            "open cluster: any peer that can connect may read and write registered memory"
-        );
-        return Ok(OPEN_CLUSTER_SECRET.to_vec());
-    }
-    if let Some(s) = std::env::var_os(SECRET_ENV) {
-        let s = s.into_encoded_bytes();
-        if s.len() < 16 {
-            return Err(format!("{SECRET_ENV} must hold at least 16 bytes"));
-        }
-        return Ok(s);
-    }
-    if std::env::var(OPEN_CLUSTER_ENV).is_ok_and(|v| v == "1") {
-        return secret(None, true);
-    }
-    Err(format!(
-        "remote access needs a shared secret: set {SECRET_ENV} (16+ bytes, the same on every \
-         peer), or {OPEN_CLUSTER_ENV}=1 to let any peer that can connect read and write (trusted \
-         networks only)"
-    ))
-}
-
-/// Whether peers on this host are reached by cross-memory attach:
-/// `QUIESCE_LOCAL` = `auto` (the default), `off` (TCP only, both roles) or
-/// `required` (fail a connection that cannot attach).
-pub(crate) fn local_mode() -> LocalMode {
-    match std::env::var("QUIESCE_LOCAL").as_deref() {
-        Ok("off") => LocalMode::Off,
-        Ok("required") => LocalMode::Required,
-        Ok("auto") | Err(_) => LocalMode::Auto,
-        Ok(other) => {
-            tracing::warn!("QUIESCE_LOCAL={other:?} is not auto, off or required; using auto");
-            LocalMode::Auto
-        }
-    }
-}
-
-/// The TCP congestion control of the engine's connections
-/// (`EngineConfig::tcp_congestion`): `QUIESCE_TCP_CONGESTION` (`cubic`,
-/// `reno`, `bbr`, …), checked here so a name the kernel lacks is reported
-/// with the variable that gave it; unset or empty, the system's default.
-pub(crate) fn tcp_congestion() -> Result<Option<String>, String> {
-    match std::env::var("QUIESCE_TCP_CONGESTION") {
-        Ok(name) if !name.is_empty() => {
-            quiesce_runtime::net::check_tcp_congestion(&name)
-                .map_err(|e| format!("QUIESCE_TCP_CONGESTION: {e}"))?;
-            Ok(Some(name))
-        }
-        _ => Ok(None),
-    }
-}
-
 /// The segments opened at one peer address, and the node name they were
 /// opened for (checked there, with an etcd directory, before opening).
 #[derive(Default)]
@@ -232,8 +129,6 @@ impl PeerSegments {
     }
 }
 
-/// A timeout of `timeout` seconds from Python: none if not positive (or
-/// NaN), inf and huge values [`LONGEST_WAIT`].
 /// Whether `name`, found at `addr` in the directory, is not the node that
 /// answers there (the entry is stale, the address another node's now):
 /// why, if so. Asked before opening there; a peer's later reconnects
@@ -246,100 +141,6 @@ pub(crate) fn stale_entry(
     let there = engine.peer_node(addr)?;
     Ok((there != name)
         .then(|| format!("{name:?} is not at {addr} (node {there:?} is): a stale directory entry")))
-}
-
-pub(crate) fn seconds(timeout: f64) -> Duration {
-    if timeout.is_nan() || timeout <= 0.0 {
-        return Duration::ZERO;
-    }
-    Duration::try_from_secs_f64(timeout)
-        .unwrap_or(LONGEST_WAIT)
-        .min(LONGEST_WAIT)
-}
-
-/// The variable that makes a sync call wait for a batch whose completion is
-/// unknown before it answers.
-pub(crate) const QUIESCE_WAIT_UNKNOWN: &str = "QUIESCE_WAIT_UNKNOWN";
-
-/// How long a sync call that would answer -2 (or `get_batch_transfer_status`
-/// on such a batch) first waits for its batch to drain:
-/// [`QUIESCE_WAIT_UNKNOWN`] seconds, 0 (answer -2 at once) if unset.
-/// vLLM and SGLang take -2 for a failure and reuse the memory at once,
-/// never calling `wait_for_quiescence()`; with a wait, the call answers the
-/// drained outcome instead, after which nothing touches the memory.
-fn wait_unknown() -> Duration {
-    let Ok(v) = std::env::var(QUIESCE_WAIT_UNKNOWN) else {
-        return Duration::ZERO;
-    };
-    match v
-        .trim()
-        .parse::<f64>()
-        .ok()
-        .and_then(|s| Duration::try_from_secs_f64(s).ok())
-    {
-        Some(d) => d,
-        None => {
-            tracing::warn!("{QUIESCE_WAIT_UNKNOWN}={v:?} is not a number of seconds; not waiting");
-            Duration::ZERO
-        }
-    }
-}
-
-/// How long the engine and its callers busy-poll before they block:
-/// `QUIESCE_SPIN_US` microseconds (0: never), else the sync engine's default.
-pub(crate) fn spin() -> Duration {
-    std::env::var("QUIESCE_SPIN_US")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(quiesce_batch::sync::DEFAULT_SPIN, Duration::from_micros)
-}
-
-/// Fail-fast, as Mooncake returns at a batch's first failure — but after
-/// fencing the rest, so the -1 is safe. Mooncake's `MC_TRANSFER_TIMEOUT`
-/// (seconds, 5 to 1800; 30 by default) is each batch's deadline, plus its
-/// size ([`Node::options_for`]), so every batch of less than ~1.8 TB has an
-/// outcome within `get_batch_transfer_status`'s hour.
-fn options() -> BatchOptions {
-    let secs = std::env::var("MC_TRANSFER_TIMEOUT")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(30, |s| s.clamp(5, 1800));
-    BatchOptions::default()
-        .policy(FailurePolicy::FailFast)
-        .deadline(Duration::from_secs(secs))
-}
-
-pub(crate) fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
-    let bad_port = || format!("bad port in {local_hostname:?}");
-    // "[v6]:port", "[v6]", "host:port", "host", or a bare IPv6 address.
-    let (host, port) = if let Some(rest) = local_hostname.strip_prefix('[') {
-        let (host, after) = rest
-            .split_once(']')
-            .ok_or_else(|| format!("no ']' in {local_hostname:?}"))?;
-        let port = match after {
-            "" => 0,
-            p => p
-                .strip_prefix(':')
-                .and_then(|p| p.parse::<u16>().ok())
-                .ok_or_else(bad_port)?,
-        };
-        (host, port)
-    } else {
-        match local_hostname.rsplit_once(':') {
-            Some((h, p)) if !h.contains(':') => (h, p.parse::<u16>().map_err(|_| bad_port())?),
-            _ => (local_hostname, 0),
-        }
-    };
-    let addrs: Vec<SocketAddr> = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host:?}: {e}"))?
-        .collect();
-    addrs
-        .iter()
-        .find(|a| a.is_ipv4())
-        .or(addrs.first())
-        .copied()
-        .ok_or_else(|| format!("{host:?} resolves to no address"))
 }
 
 impl Node {
@@ -699,282 +500,6 @@ impl Node {
             // but nothing says whether it completed either).
             Ok(None) | Err(_) => out,
         }
-    }
-
-    /// Starts a batch and returns its id at once (0: it could not start).
-    pub(crate) fn submit(
-        &self,
-        target: &str,
-        dir: Direction,
-        buffers: &[usize],
-        peer_addresses: &[usize],
-        lengths: &[usize],
-    ) -> u64 {
-        let p = match self.prepare(target, dir, buffers, peer_addresses, lengths) {
-            Ok(p) => p,
-            Err(e) => {
-                complain(&format!("transfer: {e}"));
-                return 0;
-            }
-        };
-        let opts = self.options_for(&p);
-        let started = if p.tasks.is_empty() {
-            // Nothing to move: its outcome is ready.
-            let (tx, rx) = mpsc::channel();
-            let _ = tx.send(SyncOutcome {
-                code: SYNC_OK,
-                buffers: Some(SmallVec::new()),
-                tasks: SmallVec::new(),
-                ticket: None,
-                remote_confirmed: true,
-            });
-            Ok(rx)
-        } else {
-            self.engine().submit_each(p.tasks, opts)
-        };
-        match started {
-            Ok(outcome) => {
-                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                let o = Outstanding {
-                    outcome: Some(outcome),
-                    target: target.to_string(),
-                    peer: p.peer,
-                    used: p.used,
-                    uses: p.uses,
-                };
-                lock(&self.outstanding).insert(id, o);
-                id
-            }
-            Err(e) => {
-                self.managed.release(p.uses);
-                complain(&format!("transfer: {e}"));
-                0
-            }
-        }
-    }
-
-    /// How asynchronous batch `id` stands, waiting for it up to `wait`. A
-    /// batch whose outcome this reports is forgotten.
-    pub(crate) fn progress(&self, id: u64, wait: Duration) -> Progress {
-        let (rx, target, peer, used) = {
-            let mut all = lock(&self.outstanding);
-            let Some(o) = all.get_mut(&id) else {
-                drop(all);
-                return self.reported(id);
-            };
-            // Another call is waiting on it: running, as far as this one knows.
-            let Some(rx) = o.outcome.take() else {
-                return Progress::Running;
-            };
-            (rx, o.target.clone(), o.peer, o.used.clone())
-        };
-        match rx.recv_timeout(wait) {
-            Ok(out) => {
-                // A caller that waits (get_batch_transfer_status) waits out
-                // a -2 as a sync call does; one that polls does not. The
-                // batch stays listed meanwhile, running to any other call.
-                let out = self.drained_within(out, self.wait_unknown.min(wait));
-                // Held until the code is recorded: a call that finds the
-                // batch gone from `outstanding` waits for its code here.
-                let mut reported = lock(&self.reported);
-                let uses = lock(&self.outstanding).remove(&id).map(|o| o.uses);
-                let code = self.settle(&target, peer, &used, uses.unwrap_or_default(), out);
-                Self::record(&mut reported, id, code);
-                Progress::Done(code)
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Some(o) = lock(&self.outstanding).get_mut(&id) {
-                    o.outcome = Some(rx);
-                }
-                Progress::Running
-            }
-            // The engine's thread died (a live node's engine stops only
-            // with the node) before the batch had an outcome: whether its
-            // operations were reaped is not known (the dying runtime's
-            // drain may have run out of time), so it is -2 for good and its
-            // managed buffers stay pinned.
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let mut reported = lock(&self.reported);
-                if let Some(o) = lock(&self.outstanding).remove(&id) {
-                    self.lose(o.uses);
-                }
-                Self::record(&mut reported, id, SYNC_UNKNOWN);
-                tracing::error!(
-                    "transfer: the engine's thread died before the batch had an outcome; \
-                     its memory stays pinned"
-                );
-                Progress::Done(SYNC_UNKNOWN)
-            }
-        }
-    }
-
-    /// How batch `id`, not outstanding, stands: never issued, `Unknown`;
-    /// reported already, that code again; reported so long ago that its
-    /// code is forgotten, -2 — -1 would say its memory is free while it may
-    /// be pinned (`wait_for_quiescence()` says when nothing is).
-    fn reported(&self, id: u64) -> Progress {
-        let reported = lock(&self.reported);
-        if let Some(&(_, code)) = reported.iter().rev().find(|(r, _)| *r == id) {
-            return Progress::Done(code);
-        }
-        match id != 0 && id < self.next_id.load(Ordering::Relaxed) {
-            true => Progress::Done(SYNC_UNKNOWN),
-            false => Progress::Unknown,
-        }
-    }
-
-    fn record(reported: &mut VecDeque<(u64, i32)>, id: u64, code: i32) {
-        if reported.len() == REPORTS_KEPT {
-            reported.pop_front();
-        }
-        reported.push_back((id, code));
-    }
-
-    /// Waits for every batch in `ids`: 0 if all completed, else the worst
-    /// code (-2 before -1). Unknown ids count as -1.
-    pub(crate) fn wait_all(&self, ids: &[u64], timeout: Duration) -> i32 {
-        let deadline = deadline_in(timeout);
-        let mut worst = SYNC_OK;
-        for &id in ids {
-            loop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                match self.progress(id, left.max(Duration::from_millis(1))) {
-                    Progress::Done(c) => {
-                        worst = worst.min(c);
-                        break;
-                    }
-                    Progress::Unknown => {
-                        worst = worst.min(complain(&format!("no batch {id}")));
-                        break;
-                    }
-                    Progress::Running if Instant::now() >= deadline => {
-                        // Still running past the wait (only if another call
-                        // waits on it too, or its deadline is beyond the
-                        // wait): its memory is not back, and the batch stays
-                        // listed for the next status call.
-                        return SYNC_UNKNOWN;
-                    }
-                    // Another call holds its channel: look again shortly.
-                    Progress::Running => std::thread::sleep(Duration::from_micros(200)),
-                }
-            }
-        }
-        worst
-    }
-
-    /// The code of an outcome; keeps a -2's ticket, and forgets the segments
-    /// a failed batch used (the peer may have re-registered its memory).
-    fn settle(
-        &self,
-        target: &str,
-        peer: SocketAddr,
-        used: &[u32],
-        uses: Uses,
-        out: SyncOutcome<RawBuf>,
-    ) -> i32 {
-        if out.code == SYNC_UNKNOWN {
-            match out.ticket {
-                Some(ticket) => lock(&self.pending).push(Pinned { ticket, uses }),
-                // (The engine gives every -2 a ticket.) Without one nothing
-                // says when it drains: its managed buffers stay pinned.
-                None => self.lose(uses),
-            }
-            return SYNC_UNKNOWN;
-        }
-        self.managed.release(uses);
-        if out.code != SYNC_OK {
-            if let Some(p) = lock(&self.opened).get_mut(&peer) {
-                p.segments.retain(|s| !used.contains(&s.segment));
-            }
-            tracing::warn!("transfer to {target} failed: {}", failures(&out.tasks));
-        }
-        out.code
-    }
-
-    /// `unregister_memory(addr)`: once no batch of this engine uses the
-    /// range any more (new ones refused meanwhile; one that answered -2
-    /// counts until it drained, which this collects), takes it back from
-    /// every peer. `Ok(false)`: something still held it after `wait`.
-    pub(crate) fn unregister(&self, addr: usize, wait: Duration) -> Result<bool, SyncError> {
-        let until = deadline_in(wait);
-        self.managed.begin_unregister(addr);
-        let slice = Duration::from_millis(20);
-        while !self.managed.wait_unused(addr, slice) {
-            if Instant::now() >= until {
-                self.managed.end_unregister(addr, false);
-                return Ok(false);
-            }
-            self.quiesce_pending(slice);
-            self.release_finished();
-        }
-        let left = until.saturating_duration_since(Instant::now());
-        let r = self.engine().reclaim(addr as u64, left);
-        self.managed.end_unregister(addr, matches!(r, Ok(true)));
-        r
-    }
-
-    /// Gives back the uses of the asynchronous batches that finished (0 or
-    /// -1) but whose status nobody has read yet; their outcomes stay for
-    /// the status call. (A -2 keeps its uses until it drained.)
-    pub(crate) fn release_finished(&self) {
-        let mut all = lock(&self.outstanding);
-        for o in all.values_mut() {
-            let Some(rx) = o.outcome.as_ref() else {
-                continue;
-            };
-            let Ok(out) = rx.try_recv() else {
-                continue;
-            };
-            if out.code != SYNC_UNKNOWN {
-                self.managed.release(std::mem::take(&mut o.uses));
-            }
-            // Put back for the status call.
-            let (tx, rx) = mpsc::channel();
-            let _ = tx.send(out);
-            o.outcome = Some(rx);
-        }
-    }
-
-    /// Waits up to `timeout` for the batches that returned -2 to drain;
-    /// returns how many have not. One caller waits at a time; another meanwhile
-    /// gets the count at once (its tickets stay listed until they drained, so
-    /// nobody is told 0 while one is out).
-    pub(crate) fn quiesce_pending(&self, timeout: Duration) -> usize {
-        // (A waiter that panicked left nothing half-done: the lock orders
-        // waiters, it guards no data.)
-        let _only = match self.waiting.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(g)) => g.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return self.not_drained(),
-        };
-        let deadline = deadline_in(timeout);
-        let tickets: Vec<u64> = lock(&self.pending).iter().map(|p| p.ticket).collect();
-        for t in tickets {
-            let left = deadline.saturating_duration_since(Instant::now());
-            // Drained? (A ticket of an engine whose thread died never is:
-            // `Ok(None)`.)
-            if let Ok(Some(_)) = self.engine().wait::<RawBuf>(t, left) {
-                let mut pending = lock(&self.pending);
-                if let Some(i) = pending.iter().position(|p| p.ticket == t) {
-                    self.managed.release(pending.swap_remove(i).uses);
-                }
-            }
-        }
-        self.not_drained()
-    }
-
-    /// Batches whose memory is still pinned: those waiting to drain, and
-    /// those that never will.
-    fn not_drained(&self) -> usize {
-        lock(&self.pending).len() + self.lost.load(Ordering::Relaxed) as usize
-    }
-
-    /// A -2 batch with nothing to wait on: its managed buffers stay pinned
-    /// (`uses` is never given back) and `wait_for_quiescence` counts it.
-    fn lose(&self, uses: Uses) {
-        // Dropped, not released: its buffers' counts stay up.
-        drop(uses);
-        self.lost.fetch_add(1, Ordering::Relaxed);
     }
 }
 
