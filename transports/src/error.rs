@@ -64,6 +64,11 @@ pub enum TransferError {
         /// Bytes applied before the revoke.
         landed: u64,
     },
+    /// The request was never handed to the NIC or the socket (its link
+    /// failed or was reset first): nothing of it was sent, so nothing of it
+    /// lands, and it may be retried.
+    #[error("not sent: {0}")]
+    NotSent(String),
     /// No peer at that address, or the handshake was refused. (Boxed: the
     /// error sits in every task's report, which this keeps at 32 bytes.)
     #[error("handshake with {} failed: {}", .0.peer, .0.reason)]
@@ -147,6 +152,7 @@ impl TransferError {
             | TransferError::FencedPartial { .. }
             | TransferError::Revoked { .. }
             | TransferError::RemoteAccess(_)
+            | TransferError::NotSent(_)
             | TransferError::Unregistered { .. } => true,
             TransferError::BadFrame(_)
             | TransferError::Flushed
@@ -160,7 +166,9 @@ impl TransferError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            TransferError::ConnectionLost(_) | TransferError::ConnectTimeout
+            TransferError::ConnectionLost(_)
+                | TransferError::ConnectTimeout
+                | TransferError::NotSent(_)
         )
     }
 }

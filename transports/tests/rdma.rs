@@ -788,3 +788,37 @@ fn deregistering_through_the_control_engine_kills_the_keys_too() {
         assert!(matches!(r, Err(TransferError::RemoteAccess(_))), "{r:?}");
     });
 }
+
+/// Requests an abort fails before they were posted sent nothing: their
+/// error settles the remote side (nothing of them can land), so the batch
+/// reports the target answered and may retry. They were `ConnectionLost`,
+/// which says bytes may still land, for a transfer that never reached the
+/// NIC.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn requests_failed_before_they_were_posted_settle_the_remote() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let (r, l) = p.remote.write(0, p.region.lease(0..4096).unwrap(), 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        drop(l);
+        let posted = p.initiator.stats().posted;
+        // Not small: queued for the next doorbell, which comes after the
+        // abort.
+        let write = p.remote.write(0, p.region.lease(0..256 << 10).unwrap(), 2);
+        let mut write = std::pin::pin!(write);
+        std::future::poll_fn(|cx| {
+            assert!(write.as_mut().poll(cx).is_pending());
+            std::task::Poll::Ready(())
+        })
+        .await;
+        p.remote.peer().abort();
+        let (r, _l) = write.await;
+        let e = r.expect_err("the write was cut by the abort");
+        assert_eq!(p.initiator.stats().posted, posted, "it was never posted");
+        assert!(e.settles_remote(), "nothing was sent, yet: {e:?}");
+        let mut snap = vec![0u8; 256 << 10];
+        assert!(p.kv.read_at(0, &mut snap));
+        assert!(snap[4096..].iter().all(|&b| b == 0), "it landed");
+    });
+}

@@ -76,6 +76,7 @@ fn transfer_kind(t: &TransferError) -> &'static str {
         TransferError::BadLength(_) => "InvalidInput",
         TransferError::Handshake { .. }
         | TransferError::ConnectionLost(_)
+        | TransferError::NotSent(_)
         | TransferError::ConnectTimeout => "PeerUnreachable",
         _ => "QuiesceError",
     }

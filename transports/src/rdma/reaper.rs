@@ -136,12 +136,16 @@ impl Link {
             } else {
                 TransferError::Fenced
             }
-        } else if self.state.get() == LinkState::Fenced {
-            TransferError::ConnectionLost("queue pair reset by a fence or abort".into())
         } else {
-            TransferError::ConnectionLost(
-                "queue pair failed (peer lost, or another request's error flushed this one)".into(),
-            )
+            let why = match self.state.get() {
+                LinkState::Fenced => "queue pair reset by a fence or abort",
+                _ => "queue pair failed (peer lost, or another request's error flushed this one)",
+            };
+            match posted {
+                true => TransferError::ConnectionLost(why.into()),
+                // Never handed to the NIC: nothing of it was sent.
+                false => TransferError::NotSent(why.into()),
+            }
         }
     }
 }
@@ -372,12 +376,9 @@ impl Reaper {
                 link.state.set(LinkState::Failed);
                 let _ = link.qp.set_error();
                 self.close_cut(link);
+                // The NIC refused these: nothing of them was sent.
                 for w in &wrs[posted..] {
-                    self.retire(
-                        w.wr_id,
-                        1,
-                        Some(TransferError::ConnectionLost(e.to_string())),
-                    );
+                    self.retire(w.wr_id, 1, Some(TransferError::NotSent(e.to_string())));
                 }
             }
         }
