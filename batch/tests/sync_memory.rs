@@ -429,6 +429,76 @@ fn another_node_at_a_peers_address_gets_none_of_its_writes() {
     drop(other);
 }
 
+/// The same for a caller lane: a thread's first small batch connects its
+/// own lane, which must reach the node the engine opened the segment at,
+/// not whichever answers there now. (Another node lending the same memory
+/// under the same name and token has the same id, base and length: the
+/// lane's check of those passed, and the write landed, answering 0.)
+#[test]
+fn a_lane_reaches_only_the_node_its_segment_was_opened_at() {
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let lend = |e: &SyncEngine, mem: &mut [u8]| lend_m(e, mem, token);
+    let init = std::sync::Arc::new(engine());
+    let mut mem = vec![0u8; LEN];
+    let gone = node_at("decode-3", "127.0.0.1:0".parse().unwrap());
+    let addr = gone.local_addr();
+    lend(&gone, &mut mem);
+    let seg = init.open_named(addr, "m", token).unwrap();
+    assert_eq!(write_4k_at_0(&init, seg.segment, 0x5a), SYNC_OK);
+    drop(gone);
+    let other = node_at("decode-7", addr);
+    lend(&other, &mut mem);
+    // A thread that never ran a batch: its lane connects now.
+    let fresh = {
+        let init = init.clone();
+        std::thread::spawn(move || write_4k_at_0(&init, seg.segment, 0x6b))
+            .join()
+            .unwrap()
+    };
+    assert_ne!(fresh, SYNC_OK, "a lane's write reached another node");
+    drop(other);
+    assert!(
+        mem[..4096].iter().all(|&b| b == 0x5a),
+        "another node's memory was written"
+    );
+}
+
+/// Opening the segment again at the node that now answers there gives a
+/// handle of its own, which a thread's lane opens afresh: the same handle
+/// came back (same peer address, id, base and length), and the lane kept
+/// using the segment it had opened at the node that went, failing every
+/// small batch on it for good.
+#[test]
+fn a_segment_opened_at_the_node_that_replaced_another_gets_its_own_handle() {
+    let token = Token::derive(b"a secret both sides hold", "node");
+    let lend = |e: &SyncEngine, mem: &mut [u8]| lend_m(e, mem, token);
+    let init = engine();
+    let mut mem = vec![0u8; LEN];
+    let gone = node_at("decode-3", "127.0.0.1:0".parse().unwrap());
+    let addr = gone.local_addr();
+    lend(&gone, &mut mem);
+    let old = init.open_named(addr, "m", token).unwrap();
+    assert_eq!(write_4k_at_0(&init, old.segment, 0x5a), SYNC_OK);
+    drop(gone);
+    let other = node_at("decode-7", addr);
+    lend(&other, &mut mem);
+    let t0 = std::time::Instant::now();
+    let new = loop {
+        match init.open_named(addr, "m", token) {
+            Ok(s) => break s,
+            Err(e) => assert!(t0.elapsed() < Duration::from_secs(10), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_ne!(
+        new.segment, old.segment,
+        "another node's segment, the same handle"
+    );
+    assert_eq!(write_4k_at_0(&init, new.segment, 0x6b), SYNC_OK);
+    drop(other);
+    assert!(mem[..4096].iter().all(|&b| b == 0x6b));
+}
+
 /// Taking back a lending by its segment takes back only that one: once it
 /// went (another call took it back) and the address was lent anew, the new
 /// lending is another thread's, refused here as not lent — and still

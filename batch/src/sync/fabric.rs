@@ -40,6 +40,14 @@ pub(crate) enum Opened {
 }
 
 impl Opened {
+    /// The name of the node it was opened at (the peer's first hello's).
+    pub(crate) fn node(&self) -> &str {
+        match self {
+            Opened::Tcp(s) => s.peer().node(),
+            Opened::Rdma(s) => s.peer().node(),
+        }
+    }
+
     /// The peer's address of its first byte, and its length.
     pub(crate) fn extent(&self) -> (u64, u64) {
         match self {

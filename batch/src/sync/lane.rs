@@ -72,6 +72,9 @@ const SPARE_MAX: usize = 64 << 10;
 #[derive(Clone)]
 pub(crate) struct LaneKey {
     pub(crate) peer: SocketAddr,
+    /// The node the engine opened it at: a lane's own connection takes
+    /// whichever node answers at `peer`, which may be another by now.
+    pub(crate) node: String,
     pub(crate) token: Token,
     /// Opened by name; `None`: by the address of its first byte.
     pub(crate) name: Option<String>,
@@ -519,6 +522,9 @@ enum LaneOpen {
 /// Opens the segment `key` names on the lane's engine.
 async fn open(net: &Engine, key: &LaneKey) -> Result<RemoteSegment, LaneOpen> {
     let peer = net.connect(key.peer).await.map_err(|_| LaneOpen::Failed)?;
+    if peer.node() != key.node {
+        return Err(LaneOpen::Another);
+    }
     let seg = match &key.name {
         Some(n) => peer.open(n, key.token).await,
         None => peer.open_at(key.base, key.token).await,

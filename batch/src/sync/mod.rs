@@ -102,9 +102,10 @@ pub struct SyncOutcome<B> {
 type Job = Box<dyn FnOnce(&State) + Send>;
 
 /// The handle of each segment opened, by what makes two openings the same
-/// segment (the peer, the segment's id there, its base and its length),
-/// for each token it was opened with.
-type Handles = HashMap<(SocketAddr, u64, u64, u64), Vec<(Token, u32)>>;
+/// segment (the peer's address and node name — another node may answer
+/// there later —, the segment's id there, its base and its length), for
+/// each token it was opened with.
+type Handles = HashMap<(SocketAddr, String, u64, u64, u64), Vec<(Token, u32)>>;
 
 /// What the engine thread keeps. Shared with the tasks it spawns.
 #[derive(Clone)]
@@ -144,8 +145,10 @@ impl State {
             Opened::Tcp(s) => s.id(),
             Opened::Rdma(s) => s.id(),
         };
+        let node = seg.node().to_string();
         let key = matches!(seg, Opened::Tcp(_)).then(|| LaneKey {
             peer,
+            node: node.clone(),
             token,
             name,
             id,
@@ -154,7 +157,7 @@ impl State {
         });
         let mut segs = self.segments.borrow_mut();
         let mut handles = self.handles.borrow_mut();
-        let same = handles.entry((peer, id, base, len)).or_default();
+        let same = handles.entry((peer, node, id, base, len)).or_default();
         let segment = match same.iter().find(|(t, _)| *t == token) {
             Some(&(_, h)) => {
                 segs[h as usize] = seg;
