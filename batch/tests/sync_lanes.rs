@@ -421,3 +421,31 @@ fn a_lane_opening_many_segments_keeps_the_deadline() {
         out.code
     );
 }
+
+/// A forked child shares its parent's lane: its sockets and its io_uring
+/// ring. The child's exit runs the thread's lane destructor, which must
+/// leave them alone: it closed the lane's connections under the parent (its
+/// session at the target ended) and drained the parent's ring.
+#[test]
+fn a_forked_childs_exit_leaves_the_parents_lane_alone() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    assert_eq!(write(&e, kv, 0, vec![1u8; 4096]), SYNC_OK);
+    assert_eq!(t.wait_sessions(2), 2, "the engine's session and the lane's");
+    // SAFETY: the child only exits (running this thread's destructors, as a
+    // forked Python worker's exit does).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: ends the child; its exit runs thread-local destructors.
+        unsafe { libc::exit(0) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child this test forked.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(t.stats().sessions, 2, "the child closed the parent's lane");
+    assert_eq!(write(&e, kv, 0, vec![2u8; 4096]), SYNC_OK);
+    assert!(t.peek(0, 4096).iter().all(|&b| b == 2));
+}

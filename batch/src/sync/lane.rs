@@ -30,11 +30,13 @@
 //! engine stopped, until the thread's next lane call.
 
 use std::cell::RefCell;
+use std::mem::ManuallyDrop;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use quiesce_runtime::fork::Lineage;
 use quiesce_runtime::time::timeout;
 use quiesce_runtime::{Handle, IoBuf, IoBufMut, Runtime, Slice};
 use quiesce_transports::{Engine, EngineConfig, RemoteSegment, Token};
@@ -231,7 +233,8 @@ impl Lanes {
             opened: Vec::new(),
             spare: Vec::new(),
             away_at: Instant::now() + AWAY,
-            rt,
+            rt: ManuallyDrop::new(rt),
+            lineage: Lineage::here(),
             _live: live,
         })
     }
@@ -276,8 +279,10 @@ struct Lane {
     /// From when a call counts as the first after the thread was away:
     /// [`AWAY`] after the last call began (its clock reading, reused).
     away_at: Instant,
-    /// Dropped after the engine (see `Drop`).
-    rt: Runtime,
+    /// Dropped after the engine, and never in a forked child (see `Drop`).
+    rt: ManuallyDrop<Runtime>,
+    /// The process the lane was made in.
+    lineage: Lineage,
     _live: LiveLane,
 }
 
@@ -552,6 +557,16 @@ fn copy_out<B: IoBufMut>(copy: &Copied, to: &mut B) {
 impl Drop for Lane {
     fn drop(&mut self) {
         let net = self.net.take();
+        if self.lineage.forked() {
+            // A forked child's copy of its parent's lane (its thread's
+            // destructors run at the child's exit): the sockets and the
+            // io_uring ring are the parent's too. Closing the peers would
+            // shut the parent's connections, and dropping the runtime would
+            // drain the parent's ring: all left as they are.
+            std::mem::forget(net);
+            std::mem::forget(std::mem::take(&mut self.opened));
+            return;
+        }
         // Closing the peers needs the runtime; a thread whose runtime
         // thread-locals are gone leaks the lot (the runtime says so), which
         // holds only the lane's own copies.
@@ -560,5 +575,8 @@ impl Drop for Lane {
         } else {
             std::mem::forget(net);
         }
+        // SAFETY: dropped once, here, after the engine that ran on it;
+        // nothing uses the lane once it is being dropped.
+        unsafe { ManuallyDrop::drop(&mut self.rt) };
     }
 }
