@@ -79,7 +79,8 @@ int quiesce_engine_stop(quiesce_engine *e);
 
 /* Connects to addr ("host:port", the host an address or a name that resolves:
  * its addresses are tried in turn) and proves token (32 hex digits) for the
- * segment named name; stores a handle in *handle_out. 0 or -1. */
+ * segment named name; stores a handle in *handle_out. 0 or -1 (-3 for a null
+ * engine). */
 int quiesce_open(quiesce_engine *e, const char *addr, const char *name, const char *token, uint32_t *handle_out);
 
 /* opts may be NULL (defaults); ticket_out may be NULL if -2 is not expected:

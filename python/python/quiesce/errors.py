@@ -33,7 +33,9 @@ class SegmentRefused(QuiesceError):
 
 
 class UnknownPeer(QuiesceError):
-    """The peer's address does not resolve."""
+    """The peer cannot be resolved: its address does not resolve, the
+    directory holds no such node, or its entry is stale (another node
+    answers at its address)."""
 
 
 class PeerUnreachable(QuiesceError):
