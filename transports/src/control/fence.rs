@@ -140,6 +140,9 @@ impl Entries {
     /// left behind.
     fn sweep_fenced(&mut self, session: u64, mut keep: impl FnMut(&mut BatchState) -> bool) {
         let Some(batches) = self.fenced.get(&session) else {
+            // Room left by entries that went otherwise (`Forget`) goes back
+            // here too, as when every close walked the table.
+            self.shrink();
             return;
         };
         let batches: Vec<u64> = batches.iter().copied().collect();
@@ -410,6 +413,29 @@ mod tests {
         }
         t.closed(1, 7);
         assert_eq!(t.len(), 0);
+        let e = t.inner.borrow();
+        assert!(
+            e.index.capacity() < 1024 && e.states.capacity() < 1024,
+            "index {} states {}",
+            e.index.capacity(),
+            e.states.capacity()
+        );
+    }
+
+    /// The same for a burst whose entries went by `Forget` (which does not
+    /// shrink): the connection's close gives the room back, with nothing of
+    /// its session left fenced (the close returned early, keeping it).
+    #[test]
+    fn a_forgotten_burst_gives_its_memory_back_at_the_close() {
+        let t = FenceTable::default();
+        for batch in 0..100_000 {
+            t.fence(1, batch, [7]);
+        }
+        for batch in 0..100_000 {
+            t.forget(1, batch, 7);
+        }
+        assert_eq!(t.len(), 0);
+        t.closed(1, 7);
         let e = t.inner.borrow();
         assert!(
             e.index.capacity() < 1024 && e.states.capacity() < 1024,
