@@ -527,15 +527,16 @@ enum LaneOpen {
 /// Opens the segment `key` names on the lane's engine.
 async fn open(net: &Engine, key: &LaneKey) -> Result<RemoteSegment, LaneOpen> {
     let peer = net.connect(key.peer).await.map_err(|_| LaneOpen::Failed)?;
-    if peer.node() != key.node {
-        return Err(LaneOpen::Another);
-    }
     let seg = match &key.name {
         Some(n) => peer.open(n, key.token).await,
         None => peer.open_at(key.base, key.token).await,
     }
     .map_err(|_| LaneOpen::Failed)?;
-    if (seg.id(), seg.base(), seg.len()) == (key.id, key.base, key.len) {
+    // The node is checked once the open went through: a peer this lane
+    // cached for a node that went fails the open (its reconnect finds it
+    // replaced, and the lane tries afresh later) rather than read as
+    // another node's segment for good.
+    if peer.node() == key.node && (seg.id(), seg.base(), seg.len()) == (key.id, key.base, key.len) {
         Ok(seg)
     } else {
         Err(LaneOpen::Another)
@@ -570,10 +571,15 @@ impl Drop for Lane {
         // Closing the peers needs the runtime; a thread whose runtime
         // thread-locals are gone leaks the lot (the runtime says so), which
         // holds only the lane's own copies.
+        // The segments first, with the peers they hold, on the runtime.
+        let opened = std::mem::take(&mut self.opened);
         if quiesce_runtime::thread_alive() {
-            self.rt.block_on(async move { drop(net) });
+            self.rt.block_on(async move {
+                drop(opened);
+                drop(net)
+            });
         } else {
-            std::mem::forget(net);
+            std::mem::forget((opened, net));
         }
         // SAFETY: dropped once, here, after the engine that ran on it;
         // nothing uses the lane once it is being dropped.
