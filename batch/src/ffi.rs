@@ -209,6 +209,9 @@ pub unsafe extern "C" fn quiesce_engine_stop(e: *mut QuiesceEngine) -> i32 {
     let engine = unsafe { Box::from_raw(e) };
     match engine.0.stop() {
         Ok(()) => crate::SYNC_OK,
+        // A forked child's copy: nothing in this process touches its memory
+        // (the parent's engine runs on, on the parent's).
+        Err(err @ crate::sync::SyncError::Forked) => fail(crate::SYNC_FAILED, err),
         Err(err) => fail(crate::SYNC_UNKNOWN, err),
     }
 }

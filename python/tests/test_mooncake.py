@@ -585,17 +585,26 @@ e = TransferEngine()
 assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
 buf = e.allocate_managed_buffer(4096)
 assert buf
+region = bytearray(4096)
+import ctypes
+reg = ctypes.addressof((ctypes.c_char * 4096).from_buffer(region))
+assert e.register_memory(reg, 4096) == 0
 pid = os.fork()
 if pid == 0:
     # The engine's thread is the parent's: nothing here serves this call.
     code = e.transfer_sync_write("127.0.0.1:1", buf, 0x1000, 8)
-    print("child", code, flush=True)
-    sys.exit(0 if code == -1 else 3)  # an interpreter exit drops the engine
+    # Taking memory back waits for nothing the parent's engine would send.
+    t0 = time.monotonic()
+    codes = (code, e.unregister_memory(reg), e.free_managed_buffer(buf, 4096))
+    took = time.monotonic() - t0
+    print("child", codes, took, flush=True)
+    sys.exit(0 if codes == (-1, -1, -1) and took < 5 else 3)  # an interpreter exit drops the engine
 _, status = os.waitpid(pid, 0)
 assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 # The parent's engine is untouched.
 assert e.transfer_sync_write("127.0.0.1:1", buf, 0x1000, 8) == -1
 assert e.free_managed_buffer(buf, 4096) == 0
+assert e.unregister_memory(reg) == 0
 print("ok", flush=True)
 """
 

@@ -74,6 +74,8 @@ impl SyncEngine {
         len: u64,
         token: Token,
     ) -> Result<u64, SyncError> {
+        // Before any lock: one a parent's thread held at the fork stays held.
+        self.not_forked()?;
         if host::span(addr, len).is_none() {
             return Err(SyncError::NotHostMemory { addr, len });
         }
@@ -144,6 +146,8 @@ impl SyncEngine {
         only: Option<u64>,
         timeout: Duration,
     ) -> Result<bool, SyncError> {
+        // (It waits for a release only the parent's engine would send.)
+        self.not_forked()?;
         let (rx, serving, id) = {
             let mut lendings = self.lendings();
             let Some(state) = lendings.get_mut(&addr) else {

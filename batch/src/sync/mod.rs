@@ -342,15 +342,21 @@ impl SyncEngine {
         }
     }
 
+    /// `Forked` in a forked child of the process the engine started in.
+    fn not_forked(&self) -> Result<(), SyncError> {
+        match self.lineage.forked() {
+            true => Err(SyncError::Forked),
+            false => Ok(()),
+        }
+    }
+
     /// Runs `f` on the engine thread; it answers through the sender (maybe
     /// later, from a task it spawns). Blocks until it does.
     fn call<R: Send + 'static>(
         &self,
         f: impl FnOnce(&State, mpsc::Sender<R>) + Send + 'static,
     ) -> Result<R, SyncError> {
-        if self.lineage.forked() {
-            return Err(SyncError::Forked);
-        }
+        self.not_forked()?;
         let (tx, rx) = mpsc::channel();
         let jobs = self.jobs.as_ref().ok_or(SyncError::Stopped)?;
         jobs.send(Box::new(move |st: &State| f(st, tx)))
@@ -419,9 +425,7 @@ impl SyncEngine {
         opts: BatchOptions,
     ) -> Result<SyncOutcome<B>, SyncError> {
         // (A lane's rings are shared with the parent too.)
-        if self.lineage.forked() {
-            return Err(SyncError::Forked);
-        }
+        self.not_forked()?;
         let (tasks, opts) = match self.lanes.run(tasks.into(), opts) {
             Ok(answer) => return answer,
             Err(back) => back,
