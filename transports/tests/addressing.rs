@@ -304,16 +304,25 @@ fn an_auth_of_many_proofs_into_overlapping_segments_is_a_bad_frame() {
 /// segment, costs about what as many proofs by id cost (the same HMACs),
 /// however many segments the target serves. Each walked every segment
 /// served, a cost the HMAC budget did not count: with 20,000 segments, one
-/// frame held the reactor for 4,096 × 20,000 comparisons.
+/// frame held the reactor for 4,096 × 20,000 comparisons — and so did one
+/// long segment, when the lookup was bounded by the longest length alone.
 #[test]
 fn proofs_by_address_or_name_cost_no_walk_over_every_segment() {
     const SEGMENTS: usize = 20_000;
     let names: Vec<String> = (0..SEGMENTS).map(|i| format!("s{i}")).collect();
-    let segs: Vec<(&str, usize, Rights)> = names
+    let mut segs: Vec<(&str, usize, Rights)> = names
         .iter()
         .map(|n| (n.as_str(), 64, Rights::READ))
         .collect();
+    // And one long segment: a lookup bounded by the longest length alone
+    // read every short segment within 64 MiB below an address.
+    segs.push(("long", 64 << 20, Rights::READ));
     let t = ShardTarget::start(tcp(), &segs);
+    let long = t.seg("long").clone();
+    // Just past the short segments (their bases lie within ~2 MiB of each
+    // other): no segment holds these, and every short one lies below.
+    let top = names.iter().map(|n| t.seg(n).base + 64).max().unwrap();
+    let outside = |a: u64| a < long.base || a >= long.base + long.len;
     // The fastest of three answers: the machine's noise is slower, never
     // faster.
     let answer_time = |refs: &[(SegmentRef, Token)]| {
@@ -335,7 +344,10 @@ fn proofs_by_address_or_name_cost_no_walk_over_every_segment() {
             .collect::<Vec<_>>()
     };
     let by_id = answer_time(&proofs(&|i| SegmentRef::Id(1 << 40 | i)));
-    let by_address = answer_time(&proofs(&|i| SegmentRef::Address(1 + i)));
+    let by_address = answer_time(&proofs(&|i| {
+        assert!(outside(top + i));
+        SegmentRef::Address(top + i)
+    }));
     let by_name = answer_time(&proofs(&|i| SegmentRef::Name(format!("x{i}"))));
     assert!(
         by_address < 5 * by_id && by_name < 5 * by_id,

@@ -4,22 +4,47 @@
 //! index, not by a walk over every segment served (which let one
 //! unauthenticated frame cost proofs × segments comparisons, uncounted by
 //! the HMAC budget).
+//!
+//! Addresses: segments are kept by base in 64 classes of length (class k
+//! holds lengths of k + 1 significant bits). A segment of class k holding
+//! an address has its base at most 2^(k+1) − 2 below it, and segments that
+//! do not overlap put at most two bases of one class in that window: a
+//! lookup reads a few entries of each class in use, however many segments
+//! there are and however long the longest (a bound by the longest alone
+//! made one long segment turn the lookup back into a walk over the short
+//! ones below the address).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::segment::Segment;
 
+/// Classes of length: 1 ..= u64::MAX bytes, by significant bits.
+const CLASSES: usize = 64;
+
 /// The live segments of one target.
-#[derive(Default)]
 pub(crate) struct Registered {
     by_id: BTreeMap<u64, Segment>,
     by_name: HashMap<Box<str>, u64>,
-    /// (base, id) of every segment.
-    by_base: BTreeSet<(u64, u64)>,
-    /// The longest segment's length: only a segment based at most this far
-    /// below an address can hold it. Not lowered when that segment goes
-    /// (a wider search finds the same segments).
-    longest: u64,
+    /// (base, id) of every segment of nonzero length, by its length's class.
+    by_base: Vec<BTreeSet<(u64, u64)>>,
+    /// Bit k set while class k holds a segment.
+    classes: u64,
+}
+
+impl Default for Registered {
+    fn default() -> Self {
+        Registered {
+            by_id: BTreeMap::new(),
+            by_name: HashMap::new(),
+            by_base: (0..CLASSES).map(|_| BTreeSet::new()).collect(),
+            classes: 0,
+        }
+    }
+}
+
+/// The class of a nonzero length: its significant bits, less one.
+fn class(len: u64) -> usize {
+    (63 - len.leading_zeros()) as usize
 }
 
 impl Registered {
@@ -44,15 +69,24 @@ impl Registered {
     pub(crate) fn insert(&mut self, seg: Segment) {
         debug_assert!(!self.has_name(seg.name()));
         self.by_name.insert(seg.name().into(), seg.id());
-        self.by_base.insert((seg.base(), seg.id()));
-        self.longest = self.longest.max(seg.len());
+        if seg.len() > 0 {
+            let k = class(seg.len());
+            self.by_base[k].insert((seg.base(), seg.id()));
+            self.classes |= 1 << k;
+        }
         self.by_id.insert(seg.id(), seg);
     }
 
     pub(crate) fn remove(&mut self, id: u64) -> Option<Segment> {
         let seg = self.by_id.remove(&id)?;
         self.by_name.remove(seg.name());
-        self.by_base.remove(&(seg.base(), id));
+        if seg.len() > 0 {
+            let k = class(seg.len());
+            self.by_base[k].remove(&(seg.base(), id));
+            if self.by_base[k].is_empty() {
+                self.classes &= !(1 << k);
+            }
+        }
         Some(seg)
     }
 
@@ -61,19 +95,17 @@ impl Registered {
         self.by_id.values()
     }
 
-    /// The segments holding address `a` (segments may overlap), by base.
+    /// The segments holding address `a` (segments may overlap).
     pub(crate) fn holding(&self, a: u64) -> impl Iterator<Item = &Segment> {
-        let from = match self.longest {
-            0 => a.saturating_add(1).max(1),
-            n => a.saturating_sub(n - 1),
-        };
-        let found = match from <= a {
-            true => Some(self.by_base.range((from, 0)..=(a, u64::MAX))),
-            false => None,
-        };
-        found
-            .into_iter()
-            .flatten()
+        let classes = self.classes;
+        (0..CLASSES)
+            .filter(move |k| classes & (1 << k) != 0)
+            .flat_map(move |k| {
+                // Class k's longest is 2^(k+1) − 1 bytes.
+                let longest = u64::MAX >> (63 - k);
+                let from = a.saturating_sub(longest - 1);
+                self.by_base[k].range((from, 0)..=(a, u64::MAX))
+            })
             .filter_map(|(_, id)| self.by_id.get(id))
             .filter(move |s| a.checked_sub(s.base()).is_some_and(|o| o < s.len()))
     }
@@ -122,5 +154,11 @@ mod tests {
         assert_eq!(gone.id(), 2);
         assert!(ids(&r, base + 4096).is_empty() && r.named("tail").is_none());
         assert_eq!((r.len(), r.has_name("head")), (1, true));
+    }
+
+    #[test]
+    fn classes_of_length_split_where_their_bits_do() {
+        assert_eq!((class(1), class(2), class(3), class(4)), (0, 1, 1, 2));
+        assert_eq!((class(4095), class(4096), class(u64::MAX)), (11, 12, 63));
     }
 }
