@@ -243,6 +243,11 @@ impl Engine {
         true
     }
 
+    /// The target side underneath.
+    pub(crate) fn target(&self) -> &Rc<Target> {
+        &self.inner
+    }
+
     /// Connects to the engine at `addr` (or returns the existing peer,
     /// unless another node answers there now: [`Peer::is_replaced`]).
     pub async fn connect(&self, addr: SocketAddr) -> Result<Peer, TransferError> {

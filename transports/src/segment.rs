@@ -201,14 +201,17 @@ impl Segment {
             .map(|s| {
                 let from = lo.max(s.base()) - s.base();
                 let to = hi.min(s.base() + s.len()) - s.base();
-                let epoch = s.inner.grants.begin_revoke(from, to);
-                (s, from, to, epoch)
+                let (epoch, keys_dead) = s.inner.grants.begin_revoke(from, to);
+                (s, from, to, epoch, keys_dead)
             })
             .collect();
-        for (s, from, to, epoch) in &parts {
+        for (s, from, to, epoch, _) in &parts {
             s.inner.grants.quiesced(*from, *to, *epoch).await;
         }
-        Ok(())
+        match parts.iter().find(|p| !p.4) {
+            Some((s, ..)) => Err(RevokeError::KeysLive { segment: s.id() }),
+            None => Ok(()),
+        }
     }
 
     /// Copies bytes out. `false` (and nothing copied) if out of range.

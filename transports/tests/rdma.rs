@@ -822,3 +822,61 @@ fn requests_failed_before_they_were_posted_settle_the_remote() {
         assert!(snap[4096..].iter().all(|&b| b == 0), "it landed");
     });
 }
+
+/// A revoke whose memory region the device will not deregister still kills
+/// the old key: the queue pair it was served on is reset, and no queue pair
+/// is connected in that connection's domain again (its control connection
+/// is closed; the next one gets a new domain, and a new key once the token
+/// is proven again). The revoke resolved while the old key still worked,
+/// and a write with it landed after.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_revoke_whose_region_stays_registered_still_kills_the_old_key() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, mut l) = p.remote.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        quiesce_transports::rdma::fail_next_deregistrations(1);
+        p.kv.revoke(0..4096)
+            .await
+            .expect("the reset queue pair kills the key");
+        fill(&mut l, 2);
+        // Its queue pair at the target gone, the write fails once the
+        // control connection the target closed is seen gone (it waited for
+        // the idle timeout, 10 minutes, with the connection left open).
+        let t = Instant::now();
+        let (r, mut l) = p.remote.write(0, l, 2).await;
+        assert!(r.is_err(), "a write under the old key: {r:?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "an outcome after {:?}",
+            t.elapsed()
+        );
+        let mut snap = vec![0u8; 4096];
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 1), "a write under the old key landed");
+        // The token proven again, the peer gets through (on a new control
+        // connection, after the old one is closed).
+        let t0 = Instant::now();
+        loop {
+            fill(&mut l, 3);
+            let done = match p.remote.peer().open("kv", p.kv.token()).await {
+                Ok(fresh) => {
+                    let (r, back) = fresh.write(0, l, 3).await;
+                    l = back;
+                    r.is_ok()
+                }
+                Err(_) => false,
+            };
+            if done {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "never served again");
+            sleep(Duration::from_millis(50)).await;
+        }
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 3));
+    });
+}

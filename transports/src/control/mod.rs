@@ -50,4 +50,8 @@ pub(crate) trait ServedLink {
     /// it once this returns; returns its number (0 if there was none), named
     /// in the `FenceAck`.
     fn reset(&mut self) -> u32;
+    /// True once the link can never serve again (a key a revoke had to kill
+    /// lives on in its domain): the control connection is closed, and the
+    /// initiator's next one gets a new link.
+    fn poisoned(&self) -> bool;
 }

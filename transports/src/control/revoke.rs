@@ -47,6 +47,15 @@ pub enum RevokeError {
         /// The segment's length.
         len: u64,
     },
+    /// RDMA: a memory region of the segment could not be deregistered, nor
+    /// the queue pair it was served on reset: the NIC may still take writes
+    /// with a key handed out before the revoke. TCP and local writes of
+    /// older grants are refused and quiesced all the same.
+    #[error("an RDMA key of segment {segment} could not be killed: writes with it may still land")]
+    KeysLive {
+        /// The segment.
+        segment: u64,
+    },
 }
 
 struct Landing {
@@ -71,8 +80,8 @@ pub(crate) struct Grants {
     rekey: RefCell<Option<Rekey>>,
 }
 
-/// See [`Grants::set_rekey`].
-pub(crate) type Rekey = Box<dyn Fn()>;
+/// See [`Grants::set_rekey`]: false if a key may still work.
+pub(crate) type Rekey = Box<dyn Fn() -> bool>;
 
 /// A write landing in a segment; dropping it (once its receive is reaped:
 /// the op's window holds it) tells revoke waiters.
@@ -161,11 +170,12 @@ impl Grants {
 
     /// Revokes `start..end` (checked by the caller): from now on writes of
     /// older grants into it are refused, and those landing in it are
-    /// cancelled. Returns the new epoch, for [`quiesced`](Self::quiesced).
-    pub(crate) fn begin_revoke(&self, start: u64, end: u64) -> u64 {
-        if let Some(rekey) = self.rekey.borrow().as_ref() {
-            rekey();
-        }
+    /// cancelled. Returns the new epoch, for [`quiesced`](Self::quiesced),
+    /// and whether every RDMA key of the segment is dead (false: the NIC
+    /// may still take writes with one, and the revoke must not say it
+    /// resolved).
+    pub(crate) fn begin_revoke(&self, start: u64, end: u64) -> (u64, bool) {
+        let keys_dead = self.rekey.borrow().as_ref().is_none_or(|rekey| rekey());
         let epoch = self.epoch.get() + 1;
         self.epoch.set(epoch);
         {
@@ -186,7 +196,7 @@ impl Grants {
             .collect();
         // Outside the borrow: cancelling may wake tasks.
         cancellers.iter().for_each(Canceller::cancel);
-        epoch
+        (epoch, keys_dead)
     }
 
     /// Resolves once no write of a grant older than `epoch` is landing in

@@ -492,6 +492,18 @@ impl ServedConn<'_> {
                     }
                 }
             }
+            if served.as_ref().is_some_and(|l| l.poisoned()) {
+                drop(served);
+                tracing::warn!(
+                    "closing a connection whose RDMA domain holds a key a revoke could not kill"
+                );
+                // Shut now: the socket outlives this task in what the
+                // session keeps of it, and the initiator waits for an answer.
+                let _ = self.s.shutdown(std::net::Shutdown::Both);
+                return Err(Closed::Io(io::Error::other(
+                    "a revoked key lives on in this connection's RDMA domain",
+                )));
+            }
             if let Some(link) = served.as_mut().filter(|_| answer.status == 0) {
                 if req.qp.qpn != 0 {
                     match link.connect(&req.qp) {

@@ -230,6 +230,31 @@ impl Target {
         }
     }
 
+    /// Shuts every connection whose served link is poisoned (a key a revoke
+    /// had to kill lives on in its domain): its initiator sees the
+    /// connection end, fails what it had on the queue pair, and gets a new
+    /// link (and domain) on its next connection.
+    pub(crate) fn close_poisoned(&self) {
+        let poisoned = |m: &SessionConn| {
+            let slot = m.served.upgrade()?;
+            let link = slot.try_borrow().ok()?;
+            link.as_ref()?.poisoned().then(|| m.stream.upgrade())?
+        };
+        let streams: Vec<Rc<TcpStream>> = self
+            .sessions
+            .borrow()
+            .values()
+            .flat_map(|s| s.conns.values())
+            .filter_map(poisoned)
+            .collect();
+        for s in streams {
+            tracing::warn!(
+                "closing a connection whose RDMA domain holds a key a revoke could not kill"
+            );
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
     /// Resets the RDMA queue pair served on every connection of `session`
     /// (a fence): nothing more of any batch lands through one, also through
     /// a connection the initiator gave up on that is still open here (its

@@ -12,7 +12,7 @@ use quiesce_runtime::source::register;
 use super::local::{Backing, LocalMr, LocalSide};
 use super::peer::RdmaPeer;
 use super::reaper::{Reaper, SharedReaper, Source};
-use super::served::Node;
+use super::served::{KeysKilled, Node};
 use super::verbs::{Access, Context, Cq, Mr, Pd};
 use super::{RdmaError, RdmaStats};
 use crate::config::EngineConfig;
@@ -200,10 +200,20 @@ impl RdmaEngine {
         // the token again gets a new region (a new key).
         let (node, id) = (Rc::downgrade(node), seg.id());
         let rekeyed = node.clone();
+        let target = Rc::downgrade(self.inner.tcp.target());
         seg.inner.grants.set_rekey(Box::new(move || {
-            if let Some(node) = rekeyed.upgrade() {
-                node.kill_keys(id);
+            let Some(node) = rekeyed.upgrade() else {
+                return true;
+            };
+            let killed = node.kill_keys(id);
+            if killed != KeysKilled::Deregistered {
+                // Their initiators learn now, rather than wait on a queue
+                // pair that is gone until their next one is refused.
+                if let Some(t) = target.upgrade() {
+                    t.close_poisoned();
+                }
             }
+            killed != KeysKilled::NotAll
         }));
         // Deregistered however it is asked (here, or through `control()`):
         // its regions go with it.

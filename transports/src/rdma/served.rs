@@ -27,17 +27,28 @@ pub(crate) struct SegmentMr {
     pub(crate) mr: Mr,
     pub(crate) _mem: Rc<ExposedMemory>,
     pub(crate) count: Rc<Cell<u64>>,
+    /// Deregistered (or tried to be) already.
+    gone: bool,
+}
+
+impl SegmentMr {
+    /// Deregisters it, once. On an error its key may still work on the
+    /// domain's queue pairs, and its memory never goes back to its owner.
+    fn deregister(&mut self) -> Result<(), RdmaError> {
+        if std::mem::replace(&mut self.gone, true) {
+            return Ok(());
+        }
+        self.count.set(self.count.get() - 1);
+        self.mr.deregister().inspect_err(|e| {
+            tracing::error!(error = %e, "a segment's region stays registered; keeping its memory for good");
+            std::mem::forget(self._mem.clone());
+        })
+    }
 }
 
 impl Drop for SegmentMr {
     fn drop(&mut self) {
-        self.count.set(self.count.get() - 1);
-        if let Err(e) = self.mr.deregister() {
-            // Peers holding its rkey may still reach the memory: it never
-            // goes back to its owner.
-            tracing::error!(error = %e, "a segment's region stays registered; keeping its memory for good");
-            std::mem::forget(self._mem.clone());
-        }
+        let _ = self.deregister();
     }
 }
 
@@ -48,8 +59,32 @@ pub(crate) struct ServedSegment {
     access: Access,
 }
 
-/// The memory regions of one domain, by segment id.
-type DomainMrs = RefCell<HashMap<u64, SegmentMr>>;
+/// What the node reaches of one served domain: its regions, its queue
+/// pair, and whether a region of it outlived a revoke.
+#[derive(Default)]
+struct DomainState {
+    /// Dropped first (fields drop in order): the queue pair, then the
+    /// regions.
+    qp: RefCell<Option<Qp>>,
+    /// The regions, by segment id.
+    mrs: RefCell<HashMap<u64, SegmentMr>>,
+    /// A region that a revoke had to kill could not be deregistered: its
+    /// key works on any queue pair of this domain, so none is connected in
+    /// it again (the initiator gets a new control connection, and domain).
+    poisoned: Cell<bool>,
+}
+
+/// What [`Node::kill_keys`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeysKilled {
+    /// Every region deregistered: the NIC refuses the old keys.
+    Deregistered,
+    /// Some region stayed registered: its domain's queue pair was reset and
+    /// the domain poisoned; its control connection must be closed.
+    Poisoned,
+    /// A queue pair serving a live key could not even be reset.
+    NotAll,
+}
 
 /// One device, the shard's own protection domain and completion queue.
 pub(crate) struct Node {
@@ -64,7 +99,7 @@ pub(crate) struct Node {
     /// Segment id → what is served (target side).
     pub(crate) segments: RefCell<HashMap<u64, ServedSegment>>,
     /// The served connections' domains, by serial: a revoke reaches them.
-    domains: RefCell<HashMap<u64, Weak<DomainMrs>>>,
+    domains: RefCell<HashMap<u64, Weak<DomainState>>>,
     next_domain: Cell<u64>,
     /// Memory regions registered now.
     pub(crate) mrs: Rc<Cell<u64>>,
@@ -129,17 +164,43 @@ impl Node {
     }
 
     /// Deregisters segment `id`'s region in every domain: the NIC refuses
-    /// every key of it handed out so far.
-    pub(crate) fn kill_keys(&self, id: u64) {
-        let doomed: Vec<SegmentMr> = self
+    /// every key of it handed out so far. Where a region cannot be
+    /// deregistered, its domain's queue pair is reset and the domain
+    /// poisoned (no queue pair is connected in it again, and its control
+    /// connection is to be closed: [`ServedLink::poisoned`]), so the key
+    /// works on none.
+    ///
+    /// [`ServedLink::poisoned`]: crate::control::ServedLink::poisoned
+    pub(crate) fn kill_keys(&self, id: u64) -> KeysKilled {
+        let domains: Vec<Rc<DomainState>> = self
             .domains
             .borrow()
             .values()
             .filter_map(Weak::upgrade)
-            .filter_map(|mrs| mrs.borrow_mut().remove(&id))
             .collect();
-        // Deregistered here, outside the borrows.
-        drop(doomed);
+        let mut killed = KeysKilled::Deregistered;
+        for d in domains {
+            // Out of the borrow first.
+            let Some(mut region) = d.mrs.borrow_mut().remove(&id) else {
+                continue;
+            };
+            if region.deregister().is_ok() {
+                continue;
+            }
+            d.poisoned.set(true);
+            if killed == KeysKilled::Deregistered {
+                killed = KeysKilled::Poisoned;
+            }
+            let qp = d.qp.borrow_mut().take();
+            if let Some(qp) = qp {
+                self.served_qps.set(self.served_qps.get() - 1);
+                if let Err(e) = qp.set_error() {
+                    tracing::error!(error = %e, segment = id, "a revoked key's queue pair could not be reset");
+                    killed = KeysKilled::NotAll;
+                }
+            }
+        }
+        killed
     }
 
     /// Stops serving segment `id` over RDMA: its regions are deregistered.
@@ -152,10 +213,9 @@ impl Node {
 /// The target's RDMA for one control connection: its protection domain, the
 /// regions of the segments it proved, and its current queue pair.
 pub(crate) struct ServedDomain {
-    /// Dropped first (fields drop in order): the queue pair, then the
+    /// Dropped first (fields drop in order): the queue pair and the
     /// regions, then the domain they are in.
-    qp: Option<Qp>,
-    mrs: Rc<DomainMrs>,
+    state: Rc<DomainState>,
     pd: Rc<Pd>,
     serial: u64,
     node: Rc<Node>,
@@ -166,13 +226,12 @@ impl ServedDomain {
         let pd = Pd::new(&node.ctx)?;
         let serial = node.next_domain.get();
         node.next_domain.set(serial + 1);
-        let mrs = Rc::new(DomainMrs::default());
+        let state = Rc::new(DomainState::default());
         node.domains
             .borrow_mut()
-            .insert(serial, Rc::downgrade(&mrs));
+            .insert(serial, Rc::downgrade(&state));
         Ok(ServedDomain {
-            qp: None,
-            mrs,
+            state,
             pd,
             serial,
             node: node.clone(),
@@ -187,7 +246,10 @@ impl ServedDomain {
             addr: s.mr.addr(),
             rkey: s.mr.rkey(),
         };
-        let mut mrs = self.mrs.borrow_mut();
+        if self.state.poisoned.get() {
+            return Ok(None);
+        }
+        let mut mrs = self.state.mrs.borrow_mut();
         if let Some(s) = mrs.get(&id) {
             return Ok(Some(key(s)));
         }
@@ -205,6 +267,7 @@ impl ServedDomain {
             mr,
             _mem: seg.mem.clone(),
             count: self.node.mrs.clone(),
+            gone: false,
         };
         let k = key(&region);
         mrs.insert(id, region);
@@ -215,6 +278,11 @@ impl ServedDomain {
 impl crate::control::ServedLink for ServedDomain {
     fn connect(&mut self, remote: &QpWire) -> Result<QpWire, String> {
         self.reset();
+        if self.state.poisoned.get() {
+            return Err(
+                "a revoked region of this connection's domain could not be deregistered".into(),
+            );
+        }
         let qp = self.node.new_qp(&self.pd).map_err(|e| e.to_string())?;
         let local = self.node.endpoint(&qp);
         let access = Access {
@@ -223,7 +291,7 @@ impl crate::control::ServedLink for ServedDomain {
         };
         qp.connect(&local, remote, self.node.gid_index, access)
             .map_err(|e| e.to_string())?;
-        self.qp = Some(qp);
+        *self.state.qp.borrow_mut() = Some(qp);
         self.node.served_qps.set(self.node.served_qps.get() + 1);
         Ok(local)
     }
@@ -240,7 +308,7 @@ impl crate::control::ServedLink for ServedDomain {
     }
 
     fn reset(&mut self) -> u32 {
-        let Some(qp) = self.qp.take() else {
+        let Some(qp) = self.state.qp.borrow_mut().take() else {
             return 0;
         };
         self.node.served_qps.set(self.node.served_qps.get() - 1);
@@ -248,6 +316,10 @@ impl crate::control::ServedLink for ServedDomain {
             tracing::warn!(error = %e, "fencing a served queue pair failed");
         }
         qp.qpn()
+    }
+
+    fn poisoned(&self) -> bool {
+        self.state.poisoned.get()
     }
 }
 

@@ -323,6 +323,20 @@ impl Mr {
     }
 }
 
+thread_local! {
+    /// Deregistrations this thread fails on purpose
+    /// ([`fail_next_deregistrations`]).
+    static FAILING_DEREGISTRATIONS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Makes this thread's next `n` memory-region deregistrations fail as a
+/// device that refuses them would, the region staying registered for good:
+/// for tests of what a revoke does when a key cannot be killed.
+#[doc(hidden)]
+pub fn fail_next_deregistrations(n: u32) {
+    FAILING_DEREGISTRATIONS.with(|f| f.set(n));
+}
+
 impl Mr {
     /// Deregisters it (once; later calls do nothing). On an error the
     /// device may still reach the memory: its owner must keep the memory
@@ -330,6 +344,19 @@ impl Mr {
     pub(crate) fn deregister(&mut self) -> Result<(), RdmaError> {
         if self.mr.is_null() {
             return Ok(());
+        }
+        let failing = FAILING_DEREGISTRATIONS.with(|f| {
+            let n = f.get();
+            f.set(n.saturating_sub(1));
+            n > 0
+        });
+        if failing {
+            // Left registered, as by a device that refused: never reused.
+            self.mr = std::ptr::null_mut();
+            return Err(RdmaError::Verbs(
+                "ibv_dereg_mr",
+                io::Error::from_raw_os_error(libc::EBUSY),
+            ));
         }
         // SAFETY: registered once and not yet deregistered (null after);
         // the owner deregisters only after quiescence.
