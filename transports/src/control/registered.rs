@@ -69,7 +69,7 @@ impl Registered {
     pub(crate) fn insert(&mut self, seg: Segment) {
         debug_assert!(!self.has_name(seg.name()));
         self.by_name.insert(seg.name().into(), seg.id());
-        if seg.len() > 0 {
+        if !seg.is_empty() {
             let k = class(seg.len());
             self.by_base[k].insert((seg.base(), seg.id()));
             self.classes |= 1 << k;
@@ -80,7 +80,7 @@ impl Registered {
     pub(crate) fn remove(&mut self, id: u64) -> Option<Segment> {
         let seg = self.by_id.remove(&id)?;
         self.by_name.remove(seg.name());
-        if seg.len() > 0 {
+        if !seg.is_empty() {
             let k = class(seg.len());
             self.by_base[k].remove(&(seg.base(), id));
             if self.by_base[k].is_empty() {
