@@ -450,6 +450,27 @@ fn jam(fd: i32) {
     }
 }
 
+/// Another peer's 512-byte write to `kv` at `addr`, from a thread of its
+/// own: its result comes on the channel (never, if the target's reactor is
+/// held).
+fn another_peer_writes(
+    addr: std::net::SocketAddr,
+    token: quiesce_transports::Token,
+) -> std::sync::mpsc::Receiver<Result<u64, String>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        Runtime::new().unwrap().block_on(async {
+            let engine = initiator(false);
+            let peer = engine.connect(addr).await.unwrap();
+            let kv = peer.open("kv", token).await.unwrap();
+            let (res, _) = kv.write(4096, pattern(512, 9), 9).await;
+            let _ = tx.send(res.map_err(|e| e.to_string()));
+            engine.shutdown();
+        })
+    });
+    rx
+}
+
 /// The doorbell the target rings is a file the initiator made. An
 /// initiator that jams it (fills it, then clears `O_NONBLOCK` on it) and
 /// says it sleeps must not block the target's reactor when it rings: the
@@ -471,19 +492,7 @@ fn a_jammed_doorbell_does_not_block_the_target() {
     });
     let answered = done_rx.recv_timeout(Duration::from_secs(10));
     // The target's reactor still runs: another peer is served.
-    let (tx, rx) = std::sync::mpsc::channel();
-    let addr = target.addr;
-    std::thread::spawn(move || {
-        Runtime::new().unwrap().block_on(async {
-            let engine = initiator(false);
-            let peer = engine.connect(addr).await.unwrap();
-            let kv = peer.open("kv", kv.token).await.unwrap();
-            let (res, _) = kv.write(4096, pattern(512, 9), 9).await;
-            tx.send(res.map_err(|e| e.to_string())).unwrap();
-            engine.shutdown();
-        })
-    });
-    let served = rx.recv_timeout(Duration::from_secs(10));
+    let served = another_peer_writes(target.addr, kv.token).recv_timeout(Duration::from_secs(10));
     if answered.is_err() || served.is_err() {
         // A blocked target would never stop: leave its thread behind.
         std::mem::forget(target);
@@ -527,19 +536,7 @@ fn a_flooded_doorbell_does_not_hold_the_target() {
         })
     };
     std::thread::sleep(Duration::from_millis(200));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let addr = target.addr;
-    std::thread::spawn(move || {
-        Runtime::new().unwrap().block_on(async {
-            let engine = initiator(false);
-            let peer = engine.connect(addr).await.unwrap();
-            let kv = peer.open("kv", kv.token).await.unwrap();
-            let (res, _) = kv.write(4096, pattern(512, 9), 9).await;
-            tx.send(res.map_err(|e| e.to_string())).unwrap();
-            engine.shutdown();
-        })
-    });
-    let served = rx.recv_timeout(Duration::from_secs(10));
+    let served = another_peer_writes(target.addr, kv.token).recv_timeout(Duration::from_secs(10));
     stop.store(true, Ordering::Relaxed);
     flood.join().unwrap();
     drop(hand);
