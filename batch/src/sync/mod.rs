@@ -245,7 +245,8 @@ pub enum SyncError {
     /// The engine refused to register the memory.
     #[error(transparent)]
     Register(#[from] quiesce_transports::RegisterError),
-    /// The target refused to revoke the range (out of bounds).
+    /// A revoke of the lent range did not resolve (see
+    /// [`RevokeError`](quiesce_transports::RevokeError)).
     #[error(transparent)]
     Revoke(#[from] quiesce_transports::RevokeError),
 }

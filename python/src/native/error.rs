@@ -59,6 +59,7 @@ pub(crate) fn from_sync(py: Python<'_>, e: &SyncError) -> PyErr {
         | SyncError::NotHostMemory { .. } => "InvalidInput",
         SyncError::StillLent(_) => "StillLent",
         SyncError::Batch(BatchError::Empty) => "ZeroLength",
+        SyncError::Revoke(quiesce_transports::RevokeError::KeysLive { .. }) => "QuiesceError",
         SyncError::Batch(_) | SyncError::Revoke(_) | SyncError::Register(_) => "InvalidInput",
         SyncError::Transfer(t) => transfer_kind(t),
         SyncError::Setup(_) | SyncError::Undrained(_) | SyncError::Forked => "QuiesceError",

@@ -34,8 +34,10 @@ use slab::Slab;
 /// merged into one covering range (revoking more, never less).
 const MAX_REVOKED: usize = 64;
 
-/// Why a revoke was refused (nothing was revoked).
+/// Why a revoke did not resolve: refused (`OutOfBounds`: nothing was
+/// revoked), or done but for an RDMA key that may still work (`KeysLive`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RevokeError {
     /// The range is empty, or not inside the segment.
     #[error("revoke of {start}..{end} outside a segment of {len} bytes")]

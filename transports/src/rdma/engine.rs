@@ -201,25 +201,20 @@ impl RdmaEngine {
         let (node, id) = (Rc::downgrade(node), seg.id());
         let rekeyed = node.clone();
         let target = Rc::downgrade(self.inner.tcp.target());
+        let withdrawn = target.clone();
         seg.inner.grants.set_rekey(Box::new(move || {
             let Some(node) = rekeyed.upgrade() else {
                 return true;
             };
             let killed = node.kill_keys(id);
-            if killed != KeysKilled::Deregistered {
-                // Their initiators learn now, rather than wait on a queue
-                // pair that is gone until their next one is refused.
-                if let Some(t) = target.upgrade() {
-                    t.close_poisoned();
-                }
-            }
+            close_poisoned(&target, killed);
             killed != KeysKilled::NotAll
         }));
         // Deregistered however it is asked (here, or through `control()`):
         // its regions go with it.
         *seg.inner.withdraw.borrow_mut() = Some(Box::new(move || {
             if let Some(node) = node.upgrade() {
-                node.withdraw(id);
+                close_poisoned(&withdrawn, node.withdraw(id));
             }
         }));
         seg
@@ -319,6 +314,17 @@ impl RdmaEngine {
         let drained = self.inner.local.node.reaper.borrow_mut().drain_all(limit);
         self.inner.tcp.shutdown();
         drained
+    }
+}
+
+/// After keys were killed: if a region stayed registered, the connections
+/// of the domains it poisoned are shut, so their initiators learn now
+/// rather than wait on a queue pair that is gone.
+fn close_poisoned(target: &Weak<crate::control::target::Target>, killed: KeysKilled) {
+    if killed != KeysKilled::Deregistered {
+        if let Some(t) = target.upgrade() {
+            t.close_poisoned();
+        }
     }
 }
 

@@ -72,6 +72,9 @@ struct DomainState {
     /// key works on any queue pair of this domain, so none is connected in
     /// it again (the initiator gets a new control connection, and domain).
     poisoned: Cell<bool>,
+    /// And even its queue pair's reset failed: a key may still work here,
+    /// which every later revoke of any segment reports (`KeysKilled::NotAll`).
+    keys_live: Cell<bool>,
 }
 
 /// What [`Node::kill_keys`] did.
@@ -180,6 +183,9 @@ impl Node {
             .collect();
         let mut killed = KeysKilled::Deregistered;
         for d in domains {
+            if d.keys_live.get() {
+                killed = KeysKilled::NotAll;
+            }
             // Out of the borrow first.
             let Some(mut region) = d.mrs.borrow_mut().remove(&id) else {
                 continue;
@@ -196,6 +202,7 @@ impl Node {
                 self.served_qps.set(self.served_qps.get() - 1);
                 if let Err(e) = qp.set_error() {
                     tracing::error!(error = %e, segment = id, "a revoked key's queue pair could not be reset");
+                    d.keys_live.set(true);
                     killed = KeysKilled::NotAll;
                 }
             }
@@ -203,10 +210,11 @@ impl Node {
         killed
     }
 
-    /// Stops serving segment `id` over RDMA: its regions are deregistered.
-    pub(crate) fn withdraw(&self, id: u64) {
+    /// Stops serving segment `id` over RDMA: its regions are deregistered
+    /// (as [`kill_keys`](Self::kill_keys), whose answer this passes on).
+    pub(crate) fn withdraw(&self, id: u64) -> KeysKilled {
         self.segments.borrow_mut().remove(&id);
-        self.kill_keys(id);
+        self.kill_keys(id)
     }
 }
 

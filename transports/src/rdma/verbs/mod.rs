@@ -329,9 +329,11 @@ thread_local! {
     static FAILING_DEREGISTRATIONS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
-/// Makes this thread's next `n` memory-region deregistrations fail as a
-/// device that refuses them would, the region staying registered for good:
-/// for tests of what a revoke does when a key cannot be killed.
+/// Makes this thread's next `n` memory-region deregistrations (of any
+/// region: a segment's or a local one) fail as a device that refuses them
+/// would, the region staying registered for good: a fault for tests of
+/// what a revoke does when a key cannot be killed. Never call it outside
+/// a test.
 #[doc(hidden)]
 pub fn fail_next_deregistrations(n: u32) {
     FAILING_DEREGISTRATIONS.with(|f| f.set(n));
