@@ -433,8 +433,9 @@ fn a_forked_childs_exit_leaves_the_parents_lane_alone() {
     let kv = e.open(t.addr, "kv", t.kv).unwrap();
     assert_eq!(write(&e, kv, 0, vec![1u8; 4096]), SYNC_OK);
     assert_eq!(t.wait_sessions(2), 2, "the engine's session and the lane's");
-    // SAFETY: the child only exits (running this thread's destructors, as a
-    // forked Python worker's exit does).
+    // The child only exits, running this thread's destructors, as a forked
+    // Python worker's exit does.
+    // SAFETY: a plain fork; the child calls only `exit`.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
     if pid == 0 {

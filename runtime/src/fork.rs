@@ -27,9 +27,9 @@ impl Lineage {
     /// This process.
     pub fn here() -> Lineage {
         COUNTING.call_once(|| {
-            // SAFETY: registers a child handler that only increments an
-            // atomic (async-signal-safe, as a child of a threaded parent
-            // needs); there is no prepare or parent handler.
+            // Only a child handler, and it only increments an atomic, which
+            // is async-signal-safe, as a child of a threaded parent needs.
+            // SAFETY: registers that handler; no prepare or parent handler.
             let r = unsafe { libc::pthread_atfork(None, None, Some(forked)) };
             assert_eq!(r, 0, "pthread_atfork failed");
         });

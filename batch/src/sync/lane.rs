@@ -581,8 +581,8 @@ impl Drop for Lane {
         } else {
             std::mem::forget((opened, net));
         }
-        // SAFETY: dropped once, here, after the engine that ran on it;
-        // nothing uses the lane once it is being dropped.
+        // Nothing uses the lane once it is being dropped.
+        // SAFETY: dropped once, here, after the engine that ran on it.
         unsafe { ManuallyDrop::drop(&mut self.rt) };
     }
 }

@@ -403,6 +403,17 @@ impl Drop for WriteGuard {
 mod tests {
     use super::*;
 
+    /// The table, empty now, holds little room: a burst's was given back.
+    fn assert_room_given_back(t: &FenceTable) {
+        let e = t.inner.borrow();
+        assert!(
+            e.index.capacity() < 1024 && e.states.capacity() < 1024,
+            "index {} states {}",
+            e.index.capacity(),
+            e.states.capacity()
+        );
+    }
+
     /// A burst of fences (a churning or hostile peer) leaves no room
     /// behind once its entries go.
     #[test]
@@ -413,13 +424,7 @@ mod tests {
         }
         t.closed(1, 7);
         assert_eq!(t.len(), 0);
-        let e = t.inner.borrow();
-        assert!(
-            e.index.capacity() < 1024 && e.states.capacity() < 1024,
-            "index {} states {}",
-            e.index.capacity(),
-            e.states.capacity()
-        );
+        assert_room_given_back(&t);
     }
 
     /// The same for a burst whose entries went by `Forget` (which does not
@@ -436,13 +441,7 @@ mod tests {
         }
         assert_eq!(t.len(), 0);
         t.closed(1, 7);
-        let e = t.inner.borrow();
-        assert!(
-            e.index.capacity() < 1024 && e.states.capacity() < 1024,
-            "index {} states {}",
-            e.index.capacity(),
-            e.states.capacity()
-        );
+        assert_room_given_back(&t);
     }
 
     /// A guard's slot names its own entry while other entries come and go
