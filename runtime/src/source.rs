@@ -45,6 +45,15 @@ pub trait CompletionSource: 'static {
     /// Called when `notify_fd` became readable: consume the event so the fd
     /// is quiet again (on epoll it is edge-triggered: consume it fully).
     fn notified(&mut self) {}
+
+    /// True once `notify_fd` hung up: readable for good (its other end is
+    /// gone), it can never bring news again. Asked after each
+    /// [`notified`](Self::notified); from then on the fd is not watched
+    /// (a watch would fire at every turn, and the reactor never block),
+    /// and the source is still polled every tick.
+    fn hung_up(&self) -> bool {
+        false
+    }
 }
 
 struct Entry {
@@ -53,6 +62,8 @@ struct Entry {
     src: Option<Box<dyn CompletionSource>>,
     fd: Option<RawFd>,
     watching: bool,
+    /// Its fd hung up ([`CompletionSource::hung_up`]): never watched again.
+    hung_up: bool,
 }
 
 /// Sources of one runtime.
@@ -86,6 +97,7 @@ pub fn register<S: CompletionSource>(src: S) -> SourceHandle {
             src: Some(Box::new(src)),
             fd,
             watching: false,
+            hung_up: false,
         });
         if fd.is_none() {
             s.busy += 1;
@@ -143,17 +155,29 @@ impl Sources {
     }
 }
 
-/// Runs `f` on source `key` with the source taken out of the table.
+/// Runs `f` on source `key` with the source taken out of the table. It goes
+/// back only into its own entry: one `f` dropped (its handle) is dropped
+/// here, even if a source registered meanwhile took the same key.
 fn with_source<R>(
     cx: &Context,
     key: usize,
     f: impl FnOnce(&mut dyn CompletionSource) -> R,
 ) -> Option<R> {
-    let mut src = cx.sources.borrow_mut().slab.get_mut(key)?.src.take()?;
+    let (mut src, gen) = {
+        let mut s = cx.sources.borrow_mut();
+        let e = s.slab.get_mut(key)?;
+        (e.src.take()?, e.gen)
+    };
     let r = f(&mut *src);
-    if let Some(e) = cx.sources.borrow_mut().slab.get_mut(key) {
-        e.src = Some(src);
-    }
+    let back = match cx.sources.borrow_mut().slab.get_mut(key) {
+        Some(e) if e.gen == gen => {
+            e.src = Some(src);
+            None
+        }
+        _ => Some(src),
+    };
+    // Outside the borrow: dropping a source may deregister others.
+    drop(back);
     Some(r)
 }
 
@@ -177,16 +201,23 @@ pub(crate) fn arm_all(cx: &Context) -> std::io::Result<usize> {
     let found = Cell::new(0);
     let bound = cx.sources.borrow().key_bound();
     for key in 0..bound {
-        let Some(fd) = cx.sources.borrow().slab.get(key).and_then(|e| e.fd) else {
+        let Some((fd, gen)) = cx
+            .sources
+            .borrow()
+            .slab
+            .get(key)
+            .and_then(|e| Some((e.fd.filter(|_| !e.hung_up)?, e.gen)))
+        else {
             continue;
         };
         found.set(found.get() + with_source(cx, key, |s| s.arm()).unwrap_or(0));
-        let (watching, token) = {
-            let s = cx.sources.borrow();
-            let e = &s.slab[key];
-            (e.watching, (u64::from(e.gen) << 32) | key as u64)
+        // (Dropped while it armed: its entry is gone, or another's.)
+        let watching = match cx.sources.borrow().slab.get(key) {
+            Some(e) if e.gen == gen => e.watching,
+            _ => continue,
         };
         if !watching {
+            let token = (u64::from(gen) << 32) | key as u64;
             cx.driver
                 .borrow_mut()
                 .watch_source(fd, token, &cx.counters)?;
@@ -215,5 +246,26 @@ pub(crate) fn notified(cx: &Context, token: u64) {
             _ => return,
         }
     }
-    with_source(cx, key, |s| s.notified());
+    let hung_up = with_source(cx, key, |s| {
+        s.notified();
+        s.hung_up()
+    });
+    if hung_up != Some(true) {
+        return;
+    }
+    let fd = {
+        let mut s = cx.sources.borrow_mut();
+        let Some(e) = s.slab.get_mut(key).filter(|e| e.gen == (token >> 32) as u32) else {
+            return;
+        };
+        e.hung_up = true;
+        e.fd.filter(|_| std::mem::replace(&mut e.watching, false))
+    };
+    // Watched still (epoll): taken away, or it fires at every event.
+    if let Some(fd) = fd {
+        match cx.driver.try_borrow_mut() {
+            Ok(mut d) => d.unwatch_source(fd, token, &cx.counters),
+            Err(_) => tracing::error!("a hung-up source's fd stays watched: its driver is busy"),
+        }
+    }
 }

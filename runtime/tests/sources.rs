@@ -235,3 +235,109 @@ fn a_source_dropped_after_it_fired_no_longer_wakes_the_reactor() {
         "{ticks} reactor turns in 200 ms of a dropped source's fd firing"
     );
 }
+
+/// A source whose fd hung up: one end of a socket pair whose other end is
+/// closed, readable for good. It says so after its notification.
+struct HungUp {
+    fd: OwnedFd,
+    gone: bool,
+}
+
+impl CompletionSource for HungUp {
+    fn poll(&mut self) -> usize {
+        0
+    }
+    fn notify_fd(&self) -> Option<RawFd> {
+        Some(self.fd.as_raw_fd())
+    }
+    fn notified(&mut self) {
+        let mut v = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live buffer, without blocking.
+        let n = unsafe {
+            libc::recv(
+                self.fd.as_raw_fd(),
+                v.as_mut_ptr().cast(),
+                8,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        self.gone |= n == 0;
+    }
+    fn hung_up(&self) -> bool {
+        self.gone
+    }
+}
+
+/// A source whose fd hung up (its other end gone: readable for good) is no
+/// longer watched once it says so. io_uring's one-shot poll was armed again
+/// at every turn and fired at once: the reactor never blocked again, one
+/// core at 100 % for as long as the source lived.
+#[test]
+fn a_source_whose_fd_hung_up_no_longer_wakes_the_reactor() {
+    let rt = rt();
+    let mut fds = [0; 2];
+    let kind = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+    // SAFETY: writes two fds into a live array of two, or returns -1.
+    assert_eq!(
+        unsafe { libc::socketpair(libc::AF_UNIX, kind, 0, fds.as_mut_ptr()) },
+        0
+    );
+    // SAFETY: socketpair returned two new descriptors nothing else owns.
+    let (mine, theirs) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(theirs);
+    rt.block_on(async {
+        let _h = register(HungUp {
+            fd: mine,
+            gone: false,
+        });
+        sleep(Duration::from_millis(20)).await;
+        let before = quiesce_runtime::stats().ticks;
+        sleep(Duration::from_millis(200)).await;
+        let ticks = quiesce_runtime::stats().ticks - before;
+        assert!(
+            ticks < 50,
+            "{ticks} reactor turns in 200 ms beside a hung-up source"
+        );
+    });
+}
+
+/// A source that, when polled, replaces itself: drops its own handle and
+/// registers `next` (which the table puts in the slot it freed).
+struct Replacing {
+    handle: Rc<RefCell<Option<quiesce_runtime::source::SourceHandle>>>,
+    next: Option<Spin>,
+}
+
+impl CompletionSource for Replacing {
+    fn poll(&mut self) -> usize {
+        if let Some(next) = self.next.take() {
+            drop(self.handle.borrow_mut().take());
+            *self.handle.borrow_mut() = Some(register(next));
+        }
+        0
+    }
+}
+
+/// A source dropped while it runs, its slot taken at once by a new source,
+/// does not come back over the new one: the new one is polled. The table
+/// put the running source back into whatever entry held its key, dropping
+/// the new source and polling the dead one in its place.
+#[test]
+fn a_source_replaced_while_it_runs_leaves_its_successor_in_place() {
+    let rt = rt();
+    rt.block_on(async {
+        let polls = Rc::new(Cell::new(0));
+        let handle = Rc::new(RefCell::new(None));
+        let first = register(Replacing {
+            handle: handle.clone(),
+            next: Some(Spin(polls.clone())),
+        });
+        *handle.borrow_mut() = Some(first);
+        sleep(Duration::from_millis(20)).await;
+        assert!(
+            polls.get() > 0,
+            "the source registered in a running source's place was never polled"
+        );
+        drop(handle.borrow_mut().take());
+    });
+}
