@@ -111,6 +111,60 @@ fn without_the_mailbox_small_requests_take_the_socket() {
     assert_eq!(target.stats().mailbox_requests, 0);
 }
 
+/// CPU time (s) the calling thread used so far.
+fn thread_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec into a live one.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) },
+        0
+    );
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// A target gone (its process dead, its engine shut down, or a hostile one
+/// that closed its end of the initiator's doorbell) leaves that doorbell
+/// readable for good: the initiator stops watching it. Its reactor woke
+/// for it at every turn, one core at 100 % for as long as the segment's
+/// handle lived.
+#[test]
+fn a_gone_target_does_not_make_the_initiator_spin() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let seg = target.seg("kv").clone();
+    let mut target = Some(target);
+    Runtime::new().unwrap().block_on(async {
+        let engine = initiator(true);
+        let kv = engine
+            .connect(target.as_ref().unwrap().addr)
+            .await
+            .unwrap()
+            .open("kv", seg.token)
+            .await
+            .unwrap();
+        let (res, _) = kv.write(0, pattern(512, 1), 1).await;
+        assert_eq!(res.unwrap(), 512);
+        assert_eq!(target.as_ref().unwrap().stats().mailbox_requests, 1);
+        drop(target.take());
+        // The reactor sees the ends go.
+        quiesce_runtime::time::sleep(Duration::from_millis(100)).await;
+        let before = thread_cpu();
+        quiesce_runtime::time::sleep(Duration::from_secs(1)).await;
+        let used = thread_cpu() - before;
+        assert!(
+            used < 0.5,
+            "the initiator's thread used {used:.2} s of one idle second"
+        );
+        let t0 = Instant::now();
+        let (res, _) = kv.write(0, pattern(512, 2), 2).await;
+        assert!(res.is_err(), "a write to a gone target: {res:?}");
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+        engine.shutdown();
+    });
+}
+
 /// The mailbox layout of PROTOCOL.md §4.7.
 const SLOTS: usize = 32;
 const SLOT_DATA: usize = 64 << 10;

@@ -70,7 +70,7 @@ impl Conn {
     /// it. `Err`: the target refused (or the connection died): they stay on
     /// the socket.
     pub(crate) async fn open_mailbox(self: &Rc<Self>) -> Result<(), TransferError> {
-        let mb = Mailbox::create()?;
+        let mut mb = Mailbox::create()?;
         let h = Header {
             length: MAILBOX_PAYLOAD as u64,
             ..Header::new(Opcode::LocalMailbox)
@@ -80,6 +80,7 @@ impl Conn {
         // `mb` holds the files open until the target has taken them.
         self.request(g, h, &mb.payload(), &result, None).await?;
         wait(&result).await?;
+        mb.taken();
         let _ = self.outbox.set(Outbox::new(mb, self));
         Ok(())
     }

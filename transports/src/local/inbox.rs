@@ -78,6 +78,10 @@ impl CompletionSource for Arrivals {
             }
         }
     }
+
+    fn hung_up(&self) -> bool {
+        self.mb.gone()
+    }
 }
 
 impl ServedConn<'_> {

@@ -162,6 +162,13 @@ impl Mailbox {
         Ok(mb)
     }
 
+    /// The target took the files the offer named: the initiator lets its
+    /// copies go, so that the target holds the only other end of each
+    /// doorbell (and its going hangs this end's up: [`gone`](Self::gone)).
+    pub(crate) fn taken(&mut self) {
+        self.named = None;
+    }
+
     /// The token in this mailbox's memory.
     fn token(&self) -> [u64; 2] {
         [0, 1].map(|i| self.mem.word(TOKEN + i * 8).load(Ordering::Relaxed))

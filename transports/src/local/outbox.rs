@@ -109,6 +109,17 @@ impl CompletionSource for Answers {
 
     fn notified(&mut self) {
         self.ring.mb.quiet();
+        if self.ring.mb.gone() {
+            // The target will never ring again: its answers would wait for
+            // the deadline. (A dead target's socket ends too.)
+            if let Some(conn) = self.conn.upgrade() {
+                conn.kill("the target closed its end of the mailbox's doorbell");
+            }
+        }
+    }
+
+    fn hung_up(&self) -> bool {
+        self.ring.mb.gone()
     }
 }
 
