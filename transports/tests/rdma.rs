@@ -823,6 +823,58 @@ fn requests_failed_before_they_were_posted_settle_the_remote() {
     });
 }
 
+/// A fence whose queue pair at the target the device will neither reset nor
+/// destroy is not confirmed: that queue pair may still accept the batch's
+/// requests, so the target closes the connection instead of acking (which
+/// deregisters the connection's regions: the keys die), and the initiator
+/// learns nothing landed-or-not from it. The fence was acked as if the queue
+/// pair were gone. The peer gets through again on a new connection.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_fence_whose_queue_pair_cannot_be_stopped_is_not_confirmed() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, mut l) = p.remote.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert_eq!(p.target.stats().served_queue_pairs, 1);
+        quiesce_transports::rdma::fail_next_served_resets(1);
+        let t = Instant::now();
+        let r = p.remote.peer().fence(1).await;
+        assert!(
+            r.is_err(),
+            "the fence was confirmed while the target's queue pair stayed connected"
+        );
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+        assert_eq!(
+            p.target.stats().served_queue_pairs,
+            1,
+            "the queue pair that would not go is still served"
+        );
+        let t0 = Instant::now();
+        loop {
+            fill(&mut l, 2);
+            let done = match p.remote.peer().open("kv", p.kv.token()).await {
+                Ok(fresh) => {
+                    let (r, back) = fresh.write(0, l, 2).await;
+                    l = back;
+                    r.is_ok()
+                }
+                Err(_) => false,
+            };
+            if done {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "never served again");
+            sleep(Duration::from_millis(50)).await;
+        }
+        let mut snap = vec![0u8; 4096];
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 2));
+    });
+}
+
 /// A revoke whose memory region the device will not deregister still kills
 /// the old key: the queue pair it was served on is reset, and no queue pair
 /// is connected in that connection's domain again (its control connection

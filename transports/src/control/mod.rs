@@ -47,9 +47,11 @@ pub(crate) trait ServedLink {
     /// on this link's queue pairs.
     fn keys(&mut self, segments: &mut dyn Iterator<Item = u64>) -> Vec<RemoteKey>;
     /// Fence: resets and drops the queue pair, so nothing more lands through
-    /// it once this returns; returns its number (0 if there was none), named
-    /// in the `FenceAck`.
-    fn reset(&mut self) -> u32;
+    /// it once this returns `Ok`, with its number (0 if there was none),
+    /// named in the `FenceAck`. `Err` says why requests may still land
+    /// through it (the device would neither reset nor destroy it): the
+    /// link is poisoned then, and no fence of its session is confirmed.
+    fn reset(&mut self) -> Result<u32, String>;
     /// True once the link can never serve again (a key a revoke had to kill
     /// lives on in its domain): the control connection is closed, and the
     /// initiator's next one gets a new link.

@@ -395,14 +395,15 @@ async fn serve_inner(
                 // the queue pair reset on this connection (its QPN in
                 // `offset`, 0 if none), so the initiator resets the link it
                 // belongs to.
-                let reset_qpn = match engine.config.ignore_fences {
-                    true => 0,
+                let reset = match engine.config.ignore_fences {
+                    true => Ok(0),
                     false => {
                         let mut served = c.served.borrow_mut();
-                        let qpn = served.as_mut().map_or(0, |link| link.reset() as u64);
+                        let own = served.as_mut().map_or(Ok(0), |link| link.reset());
                         drop(served);
-                        engine.reset_served(c.session);
-                        qpn
+                        // The session's other queue pairs, whatever this one did.
+                        let others = engine.reset_served(c.session);
+                        own.and_then(|qpn| others.map(|()| qpn as u64))
                     }
                 };
                 if !engine.config.ignore_fences {
@@ -411,6 +412,18 @@ async fn serve_inner(
                     engine.fences.quiet(c.session, h.batch).await;
                     timeline::mark(Step::FenceQuiet);
                 }
+                // A queue pair that may still accept requests: no ack (the
+                // initiator reports the target unconfirmed), and the
+                // connections of the poisoned links close, which
+                // deregisters their domains' regions.
+                let reset_qpn = match reset {
+                    Ok(qpn) => qpn,
+                    Err(why) => {
+                        tracing::error!(batch = h.batch, "{why}; the fence is not confirmed");
+                        engine.close_poisoned();
+                        return Err(Closed::Io(io::Error::other(why)));
+                    }
+                };
                 send_frame(
                     s,
                     &Header {

@@ -231,7 +231,8 @@ impl Target {
     }
 
     /// Shuts every connection whose served link is poisoned (a key a revoke
-    /// had to kill lives on in its domain): its initiator sees the
+    /// had to kill lives on in its domain, or a queue pair a fence could
+    /// not stop lives on): its initiator sees the
     /// connection end, fails what it had on the queue pair, and gets a new
     /// link (and domain) on its next connection.
     pub(crate) fn close_poisoned(&self) {
@@ -249,7 +250,7 @@ impl Target {
             .collect();
         for s in streams {
             tracing::warn!(
-                "closing a connection whose RDMA domain holds a key a revoke could not kill"
+                "closing a connection whose RDMA domain may accept requests no revoke or fence could stop"
             );
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
@@ -260,19 +261,25 @@ impl Target {
     /// a connection the initiator gave up on that is still open here (its
     /// reset lost in a partition), whose queue pair would accept the
     /// requests still in the network.
-    pub(crate) fn reset_served(&self, session: u64) {
+    ///
+    /// `Err` names a queue pair that could be neither reset nor destroyed:
+    /// requests may still land through it, so the fence is not confirmed.
+    pub(crate) fn reset_served(&self, session: u64) -> Result<(), String> {
         // A target without an RDMA plane serves no queue pair: a TCP fence
         // walks nothing.
         if self.qp_plane.borrow().is_none() {
-            return;
+            return Ok(());
         }
         let slots: Vec<ServedSlot> = self.members(session, |m| m.served.upgrade());
+        let mut stopped = Ok(());
         for slot in slots {
             // (Borrowed only in synchronous steps: never busy here.)
             if let Some(link) = slot.borrow_mut().as_mut() {
-                link.reset();
+                // Every one is reset, whichever failed.
+                stopped = stopped.and(link.reset().map(drop));
             }
         }
+        stopped
     }
 }
 

@@ -35,6 +35,7 @@ mod verbs;
 pub use engine::{LocalMemory, RdmaConfig, RdmaEngine};
 pub use peer::{RdmaPeer, RdmaSegment};
 pub use reaper::RdmaStats;
+pub use served::fail_next_served_resets;
 pub use verbs::{device_names, fail_next_deregistrations, QpEndpoint};
 
 /// Why the RDMA engine cannot start, or a verbs call failed.

@@ -75,6 +75,35 @@ struct DomainState {
     /// And even its queue pair's reset failed: a key may still work here,
     /// which every later revoke of any segment reports (`KeysKilled::NotAll`).
     keys_live: Cell<bool>,
+    /// A queue pair of it could be neither reset nor destroyed: it may
+    /// still accept requests under any key registered here, so a region
+    /// that will not deregister leaves its key working (`KeysKilled::NotAll`).
+    stuck_qp: Cell<bool>,
+}
+
+thread_local! {
+    /// Served queue pair resets this thread fails on purpose
+    /// ([`fail_next_served_resets`]).
+    static FAILING_SERVED_RESETS: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Makes this thread's next `n` resets of a served queue pair (a fence's)
+/// fail as a device that refuses both to move it to the error state and to
+/// destroy it would, the queue pair staying connected for good: a fault for
+/// tests of what a fence confirms when it cannot stop a queue pair. Never
+/// call it outside a test.
+#[doc(hidden)]
+pub fn fail_next_served_resets(n: u32) {
+    FAILING_SERVED_RESETS.with(|f| f.set(n));
+}
+
+/// Whether this reset is one [`fail_next_served_resets`] fails.
+fn failing_served_reset() -> bool {
+    FAILING_SERVED_RESETS.with(|f| {
+        let n = f.get();
+        f.set(n.saturating_sub(1));
+        n > 0
+    })
 }
 
 /// What [`Node::kill_keys`] did.
@@ -87,6 +116,55 @@ pub(crate) enum KeysKilled {
     Poisoned,
     /// A queue pair serving a live key could not even be reset.
     NotAll,
+}
+
+impl DomainState {
+    /// Resets and destroys its queue pair, if any: once this returns `Ok`
+    /// (with the queue pair's number, 0 if there was none) nothing lands
+    /// through it. `Err`: the device would neither reset nor destroy it, so
+    /// it may still accept requests under any key registered here; the
+    /// domain is poisoned and the queue pair stays counted in `served`.
+    fn stop_qp(&self, served: &Cell<u64>) -> Result<u32, String> {
+        let Some(qp) = self.qp.borrow_mut().take() else {
+            return Ok(0);
+        };
+        let qpn = qp.qpn();
+        let refused = failing_served_reset();
+        let reset = match refused {
+            true => Err(RdmaError::Verbs(
+                "modify_qp(ERR)",
+                std::io::Error::from_raw_os_error(libc::EIO),
+            )),
+            false => qp.set_error(),
+        };
+        let gone = match reset {
+            // Dropped: destroyed.
+            Ok(()) => Ok(()),
+            Err(e) => {
+                tracing::warn!(error = %e, qpn, "a served queue pair would not reset; destroying it");
+                match refused {
+                    true => {
+                        qp.leak();
+                        Err(RdmaError::Verbs(
+                            "ibv_destroy_qp",
+                            std::io::Error::from_raw_os_error(libc::EBUSY),
+                        ))
+                    }
+                    false => qp.destroy(),
+                }
+            }
+        };
+        if let Err(e) = gone {
+            self.stuck_qp.set(true);
+            self.poisoned.set(true);
+            tracing::error!(error = %e, qpn, "a served queue pair could be neither reset nor destroyed");
+            return Err(format!(
+                "queue pair {qpn} could be neither reset nor destroyed: {e}"
+            ));
+        }
+        served.set(served.get() - 1);
+        Ok(qpn)
+    }
 }
 
 /// One device, the shard's own protection domain and completion queue.
@@ -197,14 +275,13 @@ impl Node {
             if killed == KeysKilled::Deregistered {
                 killed = KeysKilled::Poisoned;
             }
-            let qp = d.qp.borrow_mut().take();
-            if let Some(qp) = qp {
-                self.served_qps.set(self.served_qps.get() - 1);
-                if let Err(e) = qp.set_error() {
-                    tracing::error!(error = %e, segment = id, "a revoked key's queue pair could not be reset");
-                    d.keys_live.set(true);
-                    killed = KeysKilled::NotAll;
-                }
+            // A queue pair a fence could not stop serves the key still.
+            let stuck_before = d.stuck_qp.get();
+            let stopped = d.stop_qp(&self.served_qps);
+            if stuck_before || stopped.is_err() {
+                tracing::error!(segment = id, "a revoked key's queue pair could not be stopped");
+                d.keys_live.set(true);
+                killed = KeysKilled::NotAll;
             }
         }
         killed
@@ -285,7 +362,7 @@ impl ServedDomain {
 
 impl crate::control::ServedLink for ServedDomain {
     fn connect(&mut self, remote: &QpWire) -> Result<QpWire, String> {
-        self.reset();
+        self.reset()?;
         if self.state.poisoned.get() {
             return Err(
                 "a revoked region of this connection's domain could not be deregistered".into(),
@@ -315,15 +392,8 @@ impl crate::control::ServedLink for ServedDomain {
             .collect()
     }
 
-    fn reset(&mut self) -> u32 {
-        let Some(qp) = self.state.qp.borrow_mut().take() else {
-            return 0;
-        };
-        self.node.served_qps.set(self.node.served_qps.get() - 1);
-        if let Err(e) = qp.set_error() {
-            tracing::warn!(error = %e, "fencing a served queue pair failed");
-        }
-        qp.qpn()
+    fn reset(&mut self) -> Result<u32, String> {
+        self.state.stop_qp(&self.node.served_qps)
     }
 
     fn poisoned(&self) -> bool {
@@ -333,7 +403,7 @@ impl crate::control::ServedLink for ServedDomain {
 
 impl Drop for ServedDomain {
     fn drop(&mut self) {
-        crate::control::ServedLink::reset(self);
+        let _ = crate::control::ServedLink::reset(self);
         self.node.domains.borrow_mut().remove(&self.serial);
     }
 }

@@ -278,8 +278,40 @@ impl Qp {
     }
 }
 
+impl Qp {
+    /// Destroys it now, saying whether the device did: a destroyed queue
+    /// pair accepts no packet. On an error it lives on, in whatever state
+    /// it was, and is left alone for good (with the domain and completion
+    /// queue it uses).
+    pub(crate) fn destroy(mut self) -> Result<(), RdmaError> {
+        let qp = std::mem::replace(&mut self.qp, ptr::null_mut());
+        // SAFETY: the owner destroys a QP only after its requests were
+        // reaped; `qp` is live and nulled above, so never destroyed twice.
+        let rc = unsafe { sys::ibv_destroy_qp(qp) };
+        if rc == 0 {
+            return Ok(());
+        }
+        self.leak();
+        Err(RdmaError::Verbs(
+            "ibv_destroy_qp",
+            io::Error::from_raw_os_error(rc),
+        ))
+    }
+
+    /// Leaves it alive for good, as a device that refused to destroy it
+    /// would: its domain and completion queue stay too.
+    pub(crate) fn leak(mut self) {
+        self.qp = ptr::null_mut();
+        std::mem::forget(self.pd.clone());
+        std::mem::forget(self._cq.clone());
+    }
+}
+
 impl Drop for Qp {
     fn drop(&mut self) {
+        if self.qp.is_null() {
+            return;
+        }
         // SAFETY: the owner destroys a QP only after its requests were reaped.
         unsafe { sys::ibv_destroy_qp(self.qp) };
     }
