@@ -255,7 +255,11 @@ pub(crate) fn notified(cx: &Context, token: u64) {
     }
     let fd = {
         let mut s = cx.sources.borrow_mut();
-        let Some(e) = s.slab.get_mut(key).filter(|e| e.gen == (token >> 32) as u32) else {
+        let Some(e) = s
+            .slab
+            .get_mut(key)
+            .filter(|e| e.gen == (token >> 32) as u32)
+        else {
             return;
         };
         e.hung_up = true;

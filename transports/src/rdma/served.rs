@@ -279,7 +279,10 @@ impl Node {
             let stuck_before = d.stuck_qp.get();
             let stopped = d.stop_qp(&self.served_qps);
             if stuck_before || stopped.is_err() {
-                tracing::error!(segment = id, "a revoked key's queue pair could not be stopped");
+                tracing::error!(
+                    segment = id,
+                    "a revoked key's queue pair could not be stopped"
+                );
                 d.keys_live.set(true);
                 killed = KeysKilled::NotAll;
             }
