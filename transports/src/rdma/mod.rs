@@ -26,6 +26,7 @@
 
 mod engine;
 mod ledger;
+mod link;
 mod local;
 mod peer;
 mod reaper;

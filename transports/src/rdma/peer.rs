@@ -9,8 +9,9 @@ use std::rc::{Rc, Weak};
 
 use quiesce_runtime::{IoBuf, IoBufMut};
 
+use super::link::{Link, LinkState};
 use super::local::LocalSide;
-use super::reaper::{Link, LinkState, Reaper, Submission};
+use super::reaper::{Reaper, Submission};
 use super::verbs::{Access, WorkRequest};
 use crate::control::auth::Token;
 use crate::control::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
