@@ -1,5 +1,6 @@
-//! The initiator side of one connection: handshake, requests, and the
-//! reader task that matches responses to them.
+//! The initiator side of one connection: handshake, control requests, and
+//! the reader task that matches responses to them (the data requests are
+//! in `request.rs`).
 //!
 //! Frames of one request (header, then payload) are sent under the
 //! connection's send lock so they never interleave. Each request gets an id,
@@ -13,8 +14,8 @@ use std::net::{Shutdown, SocketAddr};
 use std::rc::Rc;
 
 use quiesce_runtime::net::TcpStream;
+use quiesce_runtime::spawn_local;
 use quiesce_runtime::time::timeout;
-use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
 use crate::control::auth::{random_bytes, SessionKey, Token};
 use crate::control::frame::{read_header, read_payload, send_frame};
@@ -24,35 +25,7 @@ use crate::control::wire::{
 };
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
-use crate::tcp::responses::{read_loop, slot, wait, Pending, Reply, State};
-use crate::tcp::split::{bytes_of, Erased, Part};
-
-/// Payloads up to this size travel in the same send as their header.
-pub(crate) const INLINE_PAYLOAD: usize = 16 * 1024;
-
-/// What a write frame carries.
-enum Payload<'a, B> {
-    /// Bytes copied into the frame (small writes).
-    Copied(&'a [u8]),
-    /// A part of the caller's buffer, lent to the send; `true`: `SEND_ZC`.
-    Lent(Part<B>, bool),
-}
-
-impl<B> Payload<'_, B> {
-    fn len(&self) -> usize {
-        match self {
-            Payload::Copied(d) => d.len(),
-            Payload::Lent(p, _) => p.len(),
-        }
-    }
-
-    fn into_part(self) -> Option<Part<B>> {
-        match self {
-            Payload::Copied(_) => None,
-            Payload::Lent(p, _) => Some(p),
-        }
-    }
-}
+use crate::tcp::responses::{read_loop, slot, wait, Reply, State};
 
 /// Holds the send half; if dropped before the frame was fully sent (its
 /// future was dropped mid-send), framing is lost and the connection dies.
@@ -96,7 +69,7 @@ pub(crate) struct Conn {
     join: [u8; 32],
     /// Answered requests' result slots, for the next requests (see
     /// [`Conn::reply`]).
-    replies: RefCell<Vec<Reply<Result<u64, TransferError>>>>,
+    pub(super) replies: RefCell<Vec<Reply<Result<u64, TransferError>>>>,
     /// Run once when the connection ends (RDMA: reset the queue pair set up
     /// on it, whose peer may be gone with it).
     pub(super) on_close: RefCell<Vec<Box<dyn FnOnce()>>>,
@@ -108,7 +81,7 @@ pub(crate) struct Conn {
     pub(crate) outbox: std::cell::OnceCell<crate::local::outbox::Outbox>,
     /// Batches this initiator has fenced at the peer: their slices that
     /// have not started are answered `Fenced` locally, without being sent.
-    fenced: LocalFences,
+    pub(super) fenced: LocalFences,
 }
 
 /// Batches fenced by this initiator, shared by a peer's connections.
@@ -456,195 +429,5 @@ impl Conn {
         )
         .await;
         g.complete = r.is_ok();
-    }
-
-    /// Writes `part` to `segment[offset..]`; the part comes back with the result.
-    pub(crate) async fn write<B: IoBuf>(
-        &self,
-        batch: u64,
-        segment: u64,
-        offset: u64,
-        part: Part<B>,
-        zc: bool,
-    ) -> (Result<u64, TransferError>, Part<B>) {
-        let (res, part) = self
-            .write_payload(batch, segment, offset, Payload::Lent(part, zc))
-            .await;
-        (res, part.expect("a lent part comes back"))
-    }
-
-    /// Writes `data` (at most [`INLINE_PAYLOAD`] bytes) to `segment[offset..]`,
-    /// copied into the frame with its header: nothing of the caller's buffer
-    /// is lent to the kernel, so nothing needs to share it.
-    pub(crate) async fn write_copied(
-        &self,
-        batch: u64,
-        segment: u64,
-        offset: u64,
-        data: &[u8],
-    ) -> Result<u64, TransferError> {
-        debug_assert!(data.len() <= INLINE_PAYLOAD);
-        self.write_payload::<Vec<u8>>(batch, segment, offset, Payload::Copied(data))
-            .await
-            .0
-    }
-
-    async fn write_payload<B: IoBuf>(
-        &self,
-        batch: u64,
-        segment: u64,
-        offset: u64,
-        payload: Payload<'_, B>,
-    ) -> (Result<u64, TransferError>, Option<Part<B>>) {
-        let id = self.new_id();
-        let result = self.reply();
-        let h = Header {
-            batch,
-            task: id,
-            segment,
-            offset,
-            length: payload.len() as u64,
-            ..Header::new(Opcode::Write)
-        };
-        let mut g = self.send_guard().await;
-        // Registered under the send lock, as a read's: a write given up
-        // while it waits for the lock leaves no entry behind.
-        let pending = Pending::Write {
-            len: Some(payload.len() as u64),
-            result: result.clone(),
-        };
-        if self.register(id, pending).is_err() {
-            g.complete = true;
-            return (Err(self.lost()), payload.into_part());
-        }
-        if self.fenced_locally(&mut g, id, batch) {
-            return (Err(TransferError::Fenced), payload.into_part());
-        }
-        let (sent, part) = match payload {
-            Payload::Copied(data) => (send_frame(&self.stream, &h, data).await, None),
-            // Small: header and payload in one send.
-            Payload::Lent(part, _) if part.len() <= INLINE_PAYLOAD => (
-                send_frame(&self.stream, &h, bytes_of(&part)).await,
-                Some(part),
-            ),
-            Payload::Lent(part, zc) => {
-                let (res, part) = self.send_lent(&h, part, zc).await;
-                (res, Some(part))
-            }
-        };
-        g.complete = sent.is_ok();
-        drop(g);
-        if let Err(e) = sent {
-            self.state.borrow_mut().pending.remove(&id);
-            self.kill(&e.to_string());
-            return (Err(self.lost()), part);
-        }
-        (self.answer(result).await, part)
-    }
-
-    /// A result slot for a request: an answered one's, or a new one.
-    pub(crate) fn reply(&self) -> Reply<Result<u64, TransferError>> {
-        self.replies.borrow_mut().pop().unwrap_or_else(slot)
-    }
-
-    /// Waits for the answer in `result`, then keeps the slot for the next
-    /// request if nothing else holds it (the reader dropped its copy when it
-    /// filled it).
-    pub(crate) async fn answer(
-        &self,
-        result: Reply<Result<u64, TransferError>>,
-    ) -> Result<u64, TransferError> {
-        let r = wait(&result).await;
-        self.recycle(result);
-        r
-    }
-
-    /// Keeps an answered request's slot for the next request if nothing
-    /// else holds it (the reader dropped its copy when it filled it).
-    pub(crate) fn recycle(&self, result: Reply<Result<u64, TransferError>>) {
-        if Rc::strong_count(&result) == 1 {
-            result.borrow_mut().clear();
-            let mut spare = self.replies.borrow_mut();
-            if spare.len() < 64 {
-                spare.push(result);
-            }
-        }
-    }
-
-    /// Reads `segment[offset..offset + part.len()]` into `part`.
-    pub(crate) async fn read<B: IoBufMut>(
-        &self,
-        batch: u64,
-        segment: u64,
-        offset: u64,
-        part: Part<B>,
-    ) -> Result<u64, TransferError> {
-        let id = self.new_id();
-        let result = self.reply();
-        let len = part.len() as u64;
-        let h = Header {
-            batch,
-            task: id,
-            segment,
-            offset,
-            length: len,
-            ..Header::new(Opcode::Read)
-        };
-        let mut g = self.send_guard().await;
-        // Registered under the send lock, right before the frame: until
-        // then no answer can name it (one that did came from a target
-        // answering what it was never asked).
-        if self.fenced.borrow().contains(&batch) {
-            g.complete = true;
-            return Err(TransferError::Fenced);
-        }
-        if self
-            .register(
-                id,
-                Pending::Read {
-                    dst: Some(Erased::new(part)),
-                    result: result.clone(),
-                },
-            )
-            .is_err()
-        {
-            g.complete = true;
-            return Err(self.lost());
-        }
-        let sent = send_frame(&self.stream, &h, &[]).await;
-        g.complete = sent.is_ok();
-        drop(g);
-        if let Err(e) = sent {
-            // Dropping the pending entry drops the destination part — unless
-            // the reader took it (an answer to a frame not fully sent): then
-            // the part comes back with the result, which the kill fills.
-            let ours = self.state.borrow_mut().pending.remove(&id).is_some();
-            self.kill(&e.to_string());
-            if !ours {
-                let _ = self.answer(result).await;
-            }
-            return Err(self.lost());
-        }
-        self.answer(result).await
-    }
-
-    /// True if `batch` was fenced by this initiator: request `id` is then
-    /// dropped unsent (the send guard is released cleanly).
-    pub(crate) fn fenced_locally(&self, g: &mut SendGuard<'_>, id: u64, batch: u64) -> bool {
-        if !self.fenced.borrow().contains(&batch) {
-            return false;
-        }
-        g.complete = true;
-        self.state.borrow_mut().pending.remove(&id);
-        true
-    }
-
-    pub(crate) fn register(&self, id: u64, p: Pending) -> Result<(), ()> {
-        let mut st = self.state.borrow_mut();
-        if st.dead.is_some() {
-            return Err(());
-        }
-        st.pending.insert(id, p);
-        Ok(())
     }
 }

@@ -5,6 +5,7 @@
 pub(crate) mod conn;
 pub(crate) mod own_ids;
 pub(crate) mod peer;
+pub(crate) mod request;
 pub(crate) mod responses;
 pub(crate) mod segment;
 mod send;

@@ -12,8 +12,9 @@ use crate::control::wire::{Descriptor, Opcode};
 use crate::error::TransferError;
 use crate::local::loan::{lend, Request};
 use crate::local::mailbox::SLOT_DATA;
-use crate::tcp::conn::{Conn, INLINE_PAYLOAD};
+use crate::tcp::conn::Conn;
 use crate::tcp::peer::Peer;
+use crate::tcp::request::INLINE_PAYLOAD;
 use crate::tcp::split::{bytes_of, init_bytes, join_slices, set_filled, slices, Part, SplitBuf};
 
 /// A segment of a peer that this initiator has opened.
