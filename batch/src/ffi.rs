@@ -15,7 +15,7 @@ use std::time::Duration;
 use quiesce_runtime::{IoBuf, IoBufMut};
 use quiesce_transports::{EngineConfig, Token};
 
-use crate::sync::{Direction, SyncEngine, SyncError, SyncOutcome, SyncTask};
+use crate::sync::{Direction, HostRanges, SyncEngine, SyncError, SyncOutcome, SyncTask};
 use crate::{BatchOptions, FailurePolicy, SYNC_FAILED, SYNC_UNKNOWN_HANDLE};
 
 /// A caller-owned memory range lent to a batch.
@@ -64,7 +64,12 @@ unsafe impl IoBufMut for RawBuf {
 }
 
 /// An engine handle for C.
-pub struct QuiesceEngine(SyncEngine);
+pub struct QuiesceEngine {
+    engine: SyncEngine,
+    /// The check that each task's buffer is memory this process may read
+    /// and write (not a device pointer) before the engine touches it.
+    host: HostRanges,
+}
 
 /// One task of a C batch.
 #[repr(C)]
@@ -185,7 +190,10 @@ pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut Quies
             .into_owned();
     }
     match SyncEngine::start(cfg) {
-        Ok(e) => Box::into_raw(Box::new(QuiesceEngine(e))),
+        Ok(engine) => Box::into_raw(Box::new(QuiesceEngine {
+            engine,
+            host: HostRanges::new(),
+        })),
         Err(e) => {
             set_error(e);
             std::ptr::null_mut()
@@ -207,7 +215,7 @@ pub unsafe extern "C" fn quiesce_engine_stop(e: *mut QuiesceEngine) -> i32 {
     }
     // SAFETY: the pointer came from Box::into_raw in quiesce_engine_start.
     let engine = unsafe { Box::from_raw(e) };
-    match engine.0.stop() {
+    match engine.engine.stop() {
         Ok(()) => crate::SYNC_OK,
         // A forked child's copy: nothing in this process touches its memory
         // (the parent's engine runs on, on the parent's).
@@ -265,7 +273,7 @@ pub unsafe extern "C" fn quiesce_open(
         "{addr:?} resolves to nothing"
     )));
     for a in addrs {
-        opened = engine.0.open(a, name, token);
+        opened = engine.engine.open(a, name, token);
         if opened.is_ok() {
             break;
         }
@@ -345,6 +353,14 @@ unsafe fn batch(
     if tasks.iter().any(|t| t.buf.is_null() || t.len == 0) {
         return set_error("a task has a null buffer or zero length");
     }
+    // Before anything copies from a buffer or into it (a small batch's
+    // bytes are copied on this thread): a device pointer killed the process.
+    let ranges = tasks.iter().map(|t| (t.buf as u64, t.len));
+    if let Some((addr, len)) = engine.host.first_bad(ranges) {
+        return set_error(format!(
+            "the buffer at {addr:#x} ({len} bytes) is not memory this process may read and write (device memory?)"
+        ));
+    }
     let tasks = tasks.iter().map(|t| SyncTask {
         segment: t.segment,
         offset: t.offset,
@@ -356,7 +372,7 @@ unsafe fn batch(
     // The caller's array is the batch's bound, not the Rust API's default
     // limit (a KV cache's blocks times its layers pass 4,096).
     let opts = options(opts).room_for(n);
-    answer(engine.0.batch(dir, tasks, opts), ticket_out)
+    answer(engine.engine.batch(dir, tasks, opts), ticket_out)
 }
 
 /// Writes every task's buffer to its remote range as one batch.
@@ -460,7 +476,7 @@ pub unsafe extern "C" fn quiesce_ticket_wait(
         return fail(SYNC_UNKNOWN_HANDLE, "null engine");
     };
     match engine
-        .0
+        .engine
         .wait::<RawBuf>(ticket, Duration::from_millis(timeout_ms))
     {
         Ok(Some(o)) => {

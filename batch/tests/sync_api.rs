@@ -159,7 +159,8 @@ fn the_c_abi_from_a_c_program() {
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(
         run.status.success(),
-        "C program failed: {stdout}{}",
+        "C program failed ({}): {stdout}{}",
+        run.status,
         String::from_utf8_lossy(&run.stderr)
     );
     assert!(stdout.contains("c abi: ok"));

@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "quiesce.h"
 
@@ -74,6 +75,23 @@ int main(int argc, char **argv) {
     CHECK(quiesce_transfer_sync_read(e, kv, 0, dst, many * piece, NULL, NULL) == 0, "read the 5000 back");
     CHECK(memcmp(src, dst, many * piece) == 0, "the 5000 tasks' bytes");
     free(lots);
+
+    /* Memory this process may not touch (CUDA reserves device memory so):
+       refused with -1 and a message, before anything copies from it or
+       into it. A small batch's bytes are copied on the caller's thread:
+       that copy killed the process. */
+    size_t gap = 1 << 16;
+    unsigned char *none = mmap(NULL, gap, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(none != MAP_FAILED, "mmap");
+    CHECK(quiesce_transfer_sync_write(e, kv, 0, none, 4096, NULL, NULL) == -1, "an inaccessible source refused");
+    CHECK(strstr(quiesce_last_error(), "not memory this process") != NULL, "the inaccessible source's error");
+    CHECK(quiesce_transfer_sync_read(e, kv, 0, none, 4096, NULL, NULL) == -1, "an inaccessible destination refused");
+    quiesce_task half[2] = {
+        {kv, 0, src, 4096},
+        {kv, 4096, none + gap - 2048, 4096},
+    };
+    CHECK(quiesce_batch_transfer_sync_write(e, half, 2, NULL, NULL) == -1, "a batch with one inaccessible buffer refused");
+    munmap(none, gap);
 
     /* An unknown ticket must not read as "drained" (-1): it has its own code. */
     CHECK(quiesce_ticket_poll(e, 12345) == QUIESCE_UNKNOWN_HANDLE, "unknown ticket");
