@@ -20,7 +20,8 @@ pub struct EngineConfig {
     pub max_frame: u64,
     /// Payloads of at least this many bytes are sent with `SEND_ZC`.
     pub zc_threshold: Option<usize>,
-    /// Connect and handshake timeout (initiator).
+    /// Connect and handshake timeout (initiator); it bounds each segment
+    /// open's auth round trip too.
     pub connect_timeout: Duration,
     /// How long a new connection may take to finish its handshake — say
     /// hello and prove a first token (target).

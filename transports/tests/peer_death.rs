@@ -183,20 +183,59 @@ fn abort_discards_what_the_sockets_still_hold() {
 }
 
 /// A fake target that completes every handshake until `mute` is set, and
-/// after that answers a new connection's hello but never its auth: a target
-/// that hangs between the two steps of a reconnect.
+/// after that answers a hello but never an auth, on a new connection or a
+/// live one: a target that hangs between the two steps of a reconnect, or
+/// one frozen with its kernel still acking.
 fn muting_target(mute: Arc<AtomicBool>) -> SocketAddr {
     fake_target("muting", move |mut s, addr| {
-        let silent = mute.load(Ordering::SeqCst);
         // Serve auth requests (or, muted, hold the connection open without
         // a word); everything else is read and ignored.
         while let Some(h) = recv_header(&mut s) {
             let Some(p) = payload(&mut s, &h) else { return };
-            if h.op == Opcode::Auth && !silent {
+            if h.op == Opcode::Auth && !mute.load(Ordering::SeqCst) {
                 accept_auth(&mut s, &p, addr, |_| {});
             }
         }
     })
+}
+
+/// An open on a live control connection whose target stopped answering (a
+/// frozen process, whose kernel still acks) fails within the connect
+/// timeout. It waited for the auth ack for ever: nothing bounded an open
+/// but the connection's death, which such a target never brings, so a
+/// Python `get_first_buffer_address` or a transfer's first touch of a
+/// segment blocked for good.
+#[test]
+fn an_open_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
+    let mute = Arc::new(AtomicBool::new(false));
+    let addr = muting_target(mute.clone());
+    Runtime::new().unwrap().block_on(async {
+        let cfg = EngineConfig {
+            connect_timeout: Duration::from_millis(300),
+            ..tcp()
+        };
+        let e = Engine::bind(cfg).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let _kv = peer
+            .open("kv", quiesce_transports::Token::random())
+            .await
+            .unwrap();
+        mute.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        let out = time::timeout(
+            Duration::from_secs(3),
+            peer.open("lv", quiesce_transports::Token::random()),
+        )
+        .await;
+        let res = out.expect("the open waited 3 s for an auth ack that never comes");
+        let err = res.err().expect("an open with no auth ack succeeded");
+        assert!(matches!(err, TransferError::ConnectionLost(_)), "{err:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t0.elapsed()
+        );
+    });
 }
 
 /// The teardown's `Peer::abort` makes the next transfer reconnect; a target

@@ -14,7 +14,7 @@ use quiesce_runtime::time::timeout;
 use quiesce_runtime::process::PeerProcess;
 
 use crate::control::auth::Token;
-use crate::control::wire::{Descriptor, SegmentRef, Status};
+use crate::control::wire::{AuthAck, Descriptor, SegmentRef, Status};
 use crate::error::TransferError;
 use crate::local::conn::attach_data;
 use crate::lock::SetupGate;
@@ -182,7 +182,7 @@ impl Peer {
         what: impl Fn() -> String,
     ) -> Result<RemoteSegment, TransferError> {
         let control = self.control().await?;
-        let ack = control.auth(&[(seg, token)]).await?;
+        let ack = self.auth_within(&control, &[(seg, token)]).await?;
         let desc = match ack.results.as_slice() {
             [(Status::Ok, Some(d))] if is_it(d) => d.clone(),
             [(Status::Ok, _)] => {
@@ -216,7 +216,9 @@ impl Peer {
         for i in 1..n {
             match self.live(i) {
                 Some(c) => {
-                    let ack = c.auth(&[(SegmentRef::Id(desc.id), token)]).await?;
+                    let ack = self
+                        .auth_within(&c, &[(SegmentRef::Id(desc.id), token)])
+                        .await?;
                     check_auth(&[desc.id], &ack.results)?;
                 }
                 // A new connection proves every opened token, this one too.
@@ -229,6 +231,28 @@ impl Peer {
             peer: self.clone(),
             desc,
         })
+    }
+
+    /// `c`'s answer to an `Auth` of `tokens`, within the connect timeout: a
+    /// target that does not answer in time (a frozen process, whose kernel
+    /// still acks) has the connection killed, and the open fails as
+    /// `ConnectionLost` instead of waiting for good.
+    async fn auth_within(
+        &self,
+        c: &Conn,
+        tokens: &[(SegmentRef, Token)],
+    ) -> Result<AuthAck, TransferError> {
+        let limit = self.inner.params.connect_timeout;
+        match timeout(limit, c.auth(tokens)).await {
+            Ok(r) => r,
+            Err(_) => {
+                c.kill("no auth ack within the connect timeout");
+                Err(TransferError::ConnectionLost(format!(
+                    "opening a segment of {}: no auth ack within {limit:?}",
+                    self.inner.addr
+                )))
+            }
+        }
     }
 
     /// Connection `i` if it is up — and, a data connection, in the session
