@@ -20,6 +20,7 @@ pub(crate) struct Counters {
     pub(crate) ops_parked: Cell<u64>,
     pub(crate) parked_released: Cell<u64>,
     pub(crate) submit_full: Cell<u64>,
+    pub(crate) enter_starved: Cell<u64>,
     pub(crate) crowded: Cell<u64>,
 }
 
@@ -63,6 +64,10 @@ pub struct Stats {
     pub parked_released: u64,
     /// Times the submission queue was full and was submitted early.
     pub submit_full: u64,
+    /// Times `io_uring_enter` could not take the submissions for want of
+    /// memory, resources or CQ room, and the reactor retried at its next
+    /// turn (after a millisecond when nothing had completed).
+    pub enter_starved: u64,
     /// Times the spinning reactor's thread moved itself to another core
     /// because another thread kept taking its core ([`offer_core`](crate::offer_core)).
     pub crowded: u64,
@@ -95,6 +100,7 @@ pub fn try_stats() -> Option<Stats> {
             ops_parked: c.ops_parked.get(),
             parked_released: c.parked_released.get(),
             submit_full: c.submit_full.get(),
+            enter_starved: c.enter_starved.get(),
             crowded: c.crowded.get(),
             in_flight: cx
                 .driver

@@ -64,6 +64,30 @@ pub(crate) struct Uring {
     reaped: Vec<cqueue::Entry>,
 }
 
+/// What the reactor does after `io_uring_enter(2)` failed with `errno`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EnterFailed {
+    /// Interrupted (`EINTR`), or a wait's own timeout ran out (`ETIME`):
+    /// the submissions went.
+    Submitted,
+    /// The kernel cannot take them now: `EBUSY` (the CQ is full) and, per
+    /// the man page's "wait for some completions and try again", `EAGAIN`
+    /// and `ENOMEM` (out of memory or resources). They stay queued for the
+    /// next turn. These two killed the reactor (memory pressure panicked
+    /// its `block_on`).
+    Retry,
+    /// Anything else: the ring is unusable.
+    Fatal,
+}
+
+fn enter_failed(errno: Option<i32>) -> EnterFailed {
+    match errno {
+        Some(libc::EINTR | libc::ETIME) => EnterFailed::Submitted,
+        Some(libc::EBUSY | libc::EAGAIN | libc::ENOMEM) => EnterFailed::Retry,
+        _ => EnterFailed::Fatal,
+    }
+}
+
 impl Uring {
     pub(crate) fn new(cfg: &RingConfig, wake_fd: RawFd) -> io::Result<Uring> {
         let mut b = IoUring::builder();
@@ -145,12 +169,14 @@ impl Uring {
             Counters::bump(&counters.submit_full);
             match self.ring.submit() {
                 Ok(_) => self.unsubmitted = self.queued(),
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => self.reap(counters),
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-                Err(e) => {
-                    tracing::error!(error = %e, "io_uring submit failed while the SQ was full; reaping and retrying");
-                    self.reap(counters);
-                }
+                Err(e) => match enter_failed(e.raw_os_error()) {
+                    EnterFailed::Submitted => {}
+                    EnterFailed::Retry => self.starved(counters),
+                    // Retrying would spin for ever (a forked child's copy of
+                    // the ring, a dead SQPOLL thread): the entry is not
+                    // queued, and its op is leaked at shutdown.
+                    EnterFailed::Fatal => panic!("quiesce: io_uring submit failed: {e}"),
+                },
             }
         }
     }
@@ -339,14 +365,29 @@ impl Uring {
         };
         match res {
             Ok(_) => self.unsubmitted = self.queued(),
-            Err(e) => match e.raw_os_error() {
-                Some(libc::ETIME) | Some(libc::EINTR) => self.unsubmitted = self.queued(),
-                Some(libc::EBUSY) => {}
-                _ => return Err(e),
+            Err(e) => match enter_failed(e.raw_os_error()) {
+                EnterFailed::Submitted => self.unsubmitted = self.queued(),
+                EnterFailed::Retry => {
+                    self.starved(counters);
+                    return Ok(());
+                }
+                EnterFailed::Fatal => return Err(e),
             },
         }
         self.reap(counters);
         Ok(())
+    }
+
+    /// The kernel could not take the submissions now ([`EnterFailed::Retry`]):
+    /// reaps what completed, and with nothing to reap waits a millisecond
+    /// (memory or the CQ's room comes back as others finish), so that the
+    /// next turn's retry does not spin.
+    fn starved(&mut self, counters: &Counters) {
+        Counters::bump(&counters.enter_starved);
+        if self.ring.completion().is_empty() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        self.reap(counters);
     }
 
     /// Reaps every CQE in the completion queue.
@@ -500,5 +541,38 @@ impl Drop for Uring {
             // SAFETY: dropped exactly once, here; nothing uses the ring afterwards.
             unsafe { ManuallyDrop::drop(&mut self.ring) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{enter_failed, EnterFailed};
+
+    /// Out of memory or resources the kernel asks for a retry once some
+    /// completions are reaped: the reactor must not die of it.
+    #[test]
+    fn out_of_resources_is_retried_and_a_broken_ring_is_not() {
+        for errno in [libc::EBUSY, libc::EAGAIN, libc::ENOMEM] {
+            assert_eq!(
+                enter_failed(Some(errno)),
+                EnterFailed::Retry,
+                "errno {errno}"
+            );
+        }
+        for errno in [libc::EINTR, libc::ETIME] {
+            assert_eq!(
+                enter_failed(Some(errno)),
+                EnterFailed::Submitted,
+                "errno {errno}"
+            );
+        }
+        for errno in [libc::EBADF, libc::EFAULT, libc::EEXIST, libc::EOWNERDEAD] {
+            assert_eq!(
+                enter_failed(Some(errno)),
+                EnterFailed::Fatal,
+                "errno {errno}"
+            );
+        }
+        assert_eq!(enter_failed(None), EnterFailed::Fatal);
     }
 }
