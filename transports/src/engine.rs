@@ -58,6 +58,9 @@ pub struct EngineStats {
     /// Requests served from attached initiators' mailboxes (shared memory)
     /// rather than read from a socket.
     pub mailbox_requests: u64,
+    /// Token proofs checked against a segment's token (one HMAC each): what
+    /// authenticating peers, honest or not, cost this target.
+    pub proof_checks: u64,
 }
 
 /// A transfer engine on the current shard. Cheap to clone. When the last
@@ -308,6 +311,7 @@ impl Engine {
             fence_entries: self.inner.fences.len() as u64,
             refused: c.refused.get(),
             mailbox_requests: c.mailbox_requests.get(),
+            proof_checks: c.proof_checks.get(),
         }
     }
 

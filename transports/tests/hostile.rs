@@ -433,6 +433,88 @@ fn an_auth_with_more_than_one_first_proof_is_a_bad_frame() {
     assert!(c.recv().is_none(), "the connection is closed");
 }
 
+/// A target of 256 segments whose tokens are `token(i)`, on this thread's
+/// runtime; `client` runs on a thread of its own against it, and the
+/// target's proof checks (HMACs) during it come back with its answer.
+fn against_256_segments<R: Send + 'static>(
+    token: impl Fn(usize) -> Token,
+    client: impl FnOnce(std::net::SocketAddr) -> R + Send + 'static,
+) -> (R, u64) {
+    use quiesce_transports::Rights;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(tcp()).unwrap();
+        let _segs: Vec<_> = (0..256)
+            .map(|i| {
+                let name = format!("s{i}");
+                e.register_with_token(&name, vec![0u8; 64], Rights::READ, token(i))
+                    .unwrap()
+            })
+            .collect();
+        let addr = e.local_addr();
+        let before = e.stats().proof_checks;
+        let c = std::thread::spawn(move || client(addr));
+        while !c.is_finished() {
+            time::sleep(Duration::from_millis(5)).await;
+        }
+        let r = c.join().unwrap();
+        (r, e.stats().proof_checks - before)
+    })
+}
+
+/// `First` proofs refused in a row, each answered: how many `AuthAck`s came
+/// back for `n` sent back to back on one connection.
+fn refused_firsts(addr: std::net::SocketAddr, n: usize) -> usize {
+    use quiesce_transports::wire::{Opcode, SegmentRef};
+    let mut c = RawClient::connect(addr);
+    let frame = c.auth_frame(&[(SegmentRef::First, Token::random())]);
+    // All at once, as a peer that never reads; the target may close the
+    // connection before it took them all.
+    let _ = std::io::Write::write_all(&mut c.s, &frame.repeat(n));
+    let mut acks = 0;
+    while let Some(h) = c.recv() {
+        let mut payload = vec![0u8; h.length as usize];
+        if std::io::Read::read_exact(&mut c.s, &mut payload).is_err() {
+            break;
+        }
+        acks += usize::from(h.op == Opcode::AuthAck);
+        if acks == n {
+            break;
+        }
+    }
+    acks
+}
+
+/// A `First` proof is tried against every segment, but a token several
+/// segments share is checked once: a Mooncake-style target (one token
+/// derived from the cluster's secret for all its segments) pays one HMAC
+/// per `First` proof, not one per segment. A peer that proved nothing made
+/// 100 frames of 115 bytes cost 25,700 HMACs of a target with 256 segments.
+#[test]
+fn a_first_proof_checks_a_token_its_segments_share_once() {
+    let token = Token::random();
+    let (acks, checks) = against_256_segments(move |_| token, |addr| refused_firsts(addr, 4));
+    assert_eq!(acks, 4, "First proofs answered");
+    assert!(
+        checks <= 8,
+        "{checks} proof checks for 4 First proofs against 256 segments sharing one token"
+    );
+}
+
+/// Against segments whose tokens all differ a `First` proof costs one HMAC
+/// per segment, and nothing makes a wrong one cheaper: a connection gets
+/// few of them refused before it is closed. It was answered every one, 256
+/// HMACs per 115-byte frame for as long as the peer kept sending.
+#[test]
+fn a_connection_gets_few_first_proofs_refused_before_it_is_closed() {
+    let (acks, checks) =
+        against_256_segments(|_| Token::random(), |addr| refused_firsts(addr, 100));
+    assert!(
+        acks <= 8,
+        "{acks} refused First proofs answered on one connection"
+    );
+    assert!(checks <= 8 * 260, "{checks} proof checks");
+}
+
 /// Sends `Fence(batch)` on `c`: whether a `FenceAck` came back.
 fn fenced(c: &mut RawClient, batch: u64) -> bool {
     use quiesce_transports::wire::{Header, Opcode};

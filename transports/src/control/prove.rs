@@ -4,11 +4,14 @@
 //! proof opens — for no more work than a budget per frame, and a refusal
 //! that looks the same, after the same work, whatever it refused.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
+use std::collections::HashMap;
 
 use crate::control::frame::send_frame;
-use crate::control::server::{peer_name, reject, Closed, ServedConn, SessionEntry};
+use crate::control::server::{
+    peer_name, reject, Closed, ServedConn, SessionEntry, MAX_FIRSTS_REFUSED,
+};
 use crate::control::wire::{
     AuthAck, AuthRequest, Header, Opcode, SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD,
 };
@@ -62,9 +65,17 @@ impl ServedConn<'_> {
                 if work.get() > budget {
                     return (Status::BadFrame, None);
                 }
+                // Segments may share a token (a Mooncake-style node derives
+                // one for all of them): each is checked once per proof.
+                let checked = RefCell::new(HashMap::<[u8; 16], bool>::new());
                 let verify = |t: &crate::control::auth::Token| {
+                    if let Some(&known) = checked.borrow().get(&t.0) {
+                        return known;
+                    }
                     work.set(work.get() + 1);
-                    t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref)
+                    let ok = t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref);
+                    checked.borrow_mut().insert(t.0, ok);
+                    ok
                 };
                 let seg = match seg_ref {
                     SegmentRef::Id(id) => self.engine.segment(*id),
@@ -100,11 +111,25 @@ impl ServedConn<'_> {
                 }
             })
             .collect::<Vec<_>>();
+        let checks = &self.engine.counters.proof_checks;
+        checks.set(checks.get() + work.get() as u64);
         if work.get() > budget {
             let why = format!("an Auth whose proofs cost over {budget} HMACs");
             return Err(reject(self.s, h, Status::BadFrame, why).await);
         }
         let refused = results.iter().filter(|(st, _)| *st != Status::Ok).count();
+        let first_refused = req
+            .proofs
+            .iter()
+            .zip(&results)
+            .any(|((r, _), (st, _))| matches!(r, SegmentRef::First) && *st != Status::Ok);
+        if first_refused {
+            self.firsts_refused += 1;
+            if self.firsts_refused > MAX_FIRSTS_REFUSED {
+                let why = format!("more than {MAX_FIRSTS_REFUSED} First proofs refused");
+                return Err(reject(self.s, h, Status::Forbidden, why).await);
+            }
+        }
         if refused > 0 {
             let limit = &self.engine.peer_logs.refused_proof;
             if let Some(suppressed) = limit.admit() {

@@ -80,7 +80,15 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) rx: ReadAhead,
     /// How long it may stay silent, between frames and inside one.
     pub(crate) idle: IdleLimit,
+    /// `First` proofs refused on it so far (each may cost one HMAC per
+    /// segment): past [`MAX_FIRSTS_REFUSED`] the connection is closed.
+    pub(crate) firsts_refused: u32,
 }
+
+/// `First` proofs a connection may have refused before it is closed: an
+/// initiator with the right token needs none, one with a wrong one learns
+/// it from the first.
+pub(crate) const MAX_FIRSTS_REFUSED: u32 = 4;
 
 /// How a connection enters its session.
 pub(crate) enum SessionEntry {
@@ -281,6 +289,7 @@ async fn handshake<'a>(
         inbox: None,
         rx: ReadAhead::default(),
         idle: IdleLimit::new(engine.config.idle_timeout),
+        firsts_refused: 0,
     })
 }
 

@@ -29,6 +29,7 @@ pub(crate) struct Counters {
     pub(crate) unauthenticated: Cell<u64>,
     pub(crate) refused: Cell<u64>,
     pub(crate) mailbox_requests: Cell<u64>,
+    pub(crate) proof_checks: Cell<u64>,
 }
 
 /// The target side of an engine: what the control server and the TCP data

@@ -466,6 +466,13 @@ impl RawClient {
     /// Sends one `Auth` proving each token for its segment reference (the
     /// answer is left to `recv`).
     pub fn send_auth(&mut self, refs: &[(SegmentRef, Token)]) {
+        let frame = self.auth_frame(refs);
+        self.s.write_all(&frame).unwrap();
+    }
+
+    /// The bytes of an `Auth` frame proving each token for its segment
+    /// reference on this connection.
+    pub fn auth_frame(&self, refs: &[(SegmentRef, Token)]) -> Vec<u8> {
         let proofs = refs
             .iter()
             .map(|(seg, token)| {
@@ -483,7 +490,9 @@ impl RawClient {
             length: p.len() as u64,
             ..Header::new(Opcode::Auth)
         };
-        send(&mut self.s, &h, &p);
+        let mut v = h.encode().to_vec();
+        v.extend_from_slice(&p);
+        v
     }
 
     pub fn send(&mut self, h: &Header, payload: &[u8]) {
