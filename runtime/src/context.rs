@@ -62,6 +62,9 @@ pub(crate) struct Context {
     /// Values leaked by [`strand`](crate::strand) on this runtime: counted
     /// in its shutdown's undrained total, as live operations are.
     pub(crate) stranded: Cell<usize>,
+    /// The process the runtime was made in: in a forked child its ring (or
+    /// epoll instance) is the parent's, never to be touched.
+    pub(crate) lineage: crate::fork::Lineage,
 }
 
 thread_local! {

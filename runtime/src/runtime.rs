@@ -206,6 +206,7 @@ impl Builder {
             spin: self.spin,
             crowding: Crowding::default(),
             closed: Cell::new(false),
+            lineage: crate::fork::Lineage::here(),
         };
         let main = TaskWaker::new(MAIN_TASK, cx.unparker.clone());
         Ok(Runtime {
@@ -312,6 +313,10 @@ impl Runtime {
 /// or not at all when work is pending or a timer is due), dispatch what
 /// arrived, fire due timers.
 fn turn(cx: &Context) {
+    assert!(
+        !cx.lineage.forked(),
+        "quiesce: a runtime run in a forked child of the process that made it (its ring is the parent's)"
+    );
     Counters::bump(&cx.counters.ticks);
     cx.tick_bytes.set(0);
     let reaped = source::poll_all(cx);
@@ -508,6 +513,16 @@ impl Runtime {
     fn close(&mut self) -> usize {
         if std::mem::replace(&mut self.shut, true) {
             return 0;
+        }
+        if self.cx.lineage.forked() {
+            // A forked child's copy: its ring and epoll instance are the
+            // parent's kernel objects (a cancel pushed, a completion reaped
+            // or an fd taken out of the interest list here would be done to
+            // the parent's operations), and its operations are the
+            // parent's. Nothing of it is touched: leaked as it is.
+            self.cx.closed.set(true);
+            std::mem::forget(self.cx.clone());
+            return self.cx.driver.try_borrow().map_or(0, |d| d.in_flight());
         }
         if !context::thread_alive() {
             self.cx.closed.set(true);
