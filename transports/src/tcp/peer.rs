@@ -14,12 +14,12 @@ use quiesce_runtime::time::timeout;
 use quiesce_runtime::process::PeerProcess;
 
 use crate::control::auth::Token;
-use crate::control::wire::{AuthAck, Descriptor, SegmentRef, Status};
+use crate::control::wire::{SegmentRef, Status};
 use crate::error::TransferError;
 use crate::local::conn::attach_data;
 use crate::lock::SetupGate;
 use crate::tcp::conn::{shut_down, Conn, ConnParams, LocalFences, SessionBinding, SESSION_ENDED};
-use crate::tcp::segment::{Proven, RemoteSegment};
+use crate::tcp::segment::Proven;
 
 /// How an initiator talks to peers.
 #[derive(Debug, Clone)]
@@ -39,15 +39,15 @@ pub(crate) struct PeerParams {
 }
 
 pub(crate) struct PeerInner {
-    addr: SocketAddr,
+    pub(super) addr: SocketAddr,
     pub(crate) params: PeerParams,
-    conns: RefCell<Vec<Option<Rc<Conn>>>>,
+    pub(super) conns: RefCell<Vec<Option<Rc<Conn>>>>,
     node: String,
     /// The session the target bound this peer's connections to.
     session: SessionBinding,
     /// Tokens proven so far, with what the target described, replayed
     /// (by id) on every new connection.
-    opened: RefCell<BTreeMap<u64, Opened>>,
+    pub(super) opened: RefCell<BTreeMap<u64, Opened>>,
     /// Round-robin turn over the data connections.
     pub(crate) rr: Cell<usize>,
     /// Serialises reconnects, so concurrent slices open one connection, and
@@ -136,123 +136,6 @@ impl Peer {
     /// address, which are two sessions at the target, fenced apart.
     pub fn identity(&self) -> usize {
         Rc::as_ptr(&self.inner) as usize
-    }
-
-    /// Opens the segment named `name` by proving `token` (on the control
-    /// connection, then on every data connection, which are connected now
-    /// if they are not). The target refuses a wrong token and an unknown
-    /// name alike ([`TransferError::OpenRefused`]).
-    pub async fn open(&self, name: &str, token: Token) -> Result<RemoteSegment, TransferError> {
-        let seg = SegmentRef::Name(name.to_string());
-        self.open_ref(seg, token, |d| d.name == name, || name.to_string())
-            .await
-    }
-
-    /// Opens the segment that holds the target's virtual address `addr`
-    /// (Mooncake-style addressing: callers name remote memory by the peer's
-    /// addresses), proving `token` for it. Its descriptor's `base` maps
-    /// addresses to offsets. Refused like [`open`](Self::open) when no
-    /// segment holds the address or the token is wrong.
-    pub async fn open_at(&self, addr: u64, token: Token) -> Result<RemoteSegment, TransferError> {
-        let holds = |d: &Descriptor| addr.checked_sub(d.base).is_some_and(|o| o < d.len);
-        self.open_ref(SegmentRef::Address(addr), token, holds, || {
-            format!("the segment at {addr:#x}")
-        })
-        .await
-    }
-
-    /// Opens the segment the target registered first among those live now
-    /// that `token` opens (Mooncake's `get_first_buffer_address`). Refused
-    /// like [`open`](Self::open) when `token` opens none.
-    pub async fn open_first(&self, token: Token) -> Result<RemoteSegment, TransferError> {
-        self.open_ref(
-            SegmentRef::First,
-            token,
-            |_| true,
-            || "the first registered segment".to_string(),
-        )
-        .await
-    }
-
-    async fn open_ref(
-        &self,
-        seg: SegmentRef,
-        token: Token,
-        is_it: impl Fn(&Descriptor) -> bool,
-        what: impl Fn() -> String,
-    ) -> Result<RemoteSegment, TransferError> {
-        let control = self.control().await?;
-        let ack = self.auth_within(&control, &[(seg, token)]).await?;
-        let desc = match ack.results.as_slice() {
-            [(Status::Ok, Some(d))] if is_it(d) => d.clone(),
-            [(Status::Ok, _)] => {
-                return Err(TransferError::BadFrame(
-                    "an AuthAck without the opened segment's descriptor".into(),
-                ))
-            }
-            _ => return Err(TransferError::OpenRefused(what())),
-        };
-        let desc = {
-            let mut opened = self.inner.opened.borrow_mut();
-            // The segment opened before under this id, if it is this one
-            // (its handles stay good); else that one is gone.
-            let desc = match opened.get(&desc.id) {
-                Some(o) if o.desc.same_segment(&desc) => o.desc.clone(),
-                before => {
-                    if let Some(o) = before {
-                        o.desc.forget();
-                    }
-                    Rc::new(Proven::new(desc))
-                }
-            };
-            let proven = Opened {
-                token,
-                desc: desc.clone(),
-            };
-            opened.insert(desc.id, proven);
-            desc
-        };
-        let n = self.inner.conns.borrow().len();
-        for i in 1..n {
-            match self.live(i) {
-                Some(c) => {
-                    let ack = self
-                        .auth_within(&c, &[(SegmentRef::Id(desc.id), token)])
-                        .await?;
-                    check_auth(&[desc.id], &ack.results)?;
-                }
-                // A new connection proves every opened token, this one too.
-                None => {
-                    self.conn(i).await?;
-                }
-            }
-        }
-        Ok(RemoteSegment {
-            peer: self.clone(),
-            desc,
-        })
-    }
-
-    /// `c`'s answer to an `Auth` of `tokens`, within the connect timeout: a
-    /// target that does not answer in time (a frozen process, whose kernel
-    /// still acks) has the connection killed, and the open fails as
-    /// `ConnectionLost` instead of waiting for good.
-    async fn auth_within(
-        &self,
-        c: &Conn,
-        tokens: &[(SegmentRef, Token)],
-    ) -> Result<AuthAck, TransferError> {
-        let limit = self.inner.params.connect_timeout;
-        match timeout(limit, c.auth(tokens)).await {
-            Ok(r) => r,
-            Err(_) => {
-                c.kill("no auth ack within the connect timeout");
-                Err(TransferError::ConnectionLost(format!(
-                    "opening a segment of {}: no auth ack within {limit:?}",
-                    self.inner.addr
-                )))
-            }
-        }
     }
 
     /// Connection `i` if it is up — and, a data connection, in the session
@@ -546,9 +429,9 @@ const REPROVE_CHUNK: usize = 512;
 /// A segment opened on a peer: the token that proved it and what the target
 /// described.
 #[derive(Clone)]
-struct Opened {
-    token: Token,
-    desc: Rc<Proven>,
+pub(super) struct Opened {
+    pub(super) token: Token,
+    pub(super) desc: Rc<Proven>,
 }
 
 impl Opened {
@@ -587,20 +470,6 @@ async fn reprove(c: &Conn, tokens: &[(u64, Opened)]) -> Result<Vec<u64>, Transfe
         );
     }
     Ok(refused)
-}
-
-fn check_auth(ids: &[u64], results: &[(Status, Option<Descriptor>)]) -> Result<(), TransferError> {
-    if results.len() != ids.len() {
-        return Err(TransferError::BadFrame(
-            "an AuthAck with the wrong count".into(),
-        ));
-    }
-    for (id, (st, _)) in ids.iter().zip(results) {
-        if *st != Status::Ok {
-            return Err(TransferError::Forbidden(*id));
-        }
-    }
-    Ok(())
 }
 
 /// A connection a reconnect made and has not installed: closed if the
