@@ -156,6 +156,60 @@ fn withdrawing_a_replaced_registration_leaves_the_new_one() {
     assert!(directory(&e, "replaced").segment("t", "kv").is_err());
 }
 
+/// Two processes under one node name (a duplicate, or an old incarnation
+/// still up beside a new one): withdrawing what one published deletes only
+/// its own record. The older one's withdraw deleted the newer one's
+/// record of the same segment name, and the segment vanished from the
+/// directory.
+#[test]
+fn a_withdraw_deletes_only_a_record_this_process_wrote() {
+    let Some(e) = etcd() else { return };
+    let old = directory(&e, "owner");
+    old.publish_segment(&segment("n", "kv", 1, 4096)).unwrap();
+    old.flush(Duration::from_secs(10)).unwrap();
+    let new = directory(&e, "owner");
+    new.publish_node(&node("n", 7100)).unwrap();
+    new.publish_segment(&segment("n", "kv", 2, 8192)).unwrap();
+    new.flush(Duration::from_secs(10)).unwrap();
+    old.withdraw_segment("n", "kv", Some(1)).unwrap();
+    old.flush(Duration::from_secs(10)).unwrap();
+    let fresh = directory(&e, "owner");
+    assert_eq!(
+        fresh.segment("n", "kv").map(|s| s.id),
+        Ok(2),
+        "the newer process's record"
+    );
+}
+
+/// The newest publisher of a name keeps it: an older process that loses
+/// etcd and gets a session again does not write its entries back over one
+/// another process wrote since. It did, and whichever of the two got its
+/// session back last had the name (the old address served to initiators).
+#[test]
+fn a_reconnecting_process_does_not_write_back_over_a_newer_publisher() {
+    let Some(mut e) = etcd() else { return };
+    let old = directory(&e, "newest");
+    old.publish_node(&node("n", 7101)).unwrap();
+    old.flush(Duration::from_secs(10)).unwrap();
+    let new = directory(&e, "newest");
+    new.publish_node(&node("n", 7102)).unwrap();
+    new.flush(Duration::from_secs(10)).unwrap();
+    for round in 0..3 {
+        // Both lose their sessions; whichever comes back last is random.
+        e.stop();
+        std::thread::sleep(Duration::from_millis(300));
+        e.restart().unwrap();
+        new.flush(Duration::from_secs(15)).unwrap();
+        old.flush(Duration::from_secs(15)).unwrap();
+        let fresh = directory(&e, "newest");
+        assert_eq!(
+            fresh.resolve("n").map(|n| n.addr.port()),
+            Ok(7102),
+            "round {round}: the older process wrote its address back"
+        );
+    }
+}
+
 #[test]
 fn a_watching_initiator_picks_up_a_re_registered_segment() {
     let Some(e) = etcd() else { return };

@@ -4,7 +4,8 @@
 //! * Publishing never blocks: [`EtcdDirectory::publish_node`] and friends
 //!   queue the entry and return. The helper writes it under this node's
 //!   lease and remembers it, so that after etcd comes back (a new lease, or
-//!   a wiped etcd) every entry is written again.
+//!   a wiped etcd) every entry is written again — where it is still this
+//!   process's or nobody's: the newest writer of an entry owns it.
 //! * Lookups hit the [`Mirror`](crate::mirror) first (no round trip, and it
 //!   keeps serving while etcd is away). A miss asks etcd once, bounded by
 //!   [`EtcdOptions::op_timeout`], and fails with

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    Txn, TxnOp, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream,
+    LeaseKeeper, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{sleep_until, timeout, Instant};
@@ -55,6 +55,14 @@ pub(crate) struct Helper {
     /// Deleted while away: deleted from etcd once a session is up (an old
     /// lease may still hold them).
     withdrawn: BTreeSet<String>,
+    /// The entries this process wrote, at the revision of its last write:
+    /// what it owns. Another process may write the same key after it (a
+    /// newer incarnation of the node, or a duplicate name): the newest
+    /// writer owns it, and this one never writes it back nor deletes it.
+    written: BTreeMap<String, i64>,
+    /// Published since its last write (while away): this process's to
+    /// write whoever wrote it meanwhile, as a publication with a session is.
+    fresh: BTreeSet<String>,
     flushes: Vec<Flush>,
     /// Lookups that missed the mirror while there was no session: answered
     /// by the next attempt (from etcd if it succeeds), or at their deadline.
@@ -66,6 +74,10 @@ pub(crate) struct Helper {
 /// Operations in one etcd transaction at most (etcd's default
 /// `--max-txn-ops`).
 const TXN_OPS: usize = 128;
+
+/// Entries written back (or deleted) in one transaction: each is a
+/// conditional transaction of up to three operations within it.
+const TXN_ENTRIES: usize = TXN_OPS / 4;
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> DirectoryError {
     DirectoryError::Unavailable(format!("{what}: {e}"))
@@ -85,6 +97,8 @@ impl Helper {
             commands,
             published: BTreeMap::new(),
             withdrawn: BTreeSet::new(),
+            written: BTreeMap::new(),
+            fresh: BTreeSet::new(),
             flushes: Vec::new(),
             lookups: Vec::new(),
             last_lease: None,
@@ -147,11 +161,13 @@ impl Helper {
                 c = self.commands.recv() => match c? {
                     Command::Put(k, v) => {
                         self.withdrawn.remove(&k);
+                        self.fresh.insert(k.clone());
                         self.published.insert(k, v);
                     }
                     Command::Delete(k, id) => {
                         if self.published_as(&k, id) {
                             self.published.remove(&k);
+                            self.fresh.remove(&k);
                             self.withdrawn.insert(k);
                         }
                     }
@@ -170,7 +186,7 @@ impl Helper {
             }
         }
         // Connect, grant and read, then a round trip per transaction.
-        let txns = (self.published.len() + self.withdrawn.len()).div_ceil(TXN_OPS) as u32;
+        let txns = (self.published.len() + self.withdrawn.len()).div_ceil(TXN_ENTRIES) as u32;
         let bound = self.options.op_timeout * (2 + txns);
         let attempt = timeout(bound, self.establish()).await;
         match attempt.unwrap_or_else(|_| Err(unavailable("session setup", "timed out"))) {
@@ -228,14 +244,14 @@ impl Helper {
             .lease_keep_alive(lease)
             .await
             .map_err(|e| unavailable("lease keep-alive", e))?;
-        // In transactions of TXN_OPS: one round trip each, not one per
+        // In transactions of TXN_ENTRIES: one round trip each, not one per
         // entry (a node with thousands of segments took longer than the
         // setup's bound one put at a time, and never came back).
         let withdrawn: Vec<String> = self.withdrawn.iter().cloned().collect();
-        for chunk in withdrawn.chunks(TXN_OPS) {
+        for chunk in withdrawn.chunks(TXN_ENTRIES) {
             let ops: Vec<TxnOp> = chunk
                 .iter()
-                .map(|k| TxnOp::delete(k.clone(), None))
+                .filter_map(|k| Some(TxnOp::txn(self.delete_own(k)?)))
                 .collect();
             client
                 .txn(Txn::new().and_then(ops))
@@ -243,21 +259,39 @@ impl Helper {
                 .map_err(|e| unavailable("delete", e))?;
             for k in chunk {
                 self.withdrawn.remove(k);
+                self.written.remove(k);
             }
         }
-        let entries: Vec<(&String, &Vec<u8>)> = self.published.iter().collect();
-        for chunk in entries.chunks(TXN_OPS) {
+        // Each written back only where it is still this process's, or
+        // nobody's (its lease expired): not over a newer writer's.
+        let entries: Vec<(String, Vec<u8>)> = self
+            .published
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for chunk in entries.chunks(TXN_ENTRIES) {
             let ops: Vec<TxnOp> = chunk
                 .iter()
-                .map(|(k, v)| {
-                    let under = PutOptions::new().with_lease(lease);
-                    TxnOp::put(k.as_str(), v.as_slice(), Some(under))
-                })
+                .map(|(k, v)| TxnOp::txn(self.put_own(k, v, lease)))
                 .collect();
-            client
+            let r = client
                 .txn(Txn::new().and_then(ops))
                 .await
                 .map_err(|e| unavailable("put", e))?;
+            let revision = r.header().map_or(0, |h| h.revision());
+            for ((k, _), put) in chunk.iter().zip(r.op_responses()) {
+                if wrote(&put) {
+                    self.fresh.remove(k);
+                    self.written.insert(k.clone(), revision);
+                } else {
+                    warn!(
+                        key = k.as_str(),
+                        "another process published this entry since; leaving it to it"
+                    );
+                    self.published.remove(k);
+                    self.written.remove(k);
+                }
+            }
         }
         let root = self.layout.root().to_string();
         let all = client
@@ -304,6 +338,36 @@ impl Helper {
             .get(key)
             .and_then(|v| SegmentRecord::decode("", "", v))
             .is_some_and(|r| r.id == id)
+    }
+
+    /// Deletes `key` if it still holds this process's last write of it;
+    /// `None` if this process never wrote it.
+    fn delete_own(&self, key: &str) -> Option<Txn> {
+        let rev = *self.written.get(key)?;
+        Some(
+            Txn::new()
+                .when([Compare::mod_revision(key, CompareOp::Equal, rev)])
+                .and_then([TxnOp::delete(key, None)]),
+        )
+    }
+
+    /// Writes `key = value` under `lease`: published since its last write,
+    /// whoever holds it; else if nobody holds the key, or it still holds
+    /// this process's last write (see [`wrote`]).
+    fn put_own(&self, key: &str, value: &[u8], lease: i64) -> Txn {
+        let put = || TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)));
+        if self.fresh.contains(key) {
+            return Txn::new().and_then([put()]);
+        }
+        let ours = self.written.get(key).map(|&rev| {
+            Txn::new()
+                .when([Compare::mod_revision(key, CompareOp::Equal, rev)])
+                .and_then([put()])
+        });
+        Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([put()])
+            .or_else(ours.map(TxnOp::txn).into_iter().collect::<Vec<_>>())
     }
 
     fn decode(&self, key: &[u8], value: &[u8]) -> Option<Entry> {
@@ -371,24 +435,38 @@ impl Helper {
 
     async fn apply(&mut self, s: &mut Session, c: Command) -> Result<(), DirectoryError> {
         match c {
+            // A publication now is this process's: the newest writer.
             Command::Put(k, v) => {
                 self.withdrawn.remove(&k);
                 self.published.insert(k.clone(), v.clone());
                 let put = PutOptions::new().with_lease(s.lease);
-                s.client
-                    .put(k, v, Some(put))
-                    .await
-                    .map_err(|e| unavailable("put", e))?;
+                match s.client.put(k.clone(), v, Some(put)).await {
+                    Ok(r) => {
+                        self.fresh.remove(&k);
+                        self.written
+                            .insert(k, r.header().map_or(0, |h| h.revision()));
+                    }
+                    Err(e) => {
+                        // Written (or not) by the next session, as fresh.
+                        self.fresh.insert(k);
+                        return Err(unavailable("put", e));
+                    }
+                }
             }
             Command::Delete(k, id) => {
                 if !self.published_as(&k, id) {
                     return Ok(());
                 }
                 self.published.remove(&k);
-                if let Err(e) = s.client.delete(k.clone(), None).await {
+                self.fresh.remove(&k);
+                let Some(txn) = self.delete_own(&k) else {
+                    return Ok(());
+                };
+                if let Err(e) = s.client.txn(txn).await {
                     self.withdrawn.insert(k);
                     return Err(unavailable("delete", e));
                 }
+                self.written.remove(&k);
             }
             Command::Lookup(node, tx) => {
                 let r = self.lookup(s, &node).await;
@@ -486,4 +564,16 @@ impl Helper {
 enum Entry {
     Node(NodeRecord),
     Segment(SegmentRecord),
+}
+
+/// Whether the answer to one [`Helper::put_own`] says it wrote: the key was
+/// free, or (the nested transaction) still this process's.
+fn wrote(r: &TxnOpResponse) -> bool {
+    let TxnOpResponse::Txn(r) = r else {
+        return false;
+    };
+    r.succeeded()
+        || r.op_responses()
+            .first()
+            .is_some_and(|n| matches!(n, TxnOpResponse::Txn(n) if n.succeeded()))
 }
