@@ -162,11 +162,11 @@ impl Directory {
     pub fn resolve(&self, node: &str) -> Result<NodeRecord, DirectoryError> {
         match self {
             Directory::P2p => {
-                let addr = node
+                let addrs = node
                     .to_socket_addrs()
-                    .map_err(|e| DirectoryError::NotFound(format!("{node} ({e})")))?
-                    .next()
-                    .ok_or_else(|| DirectoryError::NotFound(node.to_string()))?;
+                    .map_err(|e| DirectoryError::NotFound(format!("{node} ({e})")))?;
+                let addr =
+                    prefer_ipv4(addrs).ok_or_else(|| DirectoryError::NotFound(node.to_string()))?;
                 Ok(NodeRecord {
                     node: node.to_string(),
                     addr,
@@ -218,5 +218,37 @@ impl Directory {
             Directory::P2p => "p2p",
             Directory::Etcd(_) => "etcd",
         }
+    }
+}
+
+/// The address to use of those a name resolves to: the first IPv4 one,
+/// else the first. An engine given a host name listens on its IPv4
+/// address when it has one, and resolvers often list IPv6 first
+/// (`localhost` is `::1` then `127.0.0.1` on many hosts): the first answer
+/// was refused there.
+pub fn prefer_ipv4(
+    addrs: impl IntoIterator<Item = std::net::SocketAddr>,
+) -> Option<std::net::SocketAddr> {
+    let mut first = None;
+    for a in addrs {
+        if a.is_ipv4() {
+            return Some(a);
+        }
+        first.get_or_insert(a);
+    }
+    first
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefer_ipv4;
+
+    #[test]
+    fn the_first_ipv4_address_is_preferred_to_an_ipv6_one_listed_first() {
+        let v6 = "[::1]:7000".parse().unwrap();
+        let v4 = "127.0.0.1:7000".parse().unwrap();
+        assert_eq!(prefer_ipv4([v6, v4]), Some(v4));
+        assert_eq!(prefer_ipv4([v6]), Some(v6));
+        assert_eq!(prefer_ipv4([]), None);
     }
 }

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{SyncEngine, SyncError, SyncOutcome};
 use quiesce_batch::SYNC_UNKNOWN;
-use quiesce_directory::{Directory, DirectoryError};
+use quiesce_directory::{prefer_ipv4, Directory, DirectoryError};
 
 use crate::node::lock;
 
@@ -121,7 +121,7 @@ impl Core {
             return Ok((a, false));
         }
         let by_system = || {
-            let a = peer.to_socket_addrs().ok().and_then(|mut a| a.next());
+            let a = peer.to_socket_addrs().ok().and_then(prefer_ipv4);
             a.map(|a| (a, false))
         };
         let by_name = self.directory(|d| match d {

@@ -170,14 +170,8 @@ pub(crate) fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
             _ => (local_hostname, 0),
         }
     };
-    let addrs: Vec<SocketAddr> = (host, port)
+    let addrs = (host, port)
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host:?}: {e}"))?
-        .collect();
-    addrs
-        .iter()
-        .find(|a| a.is_ipv4())
-        .or(addrs.first())
-        .copied()
-        .ok_or_else(|| format!("{host:?} resolves to no address"))
+        .map_err(|e| format!("cannot resolve {host:?}: {e}"))?;
+    quiesce_directory::prefer_ipv4(addrs).ok_or_else(|| format!("{host:?} resolves to no address"))
 }
