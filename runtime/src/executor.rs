@@ -200,13 +200,14 @@ impl<T> Drop for Harness<T> {
 }
 
 /// [`spawn_local`] that hands the future back instead of panicking when the
-/// thread has no runtime (or it is being torn down).
+/// thread has no runtime (or it is being torn down), or when its runtime
+/// shut down: closed to new tasks, it would never poll nor drop one.
 pub fn try_spawn_local<F>(fut: F) -> Result<JoinHandle<F::Output>, F>
 where
     F: Future + 'static,
     F::Output: 'static,
 {
-    if context::try_with(|cx| cx.is_none()) {
+    if context::try_with(|cx| cx.is_none_or(|cx| cx.closed.get())) {
         return Err(fut);
     }
     Ok(spawn_local(fut))

@@ -341,3 +341,34 @@ fn a_source_replaced_while_it_runs_leaves_its_successor_in_place() {
         drop(handle.borrow_mut().take());
     });
 }
+
+/// A source that, when dropped, tries to spawn a task and says whether the
+/// runtime took it.
+struct SpawnsOnDrop(Rc<Cell<Option<bool>>>);
+
+impl CompletionSource for SpawnsOnDrop {
+    fn poll(&mut self) -> usize {
+        0
+    }
+}
+
+impl Drop for SpawnsOnDrop {
+    fn drop(&mut self) {
+        let taken = quiesce_runtime::try_spawn_local(async {}).is_ok();
+        self.0.set(Some(taken));
+    }
+}
+
+/// A runtime that shuts down drops its sources after it closed to new
+/// tasks: a spawn from one is refused (the future comes back), not taken
+/// into a task that nothing would ever poll or drop.
+#[test]
+fn a_closed_runtime_refuses_a_spawn_from_a_source_it_drops() {
+    let rt = rt();
+    let taken = Rc::new(Cell::new(None));
+    let t = taken.clone();
+    let h = rt.block_on(async move { register(SpawnsOnDrop(t)) });
+    std::mem::forget(h);
+    drop(rt);
+    assert_eq!(taken.get(), Some(false), "the closed runtime took the spawn");
+}
