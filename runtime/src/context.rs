@@ -65,6 +65,9 @@ pub(crate) struct Context {
     /// The process the runtime was made in: in a forked child its ring (or
     /// epoll instance) is the parent's, never to be touched.
     pub(crate) lineage: crate::fork::Lineage,
+    /// Cancels requested while the driver was busy (a waker run while it
+    /// reaps): posted at the start of the next turn.
+    pub(crate) late_cancels: RefCell<Vec<u64>>,
 }
 
 thread_local! {

@@ -207,6 +207,7 @@ impl Builder {
             crowding: Crowding::default(),
             closed: Cell::new(false),
             lineage: crate::fork::Lineage::here(),
+            late_cancels: RefCell::default(),
         };
         let main = TaskWaker::new(MAIN_TASK, cx.unparker.clone());
         Ok(Runtime {
@@ -319,6 +320,9 @@ fn turn(cx: &Context) {
     );
     Counters::bump(&cx.counters.ticks);
     cx.tick_bytes.set(0);
+    if !cx.late_cancels.borrow().is_empty() {
+        crate::driver::post_late_cancels(cx);
+    }
     let reaped = source::poll_all(cx);
     // Timers are fired once a turn, after the park (below): one due now
     // makes `until_next_timer` zero, so the park does not block, and it

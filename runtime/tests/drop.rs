@@ -363,3 +363,51 @@ fn a_task_waiting_on_an_op_of_a_runtime_that_shuts_down_is_woken() {
         "the task waiting on the dead runtime's op was never woken"
     );
 }
+
+thread_local! {
+    /// What [`CancelsOnWake`] cancels.
+    static TO_CANCEL: std::cell::RefCell<Option<quiesce_runtime::Canceller>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// A waker that cancels another op when woken (as a select-like combinator
+/// cancels its sibling when one side completes).
+struct CancelsOnWake;
+
+impl std::task::Wake for CancelsOnWake {
+    fn wake(self: std::sync::Arc<Self>) {
+        TO_CANCEL.with(|c| {
+            if let Some(c) = c.borrow().as_ref() {
+                c.cancel();
+            }
+        });
+    }
+}
+
+/// A cancel requested from a waker that the reactor runs while it reaps
+/// (its driver borrowed) still reaches the op. It was dropped with an
+/// error log, and as the request stayed marked every later cancel was a
+/// no-op too: a receive on an idle socket never ended.
+#[test]
+fn a_cancel_requested_while_the_driver_reaps_is_not_lost() {
+    rt().block_on(async {
+        let (a_tx, a) = pair().await;
+        let (_b_tx, b) = pair().await;
+        let mut idle = b.read(vec![0u8; 8]);
+        TO_CANCEL.with(|c| *c.borrow_mut() = Some(idle.canceller()));
+        let idle = spawn_local(async move { idle.await.0.map_err(|e| e.raw_os_error()) });
+        let woken = std::task::Waker::from(std::sync::Arc::new(CancelsOnWake));
+        let mut first = std::pin::pin!(a.read(vec![0u8; 8]));
+        let mut cx = std::task::Context::from_waker(&woken);
+        assert!(std::future::Future::poll(first.as_mut(), &mut cx).is_pending());
+        settle().await;
+        let (w, _) = a_tx.write(vec![1u8]).await;
+        assert_eq!(w.unwrap(), 1);
+        let out = quiesce_runtime::time::timeout(Duration::from_secs(2), idle).await;
+        let r = out.expect("the cancel was lost: the idle receive never ended");
+        assert_eq!(r.unwrap(), Err(Some(libc::ECANCELED)));
+        let (r, _) = first.await;
+        assert_eq!(r.unwrap(), 1);
+        TO_CANCEL.with(|c| c.borrow_mut().take());
+    });
+}

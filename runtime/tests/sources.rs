@@ -370,5 +370,9 @@ fn a_closed_runtime_refuses_a_spawn_from_a_source_it_drops() {
     let h = rt.block_on(async move { register(SpawnsOnDrop(t)) });
     std::mem::forget(h);
     drop(rt);
-    assert_eq!(taken.get(), Some(false), "the closed runtime took the spawn");
+    assert_eq!(
+        taken.get(),
+        Some(false),
+        "the closed runtime took the spawn"
+    );
 }

@@ -113,9 +113,10 @@ impl Canceller {
                         u.cancel(token, &cx.counters);
                     }
                 }
-                Err(_) => {
-                    tracing::error!("cancel requested while the op's driver is busy; ignored")
-                }
+                // A waker run while the driver reaps: posted at the start
+                // of the next turn (a cancel of an op done by then is
+                // ignored).
+                Err(_) => cx.late_cancels.borrow_mut().push(token),
             }
         }
         if let Some(w) = st.waker.borrow_mut().take() {
@@ -315,6 +316,16 @@ impl<T: Operation> Drop for Op<T> {
             return;
         };
         park(&self.cx, token, Box::new(spec));
+    }
+}
+
+/// Posts the cancels requested while `cx`'s driver was busy.
+pub(crate) fn post_late_cancels(cx: &Context) {
+    let tokens = std::mem::take(&mut *cx.late_cancels.borrow_mut());
+    if let Driver::Uring(u) = &mut *cx.driver.borrow_mut() {
+        for token in tokens {
+            u.cancel(token, &cx.counters);
+        }
     }
 }
 

@@ -19,6 +19,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::time::Duration;
 
+pub(crate) use lifecycle::post_late_cancels;
 pub use lifecycle::{Canceller, Op};
 pub(crate) use wake::Unparker;
 
