@@ -270,6 +270,10 @@ impl Runtime {
             context::current_id() == 0,
             "quiesce: block_on called from inside a runtime"
         );
+        assert!(
+            !self.cx.lineage.forked(),
+            "quiesce: a runtime run in a forked child of the process that made it (its ring is the parent's)"
+        );
         let _enter = context::enter(self.cx.clone());
         let cx = &*self.cx;
         let mut fut = std::pin::pin!(fut);

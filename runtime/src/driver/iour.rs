@@ -62,6 +62,9 @@ pub(crate) struct Uring {
     pub(crate) events: ParkEvents,
     /// Completions being dispatched (kept for its capacity).
     reaped: Vec<cqueue::Entry>,
+    /// The process the ring was made in: a forked child's copy of the ring
+    /// is the parent's ring, and nothing is pushed into it or submitted.
+    lineage: crate::fork::Lineage,
 }
 
 /// What the reactor does after `io_uring_enter(2)` failed with `errno`.
@@ -78,6 +81,11 @@ enum EnterFailed {
     Retry,
     /// Anything else: the ring is unusable.
     Fatal,
+}
+
+/// The error of a driver used in a forked child of the process that made it.
+pub(crate) fn forked() -> io::Error {
+    io::Error::other("a forked child's copy of its parent's ring or epoll instance")
 }
 
 fn enter_failed(errno: Option<i32>) -> EnterFailed {
@@ -135,6 +143,7 @@ impl Uring {
             wake_armed: false,
             events: ParkEvents::default(),
             reaped: Vec::with_capacity(256),
+            lineage: crate::fork::Lineage::here(),
         })
     }
 
@@ -156,6 +165,11 @@ impl Uring {
 
     /// Queues an SQE, submitting early if the queue is full.
     fn push(&mut self, entry: &squeue::Entry, counters: &Counters) {
+        if self.lineage.forked() {
+            // The parent's submission queue: an entry here would be
+            // submitted by the parent, in the parent's address space.
+            return;
+        }
         loop {
             // Every pointer in the entry refers to memory owned by the op's struct
             // (heap), which the op future or the driver's Ignored slot keeps alive
@@ -314,6 +328,9 @@ impl Uring {
         timeout: Option<Duration>,
         counters: &Counters,
     ) -> io::Result<()> {
+        if self.lineage.forked() {
+            return Err(forked());
+        }
         if !self.wake_armed {
             let e = opcode::PollAdd::new(types::Fd(self.wake_fd), libc::POLLIN as u32)
                 .multi(true)

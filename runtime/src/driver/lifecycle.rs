@@ -175,8 +175,9 @@ impl<T: Operation> Op<T> {
     /// Starts `spec` on runtime `cx` (the runtime of the fd it works on).
     pub(crate) fn on(cx: Rc<Context>, mut spec: T) -> Self {
         let state = match &mut *cx.driver.borrow_mut() {
-            // Nothing would ever reap it.
-            _ if cx.closed.get() => State::Refused(spec),
+            // Nothing would ever reap it (in a forked child: its ring is
+            // the parent's).
+            _ if cx.closed.get() || cx.lineage.forked() => State::Refused(spec),
             Driver::Uring(u) => match spec.try_first() {
                 Some(res) => State::Finished { spec, res },
                 None => {

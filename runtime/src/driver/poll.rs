@@ -42,6 +42,9 @@ pub(crate) struct Poller {
     /// fds of completion sources, by source token.
     sources: HashMap<u64, RawFd>,
     pub(crate) events: ParkEvents,
+    /// The process it was made in: a forked child's copy of the epoll
+    /// instance is the parent's, whose interest list it never changes.
+    lineage: crate::fork::Lineage,
 }
 
 impl Poller {
@@ -56,6 +59,7 @@ impl Poller {
             io: Slab::new(),
             sources: HashMap::new(),
             events: ParkEvents::default(),
+            lineage: crate::fork::Lineage::here(),
         })
     }
 
@@ -69,6 +73,9 @@ impl Poller {
 
     /// Leaves `waker` on `fd` until the fd is ready for `interest`.
     pub(crate) fn wait(&mut self, fd: RawFd, interest: Interest, waker: &Waker) -> io::Result<()> {
+        if self.lineage.forked() {
+            return Err(super::iour::forked());
+        }
         let at = usize::try_from(fd)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a negative fd"))?;
         let key = match self.fds.get(at).copied().flatten() {
@@ -118,6 +125,9 @@ impl Poller {
 
     /// Deregisters `fd` (its owner is about to close it); wakes its waiters.
     pub(crate) fn forget(&mut self, fd: RawFd) {
+        if self.lineage.forked() {
+            return;
+        }
         let taken = usize::try_from(fd)
             .ok()
             .and_then(|at| self.fds.get_mut(at))
@@ -134,6 +144,9 @@ impl Poller {
     }
 
     pub(crate) fn watch_source(&mut self, fd: RawFd, token: u64) -> io::Result<()> {
+        if self.lineage.forked() {
+            return Err(super::iour::forked());
+        }
         if self.sources.contains_key(&token) {
             return Ok(());
         }
@@ -147,6 +160,9 @@ impl Poller {
     }
 
     pub(crate) fn unwatch_source(&mut self, fd: RawFd) {
+        if self.lineage.forked() {
+            return;
+        }
         self.sources.retain(|_, f| *f != fd);
         let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
     }
@@ -158,6 +174,9 @@ impl Poller {
     ) -> io::Result<()> {
         if timeout != Some(Duration::ZERO) {
             Counters::bump(&counters.parks);
+        }
+        if self.lineage.forked() {
+            return Err(super::iour::forked());
         }
         match self.poll.poll(&mut self.mio_events, timeout) {
             Ok(()) => {}
