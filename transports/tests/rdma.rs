@@ -875,6 +875,47 @@ fn a_fence_whose_queue_pair_cannot_be_stopped_is_not_confirmed() {
     });
 }
 
+/// A queue pair the device would neither reset nor destroy when a
+/// `QpConnect` came to replace it leaves every later fence of its session
+/// unconfirmed. The refused `QpConnect` left the connection open with that
+/// queue pair connected, and the next fence, finding no queue pair to
+/// reset, was acked.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_queue_pair_stuck_when_replaced_leaves_later_fences_unconfirmed() {
+    Runtime::new().unwrap().block_on(async {
+        let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let ro = target
+            .register("ro", AlignedBuf::new(8192), Rights::READ)
+            .unwrap();
+        let kv = target
+            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
+            .unwrap();
+        let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let region = Region::new(1 << 20);
+        let _local = init.register_region(&region).unwrap();
+        let peer = init.connect(target.local_addr()).await.unwrap();
+        let ro_r = peer.open("ro", ro.token()).await.unwrap();
+        let kv_r = peer.open("kv", kv.token()).await.unwrap();
+        let (r, l) = kv_r.write(0, region.lease(0..4096).unwrap(), 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        // The NIC refuses it: this side's queue pair fails, and the next
+        // transfer asks for a new one, which replaces the target's.
+        let (r, l) = ro_r.write(0, l, 2).await;
+        assert!(matches!(r, Err(TransferError::RemoteAccess(_))), "{r:?}");
+        quiesce_transports::rdma::fail_next_served_resets(1);
+        let (r, _l) = kv_r.write(0, l, 3).await;
+        assert!(r.is_err(), "a new queue pair beside a stuck one: {r:?}");
+        let t = Instant::now();
+        let f = peer.fence(3).await;
+        assert!(
+            f.is_err(),
+            "a fence was confirmed while a stuck queue pair stayed connected"
+        );
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    });
+}
+
 /// A revoke whose memory region the device will not deregister still kills
 /// the old key: the queue pair it was served on is reset, and no queue pair
 /// is connected in that connection's domain again (its control connection

@@ -125,6 +125,11 @@ impl DomainState {
     /// it may still accept requests under any key registered here; the
     /// domain is poisoned and the queue pair stays counted in `served`.
     fn stop_qp(&self, served: &Cell<u64>) -> Result<u32, String> {
+        if self.stuck_qp.get() {
+            // Taken out by the reset that failed, and connected still: no
+            // later fence of the session is confirmed either.
+            return Err("a queue pair of this domain could be neither reset nor destroyed".into());
+        }
         let Some(qp) = self.qp.borrow_mut().take() else {
             return Ok(0);
         };
@@ -184,7 +189,8 @@ pub(crate) struct Node {
     next_domain: Cell<u64>,
     /// Memory regions registered now.
     pub(crate) mrs: Rc<Cell<u64>>,
-    /// Queue pairs served now (a [`ServedDomain`]'s, until reset).
+    /// Queue pairs served now (a [`ServedDomain`]'s, until reset; one the
+    /// device would neither reset nor destroy stays counted for good).
     pub(crate) served_qps: Cell<u64>,
     /// Itself, for the domains it serves to hold.
     pub(crate) this: Weak<Node>,
@@ -275,10 +281,9 @@ impl Node {
             if killed == KeysKilled::Deregistered {
                 killed = KeysKilled::Poisoned;
             }
-            // A queue pair a fence could not stop serves the key still.
-            let stuck_before = d.stuck_qp.get();
-            let stopped = d.stop_qp(&self.served_qps);
-            if stuck_before || stopped.is_err() {
+            // A queue pair a fence could not stop serves the key still
+            // (`stop_qp` says so too).
+            if d.stop_qp(&self.served_qps).is_err() {
                 tracing::error!(
                     segment = id,
                     "a revoked key's queue pair could not be stopped"
