@@ -21,7 +21,7 @@ pub struct EngineConfig {
     /// Payloads of at least this many bytes are sent with `SEND_ZC`.
     pub zc_threshold: Option<usize>,
     /// Connect and handshake timeout (initiator); it bounds each segment
-    /// open's auth round trip too.
+    /// open's auth round trip on the control connection too.
     pub connect_timeout: Duration,
     /// How long a new connection may take to finish its handshake — say
     /// hello and prove a first token (target).

@@ -1,6 +1,5 @@
-//! Opening a peer's segments: a token proven on the control connection,
-//! then on every data connection of the peer, each auth round trip within
-//! the connect timeout.
+//! Opening a peer's segments: a token proven on the control connection
+//! (within the connect timeout), then on every data connection of the peer.
 
 use std::rc::Rc;
 
@@ -91,10 +90,12 @@ impl Peer {
         let n = self.inner.conns.borrow().len();
         for i in 1..n {
             match self.live(i) {
+                // No deadline on a data connection: its auth waits for the
+                // send lock and its answer behind the connection's bulk
+                // (a long transfer is no dead target), and the control
+                // connection's answer just showed the target alive.
                 Some(c) => {
-                    let ack = self
-                        .auth_within(&c, &[(SegmentRef::Id(desc.id), token)])
-                        .await?;
+                    let ack = c.auth(&[(SegmentRef::Id(desc.id), token)]).await?;
                     check_auth(&[desc.id], &ack.results)?;
                 }
                 // A new connection proves every opened token, this one too.
@@ -109,9 +110,10 @@ impl Peer {
         })
     }
 
-    /// `c`'s answer to an `Auth` of `tokens`, within the connect timeout: a
-    /// target that does not answer in time (a frozen process, whose kernel
-    /// still acks) has the connection killed, and the open fails as
+    /// The control connection `c`'s answer to an `Auth` of `tokens`, within
+    /// the connect timeout (it carries no bulk to wait behind): a target
+    /// that does not answer in time (a frozen process, whose kernel still
+    /// acks) has the connection killed, and the open fails as
     /// `ConnectionLost` instead of waiting for good.
     async fn auth_within(
         &self,
