@@ -492,18 +492,21 @@ fn refused_firsts(addr: std::net::SocketAddr, n: usize) -> usize {
 #[test]
 fn a_first_proof_checks_a_token_its_segments_share_once() {
     let token = Token::random();
-    let (acks, checks) = against_256_segments(move |_| token, |addr| refused_firsts(addr, 4));
-    assert_eq!(acks, 4, "First proofs answered");
+    let (acks, checks) = against_256_segments(move |_| token, |addr| refused_firsts(addr, 20));
+    // Cheap refusals keep the connection (a Mooncake caller polling for the
+    // target's first registration).
+    assert_eq!(acks, 20, "First proofs answered");
     assert!(
-        checks <= 8,
-        "{checks} proof checks for 4 First proofs against 256 segments sharing one token"
+        checks <= 40,
+        "{checks} proof checks for 20 First proofs against 256 segments sharing one token"
     );
 }
 
 /// Against segments whose tokens all differ a `First` proof costs one HMAC
 /// per segment, and nothing makes a wrong one cheaper: a connection gets
-/// few of them refused before it is closed. It was answered every one, 256
-/// HMACs per 115-byte frame for as long as the peer kept sending.
+/// few of them refused (their HMACs are budgeted) before it is closed. It
+/// was answered every one, 256 HMACs per 115-byte frame for as long as the
+/// peer kept sending.
 #[test]
 fn a_connection_gets_few_first_proofs_refused_before_it_is_closed() {
     let (acks, checks) =

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use crate::control::frame::send_frame;
 use crate::control::server::{
-    peer_name, reject, Closed, ServedConn, SessionEntry, MAX_FIRSTS_REFUSED,
+    peer_name, refused_first_budget, reject, Closed, ServedConn, SessionEntry,
 };
 use crate::control::wire::{
     AuthAck, AuthRequest, Header, Opcode, SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD,
@@ -124,9 +124,10 @@ impl ServedConn<'_> {
             .zip(&results)
             .any(|((r, _), (st, _))| matches!(r, SegmentRef::First) && *st != Status::Ok);
         if first_refused {
-            self.firsts_refused += 1;
-            if self.firsts_refused > MAX_FIRSTS_REFUSED {
-                let why = format!("more than {MAX_FIRSTS_REFUSED} First proofs refused");
+            self.first_work += work.get();
+            let budget = refused_first_budget(self.engine.segments.borrow().len());
+            if self.first_work > budget {
+                let why = format!("refused First proofs cost over {budget} HMACs");
                 return Err(reject(self.s, h, Status::Forbidden, why).await);
             }
         }

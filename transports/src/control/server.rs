@@ -80,15 +80,18 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) rx: ReadAhead,
     /// How long it may stay silent, between frames and inside one.
     pub(crate) idle: IdleLimit,
-    /// `First` proofs refused on it so far (each may cost one HMAC per
-    /// segment): past [`MAX_FIRSTS_REFUSED`] the connection is closed.
-    pub(crate) firsts_refused: u32,
+    /// HMACs spent on its refused `First` proofs so far (each may cost one
+    /// per segment): past [`refused_first_budget`] the connection is closed.
+    pub(crate) first_work: usize,
 }
 
-/// `First` proofs a connection may have refused before it is closed: an
-/// initiator with the right token needs none, one with a wrong one learns
-/// it from the first.
-pub(crate) const MAX_FIRSTS_REFUSED: u32 = 4;
+/// The HMACs a connection may spend on refused `First` proofs before it is
+/// closed, with `segments` served: four passes over distinct tokens, or 64
+/// refusals of a token the segments share (an initiator polling for the
+/// first registration keeps its connection).
+pub(crate) fn refused_first_budget(segments: usize) -> usize {
+    64 + 4 * segments
+}
 
 /// How a connection enters its session.
 pub(crate) enum SessionEntry {
@@ -289,7 +292,7 @@ async fn handshake<'a>(
         inbox: None,
         rx: ReadAhead::default(),
         idle: IdleLimit::new(engine.config.idle_timeout),
-        firsts_refused: 0,
+        first_work: 0,
     })
 }
 
