@@ -15,7 +15,9 @@ use std::time::Duration;
 use quiesce_runtime::{IoBuf, IoBufMut};
 use quiesce_transports::{EngineConfig, Token};
 
-use crate::sync::{Direction, HostRanges, SyncEngine, SyncError, SyncOutcome, SyncTask};
+use crate::sync::{
+    Direction, HostRanges, MemoryAccess, SyncEngine, SyncError, SyncOutcome, SyncTask,
+};
 use crate::{BatchOptions, FailurePolicy, SYNC_FAILED, SYNC_UNKNOWN_HANDLE};
 
 /// A caller-owned memory range lent to a batch.
@@ -355,10 +357,15 @@ unsafe fn batch(
     }
     // Before anything copies from a buffer or into it (a small batch's
     // bytes are copied on this thread): a device pointer killed the process.
+    // A write's source need only be readable (a read-only file mapping).
     let ranges = tasks.iter().map(|t| (t.buf as u64, t.len));
-    if let Some((addr, len)) = engine.host.first_bad(ranges) {
+    let (access, may) = match dir {
+        Direction::Write => (MemoryAccess::Read, "read"),
+        Direction::Read => (MemoryAccess::ReadWrite, "read and write"),
+    };
+    if let Some((addr, len)) = engine.host.first_without(ranges, access) {
         return set_error(format!(
-            "the buffer at {addr:#x} ({len} bytes) is not memory this process may read and write (device memory?)"
+            "the buffer at {addr:#x} ({len} bytes) is not memory this process may {may} (device memory?)"
         ));
     }
     let tasks = tasks.iter().map(|t| SyncTask {

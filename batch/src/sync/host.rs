@@ -12,13 +12,30 @@
 
 use std::sync::Mutex;
 
-/// One line of the kernel's table: `[lo, hi)` and whether this process
-/// may read and write it.
+/// One line of the kernel's table: `[lo, hi)` and what this process may
+/// do with it.
 #[derive(Clone, Copy)]
 struct Mapping {
     lo: u64,
     hi: u64,
-    rw: bool,
+    r: bool,
+    w: bool,
+}
+
+/// What a range is for: the source of a write (read from), or the
+/// destination of a read (written into, and read back by the caller).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryAccess {
+    /// Readable.
+    Read,
+    /// Readable and writable.
+    ReadWrite,
+}
+
+impl Mapping {
+    fn allows(&self, access: MemoryAccess) -> bool {
+        self.r && (access == MemoryAccess::Read || self.w)
+    }
 }
 
 /// The kernel's table of this process's mappings, in address order; `None`
@@ -28,10 +45,11 @@ fn table() -> Option<Vec<Mapping>> {
     let parse = |line: &str| {
         let mut fields = line.split_ascii_whitespace();
         let (lo, hi) = fields.next()?.split_once('-')?;
-        let rw = fields.next()?.starts_with("rw");
+        let perms = fields.next()?.as_bytes();
+        let (r, w) = (perms.first() == Some(&b'r'), perms.get(1) == Some(&b'w'));
         let lo = u64::from_str_radix(lo, 16).ok()?;
         let hi = u64::from_str_radix(hi, 16).ok()?;
-        Some(Mapping { lo, hi, rw })
+        Some(Mapping { lo, hi, r, w })
     };
     Some(maps.lines().filter_map(parse).collect())
 }
@@ -41,7 +59,12 @@ fn table() -> Option<Vec<Mapping>> {
 /// `addr..addr + len`; `None` if a byte of it lies outside such mappings.
 /// Without a table the range alone is taken on the caller's word (as before
 /// the check existed).
-fn span_in(table: Option<&[Mapping]>, addr: u64, len: u64) -> Option<(u64, u64)> {
+fn span_in(
+    table: Option<&[Mapping]>,
+    addr: u64,
+    len: u64,
+    access: MemoryAccess,
+) -> Option<(u64, u64)> {
     let end = addr.checked_add(len)?;
     let Some(table) = table else {
         return Some((addr, end));
@@ -51,9 +74,8 @@ fn span_in(table: Option<&[Mapping]>, addr: u64, len: u64) -> Option<(u64, u64)>
     let mut first = None;
     let mut at = addr;
     for m in &table[from..] {
-        // A gap before `at`'s mapping, or one this process may not read
-        // and write.
-        if m.lo > at || !m.rw {
+        // A gap before `at`'s mapping, or one that does not allow `access`.
+        if m.lo > at || !m.allows(access) {
             return None;
         }
         first.get_or_insert(m.lo);
@@ -67,7 +89,7 @@ fn span_in(table: Option<&[Mapping]>, addr: u64, len: u64) -> Option<(u64, u64)>
 
 /// [`span_in`] a fresh read of the table.
 pub(super) fn span(addr: u64, len: u64) -> Option<(u64, u64)> {
-    span_in(table().as_deref(), addr, len)
+    span_in(table().as_deref(), addr, len, MemoryAccess::ReadWrite)
 }
 
 /// Most spans a [`HostRanges`] keeps (the oldest goes first).
@@ -87,7 +109,9 @@ pub struct HostRanges {
 
 #[derive(Default)]
 struct Known {
-    spans: Vec<(u64, u64)>,
+    /// Spans found good, and for what (one good for `ReadWrite` is good
+    /// for `Read`).
+    spans: Vec<(u64, u64, MemoryAccess)>,
     table_reads: u64,
 }
 
@@ -100,6 +124,17 @@ impl HostRanges {
     /// The first of `ranges` (`(addr, len)`) that is not wholly memory this
     /// process may read and write, or `None` if each one is.
     pub fn first_bad(&self, ranges: impl IntoIterator<Item = (u64, u64)>) -> Option<(u64, u64)> {
+        self.first_without(ranges, MemoryAccess::ReadWrite)
+    }
+
+    /// The first of `ranges` that is not wholly memory this process may
+    /// access as `access` says (a write's source need only be readable),
+    /// or `None` if each one is.
+    pub fn first_without(
+        &self,
+        ranges: impl IntoIterator<Item = (u64, u64)>,
+        access: MemoryAccess,
+    ) -> Option<(u64, u64)> {
         let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
         // Read once, when the first range not known yet needs it.
         let mut table: Option<Option<Vec<Mapping>>> = None;
@@ -107,20 +142,25 @@ impl HostRanges {
             let Some(end) = addr.checked_add(len) else {
                 return Some((addr, len));
             };
-            if known.spans.iter().any(|&(lo, hi)| lo <= addr && end <= hi) {
+            let good = |a: MemoryAccess| a == access || a == MemoryAccess::ReadWrite;
+            if known
+                .spans
+                .iter()
+                .any(|&(lo, hi, a)| lo <= addr && end <= hi && good(a))
+            {
                 continue;
             }
             let table = table.get_or_insert_with(|| {
                 known.table_reads += 1;
                 self::table()
             });
-            let Some(found) = span_in(table.as_deref(), addr, len) else {
+            let Some((lo, hi)) = span_in(table.as_deref(), addr, len, access) else {
                 return Some((addr, len));
             };
             if known.spans.len() == KEPT {
                 known.spans.remove(0);
             }
-            known.spans.push(found);
+            known.spans.push((lo, hi, access));
         }
         None
     }

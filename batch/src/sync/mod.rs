@@ -57,7 +57,7 @@ pub use lane::{LANE_MAX_BYTES, LANE_MAX_TASKS};
 
 pub(crate) use call::AbortOnUnwind;
 pub use call::DEFAULT_SPIN;
-pub use host::HostRanges;
+pub use host::{HostRanges, MemoryAccess};
 pub use memory::OpenedSegment;
 
 /// Which direction a sync batch moves data.

@@ -93,6 +93,16 @@ int main(int argc, char **argv) {
     CHECK(quiesce_batch_transfer_sync_write(e, half, 2, NULL, NULL) == -1, "a batch with one inaccessible buffer refused");
     munmap(none, gap);
 
+    /* A write's source need only be readable (a PROT_READ file mapping, a
+       constant): taken. A read's destination must be writable: refused. */
+    unsigned char *ro_map = mmap(NULL, gap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(ro_map != MAP_FAILED, "mmap");
+    memset(ro_map, 0x3C, 4096);
+    CHECK(mprotect(ro_map, gap, PROT_READ) == 0, "mprotect");
+    CHECK(quiesce_transfer_sync_write(e, kv, 0, ro_map, 4096, NULL, NULL) == 0, "a write from read-only memory");
+    CHECK(quiesce_transfer_sync_read(e, kv, 0, ro_map, 4096, NULL, NULL) == -1, "a read into read-only memory refused");
+    munmap(ro_map, gap);
+
     /* An unknown ticket must not read as "drained" (-1): it has its own code. */
     CHECK(quiesce_ticket_poll(e, 12345) == QUIESCE_UNKNOWN_HANDLE, "unknown ticket");
     CHECK(quiesce_ticket_wait(e, 12345, 1) == QUIESCE_UNKNOWN_HANDLE, "unknown ticket (wait)");
