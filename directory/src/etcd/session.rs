@@ -55,11 +55,14 @@ pub(crate) struct Helper {
     /// Deleted while away: deleted from etcd once a session is up (an old
     /// lease may still hold them).
     withdrawn: BTreeSet<String>,
-    /// The entries this process wrote, at the revision of its last write:
-    /// what it owns. Another process may write the same key after it (a
-    /// newer incarnation of the node, or a duplicate name): the newest
-    /// writer owns it, and this one never writes it back nor deletes it.
-    written: BTreeMap<String, i64>,
+    /// The entries this process wrote, with the revision and the lease of
+    /// its last write: what it owns. Another process may write the same
+    /// key after it (a newer incarnation of the node, or a duplicate
+    /// name): the newest writer owns it, and this one never writes it back
+    /// nor deletes it. (The lease too: a wiped etcd numbers revisions from
+    /// 1 again, and another process's write may get this one's number;
+    /// lease ids are not reused.)
+    written: BTreeMap<String, Written>,
     /// Published since its last write (while away): this process's to
     /// write whoever wrote it meanwhile, as a publication with a session is.
     fresh: BTreeSet<String>,
@@ -282,7 +285,7 @@ impl Helper {
             for ((k, _), put) in chunk.iter().zip(r.op_responses()) {
                 if wrote(&put) {
                     self.fresh.remove(k);
-                    self.written.insert(k.clone(), revision);
+                    self.written.insert(k.clone(), Written { revision, lease });
                 } else {
                     warn!(
                         key = k.as_str(),
@@ -343,10 +346,10 @@ impl Helper {
     /// Deletes `key` if it still holds this process's last write of it;
     /// `None` if this process never wrote it.
     fn delete_own(&self, key: &str) -> Option<Txn> {
-        let rev = *self.written.get(key)?;
+        let w = self.written.get(key)?;
         Some(
             Txn::new()
-                .when([Compare::mod_revision(key, CompareOp::Equal, rev)])
+                .when(w.holds(key))
                 .and_then([TxnOp::delete(key, None)]),
         )
     }
@@ -359,11 +362,10 @@ impl Helper {
         if self.fresh.contains(key) {
             return Txn::new().and_then([put()]);
         }
-        let ours = self.written.get(key).map(|&rev| {
-            Txn::new()
-                .when([Compare::mod_revision(key, CompareOp::Equal, rev)])
-                .and_then([put()])
-        });
+        let ours = self
+            .written
+            .get(key)
+            .map(|w| Txn::new().when(w.holds(key)).and_then([put()]));
         Txn::new()
             .when([Compare::create_revision(key, CompareOp::Equal, 0)])
             .and_then([put()])
@@ -443,8 +445,9 @@ impl Helper {
                 match s.client.put(k.clone(), v, Some(put)).await {
                     Ok(r) => {
                         self.fresh.remove(&k);
-                        self.written
-                            .insert(k, r.header().map_or(0, |h| h.revision()));
+                        let revision = r.header().map_or(0, |h| h.revision());
+                        let lease = s.lease;
+                        self.written.insert(k, Written { revision, lease });
                     }
                     Err(e) => {
                         // Written (or not) by the next session, as fresh.
@@ -564,6 +567,23 @@ impl Helper {
 enum Entry {
     Node(NodeRecord),
     Segment(SegmentRecord),
+}
+
+/// This process's last write of a key.
+#[derive(Clone, Copy)]
+struct Written {
+    revision: i64,
+    lease: i64,
+}
+
+impl Written {
+    /// The comparisons that hold while the key is still that write.
+    fn holds(&self, key: &str) -> [Compare; 2] {
+        [
+            Compare::mod_revision(key, CompareOp::Equal, self.revision),
+            Compare::lease(key, CompareOp::Equal, self.lease),
+        ]
+    }
 }
 
 /// Whether the answer to one [`Helper::put_own`] says it wrote: the key was
