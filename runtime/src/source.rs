@@ -49,8 +49,9 @@ pub trait CompletionSource: 'static {
     /// True once `notify_fd` hung up: readable for good (its other end is
     /// gone), it can never bring news again. Asked after each
     /// [`notified`](Self::notified); from then on the fd is not watched
-    /// (a watch would fire at every turn, and the reactor never block),
-    /// and the source is still polled every tick.
+    /// (a watch would fire at every turn, and the reactor never block):
+    /// the source is still polled at each turn the reactor takes, but
+    /// nothing of it wakes the reactor any more.
     fn hung_up(&self) -> bool {
         false
     }
