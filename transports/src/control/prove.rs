@@ -7,10 +7,11 @@
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
 use std::collections::HashMap;
+use std::time::Instant;
 
 use crate::control::frame::send_frame;
 use crate::control::server::{
-    peer_name, refused_first_budget, reject, Closed, ServedConn, SessionEntry,
+    peer_name, refused_first_budget, reject, Closed, ServedConn, SessionEntry, REFUSED_FIRST_REFILL,
 };
 use crate::control::wire::{
     AuthAck, AuthRequest, Header, Opcode, SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD,
@@ -124,8 +125,15 @@ impl ServedConn<'_> {
             .zip(&results)
             .any(|((r, _), (st, _))| matches!(r, SegmentRef::First) && *st != Status::Ok);
         if first_refused {
-            self.first_work += work.get();
             let budget = refused_first_budget(self.engine.segments.borrow().len());
+            let now = Instant::now();
+            if let Some(at) = self.first_at {
+                let back = budget as u128 * now.duration_since(at).as_millis()
+                    / REFUSED_FIRST_REFILL.as_millis();
+                self.first_work = self.first_work.saturating_sub(back as usize);
+            }
+            self.first_at = Some(now);
+            self.first_work += work.get();
             if self.first_work > budget {
                 let why = format!("refused First proofs cost over {budget} HMACs");
                 return Err(reject(self.s, h, Status::Forbidden, why).await);
