@@ -277,6 +277,11 @@ impl Helper {
                 .iter()
                 .map(|(k, v)| TxnOp::txn(self.put_own(k, v, lease)))
                 .collect();
+            // Until its answer is in: the transaction may commit with the
+            // answer lost (a timeout), the keys then under this session's
+            // lease, which `written` does not know — the next session must
+            // write them whoever holds them, as publications.
+            self.fresh.extend(chunk.iter().map(|(k, _)| k.clone()));
             let r = client
                 .txn(Txn::new().and_then(ops))
                 .await
