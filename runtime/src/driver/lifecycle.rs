@@ -263,7 +263,9 @@ impl<T: Operation> Future for Op<T> {
                 }
                 // Its runtime is gone: nothing would wake it (an io_uring op
                 // was cancelled by that runtime's drain; this one ends alike).
-                if this.cx.closed.get() {
+                // Or this is a forked child's copy of it: its fd is the
+                // parent's too, whose bytes a receive here would take.
+                if this.cx.closed.get() || this.cx.lineage.forked() {
                     return Poll::Ready(spec.complete(Err(runtime_gone()), 0));
                 }
                 if crate::executor::op_budget(tcx, T::MOVES_BYTES).is_pending() {
