@@ -89,9 +89,10 @@ int quiesce_open(quiesce_engine *e, const char *addr, const char *name, const ch
  * a -2 answered without one leaves its memory pinned for good (there is no
  * ticket to wait on), so pass one wherever the memory is to be reused.
  * A batch call takes any n > 0 (about 2 KiB per task while it runs).
- * Buffers must be host memory this process may read and write: one that is
- * not (a GPU device pointer, a PROT_NONE reservation) is refused with -1
- * before anything touches it, as the kernel's table of mappings says. */
+ * Buffers must be host memory this process may read (a write's source) or
+ * read and write (a read's destination): one that is not (a GPU device
+ * pointer, a PROT_NONE reservation) is refused with -1 before anything
+ * touches it, as the kernel's table of mappings says. */
 int quiesce_transfer_sync_write(quiesce_engine *e, uint32_t segment, uint64_t offset, const void *src, uint64_t len,
                                 const quiesce_options *opts, uint64_t *ticket_out);
 int quiesce_transfer_sync_read(quiesce_engine *e, uint32_t segment, uint64_t offset, void *dst, uint64_t len,

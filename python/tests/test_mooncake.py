@@ -415,6 +415,8 @@ codes = [
 ]
 assert dst.raw[:8192] == bytes(8192), "a refused batch moved bytes"
 codes.append(e.transfer_sync_write(s, ctypes.addressof(ok), d, 4096))
+# A write's source need only be readable (a read-only file mapping).
+codes.append(e.transfer_sync_write(s, read_only, d + 8192, 4096))
 print(codes, flush=True)
 """
 
@@ -423,7 +425,9 @@ def test_a_local_buffer_this_process_cannot_touch_is_refused_not_a_crash():
     """SGLang ignores a failed registration and then transfers from the same
     GPU pointers: the drop-in copied from them and the process died
     (SIGSEGV). A local source or destination that is not memory this
-    process may read and write is now -1, and the engine goes on."""
+    process may read and write is now -1, and the engine goes on. A
+    write's source need only be readable: one from a read-only mapping
+    was refused too."""
     import subprocess
     import sys
 
@@ -431,7 +435,7 @@ def test_a_local_buffer_this_process_cannot_touch_is_refused_not_a_crash():
         [sys.executable, "-c", BAD_LOCAL_CODE], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
-    assert out.stdout.strip() == "[-1, -1, -1, -1, -1, 0]", out.stdout + out.stderr[-2000:]
+    assert out.stdout.strip() == "[-1, -1, -1, -1, -1, 0, 0]", out.stdout + out.stderr[-2000:]
 
 
 def test_another_secret_opens_nothing(peer_factory, local, monkeypatch):

@@ -15,7 +15,8 @@ use std::time::Duration;
 use fnv::FnvHashMap;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{
-    Direction, HostRanges, OpenedSegment, SyncEngine, SyncError, SyncOutcome, SyncTask, SyncTasks,
+    Direction, HostRanges, MemoryAccess, OpenedSegment, SyncEngine, SyncError, SyncOutcome,
+    SyncTask, SyncTasks,
 };
 use quiesce_batch::{BatchOptions, TaskReport, TaskStatus, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_directory::{Directory, NodeRecord, SegmentRecord};
@@ -383,13 +384,18 @@ impl Node {
         // The caller's word is Mooncake's contract, but a GPU pointer (SGLang
         // goes on to transfer from its KV caches after their registration
         // failed) would crash this process in the first copy.
+        // A write's source need only be readable.
         let locals = buffers.iter().zip(lengths).filter(|(_, &l)| l != 0);
+        let (access, may) = match dir {
+            Direction::Write => (MemoryAccess::Read, "read"),
+            Direction::Read => (MemoryAccess::ReadWrite, "read and write"),
+        };
         if let Some((b, l)) = self
             .host
-            .first_bad(locals.map(|(&b, &l)| (b as u64, l as u64)))
+            .first_without(locals.map(|(&b, &l)| (b as u64, l as u64)), access)
         {
             return Err(format!(
-                "local buffer {b:#x}..+{l} is not memory this process can read and write \
+                "local buffer {b:#x}..+{l} is not memory this process can {may} \
                  (device memory? quiesce moves host memory)"
             ));
         }
