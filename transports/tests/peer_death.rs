@@ -199,6 +199,25 @@ fn muting_target(mute: Arc<AtomicBool>) -> SocketAddr {
     })
 }
 
+/// An engine (connect timeout 300 ms) with segment "kv" of a
+/// [`muting_target`] opened, and the target muted since.
+async fn opened_then_muted() -> (Engine, quiesce_transports::Peer, RemoteSegment) {
+    let mute = Arc::new(AtomicBool::new(false));
+    let addr = muting_target(mute.clone());
+    let cfg = EngineConfig {
+        connect_timeout: Duration::from_millis(300),
+        ..tcp()
+    };
+    let e = Engine::bind(cfg).unwrap();
+    let peer = e.connect(addr).await.unwrap();
+    let kv = peer
+        .open("kv", quiesce_transports::Token::random())
+        .await
+        .unwrap();
+    mute.store(true, Ordering::SeqCst);
+    (e, peer, kv)
+}
+
 /// An open on a live control connection whose target stopped answering (a
 /// frozen process, whose kernel still acks) fails within the connect
 /// timeout. It waited for the auth ack for ever: nothing bounded an open
@@ -207,20 +226,8 @@ fn muting_target(mute: Arc<AtomicBool>) -> SocketAddr {
 /// segment blocked for good.
 #[test]
 fn an_open_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
-    let mute = Arc::new(AtomicBool::new(false));
-    let addr = muting_target(mute.clone());
     Runtime::new().unwrap().block_on(async {
-        let cfg = EngineConfig {
-            connect_timeout: Duration::from_millis(300),
-            ..tcp()
-        };
-        let e = Engine::bind(cfg).unwrap();
-        let peer = e.connect(addr).await.unwrap();
-        let _kv = peer
-            .open("kv", quiesce_transports::Token::random())
-            .await
-            .unwrap();
-        mute.store(true, Ordering::SeqCst);
+        let (_e, peer, _kv) = opened_then_muted().await;
         let t0 = Instant::now();
         let out = time::timeout(
             Duration::from_secs(3),
@@ -244,20 +251,8 @@ fn an_open_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
 /// bounded by the connect timeout.
 #[test]
 fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
-    let mute = Arc::new(AtomicBool::new(false));
-    let addr = muting_target(mute.clone());
     Runtime::new().unwrap().block_on(async {
-        let cfg = EngineConfig {
-            connect_timeout: Duration::from_millis(300),
-            ..tcp()
-        };
-        let e = Engine::bind(cfg).unwrap();
-        let peer = e.connect(addr).await.unwrap();
-        let kv = peer
-            .open("kv", quiesce_transports::Token::random())
-            .await
-            .unwrap();
-        mute.store(true, Ordering::SeqCst);
+        let (_e, peer, kv) = opened_then_muted().await;
         peer.abort();
         let t0 = Instant::now();
         let out = time::timeout(Duration::from_secs(3), kv.write(0, vec![1u8; 4096], 1)).await;

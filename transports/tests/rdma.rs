@@ -149,23 +149,55 @@ fn bad_input_is_refused_before_posting() {
     });
 }
 
+/// A target with a read-only segment "ro" (8 KiB) and a read-write "kv"
+/// (1 MiB), and an initiator with a 1 MiB region that opened both.
+struct RoKv {
+    _target: RdmaEngine,
+    ro: Segment,
+    _kv: Segment,
+    init: RdmaEngine,
+    region: Region,
+    _local: quiesce_transports::rdma::LocalMemory,
+    peer: quiesce_transports::rdma::RdmaPeer,
+    ro_r: RdmaSegment,
+    kv_r: RdmaSegment,
+}
+
+async fn ro_and_kv() -> RoKv {
+    let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+    let ro = target
+        .register("ro", AlignedBuf::new(8192), Rights::READ)
+        .unwrap();
+    let kv = target
+        .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
+        .unwrap();
+    let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+    let region = Region::new(1 << 20);
+    let local = init.register_region(&region).unwrap();
+    let peer = init.connect(target.local_addr()).await.unwrap();
+    let ro_r = peer.open("ro", ro.token()).await.unwrap();
+    let kv_r = peer.open("kv", kv.token()).await.unwrap();
+    RoKv {
+        _target: target,
+        ro,
+        _kv: kv,
+        init,
+        region,
+        _local: local,
+        peer,
+        ro_r,
+        kv_r,
+    }
+}
+
 #[test]
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn the_nic_enforces_rights_then_the_queue_pair_is_rebuilt() {
     Runtime::new().unwrap().block_on(async {
-        let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
-        let ro = target
-            .register("ro", AlignedBuf::new(8192), Rights::READ)
-            .unwrap();
-        let kv = target
-            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
-            .unwrap();
-        let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
-        let region = Region::new(1 << 20);
-        let _local = init.register_region(&region).unwrap();
-        let peer = init.connect(target.local_addr()).await.unwrap();
-        let ro_r = peer.open("ro", ro.token()).await.unwrap();
-        let kv_r = peer.open("kv", kv.token()).await.unwrap();
+        // (Bound whole: a pattern with `..` would drop the target and the
+        // local registration at once.)
+        let p = ro_and_kv().await;
+        let (ro, init, region, ro_r, kv_r) = (&p.ro, &p.init, &p.region, &p.ro_r, &p.kv_r);
         let mut l = region.lease(0..4096).unwrap();
         fill(&mut l, 9);
         let (r, l) = ro_r.write(0, l, 1).await;
@@ -884,19 +916,8 @@ fn a_fence_whose_queue_pair_cannot_be_stopped_is_not_confirmed() {
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn a_queue_pair_stuck_when_replaced_leaves_later_fences_unconfirmed() {
     Runtime::new().unwrap().block_on(async {
-        let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
-        let ro = target
-            .register("ro", AlignedBuf::new(8192), Rights::READ)
-            .unwrap();
-        let kv = target
-            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
-            .unwrap();
-        let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
-        let region = Region::new(1 << 20);
-        let _local = init.register_region(&region).unwrap();
-        let peer = init.connect(target.local_addr()).await.unwrap();
-        let ro_r = peer.open("ro", ro.token()).await.unwrap();
-        let kv_r = peer.open("kv", kv.token()).await.unwrap();
+        let p = ro_and_kv().await;
+        let (region, peer, ro_r, kv_r) = (&p.region, &p.peer, &p.ro_r, &p.kv_r);
         let (r, l) = kv_r.write(0, region.lease(0..4096).unwrap(), 1).await;
         assert_eq!(r.unwrap(), 4096);
         // The NIC refuses it: this side's queue pair fails, and the next
