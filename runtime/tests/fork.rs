@@ -26,6 +26,8 @@ fn a_forked_child_dropping_its_runtime_leaves_the_parents_ops_alone() {
     // SAFETY: socketpair returned two new descriptors nothing else owns.
     let (a, b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     let rt = Runtime::new().unwrap();
+    // The read's task, carried out of this `block_on` to be awaited later.
+    #[allow(clippy::async_yields_async)]
     let read = rt.block_on(async move {
         let a = Fd::new(a).unwrap();
         let t = spawn_local(async move {
