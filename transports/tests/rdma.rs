@@ -855,6 +855,29 @@ fn requests_failed_before_they_were_posted_settle_the_remote() {
     });
 }
 
+/// Writes `l` filled with `seed` as batch `seed`, opening "kv" again (on a
+/// new control connection, once the target closed the old one) until the
+/// target serves it; gives `l` back.
+async fn served_again(p: &Pair, mut l: Lease, seed: u8) -> Lease {
+    let t0 = Instant::now();
+    loop {
+        fill(&mut l, seed);
+        let done = match p.remote.peer().open("kv", p.kv.token()).await {
+            Ok(fresh) => {
+                let (r, back) = fresh.write(0, l, u64::from(seed)).await;
+                l = back;
+                r.is_ok()
+            }
+            Err(_) => false,
+        };
+        if done {
+            return l;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "never served again");
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A fence whose queue pair at the target the device will neither reset nor
 /// destroy is not confirmed: that queue pair may still accept the batch's
 /// requests, so the target closes the connection instead of acking (which
@@ -868,7 +891,7 @@ fn a_fence_whose_queue_pair_cannot_be_stopped_is_not_confirmed() {
         let p = pair(1 << 20, 1 << 20).await;
         let mut l = p.region.lease(0..4096).unwrap();
         fill(&mut l, 1);
-        let (r, mut l) = p.remote.write(0, l, 1).await;
+        let (r, l) = p.remote.write(0, l, 1).await;
         assert_eq!(r.unwrap(), 4096);
         assert_eq!(p.target.stats().served_queue_pairs, 1);
         quiesce_transports::rdma::fail_next_served_resets(1);
@@ -884,23 +907,7 @@ fn a_fence_whose_queue_pair_cannot_be_stopped_is_not_confirmed() {
             1,
             "the queue pair that would not go is still served"
         );
-        let t0 = Instant::now();
-        loop {
-            fill(&mut l, 2);
-            let done = match p.remote.peer().open("kv", p.kv.token()).await {
-                Ok(fresh) => {
-                    let (r, back) = fresh.write(0, l, 2).await;
-                    l = back;
-                    r.is_ok()
-                }
-                Err(_) => false,
-            };
-            if done {
-                break;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(20), "never served again");
-            sleep(Duration::from_millis(50)).await;
-        }
+        served_again(&p, l, 2).await;
         let mut snap = vec![0u8; 4096];
         assert!(p.kv.read_at(0, &mut snap));
         assert_eq!(snap, pattern(4096, 2));
@@ -961,7 +968,7 @@ fn a_revoke_whose_region_stays_registered_still_kills_the_old_key() {
         // control connection the target closed is seen gone (it waited for
         // the idle timeout, 10 minutes, with the connection left open).
         let t = Instant::now();
-        let (r, mut l) = p.remote.write(0, l, 2).await;
+        let (r, l) = p.remote.write(0, l, 2).await;
         assert!(r.is_err(), "a write under the old key: {r:?}");
         assert!(
             t.elapsed() < Duration::from_secs(20),
@@ -973,23 +980,7 @@ fn a_revoke_whose_region_stays_registered_still_kills_the_old_key() {
         assert_eq!(snap, pattern(4096, 1), "a write under the old key landed");
         // The token proven again, the peer gets through (on a new control
         // connection, after the old one is closed).
-        let t0 = Instant::now();
-        loop {
-            fill(&mut l, 3);
-            let done = match p.remote.peer().open("kv", p.kv.token()).await {
-                Ok(fresh) => {
-                    let (r, back) = fresh.write(0, l, 3).await;
-                    l = back;
-                    r.is_ok()
-                }
-                Err(_) => false,
-            };
-            if done {
-                break;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(20), "never served again");
-            sleep(Duration::from_millis(50)).await;
-        }
+        served_again(&p, l, 3).await;
         assert!(p.kv.read_at(0, &mut snap));
         assert_eq!(snap, pattern(4096, 3));
     });
