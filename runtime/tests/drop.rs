@@ -411,3 +411,25 @@ fn a_cancel_requested_while_the_driver_reaps_is_not_lost() {
         TO_CANCEL.with(|c| c.borrow_mut().take());
     });
 }
+
+/// An op polled with a waker that panics when woken, left in flight when
+/// its runtime shuts down: the drain reaps its cancelled completion and
+/// wakes that waker, and the shutdown still completes and says it drained.
+/// The panic came out of `shutdown` (and would have aborted a runtime
+/// dropped while unwinding), the drain cut short.
+#[test]
+fn a_waker_that_panics_during_the_shutdown_drain_does_not_escape_it() {
+    let rt = rt();
+    let (_a, b) = rt.block_on(pair());
+    let mut op = Box::pin(b.read(vec![0u8; 8]));
+    let w = waker_that_panics_when_woken();
+    let mut cx = std::task::Context::from_waker(&w);
+    assert!(std::future::Future::poll(op.as_mut(), &mut cx).is_pending());
+    rt.block_on(settle());
+    let shut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.shutdown()));
+    assert!(
+        matches!(shut, Ok(Ok(()))),
+        "the shutdown did not complete: {shut:?}"
+    );
+    drop(op);
+}

@@ -65,6 +65,10 @@ pub(crate) struct Uring {
     /// The process the ring was made in: a forked child's copy of the ring
     /// is the parent's ring, and nothing is pushed into it or submitted.
     lineage: crate::fork::Lineage,
+    /// Its runtime is shutting down (`drain`): a waker that panics is
+    /// logged, not raised, or the drain would stop short (and a runtime
+    /// dropped while unwinding abort the process).
+    draining: bool,
 }
 
 /// What the reactor does after `io_uring_enter(2)` failed with `errno`.
@@ -144,6 +148,7 @@ impl Uring {
             events: ParkEvents::default(),
             reaped: Vec::with_capacity(256),
             lineage: crate::fork::Lineage::here(),
+            draining: false,
         })
     }
 
@@ -433,7 +438,10 @@ impl Uring {
                 );
             }
             self.reaped = batch;
-            wakes.finish();
+            match self.draining {
+                true => wakes.finish_in_drop(),
+                false => wakes.finish(),
+            }
         }
     }
 
@@ -514,6 +522,7 @@ impl Uring {
     /// Cancels everything and reaps until no operation is live, or until
     /// `limit` passes. Returns how many operations were still live then.
     pub(crate) fn drain(&mut self, limit: Duration, counters: &Counters) -> usize {
+        self.draining = true;
         let tokens: Vec<u64> = self
             .ops
             .iter()
