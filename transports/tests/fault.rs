@@ -82,10 +82,11 @@ fn fence_on_a_stopped_then_resumed_target_process() {
         let e = Engine::bind(small_slices()).unwrap();
         let peer = e.connect(target.addr).await.unwrap();
         let kv = peer.open("kv", token).await.unwrap();
-        // On a loaded machine (tests in parallel on two cores) this thread
-        // can lose the CPU for longer than the whole write takes, so a round
-        // whose write finished before the stop tested nothing: go again with
-        // a new batch and an earlier stop.
+        // The target is stopped as the write starts, not some time after:
+        // on a loaded machine (tests in parallel on two cores) this thread
+        // lost the CPU for longer than the whole write took, eight rounds in
+        // a row once (CI, epoll, debug build). Stopped, the target's kernel
+        // still takes what fits its socket buffers, far less than the write.
         // Each round writes its own byte, so a finished round's bytes are
         // not counted as the fenced one's.
         let (mut batch, mut byte) = (11, 0xcd);
@@ -93,8 +94,8 @@ fn fence_on_a_stopped_then_resumed_target_process() {
             assert!(round < 8, "every write finished before the target stopped");
             let kv2 = kv.clone();
             let w = spawn_local(async move { kv2.write(0, vec![byte; BIG], batch).await });
-            time::sleep(Duration::from_micros(5000 >> round)).await;
             target.signal(libc::SIGSTOP);
+            time::sleep(Duration::from_micros(5000 >> round)).await;
             let p2 = peer.clone();
             let fence = spawn_local(async move { p2.fence(batch).await });
             time::sleep(Duration::from_millis(100)).await;
