@@ -336,13 +336,6 @@ pub(crate) fn post_late_cancels(cx: &Context) {
 /// `cx` until its final CQE. If that driver is busy (never expected), the op
 /// is leaked: never free what the kernel may touch.
 pub(crate) fn park(cx: &Context, token: u64, op: Box<dyn Parked>) {
-    if cx.lineage.forked() {
-        // A forked child's copy of the parent's op: its cancel would go
-        // into the parent's ring. The child never frees what the parent
-        // lent (nor reads a completion of it).
-        std::mem::forget(op);
-        return;
-    }
     let leftover = match cx.driver.try_borrow_mut() {
         Ok(mut d) => match &mut *d {
             Driver::Uring(u) => u.park_op(token, op, &cx.counters),

@@ -164,12 +164,6 @@ impl Drop for FdCell {
 
 /// Removes `fd` from the epoll registrations of runtime `cx` (io_uring keeps none).
 fn forget(cx: &Context, fd: RawFd) {
-    // A forked child's epoll instance is the parent's: taking the fd out
-    // would take it out of the parent's interest list. (Closing the
-    // child's copy of the fd leaves the parent's registration alone.)
-    if cx.lineage.forked() {
-        return;
-    }
     match cx.driver.try_borrow_mut() {
         Ok(mut d) => {
             if let Driver::Poll(p) = &mut *d {
