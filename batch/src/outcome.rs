@@ -229,6 +229,9 @@ pub(crate) struct Handoff<B> {
     pub(crate) finished: Cell<bool>,
     /// The driver decided `CompletionUnknown`.
     pub(crate) unknown: Cell<bool>,
+    /// When it did: each task's report if it was terminal then (see
+    /// [`Ticket::settled`]). Empty until then.
+    pub(crate) settled: RefCell<Vec<Option<TaskReport>>>,
     /// Nobody will collect the result: drop the buffers once drained.
     pub(crate) abandoned: Cell<bool>,
     pub(crate) waiter: RefCell<Option<Waker>>,
@@ -241,6 +244,7 @@ impl<B> Default for Handoff<B> {
             final_result: RefCell::new(None),
             finished: Cell::new(false),
             unknown: Cell::new(false),
+            settled: RefCell::new(Vec::new()),
             abandoned: Cell::new(false),
             waiter: RefCell::new(None),
             driver: RefCell::new(None),
@@ -287,6 +291,7 @@ impl<B: 'static> Handoff<B> {
         }
         state.finished.set(false);
         state.abandoned.set(false);
+        state.settled.get_mut().clear();
         *state.waiter.get_mut() = None;
         *state.driver.get_mut() = None;
         let _ = SPARE_HANDOFFS.try_with(|spare| {
@@ -441,6 +446,16 @@ impl<B> Ticket<B> {
     /// True once the batch has drained (the buffers can be taken).
     pub fn is_quiesced(&self) -> bool {
         self.shared.finished.get()
+    }
+
+    /// Each task as it stood when the batch's completion became unknown, in
+    /// the order the tasks were added: `Some(report)` for a task that was
+    /// terminal then, whose status and bytes are final (no attempt follows
+    /// an unknown completion), `None` for one still in flight. A report's
+    /// `remote` is what the target had confirmed by then; the drained
+    /// result may confirm more. The buffers stay with the ticket either way.
+    pub fn settled(&self) -> Vec<Option<TaskReport>> {
+        self.shared.settled.borrow().clone()
     }
 
     /// The quiescent result, if the batch has drained; the ticket otherwise.

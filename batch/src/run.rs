@@ -383,6 +383,8 @@ impl<T: Transport, B: 'static> Driver<T, B> {
                             batch = self.id,
                             "fence not finished within grace: CompletionUnknown"
                         );
+                        *self.shared.settled.borrow_mut() =
+                            self.tasks.iter().map(Task::settled).collect();
                         self.shared.unknown.set(true);
                         self.shared.wake_waiter();
                     }

@@ -450,3 +450,46 @@ fn a_forked_childs_exit_leaves_the_parents_lane_alone() {
     assert_eq!(write(&e, kv, 0, vec![2u8; 4096]), SYNC_OK);
     assert!(t.peek(0, 4096).iter().all(|&b| b == 2));
 }
+
+/// A lane batch whose completion became unknown answers -1 (the lane held
+/// only copies), and reports each task as it stood when that was decided:
+/// a write to a healthy target that had completed is `Completed` with its
+/// bytes, not `Fenced` like the one a frozen target left in flight.
+#[test]
+fn a_lane_batch_cut_by_an_unknown_fence_reports_the_tasks_that_completed() {
+    let healthy = Target::start();
+    let frozen = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let a = e.open(healthy.addr, "kv", healthy.kv).unwrap();
+    let b = e.open(frozen.addr, "kv", frozen.kv).unwrap();
+    let cut = BatchOptions::default()
+        .policy(FailurePolicy::FailFast)
+        .deadline(Duration::from_millis(50))
+        .fence_grace(Duration::ZERO);
+    assert_eq!(write(&e, a, 0, vec![1u8; 4096]), SYNC_OK, "the lane is up");
+    assert_eq!(write(&e, b, 0, vec![1u8; 4096]), SYNC_OK);
+    for round in 0..3 {
+        frozen.stall(Duration::from_millis(300));
+        let out = e
+            .batch(
+                Direction::Write,
+                vec![task(a, 0, vec![2u8; 4096]), task(b, 0, vec![3u8; 4096])],
+                cut,
+            )
+            .unwrap();
+        assert_eq!(out.code, SYNC_FAILED, "round {round}");
+        assert!(!out.remote_confirmed, "round {round}");
+        assert_eq!(
+            (&out.tasks[0].status, out.tasks[0].bytes),
+            (&TaskStatus::Completed, 4096),
+            "round {round}: the healthy target's write completed before the cut"
+        );
+        assert_eq!(
+            out.tasks[1].status,
+            TaskStatus::Fenced,
+            "round {round}: the frozen target's write was in flight"
+        );
+        assert_eq!(healthy.peek(0, 4096), vec![2u8; 4096], "round {round}");
+        std::thread::sleep(Duration::from_millis(350)); // the frozen target thaws
+    }
+}

@@ -128,6 +128,19 @@ impl<T: Transport, B> Task<T, B> {
         self.state = TaskState::Done(status);
     }
 
+    /// The task's report if it is terminal ([`Ticket::settled`](crate::Ticket::settled)).
+    pub(super) fn settled(&self) -> Option<TaskReport> {
+        let TaskState::Done(status) = &self.state else {
+            return None;
+        };
+        Some(TaskReport {
+            status: status.clone(),
+            bytes: self.bytes,
+            attempts: self.attempts,
+            remote: self.remote,
+        })
+    }
+
     /// A terminal task's report and buffer.
     pub(super) fn into_report(self) -> (TaskReport, B) {
         let TaskState::Done(status) = self.state else {

@@ -16,9 +16,11 @@
 //! confirmation). So when the call returns, nothing can touch the caller's
 //! buffers, whatever the batch's outcome: a batch whose own completion is
 //! unknown (its fence did not finish in time) keeps only the lane's copies,
-//! and the call answers -1 with every task `Fenced` and the target
-//! unconfirmed — true for the caller's memory, and honest about the
-//! target's. Such a batch drains on the lane's runtime the next time that
+//! and the call answers -1 with the target unconfirmed — true for the
+//! caller's memory, and honest about the target's — and each task as it
+//! stood when the unknown was decided ([`Ticket::settled`](crate::Ticket::settled)):
+//! a write that had completed is `Completed`, everything else `Fenced`
+//! (a read's bytes never reach the caller's buffer then). Such a batch drains on the lane's runtime the next time that
 //! thread runs a batch, or when the lane is dropped.
 //!
 //! Lanes take TCP batches of at most [`LANE_MAX_TASKS`] tasks and
@@ -392,17 +394,34 @@ impl Lane {
             }
             Outcome::CompletionUnknown(ticket) => {
                 // Only the copies are held: the batch drains on this lane
-                // later; the caller's buffers were never lent.
-                drop(ticket);
-                let tasks = originals
+                // later; the caller's buffers were never lent. Each task is
+                // reported as it stood then: a write that had completed did,
+                // and the rest are fenced — a read's bytes, even complete,
+                // stay in the copy the ticket keeps.
+                let tasks = dirs
                     .iter()
-                    .map(|_| TaskReport {
-                        status: TaskStatus::Fenced,
-                        bytes: 0,
-                        attempts: 1,
-                        remote: RemoteState::Unconfirmed,
+                    .zip(ticket.settled())
+                    .map(|(dir, settled)| match (dir, settled) {
+                        (Direction::Write, Some(report)) => report,
+                        (Direction::Read, Some(report))
+                            if report.status != TaskStatus::Completed =>
+                        {
+                            TaskReport { bytes: 0, ..report }
+                        }
+                        (_, Some(report)) => TaskReport {
+                            status: TaskStatus::Fenced,
+                            bytes: 0,
+                            ..report
+                        },
+                        (_, None) => TaskReport {
+                            status: TaskStatus::Fenced,
+                            bytes: 0,
+                            attempts: 1,
+                            remote: RemoteState::Unconfirmed,
+                        },
                     })
                     .collect();
+                drop(ticket);
                 SyncOutcome {
                     code: crate::SYNC_FAILED,
                     buffers: Some(originals),
