@@ -12,7 +12,11 @@
 //! the registered ranges its local ranges overlap, so `unregister_memory`
 //! answers 0 only once no batch of this engine still reads or writes the
 //! range either (not only no peer), and refuses new batches from it while
-//! it waits.
+//! it waits. A batch may start before the registration of its memory: the
+//! batches in flight are known too (a [`Flight`] with their ranges; with
+//! nothing registered at all, only their number, taken without the lock),
+//! and a new registration counts those it overlaps — or, for uncounted
+//! ones, waits for all of them to end before it can be taken back.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
@@ -50,6 +54,18 @@ struct Lent {
     /// Tells it from a later registration at the same address, which a
     /// batch's uses of this one must not count down.
     generation: u64,
+    /// Made while batches that counted nothing were in flight (see
+    /// [`ManagedBuffers::unaccounted`]): unused only once none is.
+    after_unaccounted: bool,
+}
+
+/// A batch in flight that counted its uses: its local ranges, and the
+/// registrations made after it started that overlap them (which it
+/// counts as uses of its own until it ends).
+#[derive(Default)]
+struct Flight {
+    ranges: SmallVec<[(usize, usize); 2]>,
+    late: SmallVec<[(usize, u64); 1]>,
 }
 
 /// The managed buffers alive now, and the registrations.
@@ -63,6 +79,10 @@ struct Live {
     longest: usize,
     /// Registrations made so far.
     generations: u64,
+    /// The batches in flight that counted their uses, by key ([`Uses`]).
+    flights: BTreeMap<u64, Flight>,
+    /// Flights started so far.
+    flights_started: u64,
 }
 
 impl Live {
@@ -114,6 +134,14 @@ pub(crate) struct ManagedBuffers {
     /// How many buffers and registrations are live: with none, a batch
     /// counts its uses without the lock.
     count: AtomicUsize,
+    /// Batches in flight that started with none live, and so counted
+    /// nothing: their memory is not known, so a registration made while
+    /// any is in flight is unused only once none is. None starts while a
+    /// registration lives (`count` is not 0), so this only falls then.
+    /// With `count`, a store-then-load pair on each side (sequentially
+    /// consistent): a batch and a registration that start at once do not
+    /// both miss the other.
+    unaccounted: AtomicUsize,
 }
 
 /// The managed buffers and registrations one batch uses (by address, each
@@ -126,6 +154,10 @@ pub(crate) struct Uses {
     buffers: SmallVec<[usize; 2]>,
     /// (address, generation)
     lendings: SmallVec<[(usize, u64); 2]>,
+    /// Its [`Flight`]'s key, if it counted its uses.
+    flight: Option<u64>,
+    /// Counted in [`ManagedBuffers::unaccounted`] instead.
+    unaccounted: bool,
 }
 
 /// What [`ManagedBuffers::free`] did.
@@ -158,7 +190,7 @@ impl ManagedBuffers {
                 freeing: false,
             },
         );
-        self.count.fetch_add(1, Ordering::Release);
+        self.count.fetch_add(1, Ordering::SeqCst);
         Some(p as usize)
     }
 
@@ -186,22 +218,37 @@ impl ManagedBuffers {
         }
         live.longest = live.longest.max(len);
         live.generations += 1;
+        let generation = live.generations;
+        // Batches in flight from this memory already use it.
+        let mut uses = 0;
+        for f in live.flights.values_mut() {
+            if f.ranges
+                .iter()
+                .any(|&(a, l)| a < end && addr < a.saturating_add(l))
+            {
+                f.late.push((addr, generation));
+                uses += 1;
+            }
+        }
+        // Before looking for uncounted batches (see `unaccounted`).
+        self.count.fetch_add(1, Ordering::SeqCst);
+        let after_unaccounted = self.unaccounted.load(Ordering::SeqCst) > 0;
         let lent = Lent {
             len,
             buffers,
-            uses: 0,
+            uses,
             closing: 0,
-            generation: live.generations,
+            generation,
+            after_unaccounted,
         };
         live.lendings.insert(addr, lent);
-        self.count.fetch_add(1, Ordering::Release);
         Ok(())
     }
 
     /// The registration at `addr` failed or was taken back to the end.
     pub(crate) fn lent_back(&self, addr: usize) {
         if lock(&self.live).lendings.remove(&addr).is_some() {
-            self.count.fetch_sub(1, Ordering::Release);
+            self.count.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -214,13 +261,23 @@ impl ManagedBuffers {
     }
 
     /// Waits up to `wait` for no batch of this engine to use the
-    /// registration at `addr` (true; also if there is none).
+    /// registration at `addr` (true; also if there is none). Uncounted
+    /// batches ending notify nobody (they take no lock): a registration
+    /// that waits for them finds them gone at its next call, so callers
+    /// wait in short slices.
     pub(crate) fn wait_unused(&self, addr: usize, wait: Duration) -> bool {
         let until = quiesce_runtime::time::deadline_in(wait);
         let mut live = lock(&self.live);
         loop {
-            if live.lendings.get(&addr).is_none_or(|l| l.uses == 0) {
-                return true;
+            let unaccounted = self.unaccounted.load(Ordering::SeqCst);
+            match live.lendings.get_mut(&addr) {
+                None => return true,
+                Some(l) if l.uses == 0 && (!l.after_unaccounted || unaccounted == 0) => {
+                    // None starts while `l` lives: none will again.
+                    l.after_unaccounted = false;
+                    return true;
+                }
+                Some(_) => {}
             }
             let left = until.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
@@ -287,7 +344,7 @@ impl ManagedBuffers {
             None => return Free::NoSuchBuffer,
         }
         live.buffers.remove(&addr);
-        self.count.fetch_sub(1, Ordering::Release);
+        self.count.fetch_sub(1, Ordering::SeqCst);
         let layout = Layout::from_size_align(len, ALIGN).expect("allocated with this layout");
         // SAFETY: `addr` came from `alloc_zeroed` with this layout (the map
         // says so) and is removed from the map, so it is freed once; no
@@ -305,8 +362,16 @@ impl ManagedBuffers {
         &self,
         locals: impl Iterator<Item = (usize, usize)>,
     ) -> Result<Uses, usize> {
-        if self.count.load(Ordering::Acquire) == 0 {
-            return Ok(Uses::default());
+        if self.count.load(Ordering::SeqCst) == 0 {
+            // Counted before looking again (see `unaccounted`).
+            self.unaccounted.fetch_add(1, Ordering::SeqCst);
+            if self.count.load(Ordering::SeqCst) == 0 {
+                return Ok(Uses {
+                    unaccounted: true,
+                    ..Uses::default()
+                });
+            }
+            self.unaccounted.fetch_sub(1, Ordering::SeqCst);
         }
         self.count_uses(locals)
     }
@@ -314,7 +379,9 @@ impl ManagedBuffers {
     fn count_uses(&self, locals: impl Iterator<Item = (usize, usize)>) -> Result<Uses, usize> {
         let mut live = lock(&self.live);
         let mut uses = Uses::default();
+        let mut flight = Flight::default();
         for (addr, len) in locals {
+            flight.ranges.push((addr, len));
             let end = addr.saturating_add(len);
             // Every buffer the range overlaps, not only the one it starts
             // in: the host check asks only that the memory be mapped, and
@@ -346,6 +413,10 @@ impl ManagedBuffers {
                 }
             }
         }
+        live.flights_started += 1;
+        let key = live.flights_started;
+        live.flights.insert(key, flight);
+        uses.flight = Some(key);
         Ok(uses)
     }
 
@@ -353,7 +424,10 @@ impl ManagedBuffers {
     /// -2 drained.
     #[inline]
     pub(crate) fn release(&self, uses: Uses) {
-        if !uses.buffers.is_empty() || !uses.lendings.is_empty() {
+        if uses.unaccounted {
+            self.unaccounted.fetch_sub(1, Ordering::SeqCst);
+        }
+        if uses.flight.is_some() {
             self.give_back(uses);
         }
     }
@@ -365,8 +439,13 @@ impl ManagedBuffers {
                 m.uses -= 1;
             }
         }
-        let lent = !uses.lendings.is_empty();
-        for (at, generation) in uses.lendings {
+        let late = uses
+            .flight
+            .and_then(|k| live.flights.remove(&k))
+            .map(|f| f.late)
+            .unwrap_or_default();
+        let lent = !uses.lendings.is_empty() || !late.is_empty();
+        for (at, generation) in uses.lendings.into_iter().chain(late) {
             if let Some(l) = live
                 .lendings
                 .get_mut(&at)
@@ -514,5 +593,35 @@ mod tests {
         );
         m.release(new);
         assert!(m.wait_unused(a, wait));
+    }
+
+    /// A batch that started before its memory was registered uses it all
+    /// the same: the registration is unused only once that batch ended,
+    /// whether the batch counted nothing (nothing was registered then) or
+    /// counted its ranges and found no registration.
+    #[test]
+    fn a_registration_counts_the_batches_already_in_flight_from_it() {
+        let wait = Duration::from_millis(10);
+        let (a, b) = (0x10_0000, 0x30_0000);
+        // Nothing registered: the batch counts nothing.
+        let m = ManagedBuffers::default();
+        let early = m.take_uses([(a + 100, 16)].into_iter()).unwrap();
+        m.lending(a, 4096).unwrap();
+        assert!(!m.wait_unused(a, wait), "the uncounted batch was forgotten");
+        m.release(early);
+        assert!(m.wait_unused(a, wait));
+        // Once nothing uncounted is left, later registrations do not wait.
+        m.lending(b, 4096).unwrap();
+        assert!(m.wait_unused(b, wait));
+        // Something else registered: the batch counts its ranges.
+        let m = ManagedBuffers::default();
+        m.lending(b, 4096).unwrap();
+        let early = m.take_uses([(a + 100, 16)].into_iter()).unwrap();
+        let elsewhere = m.take_uses([(a + 8192, 16)].into_iter()).unwrap();
+        m.lending(a, 4096).unwrap();
+        assert!(!m.wait_unused(a, wait), "the batch in flight was forgotten");
+        m.release(early);
+        assert!(m.wait_unused(a, wait), "another range's batch counted");
+        m.release(elsewhere);
     }
 }

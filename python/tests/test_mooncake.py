@@ -521,6 +521,36 @@ def test_unregister_memory_waits_for_this_engines_own_batch(peer_factory, local,
     assert e.wait_for_quiescence(0) == 0
 
 
+@pytest.mark.parametrize("other_registration", [False, True])
+def test_unregister_memory_waits_for_a_batch_that_started_before_the_registration(
+    peer_factory, local, monkeypatch, other_registration
+):
+    """A batch from memory registered only after it started uses that
+    memory all the same: unregister_memory answers 0 only once it is done,
+    whether nothing else was registered when it started (the batch counted
+    nothing) or another range was (it counted its ranges and found none)."""
+    monkeypatch.setenv("QUIESCE_LOCAL", "off")
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
+    if other_registration:
+        other = local.buffer(4096, 1)
+        assert e.register_memory(other, 4096) == 0
+    bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
+    assert bid != 0
+    assert e.register_memory(src, 64 * MiB) == 0
+    out = []
+    t = threading.Thread(target=lambda: out.append((e.unregister_memory(src), time.monotonic())))
+    t.start()
+    time.sleep(1.0)
+    assert not out, f"unregister_memory answered {out[0][0]} while the batch still read the range"
+    resumed = time.monotonic()
+    target.signal(signal.SIGCONT)
+    t.join(40)
+    assert out and out[0][0] == 0, out
+    assert out[0][1] >= resumed
+    assert e.get_batch_transfer_status([bid]) in (0, -1)
+    assert e.wait_for_quiescence(20) == 0
+
+
 def test_the_deadline_grows_with_the_batch_size(peer_factory, local, monkeypatch):
     """As Mooncake's, a batch's deadline is MC_TRANSFER_TIMEOUT plus a
     nanosecond per byte, so a large read at start-up is not cut at the
