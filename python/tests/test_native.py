@@ -740,6 +740,38 @@ def test_a_tickets_wait_racing_a_sweep_gets_the_outcome(native_peer, eng, monkey
         assert eng.pending() == []
 
 
+def test_a_wait_interrupted_by_ctrl_c_keeps_the_outcome(native_peer, eng, monkeypatch):
+    """Ctrl-C while a CompletionUnknown's wait() blocks: the wait goes on
+    until the batch drained (the engine's wait cannot be cut), and the
+    KeyboardInterrupt comes as it returns — before the Python side kept the
+    outcome. The engine answers a ticket once, so the next wait() raised
+    InvalidInput ('unknown ticket'); the outcome must survive."""
+    import _thread
+
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    out = completion_unknown(eng, t, kv)
+
+    def interrupt_then_resume():
+        time.sleep(0.5)
+        _thread.interrupt_main()
+        time.sleep(0.2)
+        t.signal(signal.SIGCONT)
+
+    th = threading.Thread(target=interrupt_then_resume)
+    th.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            out.wait(20)
+            time.sleep(5)  # the interrupt, had the wait kept it first
+    finally:
+        th.join(30)
+    got = out.wait(5)
+    assert isinstance(got, (quiesce.Completed, quiesce.Failed)), got
+    assert eng.pending() == []
+
+
 def test_a_tickets_wait_after_an_undrained_close_says_its_buffers_are_held(native_peer, monkeypatch):
     """wait() on a CompletionUnknown, and revoke() of a registered range,
     after a close() that could not drain raise EngineClosed with

@@ -2,8 +2,9 @@
 //! ticket, until the engine says the batch drained — asked by the
 //! `CompletionUnknown` itself (`wait`), or for every ticket at once
 //! (`Engine.wait_for_quiescence`, which first waits for the outcomes of
-//! submitted batches, and `Engine.pending`), which then keeps each drained
-//! outcome for a `wait` that asks later (the engine answers a ticket once).
+//! submitted batches, and `Engine.pending`). Each drained outcome is kept
+//! (the engine answers a ticket once) for any `wait` that asks later: one
+//! after a sweep, or after a wait whose caller was interrupted.
 
 use std::time::{Duration, Instant};
 
@@ -22,17 +23,20 @@ use crate::node::lock;
 pub(super) const ANSWERS_KEPT: usize = 4096;
 
 impl Core {
-    /// The outcome of `ticket` if a sweep drained it before anyone asked.
+    /// The outcome of `ticket` if it drained already: kept, not taken,
+    /// so that a wait whose caller never got it (a `KeyboardInterrupt` as
+    /// the call returned) finds it again.
     pub(super) fn answer(&self, ticket: u64) -> Option<Report> {
-        let mut answered = lock(&self.answered);
-        let i = answered.iter().position(|(t, _)| *t == ticket)?;
-        answered.remove(i).map(|(_, r)| r)
+        let answered = lock(&self.answered);
+        let (_, r) = answered.iter().find(|(t, _)| *t == ticket)?;
+        Some(r.clone())
     }
 
     /// Waits until `deadline` for `ticket`'s batch to drain: its outcome,
     /// or None if it has not. A sweep on another thread (`quiesce`) may be
     /// answered the ticket first (the engine answers a ticket once): its
-    /// outcome is then taken from the kept answers.
+    /// outcome is then taken from the kept answers. The outcome stays kept
+    /// (the last [`ANSWERS_KEPT`] are) for the next wait of the same ticket.
     pub(super) fn wait(
         &self,
         py: Python<'_>,
@@ -43,7 +47,7 @@ impl Core {
             if let Some(r) = self.answer(ticket) {
                 return Ok(Some(r));
             }
-            match self.reap(py, ticket, deadline, false) {
+            match self.reap(py, ticket, deadline) {
                 // Answered to a sweep, which keeps the outcome before it
                 // lets go of the ticket: here soon, unless it is gone.
                 Err(SyncError::UnknownTicket(_)) if lock(&self.tickets).contains_key(&ticket) => {
@@ -65,13 +69,12 @@ impl Core {
 
     /// Waits until `deadline` for `ticket`'s batch to drain; settles its
     /// memory (lets it go) once it did, first keeping the outcome among
-    /// the answers if `keep` (a sweep's, for the ticket's own `wait`).
+    /// the answers (for the ticket's own `wait`, a sweep's or a later one).
     fn reap(
         &self,
         py: Python<'_>,
         ticket: u64,
         deadline: Instant,
-        keep: bool,
     ) -> Result<Option<Report>, SyncError> {
         let out = py.detach(|| loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -89,7 +92,7 @@ impl Core {
         })?;
         Ok(out.map(|out| {
             let r = report(&out);
-            if keep {
+            {
                 let mut answered = lock(&self.answered);
                 if answered.len() == ANSWERS_KEPT {
                     answered.pop_front();
@@ -136,7 +139,7 @@ impl Core {
         }
         let mut left = Vec::new();
         for t in tickets {
-            match self.reap(py, t, deadline, true) {
+            match self.reap(py, t, deadline) {
                 Ok(Some(_)) => {}
                 Ok(None) => left.push(t),
                 // The ticket's own `wait` on another thread was answered
