@@ -19,8 +19,13 @@ mod node;
 mod opcode;
 mod word;
 
-/// The extension module.
-#[pymodule]
+/// The extension module. It needs the GIL (`gil_used = true`, which pyo3
+/// no longer assumes): some of its invariants hold only because two
+/// Python calls cannot interleave — e.g. a delivered batch moves from the
+/// engine's flights to its tickets in two steps that a concurrent
+/// `wait_for_quiescence` must not see apart. On a free-threaded
+/// interpreter the import turns the GIL back on (with its warning).
+#[pymodule(gil_used = true)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     log::install();
     m.add_function(wrap_pyfunction!(log::next_log_records, m)?)?;
