@@ -10,6 +10,9 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::net::ToSocketAddrs;
+use std::ops::Deref;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use quiesce_runtime::{IoBuf, IoBufMut};
@@ -71,6 +74,51 @@ pub struct QuiesceEngine {
     /// The check that each task's buffer is memory this process may read
     /// and write (not a device pointer) before the engine touches it.
     host: HostRanges,
+    /// The handle itself until `quiesce_engine_stop`, and each call in it
+    /// now: the last of them frees it, so a call that a stop cut off
+    /// still has its engine while it answers.
+    users: AtomicUsize,
+}
+
+/// A call's hold on an engine handle (see [`QuiesceEngine::users`]).
+struct Hold(NonNull<QuiesceEngine>);
+
+impl Hold {
+    /// # Safety
+    /// `e` is null or a handle from `quiesce_engine_start` not yet stopped
+    /// when the call began.
+    unsafe fn new(e: *mut QuiesceEngine) -> Option<Hold> {
+        let p = NonNull::new(e)?;
+        // SAFETY: a live handle (the caller's guarantee): its own hold is
+        // not given back before this call's.
+        unsafe { p.as_ref() }.users.fetch_add(1, Ordering::AcqRel);
+        Some(Hold(p))
+    }
+}
+
+impl Deref for Hold {
+    type Target = QuiesceEngine;
+
+    fn deref(&self) -> &QuiesceEngine {
+        // SAFETY: held: not freed before this hold is given back.
+        unsafe { self.0.as_ref() }
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let_go(self.0);
+    }
+}
+
+/// Gives back one hold on `e`; the last one frees it.
+fn let_go(e: NonNull<QuiesceEngine>) {
+    // SAFETY: still held by the hold given back here.
+    if unsafe { e.as_ref() }.users.fetch_sub(1, Ordering::AcqRel) == 1 {
+        // SAFETY: the last hold: from Box::into_raw in quiesce_engine_start,
+        // and nothing else refers to it any more.
+        drop(unsafe { Box::from_raw(e.as_ptr()) });
+    }
 }
 
 /// One task of a C batch.
@@ -131,6 +179,9 @@ fn sync_error(err: SyncError) -> i32 {
         SyncError::UnknownSegment(_) | SyncError::UnknownTicket(_) => {
             fail(SYNC_UNKNOWN_HANDLE, err)
         }
+        // A call the engine's stop cut off, whose drain left operations
+        // live: its memory may still be touched.
+        SyncError::Undrained(_) => fail(crate::SYNC_UNKNOWN, err),
         err => set_error(err),
     }
 }
@@ -195,6 +246,7 @@ pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut Quies
         Ok(engine) => Box::into_raw(Box::new(QuiesceEngine {
             engine,
             host: HostRanges::new(),
+            users: AtomicUsize::new(1),
         })),
         Err(e) => {
             set_error(e);
@@ -207,17 +259,22 @@ pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut Quies
 /// only once every operation on memory lent to the engine has been reaped:
 /// 0. -2 if the drain timed out: some memory lent to this engine may still
 /// be touched, and none of it may ever be freed or reused. -3 for null.
+/// A call in flight on another thread answers -1 if the drain reaped its
+/// batch, -2 if it did not; the handle is freed once it has returned.
 ///
 /// # Safety
-/// `e` came from `quiesce_engine_start` and is not used afterwards.
+/// `e` came from `quiesce_engine_start` and is not used by calls that
+/// begin afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn quiesce_engine_stop(e: *mut QuiesceEngine) -> i32 {
-    if e.is_null() {
+    // SAFETY: the caller passes a live engine or null.
+    let Some(engine) = (unsafe { Hold::new(e) }) else {
         return fail(SYNC_UNKNOWN_HANDLE, "null engine");
-    }
-    // SAFETY: the pointer came from Box::into_raw in quiesce_engine_start.
-    let engine = unsafe { Box::from_raw(e) };
-    match engine.engine.stop() {
+    };
+    let stopped = engine.engine.halt();
+    // The handle's own hold; the engine goes with the last call's.
+    let_go(engine.0);
+    match stopped {
         Ok(()) => crate::SYNC_OK,
         // A forked child's copy: nothing in this process touches its memory
         // (the parent's engine runs on, on the parent's).
@@ -253,7 +310,7 @@ pub unsafe extern "C" fn quiesce_open(
     handle_out: *mut u32,
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
-    let Some(engine) = (unsafe { e.as_ref() }) else {
+    let Some(engine) = (unsafe { Hold::new(e) }) else {
         return fail(SYNC_UNKNOWN_HANDLE, "null engine");
     };
     // SAFETY: the caller passes NUL-terminated strings (or null, refused).
@@ -344,7 +401,7 @@ unsafe fn batch(
     ticket_out: *mut u64,
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
-    let Some(engine) = (unsafe { e.as_ref() }) else {
+    let Some(engine) = (unsafe { Hold::new(e) }) else {
         return fail(SYNC_UNKNOWN_HANDLE, "null engine");
     };
     if tasks.is_null() || n == 0 {
@@ -479,7 +536,7 @@ pub unsafe extern "C" fn quiesce_ticket_wait(
     timeout_ms: u64,
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
-    let Some(engine) = (unsafe { e.as_ref() }) else {
+    let Some(engine) = (unsafe { Hold::new(e) }) else {
         return fail(SYNC_UNKNOWN_HANDLE, "null engine");
     };
     match engine

@@ -44,12 +44,14 @@ use smallvec::SmallVec;
 use crate::{BatchOptions, TaskReport, Ticket};
 
 mod call;
+mod end;
 mod fabric;
 mod host;
 mod lane;
 mod memory;
 
 use call::{finish, launch, recv_spinning};
+use end::ThreadEnd;
 use fabric::{Fabric, Lent, Opened, SegmentBy, Setup};
 use lane::{LaneKey, Lanes};
 
@@ -190,6 +192,8 @@ pub struct SyncEngine {
     released: std::sync::Mutex<HashMap<u64, memory::Lending>>,
     /// Answers how the runtime's shutdown went (ops still live after it).
     thread: Option<thread::JoinHandle<usize>>,
+    /// A stop from any thread, and the thread's record of its drain.
+    end: Arc<ThreadEnd>,
     /// Small batches run on their callers' threads ([`lane`]).
     lanes: Arc<Lanes>,
     /// The process it started in: a forked child has not its thread.
@@ -285,6 +289,8 @@ impl SyncEngine {
     fn start_on(setup: Setup, spin: Duration) -> Result<SyncEngine, SyncError> {
         let lanes = Arc::new(Lanes::new(setup.tcp_config(), spin));
         let lanes_st = lanes.clone();
+        let end = Arc::new(ThreadEnd::default());
+        let end_st = end.clone();
         let (jobs, mut rx) = channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread = thread::Builder::new()
@@ -297,6 +303,7 @@ impl SyncEngine {
                         return 0;
                     }
                 };
+                let end_loop = end_st.clone();
                 let drained = rt.block_on(async move {
                     let (engine, fabric) = match setup.bind() {
                         Ok(e) => e,
@@ -319,17 +326,22 @@ impl SyncEngine {
                     // A job's sender wakes this runtime from the caller's thread.
                     while let Some(job) = rx.recv().await {
                         job(&st);
+                        if end_loop.stopping() {
+                            break;
+                        }
                     }
                     st.fabric.shutdown(&st.engine)
                 });
                 // Batches still in flight are dropped with their tasks: every
                 // op on caller memory is cancelled and reaped here.
-                match rt.shutdown() {
+                let live = match rt.shutdown() {
                     Err(u) => u.live,
                     // RDMA requests still posted: how many is not known.
                     Ok(()) if !drained => usize::MAX,
                     Ok(()) => 0,
-                }
+                };
+                end_st.record(live);
+                live
             })
             .map_err(|e| SyncError::Setup(e.to_string()))?;
         match ready_rx.recv() {
@@ -339,6 +351,7 @@ impl SyncEngine {
                 spin,
                 released: Default::default(),
                 thread: Some(thread),
+                end,
                 lanes,
                 lineage: Lineage::here(),
             }),
@@ -366,8 +379,12 @@ impl SyncEngine {
         let jobs = self.jobs.as_ref().ok_or(SyncError::Stopped)?;
         jobs.send(Box::new(move |st: &State| f(st, tx)))
             .map_err(|_| SyncError::Stopped)?;
-        let finished = || self.thread.as_ref().is_none_or(|t| t.is_finished());
-        recv_spinning(&rx, self.spin, finished).ok_or(SyncError::Stopped)
+        recv_spinning(&rx, self.spin, || self.finished()).ok_or(SyncError::Stopped)
+    }
+
+    /// Whether the engine's thread has ended.
+    fn finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
     }
 
     /// Connects to `addr` and proves `token` for segment `name`; returns a handle.
@@ -436,14 +453,20 @@ impl SyncEngine {
             Err(back) => back,
         };
         let called = Instant::now();
-        self.call(move |st, tx| {
+        let answer = self.call(move |st, tx| {
             let reply = tx.clone();
             if let Err(e) = launch(st, tasks, opts, called, move |out| {
                 let _ = reply.send(Ok(out));
             }) {
                 let _ = tx.send(Err(e));
             }
-        })?
+        });
+        match answer {
+            // Cut off by the engine's end: its batch, if it started, was
+            // dropped with its task, and is reaped only by the drain.
+            Err(SyncError::Stopped) => Err(self.end.cut_off(|| self.finished())),
+            other => other?,
+        }
     }
 
     /// Starts a batch of `dir` tasks and returns at once; its outcome comes
@@ -558,46 +581,5 @@ impl SyncEngine {
                 }
             }
         })?
-    }
-}
-
-impl SyncEngine {
-    /// Stops the engine and returns once every operation on memory lent to
-    /// it has been reaped (batches still in flight are cancelled). `Err`
-    /// says the drain timed out: some operations may still touch memory
-    /// lent to this engine, which must then never be freed or reused.
-    pub fn stop(mut self) -> Result<(), SyncError> {
-        self.join()
-    }
-
-    fn join(&mut self) -> Result<(), SyncError> {
-        if self.lineage.forked() {
-            // Nothing to join here, and nothing of it this process's to
-            // close (a sender's wake-up would ring the parent's runtime):
-            // left as it is.
-            std::mem::forget(self.jobs.take());
-            std::mem::forget(self.thread.take());
-            std::mem::forget(self.lanes.clone());
-            return Err(SyncError::Forked);
-        }
-        self.lanes.stop();
-        // Closing the job channel stops the loop; the runtime then drains.
-        drop(self.jobs.take());
-        match self.thread.take().map(thread::JoinHandle::join) {
-            None | Some(Ok(0)) => Ok(()),
-            Some(Ok(live)) => Err(SyncError::Undrained(live)),
-            // The thread died past the runtime's drain: nothing says it reaped.
-            Some(Err(_)) => Err(SyncError::Undrained(usize::MAX)),
-        }
-    }
-}
-
-impl Drop for SyncEngine {
-    fn drop(&mut self) {
-        match self.join() {
-            // A forked child's copy: the parent's engine runs on.
-            Ok(()) | Err(SyncError::Forked) => {}
-            Err(e) => tracing::error!(error = %e, "sync engine stopped without draining"),
-        }
     }
 }

@@ -474,6 +474,13 @@ impl Node {
                 let out = self.drained_within(out, self.wait_unknown);
                 self.settle(target, p.peer, &p.used, p.uses, out)
             }
+            // Cut off by the engine's stop, whose drain left operations
+            // live: the memory may still be touched, and stays pinned.
+            Err(e @ SyncError::Undrained(_)) => {
+                self.lose(p.uses);
+                complain(&format!("transfer: {e}"));
+                SYNC_UNKNOWN
+            }
             Err(e) => {
                 // Never started, or the engine stopped after reaping every
                 // operation.

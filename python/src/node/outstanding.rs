@@ -323,7 +323,7 @@ impl Node {
 
     /// A -2 batch with nothing to wait on: its managed buffers stay pinned
     /// (`uses` is never given back) and `wait_for_quiescence` counts it.
-    fn lose(&self, uses: Uses) {
+    pub(super) fn lose(&self, uses: Uses) {
         // Dropped, not released: its buffers' counts stay up.
         drop(uses);
         self.lost.fetch_add(1, Ordering::Relaxed);

@@ -1,0 +1,127 @@
+//! The C ABI driven from Rust: a stop while another C thread waits in a
+//! transfer call, and bad input that must be refused with -1 or NULL, not
+//! crash or be taken.
+
+use std::ffi::CString;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use quiesce_batch::ffi::{
+    quiesce_engine_start, quiesce_engine_stop, quiesce_open, quiesce_transfer_sync_read,
+    quiesce_transfer_sync_write, QuiesceEngine,
+};
+use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+
+mod common;
+
+use common::Target;
+
+/// The engine pointer, to hand to another thread (the C API is thread-safe).
+#[derive(Clone, Copy)]
+struct Handle(*mut QuiesceEngine);
+// SAFETY: the C API may be called from any thread on one engine.
+unsafe impl Send for Handle {}
+
+fn open(e: Handle, t: &Target) -> u32 {
+    let addr = CString::new(t.addr.to_string()).unwrap();
+    let name = CString::new("kv").unwrap();
+    let token = CString::new(t.kv.to_string()).unwrap();
+    let mut h = 0u32;
+    // SAFETY: a live engine, NUL-terminated strings, a writable handle.
+    let rc = unsafe { quiesce_open(e.0, addr.as_ptr(), name.as_ptr(), token.as_ptr(), &mut h) };
+    assert_eq!(rc, SYNC_OK);
+    h
+}
+
+/// `quiesce_engine_stop` while another C thread waits in a transfer call:
+/// the header promises that batches still in flight are cancelled, and that
+/// no call returns 0 or -1 before its batch quiesced. The cut-off call
+/// answers -1 only once the stop's drain reaped everything of its batch,
+/// and -2 when it did not (then the stop answers -2 too); and the handle
+/// stays valid for it until it has returned.
+///
+/// A 4 MiB read (past the caller's lane: it runs on the engine's thread)
+/// from a stalled target is in flight when another thread stops the engine.
+/// Whatever the read answers, -1 must mean that nothing touches its buffer
+/// any more: the bytes the caller writes there afterwards stay, also once
+/// the target thawed and served what it had been asked.
+#[test]
+fn a_call_cut_off_by_the_engines_stop_answers_minus_one_only_once_nothing_touches_its_buffer() {
+    const LEN: usize = 4 << 20;
+    for round in 0..3 {
+        let t = Target::start();
+        // SAFETY: a null node name is allowed.
+        let e = Handle(unsafe { quiesce_engine_start(std::ptr::null()) });
+        assert!(!e.0.is_null());
+        let seg = open(e, &t);
+        let pattern = vec![0x5a; LEN];
+        // SAFETY: a live engine and a readable buffer of LEN bytes.
+        let rc = unsafe {
+            quiesce_transfer_sync_write(
+                e.0,
+                seg,
+                0,
+                pattern.as_ptr().cast(),
+                LEN as u64,
+                std::ptr::null(),
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, SYNC_OK, "round {round}");
+        t.stall(Duration::from_millis(1500));
+        let code = AtomicI32::new(i32::MIN);
+        let answered = &code;
+        let stopped = std::thread::scope(|s| {
+            let reader = s.spawn(move || {
+                let e = e; // the whole handle, not its pointer field
+                let mut buf = vec![0u8; LEN];
+                // SAFETY: a live engine (the stop waits for this call) and a
+                // writable buffer of LEN bytes; no deadline.
+                let rc = unsafe {
+                    quiesce_transfer_sync_read(
+                        e.0,
+                        seg,
+                        0,
+                        buf.as_mut_ptr().cast(),
+                        LEN as u64,
+                        std::ptr::null(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                answered.store(rc, Ordering::SeqCst);
+                if rc == SYNC_FAILED {
+                    // The caller's memory again: it writes its own bytes.
+                    buf.fill(0xee);
+                    std::thread::sleep(Duration::from_millis(2500)); // the target thaws
+                    assert!(
+                        buf.iter().all(|&b| b == 0xee),
+                        "round {round}: the read's bytes landed after it answered -1"
+                    );
+                } else {
+                    // -2: the buffer must never be reused; keep it for good.
+                    std::mem::forget(buf);
+                }
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            let t0 = Instant::now();
+            // SAFETY: the engine came from quiesce_engine_start; the reader's
+            // call is in flight, which the stop cancels.
+            let stopped = unsafe { quiesce_engine_stop(e.0) };
+            eprintln!("round {round}: stop {stopped} after {:?}", t0.elapsed());
+            reader.join().unwrap();
+            stopped
+        });
+        let code = code.load(Ordering::SeqCst);
+        assert!(
+            code == SYNC_FAILED || code == SYNC_UNKNOWN,
+            "round {round}: the cut-off read answered {code}"
+        );
+        if stopped == SYNC_UNKNOWN {
+            assert_eq!(
+                code, SYNC_UNKNOWN,
+                "round {round}: the stop's drain left operations live, yet the read answered -1"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(1000));
+    }
+}
