@@ -237,10 +237,12 @@ pub unsafe extern "C" fn quiesce_log_to_stderr(filter: *const c_char) -> i32 {
 pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut QuiesceEngine {
     let mut cfg = EngineConfig::default();
     if !node.is_null() {
-        // SAFETY: the caller passes a NUL-terminated string.
-        cfg.node = unsafe { CStr::from_ptr(node) }
-            .to_string_lossy()
-            .into_owned();
+        // SAFETY: the caller passes a NUL-terminated string. Not UTF-8 is
+        // refused, not replaced: two such names would become one node.
+        match unsafe { text(node, "node") } {
+            Ok(name) => cfg.node = name.to_string(),
+            Err(_) => return std::ptr::null_mut(),
+        }
     }
     match SyncEngine::start(cfg) {
         Ok(engine) => Box::into_raw(Box::new(QuiesceEngine {
@@ -406,6 +408,11 @@ unsafe fn batch(
     };
     if tasks.is_null() || n == 0 {
         return set_error("no tasks");
+    }
+    // No array holds more (a negative count passed as `size_t`): reading
+    // one would be undefined.
+    if n > isize::MAX as usize / std::mem::size_of::<QuiesceTask>() {
+        return set_error(format!("too many tasks: {n}"));
     }
     // SAFETY: the caller passes `n` readable tasks.
     let tasks = unsafe { std::slice::from_raw_parts(tasks, n) };

@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use quiesce_batch::ffi::{
-    quiesce_engine_start, quiesce_engine_stop, quiesce_open, quiesce_transfer_sync_read,
-    quiesce_transfer_sync_write, QuiesceEngine,
+    quiesce_batch_transfer_sync_write, quiesce_engine_start, quiesce_engine_stop,
+    quiesce_last_error, quiesce_open, quiesce_transfer_sync_read, quiesce_transfer_sync_write,
+    QuiesceEngine, QuiesceTask,
 };
 use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 
@@ -124,4 +125,53 @@ fn a_call_cut_off_by_the_engines_stop_answers_minus_one_only_once_nothing_touche
         }
         std::thread::sleep(Duration::from_millis(1000));
     }
+}
+
+fn last_error() -> String {
+    // SAFETY: a NUL-terminated string valid until this thread's next call.
+    unsafe { std::ffi::CStr::from_ptr(quiesce_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// A node name that is not UTF-8 is refused (NULL and a message), not
+/// turned into another name: two such names would become one node.
+#[test]
+fn a_node_name_that_is_not_utf8_is_refused() {
+    let name = CString::new(b"n\xff".to_vec()).unwrap();
+    // SAFETY: a NUL-terminated string.
+    let e = unsafe { quiesce_engine_start(name.as_ptr()) };
+    if !e.is_null() {
+        // SAFETY: just started.
+        unsafe { quiesce_engine_stop(e) };
+        panic!("an engine named by bytes that are not UTF-8 started");
+    }
+    assert!(last_error().contains("UTF-8"), "{}", last_error());
+}
+
+/// A task count past what an array can hold (a negative `int` passed as
+/// `size_t`) is refused with -1 before the array is read.
+#[test]
+fn a_task_count_no_array_can_hold_is_refused() {
+    // SAFETY: a null node name is allowed.
+    let e = unsafe { quiesce_engine_start(std::ptr::null()) };
+    assert!(!e.is_null());
+    let buf = [0u8; 16];
+    let task = QuiesceTask {
+        segment: 0,
+        offset: 0,
+        buf: buf.as_ptr() as *mut _,
+        len: 16,
+    };
+    for n in [usize::MAX, usize::MAX / 2, isize::MAX as usize] {
+        // SAFETY: a live engine; `n` is what is under test (refused before
+        // the array is read).
+        let rc = unsafe {
+            quiesce_batch_transfer_sync_write(e, &task, n, std::ptr::null(), std::ptr::null_mut())
+        };
+        assert_eq!(rc, SYNC_FAILED, "n = {n}");
+        assert!(last_error().contains("too many tasks"), "{}", last_error());
+    }
+    // SAFETY: started above, no call in flight.
+    assert_eq!(unsafe { quiesce_engine_stop(e) }, SYNC_OK);
 }
