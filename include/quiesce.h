@@ -96,7 +96,10 @@ int quiesce_open(quiesce_engine *e, const char *addr, const char *name, const ch
  * Buffers must be host memory this process may read (a write's source) or
  * read and write (a read's destination): one that is not (a GPU device
  * pointer, a PROT_NONE reservation) is refused with -1 before anything
- * touches it, as the kernel's table of mappings says. */
+ * touches it, as the kernel's table of mappings says. The engine remembers
+ * the spans it found good (up to 64): memory made inaccessible after a call
+ * used it (mprotect, munmap and a new reservation at its addresses) is not
+ * noticed, and such a buffer passed again may crash the process. */
 int quiesce_transfer_sync_write(quiesce_engine *e, uint32_t segment, uint64_t offset, const void *src, uint64_t len,
                                 const quiesce_options *opts, uint64_t *ticket_out);
 int quiesce_transfer_sync_read(quiesce_engine *e, uint32_t segment, uint64_t offset, void *dst, uint64_t len,
