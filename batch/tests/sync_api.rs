@@ -108,6 +108,43 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
     assert_eq!(e.stop(), Ok(()), "stop drains the outstanding batch");
 }
 
+/// A ticket names one batch in the process, not one per engine: waiting on
+/// it with another engine is an unknown ticket, never that engine's own
+/// batch of the same number (whose memory the caller would then reuse
+/// while the first batch still held it).
+#[test]
+fn a_ticket_of_one_engine_is_unknown_to_another() {
+    let (ta, tb) = (Target::start(), Target::start());
+    let a = SyncEngine::start(EngineConfig::default()).unwrap();
+    let b = SyncEngine::start(EngineConfig::default()).unwrap();
+    let frozen_write = |e: &SyncEngine, t: &Target| {
+        let kv = e.open(t.addr, "kv", t.kv).unwrap();
+        t.stall(Duration::from_millis(500));
+        let opts = BatchOptions::default()
+            .deadline(Duration::from_millis(20))
+            .fence_grace(Duration::ZERO);
+        let task = SyncTask {
+            segment: kv,
+            offset: 0,
+            buf: vec![7u8; 4 << 20],
+        };
+        let out = e.batch(Direction::Write, vec![task], opts).unwrap();
+        assert_eq!(out.code, SYNC_UNKNOWN);
+        out.ticket.unwrap()
+    };
+    let ticket_a = frozen_write(&a, &ta);
+    let ticket_b = frozen_write(&b, &tb);
+    assert_ne!(ticket_a, ticket_b, "two batches under one ticket number");
+    assert!(
+        b.wait::<Vec<u8>>(ticket_a, Duration::ZERO).is_err(),
+        "engine b answered engine a's ticket"
+    );
+    for (e, t) in [(&a, ticket_a), (&b, ticket_b)] {
+        let out = e.wait::<Vec<u8>>(t, Duration::from_secs(10)).unwrap();
+        assert!(out.is_some_and(|o| o.code != SYNC_UNKNOWN));
+    }
+}
+
 /// Where cargo put the cdylib: next to this test binary (target/<profile>/deps)
 /// in a test build, or one level up when it was built as a final artifact.
 fn cdylib_dir() -> PathBuf {

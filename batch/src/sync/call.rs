@@ -3,6 +3,7 @@
 //! ([`launch`]); the caller waits for that answer, spinning first
 //! ([`recv_spinning`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -13,6 +14,11 @@ use smallvec::SmallVec;
 
 use super::{State, SyncError, SyncOutcome, SyncTasks};
 use crate::{BatchOptions, Outcome, Quiesced, SYNC_UNKNOWN};
+
+/// The next ticket's number: one sequence for the whole process, so that
+/// a ticket waited on with another engine than its own is unknown there,
+/// never that engine's batch of the same number.
+static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
 
 /// How long [`SyncEngine::start`](super::SyncEngine::start)'s engine and its callers spin before they
 /// block: about one round trip on loopback, so a blocking caller issuing
@@ -78,8 +84,7 @@ pub(super) fn launch<B: IoBufMut + Send>(
         let out = match sub.await {
             Outcome::Quiesced(q) => finish(q),
             Outcome::CompletionUnknown(t) => {
-                let id = st.next_ticket.get();
-                st.next_ticket.set(id + 1);
+                let id = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
                 st.tickets.borrow_mut().insert(id, Box::new(t));
                 SyncOutcome {
                     code: SYNC_UNKNOWN,

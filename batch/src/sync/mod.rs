@@ -26,7 +26,7 @@
 //! ticket at -2 for good, its memory pinned — never a 0 or -1 on a guess.
 
 use std::any::Any;
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -128,7 +128,6 @@ struct State {
     lent: Rc<RefCell<HashMap<u64, Lent>>>,
     /// Tickets of batches whose completion is unknown, by id.
     tickets: Rc<RefCell<HashMap<u64, Box<dyn Any>>>>,
-    next_ticket: Rc<Cell<u64>>,
     /// Shared with the callers' lanes: how they open each handle.
     lanes: Arc<Lanes>,
 }
@@ -320,7 +319,6 @@ impl SyncEngine {
                         handles: Rc::default(),
                         lent: Rc::default(),
                         tickets: Rc::default(),
-                        next_ticket: Rc::new(Cell::new(1)),
                         lanes: lanes_st,
                     };
                     // A job's sender wakes this runtime from the caller's thread.
