@@ -42,8 +42,9 @@ struct BatchState {
     /// Landing writes, each with the canceller of its current receive.
     writes: Slab<Option<Canceller>>,
     waiters: Vec<Waker>,
-    /// Connections that may still carry frames of the batch (fenced only).
-    carriers: HashSet<usize>,
+    /// Connections that may still carry frames of the batch (fenced only;
+    /// each once).
+    carriers: Vec<usize>,
 }
 
 impl BatchState {
@@ -79,7 +80,14 @@ struct Entries {
     /// The fenced batches of each session: what a connection's close, a
     /// session's end and a cap check look at, rather than every entry.
     fenced: HashMap<u64, HashSet<u64>>,
+    /// Carriers held by all entries: what they cost besides their number
+    /// (up to a session's cap of connections each), capped with it.
+    carried: usize,
 }
+
+/// Carriers the table holds at most, per entry its cap allows: a fenced
+/// batch of a session of a few connections, on average.
+const CARRIERS_PER_ENTRY: usize = 4;
 
 impl Entries {
     fn hash(&self, key: &Key) -> u64 {
@@ -113,6 +121,7 @@ impl Entries {
             o.remove();
         }
         let st = self.states.remove(slot);
+        self.carried -= st.carriers.len();
         if st.fenced {
             if let Some(batches) = self.fenced.get_mut(&key.0) {
                 batches.remove(&key.1);
@@ -152,7 +161,11 @@ impl Entries {
             let Some(slot) = self.index.find(hash, |e| e.key == key).map(|e| e.slot) else {
                 continue;
             };
-            if !keep(&mut self.states[slot]) {
+            let st = &mut self.states[slot];
+            let before = st.carriers.len();
+            let kept = keep(st);
+            self.carried -= before - self.states[slot].carriers.len();
+            if !kept {
                 self.remove(hash, &key, slot);
             }
         }
@@ -248,7 +261,11 @@ impl FenceTable {
             let hash = t.hash(&key);
             let entry = t.slot_or_insert_with(hash, key, BatchState::default);
             if t.mark_fenced(key, entry) {
-                t.states[entry].carriers = carriers.into_iter().collect();
+                let mut held: Vec<usize> = carriers.into_iter().collect();
+                held.sort_unstable();
+                held.dedup();
+                t.carried += held.len();
+                t.states[entry].carriers = held;
             }
             let st = &t.states[entry];
             st.writes.iter().filter_map(|(_, c)| c.clone()).collect()
@@ -281,8 +298,11 @@ impl FenceTable {
             return;
         };
         let st = &mut t.states[slot];
-        st.carriers.remove(&conn);
-        if !st.needed() {
+        if let Some(i) = st.carriers.iter().position(|&c| c == conn) {
+            st.carriers.swap_remove(i);
+            t.carried -= 1;
+        }
+        if !t.states[slot].needed() {
             t.remove(hash, &key, slot);
         }
     }
@@ -291,7 +311,9 @@ impl FenceTable {
     /// (Only fenced entries have carriers.)
     pub(crate) fn closed(&self, session: u64, conn: usize) {
         self.inner.borrow_mut().sweep_fenced(session, |st| {
-            st.carriers.remove(&conn);
+            if let Some(i) = st.carriers.iter().position(|&c| c == conn) {
+                st.carriers.swap_remove(i);
+            }
             st.needed()
         });
     }
@@ -307,10 +329,10 @@ impl FenceTable {
 
     /// After a fence of `session`: the session that holds too many fenced
     /// batches, how many, and why — `session` past `per_session`, or, past
-    /// `total` for the whole table (a peer may open many sessions), the
-    /// session holding the most. (No session holds more than the whole
-    /// table: the per-session scan runs only when it is larger than
-    /// `per_session`.)
+    /// `total` entries for the whole table (a peer may open many sessions)
+    /// or [`CARRIERS_PER_ENTRY`] times as many carriers, the session
+    /// holding the most. (No session holds more than the whole table: the
+    /// per-session scan runs only when it is larger than `per_session`.)
     pub(crate) fn session_over_cap(
         &self,
         session: u64,
@@ -318,7 +340,8 @@ impl FenceTable {
         total: usize,
     ) -> Option<(u64, usize, &'static str)> {
         let all = self.len();
-        if all > total {
+        let carried = self.inner.borrow().carried;
+        if all > total || carried > total.saturating_mul(CARRIERS_PER_ENTRY) {
             let (s, held) = self.largest_session()?;
             return Some((s, held, "the fence table is full"));
         }
@@ -412,6 +435,31 @@ mod tests {
             e.index.capacity(),
             e.states.capacity()
         );
+    }
+
+    /// A fenced entry keeps the session's connections as carriers, up to
+    /// its cap of connections each: the table's cap counts them too, or a
+    /// peer keeping every entry it may (with many connections per session)
+    /// made each entry dozens of times larger than the cap assumed. They
+    /// come back as connections forget the batches or close.
+    #[test]
+    fn carriers_count_towards_the_table_cap() {
+        let t = FenceTable::default();
+        for b in 0..10 {
+            t.fence(1, b, 0..64);
+        }
+        assert_eq!(
+            t.session_over_cap(1, 1000, 100).map(|(s, n, _)| (s, n)),
+            Some((1, 10)),
+            "10 entries, under a cap of 100, with 640 carriers"
+        );
+        for b in 0..10 {
+            (0..60).for_each(|c| t.forget(1, b, c));
+        }
+        assert_eq!(t.session_over_cap(1, 1000, 100), None);
+        (60..64).for_each(|c| t.closed(1, c));
+        assert_eq!(t.len(), 0);
+        assert_eq!(t.inner.borrow().carried, 0);
     }
 
     /// A burst of fences (a churning or hostile peer) leaves no room
