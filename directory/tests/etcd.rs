@@ -466,3 +466,39 @@ fn a_node_with_thousands_of_segments_comes_back_after_etcd_restarts() {
     let fresh = directory(&e, "many");
     assert_eq!(fresh.segments("t").unwrap().len(), N as usize);
 }
+
+/// A directory larger than one etcd reply may be (4 MiB by default in the
+/// client) — here from large foreign values under the prefix, some among
+/// a node's segments: a node still joins and publishes, and another reads
+/// it and its segments.
+#[test]
+fn a_directory_larger_than_one_reply_is_read_in_pages() {
+    let Some(e) = etcd() else { return };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = etcd_client::Client::connect([e.endpoint()], None)
+            .await
+            .unwrap();
+        for i in 0..3 {
+            for under in ["junk", "segments/a"] {
+                c.put(format!("big/{under}/zz-{i}"), vec![b'x'; 1_400_000], None)
+                    .await
+                    .unwrap();
+            }
+        }
+    });
+    let a = directory(&e, "big");
+    a.publish_node(&node("a", 7101)).unwrap();
+    a.publish_segment(&segment("a", "kv", 1, 4096)).unwrap();
+    a.flush(Duration::from_secs(30))
+        .expect("published past a directory of 8 MiB");
+    let b = directory(&e, "big");
+    b.publish_node(&node("b", 7102)).unwrap();
+    b.flush(Duration::from_secs(30))
+        .expect("a second node joins too");
+    assert_eq!(b.resolve("a").unwrap(), node("a", 7101));
+    assert_eq!(b.segment("a", "kv").unwrap().id, 1);
+}

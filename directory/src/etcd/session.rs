@@ -7,13 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream,
-    LeaseKeeper, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, EventType, LeaseKeepAliveStream, LeaseKeeper,
+    PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{sleep_until, timeout, Instant};
 use tracing::{debug, info, warn};
 
+use super::pages::{read_prefix, REPLY_LIMIT};
 use super::{Command, EtcdOptions};
 use crate::mirror::{Link, Mirror};
 use crate::record::{Key, Layout, NodeRecord, SegmentRecord};
@@ -302,13 +303,11 @@ impl Helper {
             }
         }
         let root = self.layout.root().to_string();
-        let all = client
-            .get(root.clone(), Some(GetOptions::new().with_prefix()))
+        let (all, revision) = read_prefix(&client, &root)
             .await
             .map_err(|e| unavailable("read the directory", e))?;
-        let revision = all.header().map_or(0, |h| h.revision());
         let (mut nodes, mut segments) = (Vec::new(), Vec::new());
-        for kv in all.kvs() {
+        for kv in &all {
             match self.decode(kv.key(), kv.value()) {
                 Some(Entry::Node(n)) => nodes.push(n),
                 Some(Entry::Segment(s)) => segments.push(s),
@@ -317,6 +316,8 @@ impl Helper {
         }
         self.mirror.reload(nodes, segments);
         let watch = client
+            .watch_client()
+            .max_decoding_message_size(REPLY_LIMIT)
             .watch(
                 root,
                 Some(
@@ -508,15 +509,10 @@ impl Helper {
                 kv.key_str().unwrap_or("?").to_string(),
             ));
         };
-        let segs = s
-            .client
-            .get(
-                self.layout.segments_of(node),
-                Some(GetOptions::new().with_prefix()),
-            )
+        let (segs, _) = read_prefix(&s.client, &self.layout.segments_of(node))
             .await
             .map_err(|e| unavailable("get", e))?;
-        for kv in segs.kvs() {
+        for kv in &segs {
             if let Some(Entry::Segment(seg)) = self.decode(kv.key(), kv.value()) {
                 self.mirror.put_segment(seg);
             }
