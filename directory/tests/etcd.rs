@@ -502,3 +502,55 @@ fn a_directory_larger_than_one_reply_is_read_in_pages() {
     assert_eq!(b.resolve("a").unwrap(), node("a", 7101));
     assert_eq!(b.segment("a", "kv").unwrap().id, 1);
 }
+
+/// A forked child has a copy of the directory but not its helper thread
+/// (Python's `os.fork()` after `initialize`): a lookup there answers
+/// `Unavailable` at once instead of waiting for a helper that is not there,
+/// and dropping the copy does not wait for that thread either.
+#[test]
+fn a_forked_childs_copy_answers_at_once_and_drops_without_waiting() {
+    let Some(e) = etcd() else { return };
+    let d = directory(&e, "fork");
+    d.publish_node(&node("p", 7201)).unwrap();
+    d.flush(Duration::from_secs(10)).unwrap();
+    // SAFETY: the child only calls the directory, drops it and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let answer = d.resolve("nobody");
+        drop(d);
+        let code = match answer {
+            Err(DirectoryError::Unavailable(_)) => 0,
+            _ => 3,
+        };
+        // SAFETY: ends the child without running the parent's exit code.
+        unsafe { libc::_exit(code) };
+    }
+    assert!(pid > 0, "fork failed");
+    let until = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        let mut status = 0;
+        // SAFETY: waits for our own child without blocking.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if r == pid {
+            break Some(status);
+        }
+        if Instant::now() >= until {
+            // SAFETY: our own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            // SAFETY: reaps it.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let status = status.expect("the child hung in the directory");
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child's lookup did not answer Unavailable (status {status:#x})"
+    );
+    assert_eq!(
+        d.resolve("p").unwrap(),
+        node("p", 7201),
+        "the parent's is unharmed"
+    );
+}

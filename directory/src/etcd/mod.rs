@@ -113,6 +113,9 @@ pub struct EtcdDirectory {
     mirror: Arc<Mirror>,
     commands: Option<tmpsc::UnboundedSender<Command>>,
     helper: Option<JoinHandle<()>>,
+    /// The process it started in: a forked child's copy has no helper
+    /// thread (and its mirror's lock may have been held at the fork).
+    pid: u32,
 }
 
 impl EtcdDirectory {
@@ -144,10 +147,25 @@ impl EtcdDirectory {
             mirror,
             commands: Some(tx),
             helper: Some(helper),
+            pid: std::process::id(),
         })
     }
 
+    /// `Unavailable` in a forked child (see [`EtcdDirectory::pid`]): asked
+    /// first by everything that would wait for the helper or lock the
+    /// mirror.
+    fn here(&self) -> Result<(), DirectoryError> {
+        match std::process::id() == self.pid {
+            true => Ok(()),
+            false => Err(DirectoryError::Unavailable(
+                "a forked child's copy of the etcd directory (its helper thread is the parent's)"
+                    .into(),
+            )),
+        }
+    }
+
     fn send(&self, c: Command) -> Result<(), DirectoryError> {
+        self.here()?;
         self.commands
             .as_ref()
             .and_then(|t| t.send(c).ok())
@@ -197,6 +215,7 @@ impl EtcdDirectory {
     /// [`EtcdDirectory::resolve_async`] there).
     pub fn resolve(&self, node: &str) -> Result<NodeRecord, DirectoryError> {
         check_name(node)?;
+        self.here()?;
         if let Some(r) = self.mirror.node(node) {
             return Ok(r);
         }
@@ -215,7 +234,7 @@ impl EtcdDirectory {
     ) -> impl Future<Output = Result<NodeRecord, DirectoryError>> + 'static {
         let node = node.to_string();
         let mirror = self.mirror.clone();
-        let asked = match check_name(&node) {
+        let asked = match check_name(&node).and_then(|()| self.here()) {
             Err(e) => Err(e),
             Ok(()) if mirror.node(&node).is_some() => Ok(None),
             Ok(()) => self.ask(&node).map(Some),
@@ -240,6 +259,7 @@ impl EtcdDirectory {
     /// The segment `name` of `node`, from the mirror or etcd.
     pub fn segment(&self, node: &str, name: &str) -> Result<SegmentRecord, DirectoryError> {
         check_name(name)?;
+        self.here()?;
         if let Some(s) = self.mirror.segment(node, name) {
             return Ok(s);
         }
@@ -262,17 +282,22 @@ impl EtcdDirectory {
 
     /// The mirror's copy of `node` without asking etcd (`None` if unknown).
     pub fn cached(&self, node: &str) -> Option<NodeRecord> {
+        self.here().ok()?;
         self.mirror.node(node)
     }
 
     /// Changes the watch sees from now on, and the link going down or up.
     pub fn subscribe(&self) -> mpsc::Receiver<Change> {
+        if self.here().is_err() {
+            // A forked child's copy: nothing changes here.
+            return mpsc::channel().1;
+        }
         self.mirror.subscribe()
     }
 
     /// Whether a session with etcd is up now (lease held, watch running).
     pub fn is_available(&self) -> bool {
-        self.mirror.link() == Link::Up
+        self.here().is_ok() && self.mirror.link() == Link::Up
     }
 
     /// The options it runs with.
@@ -290,6 +315,13 @@ fn wait(rx: oneshot::Receiver<Result<(), DirectoryError>>) -> Result<(), Directo
 
 impl Drop for EtcdDirectory {
     fn drop(&mut self) {
+        if self.here().is_err() {
+            // A forked child's copy: the helper, its queue and the lease
+            // are the parent's, left alone (nothing to join here).
+            std::mem::forget(self.commands.take());
+            std::mem::forget(self.helper.take());
+            return;
+        }
         // Closing the queue tells the helper to revoke the lease and stop.
         self.commands.take();
         if let Some(h) = self.helper.take() {
