@@ -113,6 +113,16 @@ def test_an_unreachable_metadata_server_fails_initialize():
     assert TransferEngine().initialize("127.0.0.7", "zk://x:1", "tcp", "") == -1
 
 
+
+def test_initialize_with_etcd_refuses_an_address_peers_cannot_reach(etcd):
+    """The directory tells peers where this engine listens: 0.0.0.0 would
+    send each peer to its own host (and, under one shared name, into its
+    own memory), so initialize with etcd refuses it, as the native
+    Engine does."""
+    e = TransferEngine()
+    assert e.initialize("0.0.0.0", f"etcd://{etcd}", "tcp", "") == -1
+    assert e.initialize(f"0.0.0.0:{_free_port()}", f"etcd://{etcd}", "tcp", "") == -1
+
 SECRET = b"test_etcd: a secret both engines share"
 
 

@@ -159,9 +159,18 @@ impl Node {
             Fabric::Rdma { .. } => "rdma",
         };
         let token = Token::derive(&secret(None, false)?, TOKEN_LABEL);
+        let listen = listen_addr(local_hostname)?;
+        // The entry tells peers where to connect: 0.0.0.0 would send each
+        // to its own host.
+        if matches!(directory, Directory::Etcd(_)) && listen.ip().is_unspecified() {
+            return Err(format!(
+                "with a metadata server, listen on an address peers can reach, not {local_hostname:?}: \
+                 it is what the directory tells them"
+            ));
+        }
         let config = EngineConfig {
             node: local_hostname.to_string(),
-            listen: listen_addr(local_hostname)?,
+            listen,
             local: local_mode(),
             tcp_congestion: tcp_congestion()?,
             ..Default::default()
