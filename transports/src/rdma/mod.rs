@@ -34,7 +34,7 @@ pub(crate) mod served;
 mod verbs;
 
 pub use engine::{LocalMemory, RdmaConfig, RdmaEngine};
-pub use peer::{RdmaPeer, RdmaSegment};
+pub use peer::{after_next_qp_accept, AfterAccept, RdmaPeer, RdmaSegment};
 pub use reaper::RdmaStats;
 pub use served::fail_next_served_resets;
 pub use verbs::{device_names, fail_next_deregistrations, QpEndpoint};

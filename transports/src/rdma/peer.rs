@@ -2,6 +2,7 @@
 //! connection, one RC queue pair (rebuilt lazily after an error or a fence),
 //! and the remote keys of the segments opened on it.
 
+use std::cell::Cell;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -34,6 +35,39 @@ struct PeerState {
     /// registered once per connection; the `Weak` keeps its address from
     /// naming a later connection).
     hooked: RefCell<Weak<Conn>>,
+    /// Queue pairs of the target's that a fence reset before their link
+    /// was installed (its ack read first): the link set up on one is
+    /// retired as it is installed. The last [`RACED_KEPT`].
+    raced: RefCell<Vec<u32>>,
+}
+
+/// Raced resets a peer remembers.
+const RACED_KEPT: usize = 8;
+
+/// What the next link set-up of this thread does right after the target's
+/// `QpAccept`, before the link is installed ([`after_next_qp_accept`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterAccept {
+    /// The control connection ends and its close hooks run: its close was
+    /// read in one piece with the `QpAccept`, and the target has dropped
+    /// the queue pair it had just accepted.
+    CloseControl,
+    /// A fence of this batch is acknowledged: its ack was read with the
+    /// `QpAccept` and handled first.
+    Fence(u64),
+}
+
+thread_local! {
+    static AFTER_ACCEPT: Cell<Option<AfterAccept>> = const { Cell::new(None) };
+}
+
+/// Makes this thread's next queue pair set-up do `what` between the
+/// target's `QpAccept` and installing the link: a fault for tests of
+/// orders the network may deliver. Never call it outside a test.
+#[doc(hidden)]
+pub fn after_next_qp_accept(what: AfterAccept) {
+    AFTER_ACCEPT.with(|a| a.set(Some(what)));
 }
 
 /// A connected remote RDMA engine. Cheap to clone.
@@ -52,6 +86,7 @@ impl RdmaPeer {
                 keys: RefCell::default(),
                 setup: SetupGate::default(),
                 hooked: RefCell::default(),
+                raced: RefCell::default(),
             }),
         }
     }
@@ -171,6 +206,21 @@ impl RdmaPeer {
             .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
         let local = node.endpoint(&qp);
         let accept = conn.qp_connect(QpConnect { qp: local }).await?;
+        match AFTER_ACCEPT.with(Cell::take) {
+            Some(AfterAccept::CloseControl) => {
+                conn.close_now("a test fault: closed after QpAccept");
+                // Time for the target to see the close and drop the queue
+                // pair, as one that closed (or died) after answering has.
+                let until = std::time::Instant::now() + std::time::Duration::from_millis(300);
+                while std::time::Instant::now() < until {
+                    quiesce_runtime::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+            }
+            Some(AfterAccept::Fence(batch)) => {
+                let _ = Box::pin(self.fence(batch)).await;
+            }
+            None => {}
+        }
         check_status(accept.status, self.addr())?;
         let remote = accept.qp;
         qp.connect(&local, &remote, node.gid_index, Access::LOCAL)
@@ -206,6 +256,20 @@ impl RdmaPeer {
                 }
             });
         }
+        // The connection ended while this link was set up, and its hook
+        // ran already (on the link before, one per connection): the target's
+        // queue pair went with it.
+        if conn.is_dead() {
+            link.lost();
+        }
+        // A fence acknowledged before this link was installed reset the
+        // target's queue pair it points at.
+        let mut raced = self.inner.raced.borrow_mut();
+        if let Some(i) = raced.iter().position(|&q| q == remote.qpn) {
+            raced.swap_remove(i);
+            link.fence(None);
+        }
+        drop(raced);
         tracing::debug!(peer = %self.addr(), qpn = local.qpn, remote_qpn = remote.qpn, "queue pair connected");
         Ok(link)
     }
@@ -242,10 +306,19 @@ impl RdmaPeer {
         // A queue pair set up while the fence was on its way (a transfer was
         // connecting) was reset by the target too: retire the link that
         // points at it, or its requests would wait for a dead responder.
-        if let Some(l) = self.inner.link.borrow().as_ref() {
-            if reset != 0 && l.remote_qpn as u64 == reset {
-                l.fence(Some(batch));
+        let current = self.inner.link.borrow().clone();
+        match current {
+            Some(l) if reset != 0 && l.remote_qpn as u64 == reset => l.fence(Some(batch)),
+            // One still being set up (its accept not handled yet) is
+            // retired as it is installed.
+            _ if reset != 0 => {
+                let mut raced = self.inner.raced.borrow_mut();
+                if raced.len() == RACED_KEPT {
+                    raced.remove(0);
+                }
+                raced.push(reset as u32);
             }
+            _ => {}
         }
         Ok(())
     }

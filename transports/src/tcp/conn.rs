@@ -346,6 +346,15 @@ impl Conn {
     }
 
     /// Runs `f` when the connection ends (at once if it has).
+    /// Kills the connection and runs its close hooks now, as its reader
+    /// does when it ends: for a test fault, the close read in one piece
+    /// with the answer before it.
+    pub(crate) fn close_now(&self, why: &str) {
+        self.kill(why);
+        let hooks = std::mem::take(&mut *self.on_close.borrow_mut());
+        hooks.into_iter().for_each(|f| f());
+    }
+
     pub(crate) fn on_close(&self, f: impl FnOnce() + 'static) {
         if self.is_dead() {
             f();

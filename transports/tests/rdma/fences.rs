@@ -1,6 +1,8 @@
 //! Fences, resets and peer loss: what a queue pair in the error state
 //! means for the transfers on it, and for the target's confirmation.
 
+use quiesce_transports::rdma::{after_next_qp_accept, AfterAccept};
+
 use super::*;
 
 #[test]
@@ -314,4 +316,57 @@ fn a_queue_pair_stuck_when_replaced_leaves_later_fences_unconfirmed() {
         );
         assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
     });
+}
+
+/// The link a write builds after the one before failed (a refused write),
+/// when the network delivers the target's `QpAccept` and then something
+/// that resets the target's queue pair before the link is installed: the
+/// link must come up retired, and the write end (here `ConnectionLost`),
+/// not wait for a responder that is gone — on Soft-RoCE for ever, with no
+/// deadline. `what` is that something (a test fault injects the order).
+async fn a_link_reset_before_it_was_installed(what: AfterAccept) {
+    let p = ro_and_kv().await;
+    let mut l = p.region.lease(0..4096).unwrap();
+    fill(&mut l, 1);
+    let (r, l) = p.kv_r.write(0, l, 1).await;
+    assert_eq!(r.unwrap(), 4096, "{what:?}");
+    // The link fails; its control connection stays.
+    let (r, l) = p.ro_r.write(0, l, 2).await;
+    assert!(matches!(r, Err(TransferError::RemoteAccess(_))), "{r:?}");
+    after_next_qp_accept(what);
+    let t0 = Instant::now();
+    let (r, l) = quiesce_runtime::time::timeout(Duration::from_secs(5), p.kv_r.write(0, l, 3))
+        .await
+        .unwrap_or_else(|_| panic!("{what:?}: the write waited on a reset queue pair"));
+    assert!(r.is_err(), "{what:?}: {r:?}");
+    eprintln!("{what:?}: {r:?} after {:?}", t0.elapsed());
+    // And the next write builds a link that works.
+    let (r, _l) = p.kv_r.write(0, l, 4).await;
+    assert_eq!(r.unwrap(), 4096, "{what:?}");
+    let s = p.init.stats();
+    assert_eq!((s.in_flight, s.posted), (0, s.completed), "{what:?}");
+}
+
+/// The control connection closed with its `QpAccept` (read in one piece,
+/// its close hooks run first): the hook, registered once per connection,
+/// had reset the link before, and the new one came up `Ready` with no hook.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_link_whose_control_connection_closed_with_its_accept_is_retired() {
+    Runtime::new()
+        .unwrap()
+        .block_on(a_link_reset_before_it_was_installed(
+            AfterAccept::CloseControl,
+        ));
+}
+
+/// A fence's ack handled before the `QpAccept` it followed: the target
+/// reset the new queue pair, and the ack named it while the link before was
+/// still current.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_link_whose_queue_pair_a_fence_reset_first_is_retired() {
+    Runtime::new()
+        .unwrap()
+        .block_on(a_link_reset_before_it_was_installed(AfterAccept::Fence(99)));
 }
