@@ -1,7 +1,8 @@
 """A quiesce.mooncake peer in its own process, driven over stdin/stdout.
 
 Started as ``python peer.py SIZE [SIZE...]``: initialises a TransferEngine on
-127.0.0.1 (protocol ``$QUIESCE_TEST_PROTOCOL``, tcp by default), registers one buffer per SIZE, prints ``ready PORT`` and one
+``$QUIESCE_TEST_HOSTNAME`` (127.0.0.1 by default; ``host:port`` picks the
+port) with protocol ``$QUIESCE_TEST_PROTOCOL`` (tcp by default), registers one buffer per SIZE, prints ``ready PORT`` and one
 ``region ADDR LEN`` line each, then answers one command a line:
 
 * ``fill ADDR LEN BYTE``   -- sets the bytes; answers ``ok``
@@ -22,7 +23,8 @@ from quiesce.mooncake import TransferEngine
 def main() -> None:
     engine = TransferEngine()
     protocol = os.environ.get("QUIESCE_TEST_PROTOCOL", "tcp")
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") == 0
+    hostname = os.environ.get("QUIESCE_TEST_HOSTNAME", "127.0.0.1")
+    assert engine.initialize(hostname, "P2PHANDSHAKE", protocol, "") == 0
     buffers = [ctypes.create_string_buffer(int(s)) for s in sys.argv[1:]]
     addrs = [ctypes.addressof(b) for b in buffers]
     lens = [len(b) for b in buffers]

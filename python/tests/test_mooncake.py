@@ -551,6 +551,27 @@ def test_unregister_memory_waits_for_a_batch_that_started_before_the_registratio
     assert e.wait_for_quiescence(20) == 0
 
 
+def test_another_node_at_a_p2p_sessions_address_is_not_that_session(peer_factory, local, monkeypatch):
+    """A P2P session name is where a node was found, not the node: once
+    it is gone and another node (another name, the same secret) listens at
+    that address, the session does not reach it — no first buffer of it,
+    no write into it."""
+    monkeypatch.setenv("QUIESCE_LOCAL", "off")
+    a = peer_factory(MiB)
+    (addr_a, _) = a.regions[0]
+    e = engine()
+    src = local.buffer(4096, 3)
+    assert e.transfer_sync_write(a.session, src, addr_a, 4096) == 0
+    port = a.session.rsplit(":", 1)[1]
+    a.close()
+    b = peer_factory(MiB, env={"QUIESCE_TEST_HOSTNAME": f"localhost:{port}"})
+    (addr_b, _) = b.regions[0]
+    assert e.get_first_buffer_address(a.session) == 0, "another node's buffer, by the old session"
+    for _ in range(3):
+        assert e.transfer_sync_write(a.session, src, addr_b, 4096) == -1
+    assert b.count(addr_b, 4096, 3) == 0, "the write reached another node"
+
+
 def test_the_deadline_grows_with_the_batch_size(peer_factory, local, monkeypatch):
     """As Mooncake's, a batch's deadline is MC_TRANSFER_TIMEOUT plus a
     nanosecond per byte, so a large read at start-up is not cut at the

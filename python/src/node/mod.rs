@@ -94,6 +94,10 @@ pub(crate) struct Node {
     opened: Mutex<FnvHashMap<SocketAddr, PeerSegments>>,
     /// P2P session names resolved so far.
     peers: Mutex<FnvHashMap<String, SocketAddr>>,
+    /// The node first found at each P2P session name: a P2P name is where
+    /// a node was found, and another node found there later (the first
+    /// gone, its address another's) is not that session.
+    p2p_nodes: Mutex<FnvHashMap<String, String>>,
     /// Batches that returned -2: their memory stays pinned.
     pending: Mutex<Vec<Pinned>>,
     /// Batches that returned -2 with nothing to wait on (the engine's
@@ -209,6 +213,7 @@ impl Node {
             host: HostRanges::new(),
             opened: Mutex::default(),
             peers: Mutex::default(),
+            p2p_nodes: Mutex::default(),
             pending: Mutex::default(),
             lost: AtomicU64::new(0),
             waiting: Mutex::default(),
@@ -278,11 +283,25 @@ impl Node {
         }
     }
 
-    /// With an etcd directory, that `target` (found there at `peer`) is the
-    /// node at `peer` ([`stale_entry`]).
+    /// That `target` is the node at `peer`: with an etcd directory, the
+    /// node its entry names ([`stale_entry`]); for P2P, the node first found
+    /// at that session name.
     fn check_node(&self, target: &str, peer: SocketAddr) -> Result<(), String> {
         if matches!(self.directory, Directory::P2p) {
-            return Ok(());
+            let there = self
+                .engine()
+                .peer_node(peer)
+                .map_err(|e| format!("session {target:?} at {peer}: {e}"))?;
+            let mut nodes = lock(&self.p2p_nodes);
+            let first = nodes
+                .entry(target.to_string())
+                .or_insert_with(|| there.clone());
+            return match *first == there {
+                true => Ok(()),
+                false => Err(format!(
+                    "session {target:?} was node {first:?}, and {peer} is now node {there:?}"
+                )),
+            };
         }
         match stale_entry(self.engine(), target, peer) {
             Ok(None) => Ok(()),
