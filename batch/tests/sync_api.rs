@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use quiesce_batch::sync::{Direction, SyncEngine, SyncTask};
+use quiesce_batch::sync::{Direction, SyncEngine, SyncOutcome, SyncTask};
 use quiesce_batch::{BatchOptions, FailurePolicy, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_transports::EngineConfig;
 
@@ -73,20 +73,7 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
     );
 
     // A frozen target and no grace: the outcome is unknown, with a ticket.
-    // Writes 4 MiB of `fill` to a target frozen for 300 ms, with no grace.
-    let frozen_write = |fill: u8| {
-        t.stall(Duration::from_millis(300));
-        let opts = BatchOptions::default()
-            .deadline(Duration::from_millis(20))
-            .fence_grace(Duration::ZERO);
-        let task = SyncTask {
-            segment: kv,
-            offset: 0,
-            buf: vec![fill; 4 << 20],
-        };
-        e.batch(Direction::Write, vec![task], opts).unwrap()
-    };
-    let out = frozen_write(3);
+    let out = frozen_write(&e, &t, kv, 3);
     assert_eq!(out.code, SYNC_UNKNOWN);
     assert!(out.buffers.is_none(), "-2 keeps the buffers");
     let ticket = out.ticket.unwrap();
@@ -103,7 +90,7 @@ fn sync_codes_0_minus_1_and_minus_2_with_a_ticket() {
 
     // Stopping with a -2 batch still out: stop cancels it and returns only
     // once its operations are reaped, and says so.
-    let out = frozen_write(4);
+    let out = frozen_write(&e, &t, kv, 4);
     assert_eq!(out.code, SYNC_UNKNOWN);
     assert_eq!(e.stop(), Ok(()), "stop drains the outstanding batch");
 }
@@ -119,16 +106,7 @@ fn a_ticket_of_one_engine_is_unknown_to_another() {
     let b = SyncEngine::start(EngineConfig::default()).unwrap();
     let frozen_write = |e: &SyncEngine, t: &Target| {
         let kv = e.open(t.addr, "kv", t.kv).unwrap();
-        t.stall(Duration::from_millis(500));
-        let opts = BatchOptions::default()
-            .deadline(Duration::from_millis(20))
-            .fence_grace(Duration::ZERO);
-        let task = SyncTask {
-            segment: kv,
-            offset: 0,
-            buf: vec![7u8; 4 << 20],
-        };
-        let out = e.batch(Direction::Write, vec![task], opts).unwrap();
+        let out = frozen_write(e, t, kv, 7);
         assert_eq!(out.code, SYNC_UNKNOWN);
         out.ticket.unwrap()
     };
@@ -143,6 +121,21 @@ fn a_ticket_of_one_engine_is_unknown_to_another() {
         let out = e.wait::<Vec<u8>>(t, Duration::from_secs(10)).unwrap();
         assert!(out.is_some_and(|o| o.code != SYNC_UNKNOWN));
     }
+}
+
+/// Writes 4 MiB of `fill` to `kv` at `t`, frozen for 300 ms, with a 20 ms
+/// deadline and no grace: the outcome is unknown, with a ticket.
+fn frozen_write(e: &SyncEngine, t: &Target, kv: u32, fill: u8) -> SyncOutcome<Vec<u8>> {
+    t.stall(Duration::from_millis(300));
+    let opts = BatchOptions::default()
+        .deadline(Duration::from_millis(20))
+        .fence_grace(Duration::ZERO);
+    let task = SyncTask {
+        segment: kv,
+        offset: 0,
+        buf: vec![fill; 4 << 20],
+    };
+    e.batch(Direction::Write, vec![task], opts).unwrap()
 }
 
 /// Where cargo put the cdylib: next to this test binary (target/<profile>/deps)
@@ -302,16 +295,7 @@ fn a_ticket_outliving_its_engine_thread_stays_unknown() {
     let e = SyncEngine::start(EngineConfig::default()).unwrap();
     e.caller_lanes(false);
     let kv = e.open(t.addr, "kv", t.kv).unwrap();
-    t.stall(Duration::from_millis(300));
-    let opts = BatchOptions::default()
-        .deadline(Duration::from_millis(20))
-        .fence_grace(Duration::ZERO);
-    let task = SyncTask {
-        segment: kv,
-        offset: 0,
-        buf: vec![5u8; 4 << 20],
-    };
-    let out = e.batch(Direction::Write, vec![task], opts).unwrap();
+    let out = frozen_write(&e, &t, kv, 5);
     assert_eq!(out.code, SYNC_UNKNOWN);
     let ticket = out.ticket.unwrap();
     let task = SyncTask {

@@ -55,6 +55,22 @@ fn segment(node: &str, name: &str, id: u64, len: u64) -> SegmentRecord {
     }
 }
 
+/// Puts `entries` straight into etcd, as a foreign or hostile writer would.
+fn put_raw(e: &LocalEtcd, entries: impl IntoIterator<Item = (String, Vec<u8>)>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = etcd_client::Client::connect([e.endpoint()], None)
+            .await
+            .unwrap();
+        for (k, v) in entries {
+            c.put(k, v, None).await.unwrap();
+        }
+    });
+}
+
 fn wait_for(rx: &Receiver<Change>, within: Duration, want: impl Fn(&Change) -> bool) -> bool {
     let end = Instant::now() + within;
     while let Some(left) = end.checked_duration_since(Instant::now()) {
@@ -348,24 +364,15 @@ fn bad_names_urls_and_foreign_entries_are_refused() {
     ));
     assert!(matches!(d.resolve(""), Err(DirectoryError::BadName(_))));
     // A hostile or foreign writer under the prefix: ignored, never served.
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let mut c = etcd_client::Client::connect([e.endpoint()], None)
-            .await
-            .unwrap();
-        c.put("bad/nodes/evil", "addr=not an address\n", None)
-            .await
-            .unwrap();
-        c.put("bad/nodes/ok", "addr=127.0.0.1:9\nfabric=tcp\n", None)
-            .await
-            .unwrap();
-        c.put("bad/segments/ok/kv", "len=\u{1}", None)
-            .await
-            .unwrap();
-    });
+    put_raw(
+        &e,
+        [
+            ("bad/nodes/evil", "addr=not an address\n"),
+            ("bad/nodes/ok", "addr=127.0.0.1:9\nfabric=tcp\n"),
+            ("bad/segments/ok/kv", "len=\u{1}"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())),
+    );
     assert!(matches!(
         d.resolve("evil"),
         Err(DirectoryError::Malformed(_))
@@ -374,20 +381,13 @@ fn bad_names_urls_and_foreign_entries_are_refused() {
     assert!(d.segments("ok").unwrap().is_empty());
     // A value that does not decode, written over a good one, takes the old
     // entry with it (the watch saw it): the old address is not the answer.
-    rt.block_on(async {
-        let mut c = etcd_client::Client::connect([e.endpoint()], None)
-            .await
-            .unwrap();
-        c.put(
-            "bad/nodes/ok",
-            "addr=host.example:7000
-fabric=tcp
-",
-            None,
-        )
-        .await
-        .unwrap();
-    });
+    put_raw(
+        &e,
+        [(
+            "bad/nodes/ok".to_string(),
+            b"addr=host.example:7000\nfabric=tcp\n".to_vec(),
+        )],
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while d.resolve("ok").is_ok_and(|r| r.addr.port() == 9) {
         assert!(
@@ -474,22 +474,13 @@ fn a_node_with_thousands_of_segments_comes_back_after_etcd_restarts() {
 #[test]
 fn a_directory_larger_than_one_reply_is_read_in_pages() {
     let Some(e) = etcd() else { return };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let mut c = etcd_client::Client::connect([e.endpoint()], None)
-            .await
-            .unwrap();
-        for i in 0..3 {
-            for under in ["junk", "segments/a"] {
-                c.put(format!("big/{under}/zz-{i}"), vec![b'x'; 1_400_000], None)
-                    .await
-                    .unwrap();
-            }
-        }
-    });
+    put_raw(
+        &e,
+        (0..3).flat_map(|i| {
+            ["junk", "segments/a"]
+                .map(|under| (format!("big/{under}/zz-{i}"), vec![b'x'; 1_400_000]))
+        }),
+    );
     let a = directory(&e, "big");
     a.publish_node(&node("a", 7101)).unwrap();
     a.publish_segment(&segment("a", "kv", 1, 4096)).unwrap();
