@@ -140,7 +140,10 @@ pub(crate) struct ManagedBuffers {
     /// registration lives (`count` is not 0), so this only falls then.
     /// With `count`, a store-then-load pair on each side (sequentially
     /// consistent): a batch and a registration that start at once do not
-    /// both miss the other.
+    /// both miss the other. One lost with its uses (a -2 with nothing to
+    /// wait on) stays counted for good, and every registration made after
+    /// it then stays in use: that batch's memory is not known, and it may
+    /// still be touched.
     unaccounted: AtomicUsize,
 }
 
@@ -362,6 +365,11 @@ impl ManagedBuffers {
         &self,
         locals: impl Iterator<Item = (usize, usize)>,
     ) -> Result<Uses, usize> {
+        let mut locals = locals.peekable();
+        if locals.peek().is_none() {
+            // Nothing to count, nor to wait for.
+            return Ok(Uses::default());
+        }
         if self.count.load(Ordering::SeqCst) == 0 {
             // Counted before looking again (see `unaccounted`).
             self.unaccounted.fetch_add(1, Ordering::SeqCst);
@@ -623,5 +631,9 @@ mod tests {
         m.release(early);
         assert!(m.wait_unused(a, wait), "another range's batch counted");
         m.release(elsewhere);
+        // A batch of no ranges counts nothing and keeps nothing.
+        let none = m.take_uses(std::iter::empty()).unwrap();
+        assert!(none.flight.is_none() && !none.unaccounted);
+        assert!(m.live.lock().unwrap().flights.is_empty());
     }
 }

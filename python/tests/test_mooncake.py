@@ -572,6 +572,24 @@ def test_another_node_at_a_p2p_sessions_address_is_not_that_session(peer_factory
     assert b.count(addr_b, 4096, 3) == 0, "the write reached another node"
 
 
+@pytest.mark.parametrize("registered_before", [False, True])
+def test_a_batch_of_no_entries_leaves_nothing_counted(peer_factory, local, registered_before):
+    """A batch with nothing to move (no entries, as vLLM's sender makes)
+    ends at once and holds nothing: memory registered afterwards is
+    unregistered at once, whatever was registered before."""
+    target = peer_factory(MiB)
+    e = engine()
+    if registered_before:
+        assert e.register_memory(local.buffer(4096, 1), 4096) == 0
+    buf = local.buffer(4096, 2)
+    for _ in range(3):
+        assert e.batch_transfer_sync_write(target.session, [], [], []) == 0
+    assert e.register_memory(buf, 4096) == 0
+    started = time.monotonic()
+    assert e.unregister_memory(buf) == 0
+    assert time.monotonic() - started < 5
+
+
 def test_the_deadline_grows_with_the_batch_size(peer_factory, local, monkeypatch):
     """As Mooncake's, a batch's deadline is MC_TRANSFER_TIMEOUT plus a
     nanosecond per byte, so a large read at start-up is not cut at the

@@ -494,6 +494,7 @@ impl Node {
             Err(e) => return complain(&format!("transfer: {e}")),
         };
         if p.tasks.is_empty() {
+            self.managed.release(p.uses);
             return SYNC_OK;
         }
         let opts = self.options_for(&p);
