@@ -9,10 +9,11 @@
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
+use std::mem::ManuallyDrop;
 use std::net::ToSocketAddrs;
 use std::ops::Deref;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use quiesce_runtime::{IoBuf, IoBufMut};
@@ -68,40 +69,62 @@ unsafe impl IoBufMut for RawBuf {
     unsafe fn set_init(&mut self, _pos: usize) {}
 }
 
-/// An engine handle for C.
+/// An engine handle for C. Its engine goes with the last hold on it (see
+/// [`QuiesceEngine::users`]); the handle itself, a few words, is never
+/// freed, so that a call racing the stop finds it stopped instead of
+/// reading freed memory.
 pub struct QuiesceEngine {
+    live: ManuallyDrop<EngineParts>,
+    /// The handle's own hold until `quiesce_engine_stop`, and one for each
+    /// call in it now; [`STOPPED`] once the last was given back and the
+    /// engine dropped. A call that a stop cut off still has its engine
+    /// while it answers.
+    users: AtomicUsize,
+    /// A stop took the handle's own hold (once: a second stop gives back
+    /// nothing).
+    stopping: AtomicBool,
+}
+
+/// What a handle's engine is, dropped with its last hold.
+struct EngineParts {
     engine: SyncEngine,
     /// The check that each task's buffer is memory this process may read
     /// and write (not a device pointer) before the engine touches it.
     host: HostRanges,
-    /// The handle itself until `quiesce_engine_stop`, and each call in it
-    /// now: the last of them frees it, so a call that a stop cut off
-    /// still has its engine while it answers.
-    users: AtomicUsize,
 }
+
+/// [`QuiesceEngine::users`] of a handle whose engine is gone (and above:
+/// calls that found it so).
+const STOPPED: usize = usize::MAX / 2;
 
 /// A call's hold on an engine handle (see [`QuiesceEngine::users`]).
 struct Hold(NonNull<QuiesceEngine>);
 
 impl Hold {
+    /// `None` for null, or for a handle whose engine has stopped.
+    ///
     /// # Safety
-    /// `e` is null or a handle from `quiesce_engine_start` not yet stopped
-    /// when the call began.
+    /// `e` is null or a handle from `quiesce_engine_start`.
     unsafe fn new(e: *mut QuiesceEngine) -> Option<Hold> {
         let p = NonNull::new(e)?;
-        // SAFETY: a live handle (the caller's guarantee): its own hold is
-        // not given back before this call's.
-        unsafe { p.as_ref() }.users.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: handles are never freed; `users` is only ever used
+        // atomically.
+        let users = unsafe { &p.as_ref().users };
+        if users.fetch_add(1, Ordering::AcqRel) >= STOPPED {
+            // Its engine went with the last hold; nothing else is touched.
+            return None;
+        }
         Some(Hold(p))
     }
 }
 
 impl Deref for Hold {
-    type Target = QuiesceEngine;
+    type Target = EngineParts;
 
-    fn deref(&self) -> &QuiesceEngine {
-        // SAFETY: held: not freed before this hold is given back.
-        unsafe { self.0.as_ref() }
+    fn deref(&self) -> &EngineParts {
+        // SAFETY: held: the engine is dropped only by the last hold, after
+        // this one is given back.
+        unsafe { &self.0.as_ref().live }
     }
 }
 
@@ -111,14 +134,25 @@ impl Drop for Hold {
     }
 }
 
-/// Gives back one hold on `e`; the last one frees it.
+/// Gives back one hold on `e`; the last one drops its engine. The move to
+/// [`STOPPED`] is made only from exactly one hold, so no call can take a
+/// hold between the last one's release and the drop.
 fn let_go(e: NonNull<QuiesceEngine>) {
-    // SAFETY: still held by the hold given back here.
-    if unsafe { e.as_ref() }.users.fetch_sub(1, Ordering::AcqRel) == 1 {
-        // SAFETY: the last hold: from Box::into_raw in quiesce_engine_start,
-        // and nothing else refers to it any more.
-        drop(unsafe { Box::from_raw(e.as_ptr()) });
+    // SAFETY: handles are never freed; `users` is only used atomically.
+    let users = unsafe { &e.as_ref().users };
+    let mut n = users.load(Ordering::Acquire);
+    loop {
+        let to = if n == 1 { STOPPED } else { n - 1 };
+        match users.compare_exchange(n, to, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) if to == STOPPED => break,
+            Ok(_) => return,
+            Err(now) => n = now,
+        }
     }
+    // SAFETY: the last hold: no call holds the engine (a new one finds
+    // `STOPPED` and leaves `live` alone), and only the `live` field is
+    // borrowed mutably, not `users`, which late calls may still touch.
+    unsafe { ManuallyDrop::drop(&mut *std::ptr::addr_of_mut!((*e.as_ptr()).live)) };
 }
 
 /// One task of a C batch.
@@ -246,9 +280,12 @@ pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut Quies
     }
     match SyncEngine::start(cfg) {
         Ok(engine) => Box::into_raw(Box::new(QuiesceEngine {
-            engine,
-            host: HostRanges::new(),
+            live: ManuallyDrop::new(EngineParts {
+                engine,
+                host: HostRanges::new(),
+            }),
             users: AtomicUsize::new(1),
+            stopping: AtomicBool::new(false),
         })),
         Err(e) => {
             set_error(e);
@@ -262,17 +299,25 @@ pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut Quies
 /// 0. -2 if the drain timed out: some memory lent to this engine may still
 /// be touched, and none of it may ever be freed or reused. -3 for null.
 /// A call in flight on another thread answers -1 if the drain reaped its
-/// batch, -2 if it did not; the handle is freed once it has returned.
+/// batch, -2 if it did not; the engine goes once it has returned. A call
+/// on the handle afterwards (or a second stop) answers -3: the handle's
+/// few words are never freed.
 ///
 /// # Safety
-/// `e` came from `quiesce_engine_start` and is not used by calls that
-/// begin afterwards.
+/// `e` came from `quiesce_engine_start`.
 #[no_mangle]
 pub unsafe extern "C" fn quiesce_engine_stop(e: *mut QuiesceEngine) -> i32 {
     // SAFETY: the caller passes a live engine or null.
     let Some(engine) = (unsafe { Hold::new(e) }) else {
-        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
+        return fail(SYNC_UNKNOWN_HANDLE, "null or stopped engine");
     };
+    // SAFETY: handles are never freed; `stopping` is only used atomically.
+    if unsafe { engine.0.as_ref() }
+        .stopping
+        .swap(true, Ordering::AcqRel)
+    {
+        return fail(SYNC_UNKNOWN_HANDLE, "engine stopped already");
+    }
     let stopped = engine.engine.halt();
     // The handle's own hold; the engine goes with the last call's.
     let_go(engine.0);
@@ -313,7 +358,7 @@ pub unsafe extern "C" fn quiesce_open(
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
     let Some(engine) = (unsafe { Hold::new(e) }) else {
-        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
+        return fail(SYNC_UNKNOWN_HANDLE, "null or stopped engine");
     };
     // SAFETY: the caller passes NUL-terminated strings (or null, refused).
     let texts = unsafe { (text(addr, "addr"), text(name, "name"), text(token, "token")) };
@@ -404,7 +449,7 @@ unsafe fn batch(
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
     let Some(engine) = (unsafe { Hold::new(e) }) else {
-        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
+        return fail(SYNC_UNKNOWN_HANDLE, "null or stopped engine");
     };
     if tasks.is_null() || n == 0 {
         return set_error("no tasks");
@@ -544,7 +589,7 @@ pub unsafe extern "C" fn quiesce_ticket_wait(
 ) -> i32 {
     // SAFETY: the caller passes a live engine or null.
     let Some(engine) = (unsafe { Hold::new(e) }) else {
-        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
+        return fail(SYNC_UNKNOWN_HANDLE, "null or stopped engine");
     };
     match engine
         .engine

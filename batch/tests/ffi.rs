@@ -11,7 +11,7 @@ use quiesce_batch::ffi::{
     quiesce_last_error, quiesce_open, quiesce_transfer_sync_read, quiesce_transfer_sync_write,
     QuiesceEngine, QuiesceTask,
 };
-use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN, SYNC_UNKNOWN_HANDLE};
 
 mod common;
 
@@ -174,4 +174,32 @@ fn a_task_count_no_array_can_hold_is_refused() {
     }
     // SAFETY: started above, no call in flight.
     assert_eq!(unsafe { quiesce_engine_stop(e) }, SYNC_OK);
+}
+
+/// After the stop, the handle still answers: a call on it, or a second
+/// stop, is -3 (its engine went with the stop; the handle's few words are
+/// never freed, so a call racing the stop reads no freed memory).
+#[test]
+fn calls_after_the_stop_answer_minus_three() {
+    // SAFETY: a null node name is allowed.
+    let e = unsafe { quiesce_engine_start(std::ptr::null()) };
+    assert!(!e.is_null());
+    // SAFETY: started above, no call in flight.
+    assert_eq!(unsafe { quiesce_engine_stop(e) }, SYNC_OK);
+    let buf = [0u8; 16];
+    // SAFETY: a stopped handle, which stays valid; a readable buffer.
+    let rc = unsafe {
+        quiesce_transfer_sync_write(
+            e,
+            0,
+            0,
+            buf.as_ptr().cast(),
+            16,
+            std::ptr::null(),
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, SYNC_UNKNOWN_HANDLE, "{}", last_error());
+    // SAFETY: as above.
+    assert_eq!(unsafe { quiesce_engine_stop(e) }, SYNC_UNKNOWN_HANDLE);
 }
