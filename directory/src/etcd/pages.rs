@@ -14,7 +14,7 @@ const PAGE: i64 = 128;
 /// The largest reply the directory's reads decode.
 pub(super) const REPLY_LIMIT: usize = 256 << 20;
 
-/// Every entry under `prefix` at one revision, oldest key first, and that
+/// Every entry under `prefix` at one revision, in key order, and that
 /// revision.
 pub(super) async fn read_prefix(
     client: &Client,

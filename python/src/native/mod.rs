@@ -398,6 +398,13 @@ impl NativeEngine {
                 self.core.settle(py, &out, held);
                 Ok(report(&out))
             }
+            // Cut off by a stop whose drain left operations live (not
+            // reachable while `close` waits for the calls in flight): the
+            // memory may still be touched, and is kept for good.
+            Err(e @ SyncError::Undrained(_)) => {
+                drop(held);
+                Err(from_sync(py, &e))
+            }
             // Nothing started, or the engine stopped, after its runtime
             // reaped every operation: the memory is free to go.
             Err(e) => {

@@ -36,13 +36,23 @@ struct PeerState {
     /// naming a later connection).
     hooked: RefCell<Weak<Conn>>,
     /// Queue pairs of the target's that a fence reset before their link
-    /// was installed (its ack read first): the link set up on one is
-    /// retired as it is installed. The last [`RACED_KEPT`].
-    raced: RefCell<Vec<u32>>,
+    /// was installed (its ack read first), with the control connection the
+    /// ack came on and the fenced batch: the link set up on one, on that
+    /// connection, is retired as it is installed. The last [`RACED_KEPT`].
+    raced: RefCell<Vec<Raced>>,
 }
 
 /// Raced resets a peer remembers.
 const RACED_KEPT: usize = 8;
+
+/// A reset a fence's ack named before its link was installed.
+#[derive(Clone, Copy)]
+struct Raced {
+    remote_qpn: u32,
+    /// The control connection's identity (as [`Link::conn`]).
+    conn: usize,
+    batch: u64,
+}
 
 /// What the next link set-up of this thread does right after the target's
 /// `QpAccept`, before the link is installed ([`after_next_qp_accept`]).
@@ -265,9 +275,13 @@ impl RdmaPeer {
         // A fence acknowledged before this link was installed reset the
         // target's queue pair it points at.
         let mut raced = self.inner.raced.borrow_mut();
-        if let Some(i) = raced.iter().position(|&q| q == remote.qpn) {
-            raced.swap_remove(i);
-            link.fence(None);
+        let at = link.conn;
+        if let Some(i) = raced
+            .iter()
+            .position(|r| r.remote_qpn == remote.qpn && r.conn == at)
+        {
+            let r = raced.swap_remove(i);
+            link.fence(Some(r.batch));
         }
         drop(raced);
         tracing::debug!(peer = %self.addr(), qpn = local.qpn, remote_qpn = remote.qpn, "queue pair connected");
@@ -312,11 +326,23 @@ impl RdmaPeer {
             // One still being set up (its accept not handled yet) is
             // retired as it is installed.
             _ if reset != 0 => {
+                let conn = self.inner.tcp.live_control();
                 let mut raced = self.inner.raced.borrow_mut();
+                // Those of earlier connections can name no link any more.
+                raced.retain(|r| {
+                    conn.as_ref()
+                        .is_some_and(|c| Rc::as_ptr(c) as usize == r.conn)
+                });
                 if raced.len() == RACED_KEPT {
                     raced.remove(0);
                 }
-                raced.push(reset as u32);
+                if let Some(c) = conn {
+                    raced.push(Raced {
+                        remote_qpn: reset as u32,
+                        conn: Rc::as_ptr(&c) as usize,
+                        batch,
+                    });
+                }
             }
             _ => {}
         }

@@ -345,7 +345,6 @@ impl Conn {
         self.on_close.borrow().len()
     }
 
-    /// Runs `f` when the connection ends (at once if it has).
     /// Kills the connection and runs its close hooks now, as its reader
     /// does when it ends: for a test fault, the close read in one piece
     /// with the answer before it.
@@ -355,6 +354,7 @@ impl Conn {
         hooks.into_iter().for_each(|f| f());
     }
 
+    /// Runs `f` when the connection ends (at once if it has).
     pub(crate) fn on_close(&self, f: impl FnOnce() + 'static) {
         if self.is_dead() {
             f();
