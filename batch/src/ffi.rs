@@ -69,8 +69,8 @@ unsafe impl IoBufMut for RawBuf {
     unsafe fn set_init(&mut self, _pos: usize) {}
 }
 
-/// An engine handle for C. Its engine goes with the last hold on it (see
-/// [`QuiesceEngine::users`]); the handle itself, a few words, is never
+/// An engine handle for C. Its engine goes with the last hold on it (the
+/// handle's own and its calls'); the handle itself, a few words, is never
 /// freed, so that a call racing the stop finds it stopped instead of
 /// reading freed memory.
 pub struct QuiesceEngine {
