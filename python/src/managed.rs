@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
+use slab::Slab;
 use smallvec::SmallVec;
 
 use crate::node::lock;
@@ -79,10 +80,9 @@ struct Live {
     longest: usize,
     /// Registrations made so far.
     generations: u64,
-    /// The batches in flight that counted their uses, by key ([`Uses`]).
-    flights: BTreeMap<u64, Flight>,
-    /// Flights started so far.
-    flights_started: u64,
+    /// The batches in flight that counted their uses, by key ([`Uses`]):
+    /// a slab, as each batch inserts and removes one.
+    flights: Slab<Flight>,
 }
 
 impl Live {
@@ -158,7 +158,7 @@ pub(crate) struct Uses {
     /// (address, generation)
     lendings: SmallVec<[(usize, u64); 2]>,
     /// Its [`Flight`]'s key, if it counted its uses.
-    flight: Option<u64>,
+    flight: Option<usize>,
     /// Counted in [`ManagedBuffers::unaccounted`] instead.
     unaccounted: bool,
 }
@@ -224,7 +224,7 @@ impl ManagedBuffers {
         let generation = live.generations;
         // Batches in flight from this memory already use it.
         let mut uses = 0;
-        for f in live.flights.values_mut() {
+        for (_, f) in live.flights.iter_mut() {
             if f.ranges
                 .iter()
                 .any(|&(a, l)| a < end && addr < a.saturating_add(l))
@@ -421,10 +421,7 @@ impl ManagedBuffers {
                 }
             }
         }
-        live.flights_started += 1;
-        let key = live.flights_started;
-        live.flights.insert(key, flight);
-        uses.flight = Some(key);
+        uses.flight = Some(live.flights.insert(flight));
         Ok(uses)
     }
 
@@ -449,7 +446,7 @@ impl ManagedBuffers {
         }
         let late = uses
             .flight
-            .and_then(|k| live.flights.remove(&k))
+            .and_then(|k| live.flights.try_remove(k))
             .map(|f| f.late)
             .unwrap_or_default();
         let lent = !uses.lendings.is_empty() || !late.is_empty();
