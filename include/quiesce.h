@@ -76,9 +76,9 @@ quiesce_engine *quiesce_engine_start(const char *node);
  * operation on memory lent to the engine has been reaped: 0. -2 if that drain
  * timed out: memory lent to this engine may still be touched and must never be
  * freed or reused. A call in flight on another thread then answers -1 if the
- * drain reaped its batch, -2 if not. The handle stays valid (a few words
- * are never freed): a call on it after the stop, or a second stop, answers
- * -3, as for a null engine. -1 in a forked child of the process
+ * drain reaped its batch, -2 if not. The handle stays valid (it is never
+ * freed): a call that begins after the stop began answers -3, as for a null
+ * engine, and a second stop answers what the first did. -1 in a forked child of the process
  * that started it (every call there is -1: the engine's thread is the
  * parent's, and nothing in the child touches the child's memory). */
 int quiesce_engine_stop(quiesce_engine *e);

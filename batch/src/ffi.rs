@@ -7,13 +7,13 @@
 //! stay valid and must not be freed, reused or touched. After 0 or -1 nothing
 //! touches it any more.
 
-use std::cell::RefCell;
+use std::cell::{RefCell, UnsafeCell};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::mem::ManuallyDrop;
 use std::net::ToSocketAddrs;
 use std::ops::Deref;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use quiesce_runtime::{IoBuf, IoBufMut};
@@ -70,19 +70,24 @@ unsafe impl IoBufMut for RawBuf {
 }
 
 /// An engine handle for C. Its engine goes with the last hold on it (the
-/// handle's own and its calls'); the handle itself, a few words, is never
-/// freed, so that a call racing the stop finds it stopped instead of
-/// reading freed memory.
+/// handle's own and its calls'); the handle itself is never freed, so that
+/// a call racing the stop finds it stopped instead of reading freed
+/// memory. No reference to the whole handle is ever made: threads reach
+/// its counts through `counts`, and its engine only through a `Hold`.
 pub struct QuiesceEngine {
-    live: ManuallyDrop<EngineParts>,
+    /// Dropped in place by the last hold.
+    live: UnsafeCell<ManuallyDrop<EngineParts>>,
     /// The handle's own hold until `quiesce_engine_stop`, and one for each
     /// call in it now; [`STOPPED`] once the last was given back and the
     /// engine dropped. A call that a stop cut off still has its engine
     /// while it answers.
     users: AtomicUsize,
-    /// A stop took the handle's own hold (once: a second stop gives back
-    /// nothing).
+    /// Set by the first stop before it stops the engine: a call that
+    /// begins afterwards answers -3.
     stopping: AtomicBool,
+    /// The first stop's answer ([`UNANSWERED`] until it has one), which a
+    /// later stop answers too.
+    stop_code: AtomicI32,
 }
 
 /// What a handle's engine is, dropped with its last hold.
@@ -93,25 +98,39 @@ struct EngineParts {
     host: HostRanges,
 }
 
-/// [`QuiesceEngine::users`] of a handle whose engine is gone (and above:
-/// calls that found it so).
+/// `users` of a handle whose engine is gone (and above: calls that found
+/// it so).
 const STOPPED: usize = usize::MAX / 2;
 
-/// A call's hold on an engine handle (see [`QuiesceEngine::users`]).
+/// `stop_code` before the first stop has its answer.
+const UNANSWERED: i32 = i32::MIN;
+
+/// The fields of handle `e` that any thread may touch, at any time.
+fn counts<'a>(e: NonNull<QuiesceEngine>) -> (&'a AtomicUsize, &'a AtomicBool, &'a AtomicI32) {
+    let e = e.as_ptr();
+    // SAFETY: handles are never freed, and these fields are only used
+    // atomically; each reference covers its own field only.
+    unsafe { (&(*e).users, &(*e).stopping, &(*e).stop_code) }
+}
+
+/// A call's hold on an engine handle (see `QuiesceEngine::users`).
 struct Hold(NonNull<QuiesceEngine>);
 
 impl Hold {
-    /// `None` for null, or for a handle whose engine has stopped.
+    /// `None` for null, or for a handle that a stop has begun to stop.
     ///
     /// # Safety
     /// `e` is null or a handle from `quiesce_engine_start`.
     unsafe fn new(e: *mut QuiesceEngine) -> Option<Hold> {
         let p = NonNull::new(e)?;
-        // SAFETY: handles are never freed; `users` is only ever used
-        // atomically.
-        let users = unsafe { &p.as_ref().users };
+        let (users, stopping, _) = counts(p);
         if users.fetch_add(1, Ordering::AcqRel) >= STOPPED {
             // Its engine went with the last hold; nothing else is touched.
+            return None;
+        }
+        if stopping.load(Ordering::Acquire) {
+            // Begun after the stop: refused (and maybe the last hold).
+            let_go(p);
             return None;
         }
         Some(Hold(p))
@@ -123,8 +142,8 @@ impl Deref for Hold {
 
     fn deref(&self) -> &EngineParts {
         // SAFETY: held: the engine is dropped only by the last hold, after
-        // this one is given back.
-        unsafe { &self.0.as_ref().live }
+        // this one is given back; nothing takes it mutably before.
+        unsafe { &*(*self.0.as_ptr()).live.get() }
     }
 }
 
@@ -138,8 +157,7 @@ impl Drop for Hold {
 /// [`STOPPED`] is made only from exactly one hold, so no call can take a
 /// hold between the last one's release and the drop.
 fn let_go(e: NonNull<QuiesceEngine>) {
-    // SAFETY: handles are never freed; `users` is only used atomically.
-    let users = unsafe { &e.as_ref().users };
+    let (users, _, _) = counts(e);
     let mut n = users.load(Ordering::Acquire);
     loop {
         let to = if n == 1 { STOPPED } else { n - 1 };
@@ -149,10 +167,10 @@ fn let_go(e: NonNull<QuiesceEngine>) {
             Err(now) => n = now,
         }
     }
-    // SAFETY: the last hold: no call holds the engine (a new one finds
-    // `STOPPED` and leaves `live` alone), and only the `live` field is
-    // borrowed mutably, not `users`, which late calls may still touch.
-    unsafe { ManuallyDrop::drop(&mut *std::ptr::addr_of_mut!((*e.as_ptr()).live)) };
+    // SAFETY: the last hold: no hold is left and none can be taken (a new
+    // one finds `STOPPED`), so nothing refers to the engine; the
+    // `UnsafeCell` is reached through the raw pointer alone.
+    unsafe { ManuallyDrop::drop(&mut *(*e.as_ptr()).live.get()) };
 }
 
 /// One task of a C batch.
@@ -280,12 +298,13 @@ pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut Quies
     }
     match SyncEngine::start(cfg) {
         Ok(engine) => Box::into_raw(Box::new(QuiesceEngine {
-            live: ManuallyDrop::new(EngineParts {
+            live: UnsafeCell::new(ManuallyDrop::new(EngineParts {
                 engine,
                 host: HostRanges::new(),
-            }),
+            })),
             users: AtomicUsize::new(1),
             stopping: AtomicBool::new(false),
+            stop_code: AtomicI32::new(UNANSWERED),
         })),
         Err(e) => {
             set_error(e);
@@ -300,34 +319,42 @@ pub unsafe extern "C" fn quiesce_engine_start(node: *const c_char) -> *mut Quies
 /// be touched, and none of it may ever be freed or reused. -3 for null.
 /// A call in flight on another thread answers -1 if the drain reaped its
 /// batch, -2 if it did not; the engine goes once it has returned. A call
-/// on the handle afterwards (or a second stop) answers -3: the handle's
-/// few words are never freed.
+/// that begins after the stop began answers -3, and a second stop what
+/// the first did (once it has): the handle is never freed.
 ///
 /// # Safety
 /// `e` came from `quiesce_engine_start`.
 #[no_mangle]
 pub unsafe extern "C" fn quiesce_engine_stop(e: *mut QuiesceEngine) -> i32 {
-    // SAFETY: the caller passes a live engine or null.
-    let Some(engine) = (unsafe { Hold::new(e) }) else {
-        return fail(SYNC_UNKNOWN_HANDLE, "null or stopped engine");
+    let Some(p) = NonNull::new(e) else {
+        return fail(SYNC_UNKNOWN_HANDLE, "null engine");
     };
-    // SAFETY: handles are never freed; `stopping` is only used atomically.
-    if unsafe { engine.0.as_ref() }
-        .stopping
-        .swap(true, Ordering::AcqRel)
-    {
-        return fail(SYNC_UNKNOWN_HANDLE, "engine stopped already");
+    let (_, stopping, stop_code) = counts(p);
+    if stopping.swap(true, Ordering::AcqRel) {
+        // Another stop has it: its answer, once its drain has one (a -2
+        // must reach this caller too, who may otherwise free memory).
+        loop {
+            match stop_code.load(Ordering::Acquire) {
+                UNANSWERED => std::thread::sleep(Duration::from_millis(1)),
+                crate::SYNC_OK => return crate::SYNC_OK,
+                code => return fail(code, "the engine was stopped by another call"),
+            }
+        }
     }
-    let stopped = engine.engine.halt();
-    // The handle's own hold; the engine goes with the last call's.
-    let_go(engine.0);
-    match stopped {
+    // SAFETY: the handle's own hold is given back only below, by this first
+    // stop: the engine is there.
+    let parts = unsafe { &*(*p.as_ptr()).live.get() };
+    let code = match parts.engine.halt() {
         Ok(()) => crate::SYNC_OK,
         // A forked child's copy: nothing in this process touches its memory
         // (the parent's engine runs on, on the parent's).
         Err(err @ crate::sync::SyncError::Forked) => fail(crate::SYNC_FAILED, err),
         Err(err) => fail(crate::SYNC_UNKNOWN, err),
-    }
+    };
+    stop_code.store(code, Ordering::Release);
+    // The handle's own hold; the engine goes with the last call's.
+    let_go(p);
+    code
 }
 
 /// # Safety
