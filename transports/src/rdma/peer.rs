@@ -46,11 +46,10 @@ struct PeerState {
 const RACED_KEPT: usize = 8;
 
 /// A reset a fence's ack named before its link was installed.
-#[derive(Clone, Copy)]
 struct Raced {
     remote_qpn: u32,
-    /// The control connection's identity (as [`Link::conn`]).
-    conn: usize,
+    /// The control connection (weak: its address names no later one).
+    conn: Weak<Conn>,
     batch: u64,
 }
 
@@ -275,10 +274,10 @@ impl RdmaPeer {
         // A fence acknowledged before this link was installed reset the
         // target's queue pair it points at.
         let mut raced = self.inner.raced.borrow_mut();
-        let at = link.conn;
+        let on = Rc::downgrade(&conn);
         if let Some(i) = raced
             .iter()
-            .position(|r| r.remote_qpn == remote.qpn && r.conn == at)
+            .position(|r| r.remote_qpn == remote.qpn && r.conn.ptr_eq(&on))
         {
             let r = raced.swap_remove(i);
             link.fence(Some(r.batch));
@@ -331,7 +330,7 @@ impl RdmaPeer {
                 // Those of earlier connections can name no link any more.
                 raced.retain(|r| {
                     conn.as_ref()
-                        .is_some_and(|c| Rc::as_ptr(c) as usize == r.conn)
+                        .is_some_and(|c| r.conn.ptr_eq(&Rc::downgrade(c)))
                 });
                 if raced.len() == RACED_KEPT {
                     raced.remove(0);
@@ -339,7 +338,7 @@ impl RdmaPeer {
                 if let Some(c) = conn {
                     raced.push(Raced {
                         remote_qpn: reset as u32,
-                        conn: Rc::as_ptr(&c) as usize,
+                        conn: Rc::downgrade(&c),
                         batch,
                     });
                 }
