@@ -156,7 +156,8 @@ def test_a_record_made_just_before_exit_is_not_lost():
         env=dict(os.environ, QUIESCE_LOG="warn"),
     )
     assert out.returncode == 0, out.stderr
-    assert "no registered memory" in out.stderr, out.stderr
+    # The record: no node answers at that P2P session's address.
+    assert "Connection refused" in out.stderr, out.stderr
 
 
 LEVELS_CODE = """
