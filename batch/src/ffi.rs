@@ -167,9 +167,10 @@ fn let_go(e: NonNull<QuiesceEngine>) {
             Err(now) => n = now,
         }
     }
-    // SAFETY: the last hold: no hold is left and none can be taken (a new
-    // one finds `STOPPED`), so nothing refers to the engine; the
-    // `UnsafeCell` is reached through the raw pointer alone.
+    // The last hold: none is left and none can be taken (a new one finds
+    // `STOPPED`), so nothing refers to the engine.
+    // SAFETY: so this is the only reference to `live`, and it is made
+    // through the raw pointer and the `UnsafeCell` alone.
     unsafe { ManuallyDrop::drop(&mut *(*e.as_ptr()).live.get()) };
 }
 

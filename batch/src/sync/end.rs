@@ -65,13 +65,18 @@ impl ThreadEnd {
         }
     }
 
+    /// How the drain went, as a stop answers it.
+    fn drained(&self, gone: impl Fn() -> bool) -> Result<(), SyncError> {
+        match self.wait(gone) {
+            0 => Ok(()),
+            live => Err(SyncError::Undrained(live)),
+        }
+    }
+
     /// What a call cut off by the engine's end answers: `Stopped` (-1) if
     /// the drain reaped every operation, else `Undrained` (-2).
     pub(super) fn cut_off(&self, gone: impl Fn() -> bool) -> SyncError {
-        match self.wait(gone) {
-            0 => SyncError::Stopped,
-            live => SyncError::Undrained(live),
-        }
+        self.drained(gone).err().unwrap_or(SyncError::Stopped)
     }
 }
 
@@ -98,10 +103,7 @@ impl SyncEngine {
             // Wakes the loop, which ends after this job.
             let _ = jobs.send(Box::new(|_: &State| {}));
         }
-        match self.end.wait(|| self.finished()) {
-            0 => Ok(()),
-            live => Err(SyncError::Undrained(live)),
-        }
+        self.end.drained(|| self.finished())
     }
 
     fn join(&mut self) -> Result<(), SyncError> {
@@ -118,10 +120,10 @@ impl SyncEngine {
         // Closing the job channel stops the loop; the runtime then drains.
         drop(self.jobs.take());
         match self.thread.take().map(thread::JoinHandle::join) {
-            None | Some(Ok(0)) => Ok(()),
-            Some(Ok(live)) => Err(SyncError::Undrained(live)),
-            // The thread died past the runtime's drain: nothing says it reaped.
-            Some(Err(_)) => Err(SyncError::Undrained(usize::MAX)),
+            None => Ok(()),
+            // Ended: its record, or (it died before making one) nothing
+            // says it reaped.
+            Some(_) => self.end.drained(|| true),
         }
     }
 }

@@ -189,9 +189,10 @@ pub struct SyncEngine {
     spin: Duration,
     /// Each lent range (by address) and where it stands.
     released: std::sync::Mutex<HashMap<u64, memory::Lending>>,
-    /// Answers how the runtime's shutdown went (ops still live after it).
-    thread: Option<thread::JoinHandle<usize>>,
-    /// A stop from any thread, and the thread's record of its drain.
+    /// The engine's thread.
+    thread: Option<thread::JoinHandle<()>>,
+    /// A stop from any thread, and the thread's record of how its
+    /// runtime's shutdown went (ops still live after it).
     end: Arc<ThreadEnd>,
     /// Small batches run on their callers' threads ([`lane`]).
     lanes: Arc<Lanes>,
@@ -299,7 +300,8 @@ impl SyncEngine {
                     Ok(rt) => rt,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e.to_string()));
-                        return 0;
+                        end_st.record(0);
+                        return;
                     }
                 };
                 let end_loop = end_st.clone();
@@ -339,7 +341,6 @@ impl SyncEngine {
                     Ok(()) => 0,
                 };
                 end_st.record(live);
-                live
             })
             .map_err(|e| SyncError::Setup(e.to_string()))?;
         match ready_rx.recv() {

@@ -52,6 +52,13 @@ impl BatchState {
     fn needed(&self) -> bool {
         !self.writes.is_empty() || (self.fenced && !self.carriers.is_empty())
     }
+
+    /// Connection `conn` carries nothing more of the batch; whether it was
+    /// a carrier.
+    fn uncarry(&mut self, conn: usize) -> bool {
+        let i = self.carriers.iter().position(|&c| c == conn);
+        i.map(|i| self.carriers.swap_remove(i)).is_some()
+    }
 }
 
 /// One entry of the index: a key, its hash (kept, so that neither growing
@@ -298,8 +305,7 @@ impl FenceTable {
             return;
         };
         let st = &mut t.states[slot];
-        if let Some(i) = st.carriers.iter().position(|&c| c == conn) {
-            st.carriers.swap_remove(i);
+        if st.uncarry(conn) {
             t.carried -= 1;
         }
         if !t.states[slot].needed() {
@@ -311,9 +317,7 @@ impl FenceTable {
     /// (Only fenced entries have carriers.)
     pub(crate) fn closed(&self, session: u64, conn: usize) {
         self.inner.borrow_mut().sweep_fenced(session, |st| {
-            if let Some(i) = st.carriers.iter().position(|&c| c == conn) {
-                st.carriers.swap_remove(i);
-            }
+            st.uncarry(conn);
             st.needed()
         });
     }

@@ -274,10 +274,9 @@ impl RdmaPeer {
         // A fence acknowledged before this link was installed reset the
         // target's queue pair it points at.
         let mut raced = self.inner.raced.borrow_mut();
-        let on = Rc::downgrade(&conn);
         if let Some(i) = raced
             .iter()
-            .position(|r| r.remote_qpn == remote.qpn && r.conn.ptr_eq(&on))
+            .position(|r| r.remote_qpn == remote.qpn && r.conn.as_ptr() == Rc::as_ptr(&conn))
         {
             let r = raced.swap_remove(i);
             link.fence(Some(r.batch));
@@ -330,7 +329,7 @@ impl RdmaPeer {
                 // Those of earlier connections can name no link any more.
                 raced.retain(|r| {
                     conn.as_ref()
-                        .is_some_and(|c| r.conn.ptr_eq(&Rc::downgrade(c)))
+                        .is_some_and(|c| r.conn.as_ptr() == Rc::as_ptr(c))
                 });
                 if raced.len() == RACED_KEPT {
                     raced.remove(0);
