@@ -54,6 +54,35 @@ def test_a_finished_async_batch_does_not_hold_its_range_until_its_status_is_read
     assert target.count(a, MiB, 0x24) == MiB
 
 
+def test_a_drained_async_minus_two_does_not_hold_its_range_until_its_status_is_read(
+    peer_factory, local, monkeypatch
+):
+    """An asynchronous batch that gave -2 (its target stopped past the
+    deadline) and drained since (the target resumed) touches nothing any
+    more: unregister_memory of its source answers 0 without a status call
+    first, and the status call after it reports the drained outcome."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    target = peer_factory(64 * MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    src = local.buffer(64 * MiB, 0x25)
+    assert e.register_memory(src, 64 * MiB) == 0
+    assert e.transfer_sync_write(target.session, src, a, 4096) == 0
+    target.signal(signal.SIGSTOP)
+    bid = e.batch_transfer_async_write(target.session, [src], [a], [64 * MiB])
+    assert bid != 0
+    # Past the 5 s deadline and the fence's grace: the batch has said -2,
+    # and nobody asked.
+    time.sleep(8)
+    target.signal(signal.SIGCONT)
+    time.sleep(1)
+    t0 = time.monotonic()
+    assert e.unregister_memory(src) == 0
+    assert time.monotonic() - t0 < 10, "waited for a -2 batch that had drained"
+    assert e.get_batch_transfer_status([bid]) in (0, -1)
+    assert e.wait_for_quiescence(0) == 0
+
+
 def test_async_batches_and_their_status(peer_factory, local):
     target = peer_factory(4 * MiB)
     (a, _) = target.regions[0]

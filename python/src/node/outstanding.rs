@@ -267,16 +267,24 @@ impl Node {
 
     /// Gives back the uses of the asynchronous batches that finished (0 or
     /// -1) but whose status nobody has read yet; their outcomes stay for
-    /// the status call. (A -2 keeps its uses until it drained.)
+    /// the status call. A -2 keeps its uses until it drained: one that has
+    /// drained by now gives them back too, and its drained outcome (0 or
+    /// -1) replaces the -2 for the status call, as a status call that waited
+    /// it out would report (its ticket is answered once).
     pub(crate) fn release_finished(&self) {
         let mut all = lock(&self.outstanding);
         for o in all.values_mut() {
             let Some(rx) = o.outcome.as_ref() else {
                 continue;
             };
-            let Ok(out) = rx.try_recv() else {
+            let Ok(mut out) = rx.try_recv() else {
                 continue;
             };
+            if let (SYNC_UNKNOWN, Some(ticket)) = (out.code, out.ticket) {
+                if let Ok(Some(drained)) = self.engine().poll::<RawBuf>(ticket) {
+                    out = drained;
+                }
+            }
             if out.code != SYNC_UNKNOWN {
                 self.managed.release(std::mem::take(&mut o.uses));
             }
