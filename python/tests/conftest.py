@@ -229,3 +229,23 @@ def runs_ok(code, n, timeout, quiesce_log=None):
     except subprocess.TimeoutExpired:
         raise AssertionError(f"hung: no answer in {timeout} s")
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def resizable(buf: bytearray) -> bool:
+    """Whether nothing holds an export of ``buf`` (a held buffer cannot be resized)."""
+    try:
+        buf.append(0)
+    except BufferError:
+        return False
+    buf.pop()
+    return True
+
+
+@pytest.fixture
+def eng():
+    """A native quiesce.Engine with the tests' shared secret, closed after."""
+    import quiesce
+
+    e = quiesce.Engine(secret=SECRET)
+    yield e
+    e.close()

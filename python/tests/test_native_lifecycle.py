@@ -1,0 +1,300 @@
+"""quiesce.Engine, the native API, across its end: closing an engine with
+batches in flight or calls waiting, and CompletionUnknown tickets that
+outlive a sweep, a Ctrl-C or the engine."""
+
+import asyncio
+import signal
+import threading
+import time
+
+import pytest
+
+import quiesce
+from conftest import SECRET, resizable
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("local", ["off", "auto"])
+def test_close_answers_batches_in_flight(native_peer, monkeypatch, local):
+    """close() answers a batch in flight to a stopped target. Over TCP it
+    drains (the kernel copied the bytes): True, and the buffer is the
+    caller's. On this host (auto: the local transport) the target's own
+    process reads the buffer, and a stopped one may still: close() says
+    False and the buffer stays held for good (it said True and let it go)."""
+    monkeypatch.setenv("QUIESCE_LOCAL", local)
+    t = native_peer(kv=64 * MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+    src = bytearray(64 * MiB)
+
+    async def main():
+        b = e.batch(deadline=60.0)
+        b.write(src, kv)
+        task = asyncio.ensure_future(b.run_async())
+        await asyncio.sleep(0.1)
+        assert e.close() == (local == "off")
+        try:
+            return await asyncio.wait_for(task, 10)
+        except quiesce.EngineClosed as err:
+            return err
+
+    got = asyncio.run(main())
+    assert isinstance(got, (quiesce.EngineClosed, quiesce.Failed)), got
+    if local == "off":
+        assert resizable(src), "closed and drained, yet the buffer is held"
+    else:
+        assert not resizable(src), "let go while the stopped target can still read it"
+    if isinstance(got, quiesce.EngineClosed):
+        # The exception says which: a caller must not reuse held buffers.
+        assert got.buffers_held == (local != "off"), (got, got.buffers_held)
+    # So does the closed engine: nothing it held for good comes back.
+    assert e.wait_for_quiescence(0) == (local == "off")
+    assert e.pending() == []
+    with pytest.raises(quiesce.EngineClosed):
+        e.open(t.address, "kv")
+    t.signal(signal.SIGCONT)
+
+
+def test_a_batch_started_on_a_closed_engine_gives_its_buffers_back(native_peer):
+    """EngineClosed from run_async (or run) means the batch took nothing:
+    its buffers are the caller's again. run_async took them before it
+    learned the engine was closed, and kept them for good."""
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    src = bytearray(4096)
+    b = e.batch()
+    b.write(src, kv)
+    assert e.close()
+    with pytest.raises(quiesce.EngineClosed):
+        asyncio.run(b.run_async())
+    assert resizable(src), "the batch raised EngineClosed, yet holds the buffer"
+
+
+def test_a_close_waiting_for_a_blocking_call_does_not_freeze_python(native_peer):
+    """While one thread's run() blocks on a stopped target and another's
+    close() waits for it, reading eng.address waited for the engine's lock
+    with the GIL held: every Python thread stalled until the run ended."""
+    import threading
+
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+    gaps, stop = [], threading.Event()
+
+    def heartbeat():
+        last = time.monotonic()
+        while not stop.is_set():
+            time.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    def run():
+        b = e.batch(deadline=3.0)
+        b.write(bytearray(4096), kv)
+        b.run()
+
+    beat = threading.Thread(target=heartbeat)
+    runner = threading.Thread(target=run)
+    closer = threading.Thread(target=e.close)
+    beat.start()
+    runner.start()
+    time.sleep(0.3)
+    closer.start()
+    time.sleep(0.3)
+    # (So did pending(), asking whether the engine closed.)
+    e.pending()
+    try:
+        e.address
+    except quiesce.EngineClosed:
+        pass
+    runner.join()
+    closer.join()
+    stop.set()
+    beat.join()
+    t.signal(signal.SIGCONT)
+    assert max(gaps) < 1.0, f"Python stalled for {max(gaps):.1f} s"
+
+
+def test_a_wait_for_quiescence_across_an_undrained_close_says_false(native_peer, monkeypatch):
+    """A wait_for_quiescence() that began before a close() which could not
+    drain (a stopped target on this host reads the source itself) must not
+    say True: the batch's buffers are held for good. It found the tickets
+    and flights emptied by the close and said True."""
+    import threading
+
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+    src = bytearray(64 * MiB)
+    out = []
+
+    async def main():
+        b = e.batch(deadline=60.0)
+        b.write(src, kv)
+        task = asyncio.ensure_future(b.run_async())
+        await asyncio.sleep(0.1)
+        waiter = threading.Thread(target=lambda: out.append(e.wait_for_quiescence(60)))
+        waiter.start()
+        await asyncio.sleep(0.2)
+        assert e.close() is False
+        waiter.join(30)
+        try:
+            await asyncio.wait_for(task, 10)
+        except quiesce.EngineClosed:
+            pass
+
+    asyncio.run(main())
+    t.signal(signal.SIGCONT)
+    assert out == [False], out
+
+
+def test_a_tickets_wait_from_two_threads_keeps_to_its_timeout():
+    """Two threads wait on one CompletionUnknown: the second waited for the
+    first's turn and then for its whole timeout again (twice as long)."""
+    import threading
+
+    class Undrained:
+        def wait(self, ticket, timeout):
+            time.sleep(timeout)
+            return None
+
+    unknown = quiesce.CompletionUnknown(1, Undrained(), [])
+    took = []
+
+    def wait():
+        t0 = time.monotonic()
+        assert unknown.wait(1.0) is None
+        took.append(time.monotonic() - t0)
+
+    threads = [threading.Thread(target=wait) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert max(took) < 1.6, took
+
+
+def completion_unknown(e, t, kv):
+    """A batch of 64 MiB to the native peer ``t`` (stopped, on this host:
+    its own process reads the source, and may still once resumed) that
+    answers CompletionUnknown after a 1 s deadline; the target is left
+    stopped."""
+    warm = e.batch()
+    warm.write(bytearray(4096), kv)
+    assert isinstance(warm.run(), quiesce.Completed)
+    t.signal(signal.SIGSTOP)
+    b = e.batch(deadline=1.0)
+    b.write(bytearray([5]) * (64 * MiB), kv)
+    out = b.run()
+    assert isinstance(out, quiesce.CompletionUnknown), out
+    return out
+
+
+def test_a_tickets_wait_racing_a_sweep_gets_the_outcome(native_peer, eng, monkeypatch):
+    """A CompletionUnknown's wait() while another thread sweeps (pending())
+    gets the drained outcome, whichever of the two the engine answered, and
+    the sweep raises nothing: the loser of the race was told "unknown
+    ticket" (InvalidInput)."""
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    for _ in range(3):
+        out = completion_unknown(eng, t, kv)
+        stop, errors = threading.Event(), []
+
+        def sweep():
+            while not stop.is_set():
+                try:
+                    eng.pending()
+                except Exception as err:  # noqa: BLE001 - any is the bug
+                    errors.append(err)
+                    return
+
+        sweeper = threading.Thread(target=sweep)
+        sweeper.start()
+        t.signal(signal.SIGCONT)
+        try:
+            got = out.wait(30)
+        finally:
+            stop.set()
+            sweeper.join(30)
+        assert errors == [], errors
+        assert isinstance(got, (quiesce.Completed, quiesce.Failed)), got
+        assert eng.pending() == []
+
+
+def test_a_wait_interrupted_by_ctrl_c_keeps_the_outcome(native_peer, eng, monkeypatch):
+    """Ctrl-C while a CompletionUnknown's wait() blocks: the wait goes on
+    until the batch drained (the engine's wait cannot be cut), and the
+    KeyboardInterrupt comes as it returns — before the Python side kept the
+    outcome. The engine answers a ticket once, so the next wait() raised
+    InvalidInput ('unknown ticket'); the outcome must survive."""
+    import _thread
+
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    out = completion_unknown(eng, t, kv)
+
+    def interrupt_then_resume():
+        time.sleep(0.5)
+        _thread.interrupt_main()
+        time.sleep(0.2)
+        t.signal(signal.SIGCONT)
+
+    th = threading.Thread(target=interrupt_then_resume)
+    th.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            out.wait(20)
+            time.sleep(5)  # the interrupt, had the wait kept it first
+    finally:
+        th.join(30)
+    got = out.wait(5)
+    assert isinstance(got, (quiesce.Completed, quiesce.Failed)), got
+    assert eng.pending() == []
+
+
+def test_a_tickets_wait_after_an_undrained_close_says_its_buffers_are_held(native_peer, monkeypatch):
+    """wait() on a CompletionUnknown, and revoke() of a registered range,
+    after a close() that could not drain raise EngineClosed with
+    buffers_held=True: the memory stays held for good and must not be
+    reused. They said buffers_held=False."""
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    mine = e.register("mine", bytearray(4096))
+    out = completion_unknown(e, t, kv)
+    try:
+        assert e.close() is False
+        with pytest.raises(quiesce.EngineClosed) as waited:
+            out.wait(1)
+        assert waited.value.buffers_held is True
+        with pytest.raises(quiesce.EngineClosed) as revoked:
+            mine.revoke(1)
+        assert revoked.value.buffers_held is True
+    finally:
+        t.signal(signal.SIGCONT)
+
+
+def test_a_call_after_a_drained_close_says_nothing_is_held(native_peer):
+    """After a close() that drained, wait() and revoke() raise EngineClosed
+    with buffers_held=False: the memory is the caller's again."""
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    mine = e.register("mine", bytearray(4096))
+    assert e.close() is True
+    with pytest.raises(quiesce.EngineClosed) as revoked:
+        mine.revoke(1)
+    assert revoked.value.buffers_held is False
+    with pytest.raises(quiesce.EngineClosed) as opened:
+        e.open(t.address, "kv")
+    assert opened.value.buffers_held is False
