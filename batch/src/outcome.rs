@@ -5,6 +5,7 @@
 use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::future::Future;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
@@ -384,8 +385,18 @@ impl<B> Future for Submitted<B> {
             .take()
             .is_some_and(|p| p.unwoken() && p.wakes(cx.waker()));
         if let (false, Some(d)) = (unchanged, self.driver.as_mut()) {
-            if Pin::new(d).poll(cx).is_ready() {
-                self.driver = None;
+            // A transfer that panicked lost track of a buffer: the panic is
+            // the batch's only result. The driver it unwound through is
+            // finished (its state dropped on the way out, the ops it held
+            // parked in their reactor): kept, it would be set running again
+            // when this future is dropped, and panic a second time there.
+            match catch_unwind(AssertUnwindSafe(|| Pin::new(d).poll(cx))) {
+                Ok(Poll::Ready(())) => self.driver = None,
+                Ok(Poll::Pending) => {}
+                Err(panic) => {
+                    self.driver = None;
+                    resume_unwind(panic);
+                }
             }
         }
         let sh = self.shared.clone();

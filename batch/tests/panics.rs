@@ -1,0 +1,143 @@
+//! A transfer that panics: the batch has lost track of a buffer and gives no
+//! outcome, only the panic, to whoever awaits it — once. The driver the
+//! panic went through is finished: it is not set running again as a task
+//! of its own when the `Submitted` that polled it is dropped, where its
+//! next poll would panic a second time ("`async fn` resumed after
+//! panicking").
+
+use std::cell::RefCell;
+use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use quiesce_batch::{Batch, BatchOptions, Transport};
+use quiesce_runtime::{time::sleep, yield_now, IoBuf, IoBufMut, Runtime};
+use quiesce_transports::TransferError;
+
+/// Every transfer waits one turn of the reactor, then panics.
+#[derive(Clone)]
+struct Panicky;
+
+async fn panics<B>(buf: B) -> (Result<u64, TransferError>, B) {
+    yield_now().await;
+    if std::hint::black_box(true) {
+        panic!("a transfer that panics");
+    }
+    (Ok(0), buf)
+}
+
+impl Transport for Panicky {
+    type Target = u64;
+    type Peer = usize;
+
+    fn peer(&self, _: &u64) -> usize {
+        0
+    }
+
+    fn len(&self, len: &u64) -> u64 {
+        *len
+    }
+
+    fn write<B: IoBuf>(
+        &self,
+        _: &u64,
+        src: B,
+        _: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
+        panics(src)
+    }
+
+    fn read<B: IoBufMut>(
+        &self,
+        _: &u64,
+        dst: B,
+        _: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
+        panics(dst)
+    }
+
+    fn fence(
+        &self,
+        _: &usize,
+        _: u64,
+    ) -> impl Future<Output = Result<(), TransferError>> + 'static {
+        std::future::ready(Ok(()))
+    }
+
+    fn abort(&self, _: &usize) {}
+}
+
+thread_local! {
+    /// The messages of the panics of this thread, while recorded.
+    static PANICS: RefCell<Option<Vec<String>>> = const { RefCell::new(None) };
+}
+
+/// The panic messages of this thread while `f` runs (panics of other
+/// threads go to the hook as before).
+fn panics_during(f: impl FnOnce()) -> Vec<String> {
+    static HOOK: Mutex<()> = Mutex::new(());
+    let _one = HOOK.lock().unwrap_or_else(|e| e.into_inner());
+    let before = Arc::new(std::panic::take_hook());
+    let rest = before.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        let mine = PANICS.with(|p| {
+            p.borrow_mut().as_mut().map(|v| {
+                let msg = info
+                    .payload()
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                v.push(msg);
+            })
+        });
+        if mine.is_none() {
+            rest(info);
+        }
+    }));
+    PANICS.with(|p| *p.borrow_mut() = Some(Vec::new()));
+    f();
+    let seen = PANICS.with(|p| p.borrow_mut().take()).unwrap_or_default();
+    drop(std::panic::take_hook());
+    std::panic::set_hook(Box::new(move |info| before(info)));
+    seen
+}
+
+#[test]
+fn a_transfer_that_panics_panics_the_batch_once() {
+    // One task (held in the driver's state), three (polled in place) and
+    // twenty (each a task of its own, whose panic the driver re-raises).
+    for tasks in [1usize, 3, 20] {
+        let rt = Runtime::new().unwrap();
+        let seen = panics_during(|| {
+            let awaited = catch_unwind(AssertUnwindSafe(|| {
+                rt.block_on(async {
+                    let mut batch = Batch::new(Panicky, BatchOptions::default());
+                    for _ in 0..tasks {
+                        batch.write(vec![7u8; 64], 64).ok().unwrap();
+                    }
+                    batch.submit().await
+                })
+            }));
+            assert!(
+                awaited.is_err(),
+                "{tasks} task(s): the batch gave an outcome"
+            );
+            // Whatever the panic left behind runs now.
+            rt.block_on(async {
+                for _ in 0..10 {
+                    yield_now().await;
+                }
+                sleep(Duration::from_millis(20)).await;
+            });
+        });
+        assert!(
+            seen.iter().all(|m| m == "a transfer that panics"),
+            "{tasks} task(s): a second panic after the transfer's: {seen:?}"
+        );
+        // Each transfer that ran panicked (a spawned one whatever the
+        // others did), and nothing else did.
+        assert!(!seen.is_empty() && seen.len() <= tasks, "{tasks}: {seen:?}");
+    }
+}
