@@ -6,7 +6,7 @@
 use std::cell::UnsafeCell;
 use std::rc::Rc;
 
-use quiesce_runtime::{IoBuf, IoBufMut, JoinHandle};
+use quiesce_runtime::{IoBuf, IoBufMut, JoinError, JoinHandle};
 
 use crate::error::TransferError;
 
@@ -204,7 +204,15 @@ pub(crate) async fn join_slices(
                 }
                 keep_worst(&mut first_err, e);
             }
-            Err(e) => keep_worst(&mut first_err, TransferError::ConnectionLost(e.to_string())),
+            // A slice that panicked lost track of its part: there is no
+            // result to give, only the panic (as a panicking transfer is
+            // the batch's). An error here would be retried.
+            Err(JoinError::Panicked(p)) => std::panic::resume_unwind(p),
+            // Its runtime shut down: the slice was dropped with its ops
+            // parked there.
+            Err(e @ JoinError::Cancelled) => {
+                keep_worst(&mut first_err, TransferError::ConnectionLost(e.to_string()))
+            }
         }
     }
     // A fenced or revoked transfer reports every byte that landed, over all
@@ -238,5 +246,35 @@ fn keep_worst(kept: &mut Option<TransferError>, e: TransferError) {
     };
     if kept.as_ref().is_none_or(|k| rank(&e) > rank(k)) {
         *kept = Some(e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quiesce_runtime::{spawn_local, Runtime};
+
+    /// A slice that panicked lost track of its part: the panic is the
+    /// transfer's result, as a panicking transfer's is the batch's — not a
+    /// retryable `ConnectionLost` that the batch would send again.
+    #[test]
+    fn a_slice_that_panicked_is_that_panic() {
+        let rt = Runtime::new().unwrap();
+        let joined = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            rt.block_on(async {
+                let whole = spawn_local(async { Ok(4) });
+                let panics = spawn_local(async {
+                    if std::hint::black_box(true) {
+                        panic!("a slice that panics");
+                    }
+                    Ok(4)
+                });
+                join_slices(vec![whole, panics], true).await
+            })
+        }));
+        match joined {
+            Ok(r) => panic!("the slice's panic became {r:?}"),
+            Err(p) => assert_eq!(p.downcast_ref::<&str>(), Some(&"a slice that panics")),
+        }
     }
 }
