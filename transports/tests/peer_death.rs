@@ -518,3 +518,44 @@ fn a_write_answered_for_another_length_is_a_bad_frame() {
         });
     }
 }
+
+/// A read is refused whole or not at all: a status for it never counts
+/// bytes (no `Status` carries a read's data, and fences and revokes do not
+/// cut reads). A target that answers one `FencedPartial`, `Revoked` or
+/// `Unreachable` with a count broke the protocol: the read fails as a bad
+/// frame, never reports 2⁶³ bytes in a 4 KiB buffer nor sums the counts of
+/// its slices past 64 bits.
+#[test]
+fn a_read_refused_with_a_count_is_a_bad_frame() {
+    for st in [Status::FencedPartial, Status::Revoked, Status::Unreachable] {
+        let addr = fake_target("miscounting-reads", move |mut s, addr| {
+            while let Some(h) = recv_header(&mut s) {
+                if h.op == Opcode::Read {
+                    // (A read's header carries no payload.)
+                    let a = Header {
+                        op: Opcode::Status,
+                        flags: st as u8,
+                        length: 1 << 63,
+                        ..h
+                    };
+                    send(&mut s, &a, &[]);
+                    continue;
+                }
+                let Some(p) = payload(&mut s, &h) else { return };
+                if h.op == Opcode::Auth {
+                    accept_auth(&mut s, &p, addr, |_| {});
+                }
+            }
+        });
+        Runtime::new().unwrap().block_on(async {
+            let kv = open(addr, Token::random()).await;
+            for len in [4096usize, 3 << 20] {
+                let (r, _) = kv.read(0, len as u64, vec![0u8; len], 1).await;
+                assert!(
+                    matches!(r, Err(TransferError::BadFrame(_))),
+                    "{st:?} with a count for a {len}-byte read: {r:?}"
+                );
+            }
+        });
+    }
+}

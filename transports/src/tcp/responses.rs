@@ -42,6 +42,32 @@ pub(crate) fn slot<T>() -> Reply<T> {
     }))
 }
 
+/// Answers a read with the target's refusal `res`, unless it counts bytes
+/// (`FencedPartial`, `Revoked`, `Unreachable`): a read is refused whole —
+/// fences and revokes do not cut reads, and no status carries a read's
+/// data — so a target that says so broke the protocol, and the read fails
+/// as a bad frame (the caller closes the connection).
+fn refuse_read(
+    result: &Reply<Result<u64, TransferError>>,
+    res: Result<u64, TransferError>,
+) -> Result<(), &'static str> {
+    match res {
+        Err(
+            TransferError::FencedPartial { .. }
+            | TransferError::Revoked { .. }
+            | TransferError::RemoteAccess(_),
+        ) => {
+            let why = "a read refused with a count of bytes";
+            fill(result, Err(TransferError::BadFrame(why.into())));
+            Err(why)
+        }
+        res => {
+            fill(result, res);
+            Ok(())
+        }
+    }
+}
+
 /// Answers a write of `len` bytes with the target's `res`, unless it
 /// counts more than that (`Ok` means every byte landed; a partial answer
 /// counts those that did): a target that says so broke the protocol, and
@@ -161,7 +187,11 @@ impl Conn {
                 drop(dst);
                 fill(&result, res);
             }
-            Some(Pending::Read { result, .. }) => fill(&result, res),
+            Some(Pending::Read { result, .. }) => {
+                if let Err(why) = refuse_read(&result, res) {
+                    self.kill(why);
+                }
+            }
             None => {}
         }
     }
@@ -231,11 +261,15 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                             return Err(TransferError::BadFrame(why.into()));
                         }
                     }
-                    // A read succeeds with ReadData; a status is always a refusal.
-                    Some(Pending::Read { result, .. }) => fill(
-                        &result,
-                        res.and(Err(TransferError::BadFrame("status Ok for a read".into()))),
-                    ),
+                    // A read succeeds with ReadData; a status is always a
+                    // refusal, of the whole read.
+                    Some(Pending::Read { result, .. }) => {
+                        let res =
+                            res.and(Err(TransferError::BadFrame("status Ok for a read".into())));
+                        if let Err(why) = refuse_read(&result, res) {
+                            return Err(TransferError::BadFrame(why.into()));
+                        }
+                    }
                     None if st == Status::BadFrame => {
                         return Err(TransferError::BadFrame(
                             "target closed the connection".into(),
