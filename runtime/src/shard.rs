@@ -29,19 +29,20 @@ pub fn pin_current_thread(core: usize) -> io::Result<()> {
     pin_to_core(core)
 }
 
-/// A one-way flag with a waker, settable from any thread.
+/// A one-way flag with the wakers of every task waiting for it, settable
+/// from any thread.
 #[derive(Default)]
 struct Signal {
     set: AtomicBool,
-    waker: Mutex<Option<Waker>>,
+    /// One per task that waited (kept until the flag is raised).
+    wakers: Mutex<Vec<Waker>>,
 }
 
 impl Signal {
     fn raise(&self) {
         self.set.store(true, Ordering::SeqCst);
-        if let Some(w) = self.waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            w.wake();
-        }
+        let wakers = std::mem::take(&mut *self.wakers.lock().unwrap_or_else(|e| e.into_inner()));
+        wakers.into_iter().for_each(Waker::wake);
     }
 
     async fn wait(&self) {
@@ -49,7 +50,12 @@ impl Signal {
             if self.set.load(Ordering::SeqCst) {
                 return Poll::Ready(());
             }
-            *self.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(tcx.waker().clone());
+            {
+                let mut wakers = self.wakers.lock().unwrap_or_else(|e| e.into_inner());
+                if !wakers.iter().any(|w| w.will_wake(tcx.waker())) {
+                    wakers.push(tcx.waker().clone());
+                }
+            }
             if self.set.load(Ordering::SeqCst) {
                 Poll::Ready(())
             } else {

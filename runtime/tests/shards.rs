@@ -167,3 +167,41 @@ fn a_shard_that_could_not_drain_says_so() {
     let why = err.downcast_ref::<String>().expect("a message");
     assert!(why.contains("still in flight"), "{why}");
 }
+
+/// Every task waiting for the shutdown request is woken by it, not only
+/// the one that asked last: a root that shares its `ShardContext` with the
+/// tasks it started, and waits for them, ends. (One waker was kept, each
+/// wait replacing the one before, and the shutdown hung in `join`.)
+#[test]
+fn a_shutdown_request_wakes_every_task_waiting_for_it() {
+    let (tx, rx) = std::sync::mpsc::channel::<usize>();
+    let tx = Mutex::new(tx);
+    let shards = Shards::builder()
+        .count(1)
+        .pin(false)
+        .spawn(move |shard| {
+            let tx = tx.lock().unwrap().clone();
+            async move {
+                let shard = Rc::new(shard);
+                let waiting: Vec<_> = (0..3)
+                    .map(|_| {
+                        let shard = shard.clone();
+                        spawn_local(async move { shard.shutdown_requested().await })
+                    })
+                    .collect();
+                for w in waiting {
+                    w.await.unwrap();
+                }
+                tx.send(shard.index()).unwrap();
+            }
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let asking = std::thread::spawn(move || shards.shutdown().len());
+    assert_eq!(
+        rx.recv_timeout(Duration::from_secs(5)),
+        Ok(0),
+        "the root never saw every task end"
+    );
+    assert_eq!(asking.join().unwrap(), 1);
+}
