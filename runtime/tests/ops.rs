@@ -375,3 +375,31 @@ fn an_accept_dropped_after_its_connection_came_closes_it() {
         );
     });
 }
+
+/// Ops dropped while they waited on an fd that never became ready leave
+/// a bounded residue: three thousand short-lived tasks that each waited on
+/// an idle listener and gave up (a timeout) do not keep three thousand
+/// wakers on it (epoll: each waiter's waker stayed on the fd until an edge
+/// came, so the list, and `in_flight`, grew without bound; now at most
+/// 1,024 are kept per direction, io_uring cancels and reaps them).
+#[test]
+fn waiters_that_gave_up_on_an_idle_fd_do_not_pile_up() {
+    rt().block_on(async {
+        let l = std::rc::Rc::new(TcpListener::bind("127.0.0.1:0").unwrap());
+        let tasks: Vec<_> = (0..3000)
+            .map(|_| {
+                let l = l.clone();
+                spawn_local(async move {
+                    let r = time::timeout(Duration::from_millis(1), l.accept()).await;
+                    assert!(r.is_err(), "nobody connected");
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        time::sleep(Duration::from_millis(20)).await;
+        let left = stats().in_flight;
+        assert!(left <= 1024, "{left} ops still counted in flight on an idle listener");
+    });
+}

@@ -23,6 +23,11 @@ const WAKE: Token = Token(usize::MAX);
 /// Tokens at or above this are completion sources: `SOURCE_BASE + index`.
 const SOURCE_BASE: usize = 1 << 48;
 
+/// Wakers kept on one direction of one fd: past this many, they are woken
+/// and dropped (see [`Poller::wait`]), so an fd that stays idle while task
+/// after task waits on it and gives up holds a bounded list.
+const WAITERS_KEPT: usize = 1024;
+
 struct IoSlot {
     fd: RawFd,
     readers: Vec<Waker>,
@@ -107,9 +112,19 @@ impl Poller {
             Interest::Either => [Some(&mut slot.readers), Some(&mut slot.writers)],
         };
         for list in lists.into_iter().flatten() {
-            if !list.iter().any(|w| w.will_wake(waker)) {
-                list.push(waker.clone());
+            if list.iter().any(|w| w.will_wake(waker)) {
+                continue;
             }
+            if list.len() >= WAITERS_KEPT {
+                // Mostly wakers of ops dropped while they waited (a task
+                // that timed out): nothing takes them off but an edge,
+                // which an idle fd never gets. All are woken (a live
+                // waiter retries its syscall and waits again) and let go.
+                let mut wakes = crate::executor::Wakes::default();
+                list.drain(..).for_each(|w| wakes.wake(w));
+                wakes.finish();
+            }
+            list.push(waker.clone());
         }
         Ok(())
     }
