@@ -167,6 +167,7 @@ impl Engine {
             counters: Counters::default(),
             qp_plane: RefCell::default(),
             peer_logs: PeerLogs::default(),
+            refused_proofs: RefCell::default(),
         });
         let peers = Rc::new(RefCell::new(HashMap::new()));
         Engine {

@@ -7,16 +7,65 @@
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::control::frame::send_frame;
-use crate::control::server::{
-    peer_name, refused_first_budget, reject, Closed, ServedConn, SessionEntry, REFUSED_FIRST_REFILL,
-};
+use crate::control::server::{peer_name, reject, Closed, ServedConn, SessionEntry};
 use crate::control::wire::{
-    AuthAck, AuthRequest, Header, Opcode, SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD,
+    AuthAck, AuthRequest, Descriptor, Header, Opcode, SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD,
 };
 use crate::segment::Segment;
+
+/// The HMACs a connection may spend on refused proofs at once before it is
+/// closed, with `segments` served: four `First` passes over distinct
+/// tokens, or 32 refusals of a token they share (two HMACs each), or 64
+/// proofs of segments that do not exist.
+pub(crate) fn refused_budget(segments: usize) -> usize {
+    64 + 4 * segments
+}
+
+/// The target's budget of refused proofs over all its connections, in
+/// connections' budgets: a peer that reconnects after every close does not
+/// get a fresh one each time.
+pub(crate) const TARGET_REFUSED_BUDGETS: usize = 16;
+
+/// How long a budget takes to refill from empty: an initiator polling for
+/// the target's first registration a few times a second keeps its
+/// connection; a peer flooding refusals is closed within the budget.
+pub(crate) const REFUSED_REFILL: Duration = Duration::from_secs(10);
+
+/// HMACs spent on refused proofs, less what [`REFUSED_REFILL`] gave back
+/// since they were charged.
+#[derive(Default)]
+pub(crate) struct RefusedWork {
+    spent: usize,
+    /// When `spent` was last brought up to date.
+    at: Option<Instant>,
+}
+
+impl RefusedWork {
+    /// What is spent of `budget` at `now`, after the refill since.
+    fn spent_at(&self, budget: usize, now: Instant) -> usize {
+        let back = self.at.map_or(0, |at| {
+            budget as u128 * now.saturating_duration_since(at).as_millis()
+                / REFUSED_REFILL.as_millis()
+        });
+        self.spent
+            .saturating_sub(back.min(usize::MAX as u128) as usize)
+    }
+
+    /// Whether nothing is left of `budget` at `now`.
+    fn exhausted(&self, budget: usize, now: Instant) -> bool {
+        self.spent_at(budget, now) >= budget
+    }
+
+    /// Charges `work` HMACs at `now`: whether that went past `budget`.
+    fn charge(&mut self, work: usize, budget: usize, now: Instant) -> bool {
+        self.spent = self.spent_at(budget, now).saturating_add(work);
+        self.at = Some(now);
+        self.spent > budget
+    }
+}
 
 impl ServedConn<'_> {
     /// `Auth`: each proof checked against the segment it names; answers
@@ -57,8 +106,20 @@ impl ServedConn<'_> {
         // over every segment. Proofs by address try every segment holding
         // the address, so a frame of many into overlapping segments could
         // cost more: past the budget it is a bad frame.
-        let budget = 2 * req.proofs.len() + self.engine.segments.borrow().len() + 1;
+        let segments = self.engine.segments.borrow().len();
+        let budget = 2 * req.proofs.len() + segments + 1;
+        let now = Instant::now();
+        let target_budget = TARGET_REFUSED_BUDGETS * refused_budget(segments);
+        // The target's budget spent (a flood of refusals, perhaps over many
+        // connections): a `First` proof, one HMAC per segment, is refused
+        // unchecked until it refills.
+        let check_firsts = !self
+            .engine
+            .refused_proofs
+            .borrow()
+            .exhausted(target_budget, now);
         let work = Cell::new(0usize);
+        let refused_work = Cell::new(0usize);
         let results = req
             .proofs
             .iter()
@@ -66,50 +127,15 @@ impl ServedConn<'_> {
                 if work.get() > budget {
                     return (Status::BadFrame, None);
                 }
-                // Segments may share a token (a Mooncake-style node derives
-                // one for all of them): each is checked once per proof.
-                let checked = RefCell::new(HashMap::<[u8; 16], bool>::new());
-                let verify = |t: &crate::control::auth::Token| {
-                    if let Some(&known) = checked.borrow().get(&t.0) {
-                        return known;
-                    }
-                    work.set(work.get() + 1);
-                    let ok = t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref);
-                    checked.borrow_mut().insert(t.0, ok);
-                    ok
-                };
-                let seg = match seg_ref {
-                    SegmentRef::Id(id) => self.engine.segment(*id),
-                    SegmentRef::Name(n) => self.engine.segment_named(n),
-                    // Segments may overlap. Of those that hold the address
-                    // and that the proof opens, the one reaching furthest:
-                    // a transfer from the address that fits any of them
-                    // fits it (ties: the first registered).
-                    SegmentRef::Address(a) => {
-                        let reach =
-                            |s: &Segment| (Reverse(s.base().saturating_add(s.len())), s.id());
-                        match self.engine.proven_segment(Some(*a), verify, reach) {
-                            (None, tried) if tried > 0 => return (Status::Forbidden, None),
-                            (seg, _) => seg,
-                        }
-                    }
-                    // Ids only grow: the first registered.
-                    SegmentRef::First => self.engine.proven_segment(None, verify, Segment::id).0,
-                };
-                match seg {
-                    Some(seg) if verify(&seg.token()) => {
-                        self.authorised.insert(seg.id(), seg.inner.grants.current());
-                        self.census.authenticated();
-                        (Status::Ok, Some(self.engine.descriptor(&seg)))
-                    }
-                    Some(_) => (Status::Forbidden, None),
-                    // The same answer, after the same work, as a wrong
-                    // proof: a refusal does not say whether it exists.
-                    None => {
-                        let _ = verify(&unknown_segment_token());
-                        (Status::Forbidden, None)
-                    }
+                if !check_firsts && matches!(seg_ref, SegmentRef::First) {
+                    return (Status::Forbidden, None);
                 }
+                let before = work.get();
+                let answer = self.answer(seg_ref, proof, &work);
+                if answer.0 != Status::Ok {
+                    refused_work.set(refused_work.get() + work.get() - before);
+                }
+                answer
             })
             .collect::<Vec<_>>();
         let checks = &self.engine.counters.proof_checks;
@@ -118,27 +144,24 @@ impl ServedConn<'_> {
             let why = format!("an Auth whose proofs cost over {budget} HMACs");
             return Err(reject(self.s, h, Status::BadFrame, why).await);
         }
-        let refused = results.iter().filter(|(st, _)| *st != Status::Ok).count();
-        let first_refused = req
-            .proofs
-            .iter()
-            .zip(&results)
-            .any(|((r, _), (st, _))| matches!(r, SegmentRef::First) && *st != Status::Ok);
-        if first_refused {
-            let budget = refused_first_budget(self.engine.segments.borrow().len());
-            let now = Instant::now();
-            if let Some(at) = self.first_at {
-                let back = budget as u128 * now.duration_since(at).as_millis()
-                    / REFUSED_FIRST_REFILL.as_millis();
-                self.first_work = self.first_work.saturating_sub(back as usize);
-            }
-            self.first_at = Some(now);
-            self.first_work += work.get();
-            if self.first_work > budget {
-                let why = format!("refused First proofs cost over {budget} HMACs");
+        // Refusals cost the connection's budget and the target's.
+        if refused_work.get() > 0 {
+            let mine = refused_budget(segments);
+            let over_mine = self.refused.charge(refused_work.get(), mine, now);
+            let over_target = self.engine.refused_proofs.borrow_mut().charge(
+                refused_work.get(),
+                target_budget,
+                now,
+            );
+            if over_mine || over_target {
+                let why = match over_mine {
+                    true => format!("refused proofs cost over {mine} HMACs"),
+                    false => format!("refused proofs cost the target over {target_budget} HMACs"),
+                };
                 return Err(reject(self.s, h, Status::Forbidden, why).await);
             }
         }
+        let refused = results.iter().filter(|(st, _)| *st != Status::Ok).count();
         if refused > 0 {
             let limit = &self.engine.peer_logs.refused_proof;
             if let Some(suppressed) = limit.admit() {
@@ -166,6 +189,59 @@ impl ServedConn<'_> {
         )
         .await?;
         Ok(())
+    }
+
+    /// One proof's answer: its segment opened, or refused. `work` counts
+    /// the HMACs it took.
+    fn answer(
+        &mut self,
+        seg_ref: &SegmentRef,
+        proof: &[u8; 32],
+        work: &Cell<usize>,
+    ) -> (Status, Option<Descriptor>) {
+        // Segments may share a token (a Mooncake-style node derives
+        // one for all of them): each is checked once per proof.
+        let checked = RefCell::new(HashMap::<[u8; 16], bool>::new());
+        let verify = |t: &crate::control::auth::Token| {
+            if let Some(&known) = checked.borrow().get(&t.0) {
+                return known;
+            }
+            work.set(work.get() + 1);
+            let ok = t.verify(proof, &self.nonce, &self.peer_nonce, self.session, seg_ref);
+            checked.borrow_mut().insert(t.0, ok);
+            ok
+        };
+        let seg = match seg_ref {
+            SegmentRef::Id(id) => self.engine.segment(*id),
+            SegmentRef::Name(n) => self.engine.segment_named(n),
+            // Segments may overlap. Of those that hold the address
+            // and that the proof opens, the one reaching furthest:
+            // a transfer from the address that fits any of them
+            // fits it (ties: the first registered).
+            SegmentRef::Address(a) => {
+                let reach = |s: &Segment| (Reverse(s.base().saturating_add(s.len())), s.id());
+                match self.engine.proven_segment(Some(*a), verify, reach) {
+                    (None, tried) if tried > 0 => return (Status::Forbidden, None),
+                    (seg, _) => seg,
+                }
+            }
+            // Ids only grow: the first registered.
+            SegmentRef::First => self.engine.proven_segment(None, verify, Segment::id).0,
+        };
+        match seg {
+            Some(seg) if verify(&seg.token()) => {
+                self.authorised.insert(seg.id(), seg.inner.grants.current());
+                self.census.authenticated();
+                (Status::Ok, Some(self.engine.descriptor(&seg)))
+            }
+            Some(_) => (Status::Forbidden, None),
+            // The same answer, after the same work, as a wrong
+            // proof: a refusal does not say whether it exists.
+            None => {
+                let _ = verify(&unknown_segment_token());
+                (Status::Forbidden, None)
+            }
+        }
     }
 }
 

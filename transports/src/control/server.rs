@@ -18,6 +18,7 @@ use quiesce_runtime::timeline::{self, Step};
 use crate::control::auth::{random_bytes, SessionKey};
 use crate::control::frame::{read_header, read_payload, send_frame};
 use crate::control::idle::IdleLimit;
+use crate::control::prove::RefusedWork;
 use crate::control::read_ahead::ReadAhead;
 use crate::control::target::Target;
 use crate::control::wire::{
@@ -80,25 +81,10 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) rx: ReadAhead,
     /// How long it may stay silent, between frames and inside one.
     pub(crate) idle: IdleLimit,
-    /// HMACs spent on its refused `First` proofs (each may cost one per
-    /// segment), less what [`REFUSED_FIRST_REFILL`] gave back since: past
-    /// [`refused_first_budget`] the connection is closed.
-    pub(crate) first_work: usize,
-    /// When `first_work` was last charged.
-    pub(crate) first_at: Option<Instant>,
+    /// HMACs spent on its refused proofs (a `First` one may cost one per
+    /// segment): past [`refused_budget`] the connection is closed.
+    pub(crate) refused: RefusedWork,
 }
-
-/// The HMACs a connection may spend on refused `First` proofs at once
-/// before it is closed, with `segments` served: four passes over distinct
-/// tokens, or 32 refusals of a token they share (two HMACs each).
-pub(crate) fn refused_first_budget(segments: usize) -> usize {
-    64 + 4 * segments
-}
-
-/// How long the budget takes to refill from empty: an initiator polling
-/// for the target's first registration a few times a second keeps its
-/// connection; a peer flooding refusals is closed within the budget.
-pub(crate) const REFUSED_FIRST_REFILL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How a connection enters its session.
 pub(crate) enum SessionEntry {
@@ -299,8 +285,7 @@ async fn handshake<'a>(
         inbox: None,
         rx: ReadAhead::default(),
         idle: IdleLimit::new(engine.config.idle_timeout),
-        first_work: 0,
-        first_at: None,
+        refused: RefusedWork::default(),
     })
 }
 

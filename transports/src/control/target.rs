@@ -57,6 +57,11 @@ pub(crate) struct Target {
     pub(crate) qp_plane: RefCell<Option<Rc<dyn crate::control::QpPlane>>>,
     /// What peers can make the target log, limited (`log_limit.rs`).
     pub(crate) peer_logs: PeerLogs,
+    /// HMACs spent on refused proofs over every connection: past
+    /// [`TARGET_REFUSED_BUDGETS`](crate::control::prove::TARGET_REFUSED_BUDGETS)
+    /// connections' worth, a connection that gets one refused is closed,
+    /// and `First` proofs are refused unchecked, until it refills.
+    pub(crate) refused_proofs: RefCell<crate::control::prove::RefusedWork>,
 }
 
 impl Target {

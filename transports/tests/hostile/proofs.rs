@@ -364,3 +364,61 @@ fn the_fence_table_is_capped_across_sessions() {
         "the session with few fenced batches was closed"
     );
 }
+
+/// The budget of refused proofs is the target's too, not only each
+/// connection's: a peer that reconnects after every close (up to the
+/// target's connection cap at once) got a fresh one each time, about 1,300
+/// HMACs per connection of ~700 bytes sent against 256 segments.
+#[test]
+fn reconnecting_does_not_renew_the_budget_of_refused_first_proofs() {
+    let (acks, checks) = against_256_segments(
+        |_| Token::random(),
+        |addr| (0..50).map(|_| refused_firsts(addr, 8)).sum::<usize>(),
+    );
+    assert!(
+        checks <= 20_000,
+        "{checks} proof checks over 50 connections ({acks} refusals answered)"
+    );
+}
+
+/// Refused proofs of every kind count against the budget, not only `First`
+/// ones: an `Auth` of 4,096 proofs of segments that do not exist costs the
+/// target one HMAC each (a refusal looks the same whatever it refused), and
+/// a peer that proved nothing had frame after frame of them answered until
+/// its handshake deadline.
+#[test]
+fn a_connection_gets_few_proofs_of_unknown_segments_refused_before_it_is_closed() {
+    use quiesce_transports::wire::{Opcode, SegmentRef};
+    let (answered, checks) = against_256_segments(
+        |_| Token::random(),
+        |addr| {
+            let mut c = RawClient::connect(addr);
+            let refs: Vec<_> = (0..4096u64)
+                .map(|i| (SegmentRef::Id((1 << 40) | i), Token::random()))
+                .collect();
+            let frame = c.auth_frame(&refs);
+            let mut answered = 0;
+            for _ in 0..30 {
+                if std::io::Write::write_all(&mut c.s, &frame).is_err() {
+                    break;
+                }
+                match c.recv() {
+                    Some(h) if h.op == Opcode::AuthAck => {
+                        let mut payload = vec![0u8; h.length as usize];
+                        if std::io::Read::read_exact(&mut c.s, &mut payload).is_err() {
+                            break;
+                        }
+                        answered += 1;
+                    }
+                    _ => break,
+                }
+            }
+            answered
+        },
+    );
+    assert!(
+        answered <= 1,
+        "{answered} frames of refused proofs answered"
+    );
+    assert!(checks <= 2 * 4096 + 300, "{checks} proof checks");
+}
