@@ -400,6 +400,9 @@ fn waiters_that_gave_up_on_an_idle_fd_do_not_pile_up() {
         }
         time::sleep(Duration::from_millis(20)).await;
         let left = stats().in_flight;
-        assert!(left <= 1024, "{left} ops still counted in flight on an idle listener");
+        assert!(
+            left <= 1024,
+            "{left} ops still counted in flight on an idle listener"
+        );
     });
 }
