@@ -134,8 +134,19 @@ struct Harness<T> {
 }
 
 impl<T> Harness<T> {
+    /// Drops the future (which parks any op it still holds), then hands
+    /// `out` to the handle — or the drop's panic, if it panicked: a panic
+    /// there is the task's, as one in a poll is, and never leaves the turn.
     fn finish(&mut self, out: Result<T, JoinError>) {
-        self.fut = None;
+        let fut = self.fut.take();
+        let out = match (
+            std::panic::catch_unwind(AssertUnwindSafe(|| drop(fut))),
+            out,
+        ) {
+            // (A poll's panic first, if both.)
+            (Err(payload), Ok(_) | Err(JoinError::Cancelled)) => Err(JoinError::Panicked(payload)),
+            (_, out) => out,
+        };
         let mut st = self.state.borrow_mut();
         if let Err(JoinError::Panicked(_)) = &out {
             tracing::error!("a quiesce task panicked");
@@ -163,8 +174,7 @@ impl<T> Future for Harness<T> {
             st.aborted
         };
         if aborted {
-            // Drop the future first: that is what parks its in-flight ops.
-            this.fut = None;
+            // (`finish` drops the future first: that parks its in-flight ops.)
             this.finish(Err(JoinError::Cancelled));
             return Poll::Ready(());
         }

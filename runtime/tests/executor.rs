@@ -309,3 +309,53 @@ fn tasks_ready_says_whether_another_task_waits_to_run() {
         assert!(!tasks_ready(), "it ran to the end");
     });
 }
+
+/// A task whose future panics as it is dropped (after it finished, or when
+/// aborted) reports that panic through its handle, as one that panics in a
+/// poll does. The drop ran outside the poll's guard: the panic left the
+/// runtime's turn (out of `block_on`), and the handle waited for good.
+#[test]
+fn a_task_whose_future_panics_when_dropped_reports_through_its_handle() {
+    /// Ready at once (or never, `pending`), and panics when dropped.
+    struct PanicsOnDrop {
+        pending: bool,
+    }
+    impl std::future::Future for PanicsOnDrop {
+        type Output = ();
+        fn poll(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<()> {
+            match self.pending {
+                true => std::task::Poll::Pending,
+                false => std::task::Poll::Ready(()),
+            }
+        }
+    }
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("a future that panics when dropped");
+        }
+    }
+    for abort in [false, true] {
+        let rt = Runtime::new().unwrap();
+        let turned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            rt.block_on(async {
+                let h = spawn_local(PanicsOnDrop { pending: abort });
+                yield_now().await;
+                if abort {
+                    h.abort();
+                }
+                quiesce_runtime::time::timeout(Duration::from_secs(1), h).await
+            })
+        }));
+        match turned {
+            Ok(Ok(Err(JoinError::Panicked(p)))) => assert_eq!(
+                p.downcast_ref::<&str>(),
+                Some(&"a future that panics when dropped")
+            ),
+            Ok(other) => panic!("abort {abort}: the handle answered {other:?}"),
+            Err(_) => panic!("abort {abort}: the drop's panic left the runtime's turn"),
+        }
+    }
+}
