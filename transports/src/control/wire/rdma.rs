@@ -3,10 +3,14 @@
 
 use super::{FrameError, Reader};
 
-/// Largest `QpConnect`/`QpAccept` payload either side accepts.
-pub const MAX_QP_PAYLOAD: usize = 64 * 1024;
 /// Most keys one `QpAccept` carries.
 const MAX_KEYS: usize = 4096;
+/// Bytes of a [`QpWire`] on the wire.
+const QP_WIRE_BYTES: usize = 4 + 4 + 16 + 2 + 1;
+/// Largest `QpConnect`/`QpAccept` payload either side accepts: a
+/// `QpAccept` of [`MAX_KEYS`] keys (status, queue pair, count, 20 bytes per
+/// key), the most a target sends.
+pub const MAX_QP_PAYLOAD: usize = 1 + QP_WIRE_BYTES + 2 + 20 * MAX_KEYS;
 
 /// How to reach a queue pair (see `quiesce_transports::rdma::QpEndpoint`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -171,5 +175,28 @@ mod tests {
         let mut long = c.encode();
         long.push(0);
         assert!(QpConnect::decode(&long).is_err());
+    }
+
+    /// Every `QpAccept` a target may send fits what an initiator accepts:
+    /// one for 4,096 segments (the most it carries) took 81,950 bytes, past
+    /// the 64 KiB an initiator read, so a connection that had proved 3,277
+    /// segments or more could never get its keys.
+    #[test]
+    fn the_largest_qp_accept_fits_the_payload_limit() {
+        let a = QpAccept {
+            status: 0,
+            qp: QpWire::default(),
+            keys: vec![
+                RemoteKey {
+                    segment: 1,
+                    addr: 2,
+                    rkey: 3,
+                };
+                MAX_KEYS
+            ],
+        };
+        let p = a.encode().unwrap();
+        assert!(p.len() <= MAX_QP_PAYLOAD, "{} bytes", p.len());
+        assert_eq!(QpAccept::decode(&p).unwrap(), a);
     }
 }
