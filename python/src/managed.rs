@@ -83,6 +83,10 @@ struct Live {
     /// The batches in flight that counted their uses, by key ([`Uses`]):
     /// a slab, as each batch inserts and removes one.
     flights: Slab<Flight>,
+    /// Threads in [`ManagedBuffers::wait_unused`]: a batch that gives its
+    /// uses back notifies `unused` only if any waits (a notify is a futex
+    /// syscall, every time, waiter or not).
+    waiting_unused: usize,
 }
 
 impl Live {
@@ -286,11 +290,13 @@ impl ManagedBuffers {
             if left.is_zero() {
                 return false;
             }
+            live.waiting_unused += 1;
             live = self
                 .unused
                 .wait_timeout(live, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            live.waiting_unused -= 1;
         }
     }
 
@@ -449,7 +455,8 @@ impl ManagedBuffers {
             .and_then(|k| live.flights.try_remove(k))
             .map(|f| f.late)
             .unwrap_or_default();
-        let lent = !uses.lendings.is_empty() || !late.is_empty();
+        // A registration's uses fall, and an unregister waits for them.
+        let wake = (!uses.lendings.is_empty() || !late.is_empty()) && live.waiting_unused > 0;
         for (at, generation) in uses.lendings.into_iter().chain(late) {
             if let Some(l) = live
                 .lendings
@@ -460,7 +467,7 @@ impl ManagedBuffers {
             }
         }
         drop(live);
-        if lent {
+        if wake {
             self.unused.notify_all();
         }
     }
