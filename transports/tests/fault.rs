@@ -431,3 +431,33 @@ fn a_stall_timeout_of_a_day_connects() {
         assert_eq!(r.unwrap(), 4096);
     });
 }
+
+/// A session whose last connection closed lingers a handshake timeout
+/// from that close, however often it was left before: a peer that
+/// came back once and left again still finds its session. The first
+/// linger's end removed it (no connection then), early.
+#[test]
+fn a_session_lingers_a_handshake_timeout_from_its_last_close() {
+    let cfg = EngineConfig {
+        handshake_timeout: Duration::from_secs(1),
+        ..tcp()
+    };
+    let t = ShardTarget::start(cfg, &[("kv", 4096, Rights::READ | Rights::WRITE)]);
+    let (id, token) = (t.seg("kv").id, t.seg("kv").token);
+    let mut a = RawClient::connect(t.addr);
+    a.auth(id, token);
+    let session = a.session();
+    drop(a);
+    std::thread::sleep(Duration::from_millis(600));
+    let mut b = RawClient::connect_in(t.addr, Some(session));
+    assert_eq!(b.ack.session, session.0, "joined within the linger");
+    b.auth(id, token);
+    drop(b);
+    // 1.1 s after the first close, 0.5 s after the last.
+    std::thread::sleep(Duration::from_millis(500));
+    let c = RawClient::connect_in(t.addr, Some(session));
+    assert_eq!(
+        c.ack.session, session.0,
+        "the session was gone 0.5 s after its last connection closed"
+    );
+}

@@ -147,7 +147,10 @@ impl Target {
                 break;
             }
             lingering.pop_front();
-            if sessions.get(&id).is_some_and(|s| s.conns.is_empty()) {
+            // (Left again since, it lingers from then: a later entry.)
+            let over =
+                |s: &Session| s.conns.is_empty() && s.lingers_until.is_some_and(|u| u <= now);
+            if sessions.get(&id).is_some_and(over) {
                 sessions.remove(&id);
             }
         }
@@ -191,6 +194,7 @@ impl Target {
             Some(key) => sessions.entry(session).or_insert_with(|| Session {
                 key,
                 conns: HashMap::new(),
+                lingers_until: None,
             }),
             None => sessions
                 .get_mut(&session)
@@ -293,6 +297,8 @@ impl Target {
 pub(crate) struct Session {
     key: SessionKey,
     conns: HashMap<usize, SessionConn>,
+    /// With no connection: until when it lingers (from its last close).
+    lingers_until: Option<Instant>,
 }
 
 /// An open connection of a session.
@@ -319,14 +325,17 @@ impl Drop for SessionGuard<'_> {
         };
         entry.conns.remove(&self.conn);
         let last = entry.conns.is_empty();
+        // The session's fence state goes now; its id and key linger for
+        // a handshake timeout, so a peer reconnecting after a teardown
+        // (its last connection closing here just before) still joins.
+        let until = Instant::now() + self.engine.config.handshake_timeout;
+        if last {
+            entry.lingers_until = Some(until);
+        }
         drop(s);
         self.engine.fences.closed(self.session, self.conn);
         if last {
-            // The session's fence state goes now; its id and key linger for
-            // a handshake timeout, so a peer reconnecting after a teardown
-            // (its last connection closing here just before) still joins.
             self.engine.fences.end_session(self.session);
-            let until = Instant::now() + self.engine.config.handshake_timeout;
             self.engine
                 .lingering
                 .borrow_mut()
