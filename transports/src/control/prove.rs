@@ -176,7 +176,9 @@ impl ServedConn<'_> {
         }
         let payload = match (AuthAck { results }).encode() {
             Ok(p) => p,
-            Err(e) => return Err(Closed::Protocol(e.to_string())),
+            // (Too many descriptors, or too long, for a frame: no initiator
+            // of ours asks for so many at once.)
+            Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };
         send_frame(
             self.s,

@@ -422,3 +422,21 @@ fn a_connection_gets_few_proofs_of_unknown_segments_refused_before_it_is_closed(
     );
     assert!(checks <= 2 * 4096 + 300, "{checks} proof checks");
 }
+
+/// A well-formed `Auth` whose answer would not fit a frame (4,096 proofs
+/// of one segment with a long name: a descriptor each, past 256 KiB) is
+/// refused with a status, as every refused frame is, before the close:
+/// the connection was closed with no answer at all.
+#[test]
+fn an_auth_whose_answer_is_too_large_is_answered_bad_frame() {
+    use quiesce_transports::wire::{Opcode, SegmentRef, Status};
+    use quiesce_transports::Rights;
+    let name = "a-segment-whose-name-is-long-enough-to-matter";
+    let t = ShardTarget::start(tcp(), &[(name, 4096, Rights::READ | Rights::WRITE)]);
+    let (id, token) = (t.seg(name).id, t.seg(name).token);
+    let mut c = RawClient::connect(t.addr);
+    c.send_auth(&vec![(SegmentRef::Id(id), token); 4096]);
+    let h = c.recv().expect("an answer before the close");
+    assert_eq!(h.op, Opcode::Status, "{h:?}");
+    assert_eq!(h.status(), Ok(Status::BadFrame));
+}
