@@ -8,8 +8,8 @@ const MAX_KEYS: usize = 4096;
 /// Bytes of a [`QpWire`] on the wire.
 const QP_WIRE_BYTES: usize = 4 + 4 + 16 + 2 + 1;
 /// Largest `QpConnect`/`QpAccept` payload either side accepts: a
-/// `QpAccept` of [`MAX_KEYS`] keys (status, queue pair, count, 20 bytes per
-/// key), the most a target sends.
+/// `QpAccept` of 4,096 keys (status, queue pair, count, 20 bytes per key),
+/// the most a target sends.
 pub const MAX_QP_PAYLOAD: usize = 1 + QP_WIRE_BYTES + 2 + 20 * MAX_KEYS;
 
 /// How to reach a queue pair (see `quiesce_transports::rdma::QpEndpoint`).
