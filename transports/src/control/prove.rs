@@ -16,17 +16,31 @@ use crate::control::wire::{
 };
 use crate::segment::Segment;
 
-/// The HMACs a connection may spend on refused proofs at once before it is
-/// closed, with `segments` served: four `First` passes over distinct
-/// tokens, or 32 refusals of a token they share (two HMACs each), or 64
-/// proofs of segments that do not exist.
-pub(crate) fn refused_budget(segments: usize) -> usize {
+/// HMACs of refused `First` proofs, with `segments` served, that a
+/// connection may spend at once before it is closed: four passes over
+/// distinct tokens, or 32 refusals of a token they share (two HMACs each).
+fn refused_first_budget(segments: usize) -> usize {
     64 + 4 * segments
 }
 
+/// What an honest reconnect to a target that restarted may have refused at
+/// once: it re-proves what it had opened, 512 segments per `Auth`
+/// (`tcp::peer::REPROVE_CHUNK`), at most two HMACs each.
+const REPROVE_REFUSED: usize = 2 * 512;
+
+/// The HMACs a connection may spend on refused proofs of any kind at once
+/// before it is closed, with `segments` served: its `First` budget and an
+/// honest reconnect's re-proof.
+fn refused_budget(segments: usize) -> usize {
+    refused_first_budget(segments) + REPROVE_REFUSED
+}
+
 /// The target's budget of refused proofs over all its connections, in
-/// connections' budgets: a peer that reconnects after every close does not
-/// get a fresh one each time.
+/// connections' `First` budgets: past it a `First` proof is refused
+/// unchecked until it refills, so that a peer reconnecting after every
+/// close gets no fresh pass over the segments each time. (While one peer
+/// keeps it spent, honest `First` opens are refused too; other proofs are
+/// checked as ever, and no connection is closed for it.)
 pub(crate) const TARGET_REFUSED_BUDGETS: usize = 16;
 
 /// How long a budget takes to refill from empty: an initiator polling for
@@ -109,7 +123,7 @@ impl ServedConn<'_> {
         let segments = self.engine.segments.borrow().len();
         let budget = 2 * req.proofs.len() + segments + 1;
         let now = Instant::now();
-        let target_budget = TARGET_REFUSED_BUDGETS * refused_budget(segments);
+        let target_budget = TARGET_REFUSED_BUDGETS * refused_first_budget(segments);
         // The target's budget spent (a flood of refusals, perhaps over many
         // connections): a `First` proof, one HMAC per segment, is refused
         // unchecked until it refills.
@@ -120,6 +134,7 @@ impl ServedConn<'_> {
             .exhausted(target_budget, now);
         let work = Cell::new(0usize);
         let refused_work = Cell::new(0usize);
+        let refused_first_work = Cell::new(0usize);
         let results = req
             .proofs
             .iter()
@@ -133,7 +148,11 @@ impl ServedConn<'_> {
                 let before = work.get();
                 let answer = self.answer(seg_ref, proof, &work);
                 if answer.0 != Status::Ok {
-                    refused_work.set(refused_work.get() + work.get() - before);
+                    let spent = work.get() - before;
+                    refused_work.set(refused_work.get() + spent);
+                    if matches!(seg_ref, SegmentRef::First) {
+                        refused_first_work.set(refused_first_work.get() + spent);
+                    }
                 }
                 answer
             })
@@ -144,19 +163,23 @@ impl ServedConn<'_> {
             let why = format!("an Auth whose proofs cost over {budget} HMACs");
             return Err(reject(self.s, h, Status::BadFrame, why).await);
         }
-        // Refusals cost the connection's budget and the target's.
+        // Refusals cost the connection's budgets and the target's; past one
+        // of its own, the connection is closed.
         if refused_work.get() > 0 {
-            let mine = refused_budget(segments);
-            let over_mine = self.refused.charge(refused_work.get(), mine, now);
-            let over_target = self.engine.refused_proofs.borrow_mut().charge(
-                refused_work.get(),
-                target_budget,
-                now,
-            );
-            if over_mine || over_target {
-                let why = match over_mine {
-                    true => format!("refused proofs cost over {mine} HMACs"),
-                    false => format!("refused proofs cost the target over {target_budget} HMACs"),
+            self.engine
+                .refused_proofs
+                .borrow_mut()
+                .charge(refused_work.get(), target_budget, now);
+            let (all, firsts) = (refused_budget(segments), refused_first_budget(segments));
+            let over_all = self.refused.charge(refused_work.get(), all, now);
+            let over_firsts = refused_first_work.get() > 0
+                && self
+                    .refused_firsts
+                    .charge(refused_first_work.get(), firsts, now);
+            if over_all || over_firsts {
+                let why = match over_firsts {
+                    true => format!("refused First proofs cost over {firsts} HMACs"),
+                    false => format!("refused proofs cost over {all} HMACs"),
                 };
                 return Err(reject(self.s, h, Status::Forbidden, why).await);
             }

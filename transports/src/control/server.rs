@@ -81,9 +81,11 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) rx: ReadAhead,
     /// How long it may stay silent, between frames and inside one.
     pub(crate) idle: IdleLimit,
-    /// HMACs spent on its refused proofs (a `First` one may cost one per
-    /// segment): past [`refused_budget`] the connection is closed.
+    /// HMACs spent on its refused proofs of every kind, and on its refused
+    /// `First` ones (each may cost one per segment): past either budget
+    /// (`prove.rs`) the connection is closed.
     pub(crate) refused: RefusedWork,
+    pub(crate) refused_firsts: RefusedWork,
 }
 
 /// How a connection enters its session.
@@ -286,6 +288,7 @@ async fn handshake<'a>(
         rx: ReadAhead::default(),
         idle: IdleLimit::new(engine.config.idle_timeout),
         refused: RefusedWork::default(),
+        refused_firsts: RefusedWork::default(),
     })
 }
 
