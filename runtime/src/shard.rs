@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::thread;
 
+use slab::Slab;
+
 use crate::driver::socket::pin_to_core;
 use crate::runtime::{BuildError, Builder};
 
@@ -29,40 +31,75 @@ pub fn pin_current_thread(core: usize) -> io::Result<()> {
     pin_to_core(core)
 }
 
-/// A one-way flag with the wakers of every task waiting for it, settable
-/// from any thread.
+/// A one-way flag with the wakers of every wait for it, settable from any
+/// thread.
 #[derive(Default)]
 struct Signal {
     set: AtomicBool,
-    /// One per task that waited (kept until the flag is raised).
-    wakers: Mutex<Vec<Waker>>,
+    /// One per pending [`SignalWait`], which takes its own back when it
+    /// ends or is dropped.
+    wakers: Mutex<Slab<Waker>>,
 }
 
 impl Signal {
     fn raise(&self) {
         self.set.store(true, Ordering::SeqCst);
         let wakers = std::mem::take(&mut *self.wakers.lock().unwrap_or_else(|e| e.into_inner()));
-        wakers.into_iter().for_each(Waker::wake);
+        wakers.into_iter().for_each(|(_, w)| w.wake());
     }
 
-    async fn wait(&self) {
-        std::future::poll_fn(|tcx| {
-            if self.set.load(Ordering::SeqCst) {
-                return Poll::Ready(());
+    fn wait(&self) -> SignalWait<'_> {
+        SignalWait {
+            signal: self,
+            key: None,
+        }
+    }
+}
+
+/// A wait for a [`Signal`]: its waker is in the signal's list while it is
+/// pending, and only then.
+struct SignalWait<'a> {
+    signal: &'a Signal,
+    key: Option<usize>,
+}
+
+impl SignalWait<'_> {
+    fn forget(&mut self) {
+        if let Some(k) = self.key.take() {
+            let mut wakers = self.signal.wakers.lock().unwrap_or_else(|e| e.into_inner());
+            // (Gone if the raise took them all.)
+            wakers.try_remove(k);
+        }
+    }
+}
+
+impl Future for SignalWait<'_> {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, tcx: &mut std::task::Context<'_>) -> Poll<()> {
+        let set = |w: &SignalWait<'_>| w.signal.set.load(Ordering::SeqCst);
+        if !set(&self) {
+            let this = &mut *self;
+            let mut wakers = this.signal.wakers.lock().unwrap_or_else(|e| e.into_inner());
+            match this.key.and_then(|k| wakers.get_mut(k)) {
+                Some(w) if w.will_wake(tcx.waker()) => {}
+                Some(w) => *w = tcx.waker().clone(),
+                None => this.key = Some(wakers.insert(tcx.waker().clone())),
             }
-            {
-                let mut wakers = self.wakers.lock().unwrap_or_else(|e| e.into_inner());
-                if !wakers.iter().any(|w| w.will_wake(tcx.waker())) {
-                    wakers.push(tcx.waker().clone());
-                }
+            drop(wakers);
+            // Raised meanwhile: its waker may have gone with the raise's take.
+            if !set(this) {
+                return Poll::Pending;
             }
-            if self.set.load(Ordering::SeqCst) {
-                Poll::Ready(())
-            } else {
-                Poll::Pending
-            }
-        })
-        .await
+        }
+        self.forget();
+        Poll::Ready(())
+    }
+}
+
+impl Drop for SignalWait<'_> {
+    fn drop(&mut self) {
+        self.forget();
     }
 }
 
@@ -399,5 +436,46 @@ impl<T> Receiver<T> {
 impl<T> Drop for Receiver<T> {
     fn drop(&mut self) {
         self.chan.closed.store(true, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A wait that ends, or is given up (a task that stopped waiting on a
+    /// timeout), takes its waker back: tasks that come and go in a shard
+    /// that lives long leave nothing behind (one waker each was kept until
+    /// the shutdown).
+    #[test]
+    fn a_wait_given_up_leaves_no_waker_behind() {
+        let s = std::rc::Rc::new(Signal::default());
+        let rt = crate::Runtime::new().unwrap();
+        rt.block_on(async {
+            let tasks: Vec<_> = (0..100)
+                .map(|_| {
+                    let s = s.clone();
+                    crate::spawn_local(async move {
+                        let waited = crate::time::timeout(Duration::from_millis(1), s.wait());
+                        assert!(waited.await.is_err(), "not raised");
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+        assert_eq!(s.wakers.lock().unwrap().len(), 0);
+        // One still waiting is woken by the raise.
+        let waiting = rt.spawn_local({
+            let s = s.clone();
+            async move { s.wait().await }
+        });
+        rt.block_on(crate::yield_now());
+        s.raise();
+        rt.block_on(crate::time::timeout(Duration::from_secs(1), waiting))
+            .expect("the raise woke the waiter")
+            .unwrap();
     }
 }
