@@ -23,7 +23,7 @@ use crate::control::read_ahead::ReadAhead;
 use crate::control::target::Target;
 use crate::control::wire::{
     Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, QpWire, Status, MAX_HANDSHAKE_PAYLOAD,
-    MAX_QP_PAYLOAD,
+    QP_CONNECT_PAYLOAD,
 };
 use crate::tcp::own_ids::OwnIdMap;
 
@@ -490,7 +490,9 @@ impl ServedConn<'_> {
 
     /// Sets up (or, for `qpn == 0`, only reports keys of) an RDMA queue pair.
     async fn qp_connect(&mut self, h: &Header) -> Result<(), Closed> {
-        let req = self.decoded(h, MAX_QP_PAYLOAD, QpConnect::decode).await?;
+        let req = self
+            .decoded(h, QP_CONNECT_PAYLOAD, QpConnect::decode)
+            .await?;
         let plane = self.engine.qp_plane.borrow().clone();
         let mut answer = QpAccept {
             status: 1,

@@ -9,7 +9,7 @@ mod rdma;
 pub use handshake::{
     AuthAck, AuthRequest, Descriptor, Hello, HelloAck, SegmentRef, MAX_HANDSHAKE_PAYLOAD,
 };
-pub use rdma::{QpAccept, QpConnect, QpWire, RemoteKey, MAX_QP_PAYLOAD};
+pub use rdma::{QpAccept, QpConnect, QpWire, RemoteKey, MAX_QP_PAYLOAD, QP_CONNECT_PAYLOAD};
 
 /// `b"QSCE"`, the first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"QSCE";

@@ -7,10 +7,11 @@ use super::{FrameError, Reader};
 const MAX_KEYS: usize = 4096;
 /// Bytes of a [`QpWire`] on the wire.
 const QP_WIRE_BYTES: usize = 4 + 4 + 16 + 2 + 1;
-/// Largest `QpConnect`/`QpAccept` payload either side accepts: a
-/// `QpAccept` of 4,096 keys (status, queue pair, count, 20 bytes per key),
-/// the most a target sends.
+/// Largest `QpAccept` payload an initiator accepts: one of 4,096 keys
+/// (status, queue pair, count, 20 bytes per key), the most a target sends.
 pub const MAX_QP_PAYLOAD: usize = 1 + QP_WIRE_BYTES + 2 + 20 * MAX_KEYS;
+/// A `QpConnect` payload's size: a queue pair, nothing else.
+pub const QP_CONNECT_PAYLOAD: usize = QP_WIRE_BYTES;
 
 /// How to reach a queue pair (see `quiesce_transports::rdma::QpEndpoint`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
