@@ -23,18 +23,6 @@ fn refused_first_budget(segments: usize) -> usize {
     64 + 4 * segments
 }
 
-/// What an honest reconnect to a target that restarted may have refused at
-/// once: it re-proves what it had opened, 512 segments per `Auth`
-/// (`tcp::peer::REPROVE_CHUNK`), at most two HMACs each.
-const REPROVE_REFUSED: usize = 2 * 512;
-
-/// The HMACs a connection may spend on refused proofs of any kind at once
-/// before it is closed, with `segments` served: its `First` budget and an
-/// honest reconnect's re-proof.
-fn refused_budget(segments: usize) -> usize {
-    refused_first_budget(segments) + REPROVE_REFUSED
-}
-
 /// The target's budget of refused proofs over all its connections, in
 /// connections' `First` budgets: past it a `First` proof is refused
 /// unchecked until it refills, so that a peer reconnecting after every
@@ -49,35 +37,49 @@ pub(crate) const TARGET_REFUSED_BUDGETS: usize = 16;
 pub(crate) const REFUSED_REFILL: Duration = Duration::from_secs(10);
 
 /// HMACs spent on refused proofs, less what [`REFUSED_REFILL`] gave back
-/// since they were charged.
+/// since they were charged: a budget refills at `budget` HMACs per refill
+/// time, counted exactly (in HMAC-milliseconds), however often it is
+/// charged.
 #[derive(Default)]
 pub(crate) struct RefusedWork {
-    spent: usize,
-    /// When `spent` was last brought up to date.
+    /// Spent, in HMACs × milliseconds of refill.
+    owed: u128,
+    /// When `owed` was last brought up to date.
     at: Option<Instant>,
 }
 
 impl RefusedWork {
-    /// What is spent of `budget` at `now`, after the refill since.
-    fn spent_at(&self, budget: usize, now: Instant) -> usize {
+    /// What is owed at `now`, after the refill since.
+    fn owed_at(&self, budget: usize, now: Instant) -> u128 {
         let back = self.at.map_or(0, |at| {
             budget as u128 * now.saturating_duration_since(at).as_millis()
-                / REFUSED_REFILL.as_millis()
         });
-        self.spent
-            .saturating_sub(back.min(usize::MAX as u128) as usize)
+        self.owed.saturating_sub(back)
+    }
+
+    fn limit(budget: usize) -> u128 {
+        budget as u128 * REFUSED_REFILL.as_millis()
     }
 
     /// Whether nothing is left of `budget` at `now`.
     fn exhausted(&self, budget: usize, now: Instant) -> bool {
-        self.spent_at(budget, now) >= budget
+        self.owed_at(budget, now) >= Self::limit(budget)
     }
 
     /// Charges `work` HMACs at `now`: whether that went past `budget`.
     fn charge(&mut self, work: usize, budget: usize, now: Instant) -> bool {
-        self.spent = self.spent_at(budget, now).saturating_add(work);
-        self.at = Some(now);
-        self.spent > budget
+        let refill_ms = REFUSED_REFILL.as_millis();
+        self.owed = self
+            .owed_at(budget, now)
+            .saturating_add(work as u128 * refill_ms);
+        // (Brought up to date to the millisecond the refill counted.)
+        self.at = Some(match self.at {
+            Some(at) => {
+                at + Duration::from_millis(now.saturating_duration_since(at).as_millis() as u64)
+            }
+            None => now,
+        });
+        self.owed > Self::limit(budget)
     }
 }
 
@@ -163,24 +165,21 @@ impl ServedConn<'_> {
             let why = format!("an Auth whose proofs cost over {budget} HMACs");
             return Err(reject(self.s, h, Status::BadFrame, why).await);
         }
-        // Refusals cost the connection's budgets and the target's; past one
-        // of its own, the connection is closed.
+        // Refusals cost the target's budget, and refused `First` proofs the
+        // connection's: past that, the connection is closed.
         if refused_work.get() > 0 {
             self.engine
                 .refused_proofs
                 .borrow_mut()
                 .charge(refused_work.get(), target_budget, now);
-            let (all, firsts) = (refused_budget(segments), refused_first_budget(segments));
-            let over_all = self.refused.charge(refused_work.get(), all, now);
-            let over_firsts = refused_first_work.get() > 0
-                && self
-                    .refused_firsts
-                    .charge(refused_first_work.get(), firsts, now);
-            if over_all || over_firsts {
-                let why = match over_firsts {
-                    true => format!("refused First proofs cost over {firsts} HMACs"),
-                    false => format!("refused proofs cost over {all} HMACs"),
-                };
+        }
+        if refused_first_work.get() > 0 {
+            let firsts = refused_first_budget(segments);
+            if self
+                .refused_firsts
+                .charge(refused_first_work.get(), firsts, now)
+            {
+                let why = format!("refused First proofs cost over {firsts} HMACs");
                 return Err(reject(self.s, h, Status::Forbidden, why).await);
             }
         }
@@ -277,4 +276,25 @@ fn unknown_segment_token() -> crate::control::auth::Token {
         static T: crate::control::auth::Token = crate::control::auth::Token::random();
     }
     T.with(|t| *t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A budget refills at its rate however often it is charged: one HMAC
+    /// every 9 ms against a budget of 1,000 per 10 s (0.9 back per charge)
+    /// stays far below it. Rounding each refill down to whole HMACs, and
+    /// restarting the clock at every charge, gave nothing back at all at
+    /// that rate, and the budget ran out after 1,000 charges.
+    #[test]
+    fn a_budget_charged_often_still_refills() {
+        let mut w = RefusedWork::default();
+        let t0 = Instant::now();
+        for i in 0..1200u64 {
+            let over = w.charge(1, 1000, t0 + Duration::from_millis(9 * i));
+            assert!(!over, "over the budget at charge {i}");
+        }
+        assert!(!w.exhausted(1000, t0 + Duration::from_millis(9 * 1200)));
+    }
 }

@@ -81,10 +81,8 @@ pub(crate) struct ServedConn<'a> {
     pub(crate) rx: ReadAhead,
     /// How long it may stay silent, between frames and inside one.
     pub(crate) idle: IdleLimit,
-    /// HMACs spent on its refused proofs of every kind, and on its refused
-    /// `First` ones (each may cost one per segment): past either budget
-    /// (`prove.rs`) the connection is closed.
-    pub(crate) refused: RefusedWork,
+    /// HMACs spent on its refused `First` proofs (each may cost one per
+    /// segment): past its budget (`prove.rs`) the connection is closed.
     pub(crate) refused_firsts: RefusedWork,
 }
 
@@ -287,7 +285,6 @@ async fn handshake<'a>(
         inbox: None,
         rx: ReadAhead::default(),
         idle: IdleLimit::new(engine.config.idle_timeout),
-        refused: RefusedWork::default(),
         refused_firsts: RefusedWork::default(),
     })
 }
