@@ -5,7 +5,7 @@ import ctypes
 import signal
 import time
 
-from conftest import answers_after_resume, engine, stopped_target
+from conftest import answers_after_resume, engine, logged, stopped_target
 from quiesce.mooncake import TransferEngine, TransferOpcode
 
 MiB = 1 << 20
@@ -55,7 +55,7 @@ def test_a_finished_async_batch_does_not_hold_its_range_until_its_status_is_read
 
 
 def test_a_drained_async_minus_two_does_not_hold_its_range_until_its_status_is_read(
-    peer_factory, local, monkeypatch
+    peer_factory, local, monkeypatch, caplog
 ):
     """An asynchronous batch that gave -2 (its target stopped past the
     deadline) and drained since (the target resumed) touches nothing any
@@ -74,6 +74,8 @@ def test_a_drained_async_minus_two_does_not_hold_its_range_until_its_status_is_r
     # Past the 5 s deadline and the fence's grace: the batch has said -2,
     # and nobody asked.
     time.sleep(8)
+    unknown = logged(caplog, lambda r: "CompletionUnknown" in r.getMessage(), timeout=5)
+    assert unknown, "the batch did not answer -2 while the target was stopped"
     target.signal(signal.SIGCONT)
     time.sleep(1)
     t0 = time.monotonic()
