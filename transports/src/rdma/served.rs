@@ -192,6 +192,10 @@ pub(crate) struct Node {
     /// Queue pairs served now (a [`ServedDomain`]'s, until reset; one the
     /// device would neither reset nor destroy stays counted for good).
     pub(crate) served_qps: Cell<u64>,
+    /// A served queue pair that could be neither reset nor destroyed serves
+    /// a region that would not deregister: its key may work for good, after
+    /// its domain's record is gone, so every revoke says `NotAll`.
+    keys_live: Cell<bool>,
     /// Itself, for the domains it serves to hold.
     pub(crate) this: Weak<Node>,
 }
@@ -219,6 +223,7 @@ impl Node {
             next_domain: Cell::new(0),
             mrs,
             served_qps: Cell::new(0),
+            keys_live: Cell::new(false),
             this: this.clone(),
         })
     }
@@ -265,7 +270,10 @@ impl Node {
             .values()
             .filter_map(Weak::upgrade)
             .collect();
-        let mut killed = KeysKilled::Deregistered;
+        let mut killed = match self.keys_live.get() {
+            true => KeysKilled::NotAll,
+            false => KeysKilled::Deregistered,
+        };
         for d in domains {
             if d.keys_live.get() {
                 killed = KeysKilled::NotAll;
@@ -289,6 +297,7 @@ impl Node {
                     "a revoked key's queue pair could not be stopped"
                 );
                 d.keys_live.set(true);
+                self.keys_live.set(true);
                 killed = KeysKilled::NotAll;
             }
         }
@@ -412,6 +421,26 @@ impl crate::control::ServedLink for ServedDomain {
 impl Drop for ServedDomain {
     fn drop(&mut self) {
         let _ = crate::control::ServedLink::reset(self);
+        // A queue pair that would not go stays connected: a region of this
+        // domain that will not deregister keeps its key working through it.
+        // Deregistered here, to know; the node keeps what this domain's
+        // record knew, as the record goes.
+        let mut live = self.state.keys_live.get();
+        if self.state.stuck_qp.get() {
+            let regions: Vec<SegmentMr> = self
+                .state
+                .mrs
+                .borrow_mut()
+                .drain()
+                .map(|(_, r)| r)
+                .collect();
+            for mut r in regions {
+                live |= r.deregister().is_err();
+            }
+        }
+        if live {
+            self.node.keys_live.set(true);
+        }
         self.node.domains.borrow_mut().remove(&self.serial);
     }
 }

@@ -212,3 +212,36 @@ fn a_revoke_whose_region_stays_registered_still_kills_the_old_key() {
         assert_eq!(snap, pattern(4096, 3));
     });
 }
+
+/// A revoke that could kill neither the region (it will not deregister) nor
+/// the queue pair serving it (it will neither reset nor destroy) says so
+/// (`KeysLive`) — and so does every later revoke, after the target closed
+/// that poisoned connection: the queue pair stays connected with the old
+/// key. The record of it went with the connection's domain, and the next
+/// revoke of the range resolved as if every key were dead.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_key_left_live_is_reported_after_its_connection_closed() {
+    use quiesce_transports::RevokeError;
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, _l) = p.remote.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        quiesce_transports::rdma::fail_next_deregistrations(1);
+        quiesce_transports::rdma::fail_next_served_resets(1);
+        let first = p.kv.revoke(0..4096).await;
+        assert!(
+            matches!(first, Err(RevokeError::KeysLive { .. })),
+            "{first:?}"
+        );
+        // The target closes the poisoned connection meanwhile.
+        sleep(Duration::from_millis(300)).await;
+        let again = p.kv.revoke(0..4096).await;
+        assert!(
+            matches!(again, Err(RevokeError::KeysLive { .. })),
+            "a later revoke resolved while the old key still works: {again:?}"
+        );
+    });
+}
