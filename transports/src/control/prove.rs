@@ -34,7 +34,7 @@ pub(crate) const TARGET_REFUSED_BUDGETS: usize = 16;
 /// How long a budget takes to refill from empty: an initiator polling for
 /// the target's first registration a few times a second keeps its
 /// connection; a peer flooding refusals is closed within the budget.
-pub(crate) const REFUSED_REFILL: Duration = Duration::from_secs(10);
+const REFUSED_REFILL: Duration = Duration::from_secs(10);
 
 /// HMACs spent on refused proofs, less what [`REFUSED_REFILL`] gave back
 /// since they were charged: a budget refills at `budget` HMACs per refill

@@ -59,8 +59,8 @@ pub(crate) struct Target {
     pub(crate) peer_logs: PeerLogs,
     /// HMACs spent on refused proofs over every connection: past
     /// [`TARGET_REFUSED_BUDGETS`](crate::control::prove::TARGET_REFUSED_BUDGETS)
-    /// connections' worth, a connection that gets one refused is closed,
-    /// and `First` proofs are refused unchecked, until it refills.
+    /// connections' `First` budgets, `First` proofs are refused unchecked
+    /// until it refills (no connection is closed for it).
     pub(crate) refused_proofs: RefCell<crate::control::prove::RefusedWork>,
 }
 

@@ -72,9 +72,6 @@ struct DomainState {
     /// key works on any queue pair of this domain, so none is connected in
     /// it again (the initiator gets a new control connection, and domain).
     poisoned: Cell<bool>,
-    /// And even its queue pair's reset failed: a key may still work here,
-    /// which every later revoke of any segment reports (`KeysKilled::NotAll`).
-    keys_live: Cell<bool>,
     /// A queue pair of it could be neither reset nor destroyed: it may
     /// still accept requests under any key registered here, so a region
     /// that will not deregister leaves its key working (`KeysKilled::NotAll`).
@@ -275,9 +272,6 @@ impl Node {
             false => KeysKilled::Deregistered,
         };
         for d in domains {
-            if d.keys_live.get() {
-                killed = KeysKilled::NotAll;
-            }
             // Out of the borrow first.
             let Some(mut region) = d.mrs.borrow_mut().remove(&id) else {
                 continue;
@@ -296,7 +290,6 @@ impl Node {
                     segment = id,
                     "a revoked key's queue pair could not be stopped"
                 );
-                d.keys_live.set(true);
                 self.keys_live.set(true);
                 killed = KeysKilled::NotAll;
             }
@@ -422,10 +415,9 @@ impl Drop for ServedDomain {
     fn drop(&mut self) {
         let _ = crate::control::ServedLink::reset(self);
         // A queue pair that would not go stays connected: a region of this
-        // domain that will not deregister keeps its key working through it.
-        // Deregistered here, to know; the node keeps what this domain's
-        // record knew, as the record goes.
-        let mut live = self.state.keys_live.get();
+        // domain that will not deregister keeps its key working through it,
+        // which the node keeps (deregistered here, to know) as the domain's
+        // record goes.
         if self.state.stuck_qp.get() {
             let regions: Vec<SegmentMr> = self
                 .state
@@ -435,11 +427,10 @@ impl Drop for ServedDomain {
                 .map(|(_, r)| r)
                 .collect();
             for mut r in regions {
-                live |= r.deregister().is_err();
+                if r.deregister().is_err() {
+                    self.node.keys_live.set(true);
+                }
             }
-        }
-        if live {
-            self.node.keys_live.set(true);
         }
         self.node.domains.borrow_mut().remove(&self.serial);
     }
