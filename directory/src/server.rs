@@ -4,6 +4,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -22,10 +23,59 @@ pub struct LocalEtcd {
     child: Option<Child>,
 }
 
+/// Ports the kernel may give a connecting socket
+/// (`/proc/sys/net/ipv4/ip_local_port_range`; Linux's default when that
+/// cannot be read).
+fn ephemeral_ports() -> RangeInclusive<u16> {
+    let read = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
+    let mut ports = read
+        .as_deref()
+        .unwrap_or("")
+        .split_whitespace()
+        .map(|p| p.parse::<u16>().ok());
+    match (ports.next().flatten(), ports.next().flatten()) {
+        (Some(lo), Some(hi)) if lo <= hi => lo..=hi,
+        _ => 32768..=60999,
+    }
+}
+
+/// The lowest port [`free_port`] picks: below it lie the ports services
+/// are configured on.
+const LOWEST_PICKED: u16 = 10_000;
+
+/// A port nothing on `ip` is bound to now, outside the ephemeral range: a
+/// port the kernel chose (binding port 0) can be handed to any connecting
+/// socket between this probe and etcd's bind, or while etcd is stopped for
+/// a restart, and etcd then exits with "address already in use". Each probe
+/// in this process tries a port no earlier probe tried, starting from one
+/// that depends on the process id, so two etcds started at once get two.
 fn free_port(ip: IpAddr) -> io::Result<u16> {
-    Ok(TcpListener::bind(SocketAddr::new(ip, 0))?
-        .local_addr()?
-        .port())
+    static PROBES: AtomicU32 = AtomicU32::new(0);
+    let eph = ephemeral_ports();
+    let below = LOWEST_PICKED..(*eph.start()).max(LOWEST_PICKED);
+    let above = eph.end().saturating_add(1).max(LOWEST_PICKED)..u16::MAX;
+    let count = below.len() as u32 + above.len() as u32;
+    if count == 0 {
+        // The whole range is ephemeral: the kernel's choice is the best left.
+        return Ok(TcpListener::bind(SocketAddr::new(ip, 0))?
+            .local_addr()?
+            .port());
+    }
+    let start = std::process::id().wrapping_mul(7_919);
+    for _ in 0..count.min(4_096) {
+        let i = start.wrapping_add(PROBES.fetch_add(1, Ordering::Relaxed)) % count;
+        let port = match i.checked_sub(below.len() as u32) {
+            None => below.start + i as u16,
+            Some(j) => above.start + j as u16,
+        };
+        if TcpListener::bind(SocketAddr::new(ip, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AddrInUse,
+        format!("no free port on {ip} outside the ephemeral range {eph:?}"),
+    ))
 }
 
 /// The etcd binary: `QUIESCE_ETCD`, else `etcd` on the path.
@@ -45,9 +95,18 @@ impl LocalEtcd {
     }
 
     /// Starts etcd on free ports of 127.0.0.1 and waits until it is healthy.
+    /// Ports taken between the probe and etcd's bind (by another process's
+    /// explicit bind) are given up for fresh ones, a few times.
     pub fn start() -> io::Result<LocalEtcd> {
         let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        Self::start_with(ip, free_port(ip)?, free_port(ip)?, &[])
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match Self::start_with(ip, free_port(ip)?, free_port(ip)?, &[]) {
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse && tries < 4 => {}
+                done => return done,
+            }
+        }
     }
 
     /// Starts etcd listening on `ip` (client `client_port`, peer
@@ -122,10 +181,16 @@ impl LocalEtcd {
             }
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
-                    return Err(io::Error::other(format!(
-                        "etcd exited ({status}): {}",
-                        self.log_tail()
-                    )));
+                    let tail = self.log_tail();
+                    let kind = if tail.contains("address already in use") {
+                        io::ErrorKind::AddrInUse
+                    } else {
+                        io::ErrorKind::Other
+                    };
+                    return Err(io::Error::new(
+                        kind,
+                        format!("etcd exited ({status}): {tail}"),
+                    ));
                 }
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -175,5 +240,26 @@ impl Drop for LocalEtcd {
     fn drop(&mut self) {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picked_ports_are_distinct_and_outside_the_ephemeral_range() {
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let eph = ephemeral_ports();
+        if *eph.start() <= LOWEST_PICKED && *eph.end() == u16::MAX {
+            eprintln!("skipped: every port from {LOWEST_PICKED} up is ephemeral here");
+            return;
+        }
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..200 {
+            let port = free_port(ip).unwrap();
+            assert!(!eph.contains(&port), "{port} is in {eph:?}");
+            assert!(seen.insert(port), "{port} picked twice");
+        }
     }
 }

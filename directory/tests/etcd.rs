@@ -15,16 +15,37 @@ use quiesce_directory::{
 
 const TTL: i64 = 2;
 
-fn etcd() -> Option<LocalEtcd> {
+fn have_etcd() -> bool {
     if !LocalEtcd::available() {
         assert!(
             std::env::var("CI").is_err(),
             "CI=true but no etcd binary (apt-get install etcd-server)"
         );
         eprintln!("skipped: no etcd binary (apt-get install etcd-server)");
-        return None;
+        return false;
     }
-    Some(LocalEtcd::start().expect("start etcd"))
+    true
+}
+
+fn etcd() -> Option<LocalEtcd> {
+    have_etcd().then(|| LocalEtcd::start().expect("start etcd"))
+}
+
+#[test]
+fn a_port_taken_before_etcd_binds_is_reported_as_in_use() {
+    if !have_etcd() {
+        return;
+    }
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = free.local_addr().unwrap().port();
+    drop(free);
+    let ip = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+    let err = LocalEtcd::start_with(ip, port, peer, &[])
+        .err()
+        .expect("etcd started on a port another socket listens on");
+    assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
 }
 
 fn directory(e: &LocalEtcd, prefix: &str) -> EtcdDirectory {

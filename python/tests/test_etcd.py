@@ -4,6 +4,7 @@ find each other there by name. Without an etcd binary the tests are
 skipped, and fail under CI=true."""
 
 import ctypes
+import itertools
 import os
 import shutil
 import socket
@@ -16,10 +17,65 @@ import pytest
 from quiesce.mooncake import TransferEngine
 
 
+def _ephemeral_ports():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(p) for p in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_probes = itertools.count(os.getpid() * 7919)
+
+
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing is bound to now, outside the ephemeral range: a port
+    the kernel picked (bind to 0) can be handed to any connecting socket
+    before etcd binds it, and etcd then exits "address already in use"."""
+    lo, hi = _ephemeral_ports()
+    ports = [p for p in range(10000, 65535) if not lo <= p <= hi]
+    for _ in range(4096):
+        port = ports[next(_probes) % len(ports)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port outside the ephemeral range")
+
+
+def _start_etcd(binary, tmp_path):
+    """Starts etcd on free ports; returns (process, client port), or None
+    when a port was taken before etcd bound it."""
+    client, peer = _free_port(), _free_port()
+    c, p = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    with open(tmp_path / "etcd.log", "w") as log:
+        proc = subprocess.Popen(
+            [binary, "--name=py", f"--data-dir={tmp_path / 'data'}",
+             f"--listen-client-urls={c}", f"--advertise-client-urls={c}",
+             f"--listen-peer-urls={p}", f"--initial-advertise-peer-urls={p}",
+             f"--initial-cluster=py={p}"],
+            stdout=log, stderr=log,
+        )
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if b'"health":"true"' in urllib.request.urlopen(c + "/health", timeout=1).read():
+                return proc, client
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            if "address already in use" in (tmp_path / "etcd.log").read_text():
+                shutil.rmtree(tmp_path / "data", ignore_errors=True)
+                return None
+            raise AssertionError("etcd exited: " + (tmp_path / "etcd.log").read_text()[-500:])
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError("etcd did not start within 20 s")
+        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -28,29 +84,16 @@ def etcd(tmp_path):
     if binary is None:
         assert os.environ.get("CI") != "true", "CI=true but no etcd binary"
         pytest.skip("no etcd binary (apt-get install etcd-server)")
-    client, peer = _free_port(), _free_port()
-    c, p = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-    log = open(tmp_path / "etcd.log", "w")
-    proc = subprocess.Popen(
-        [binary, "--name=py", f"--data-dir={tmp_path / 'data'}",
-         f"--listen-client-urls={c}", f"--advertise-client-urls={c}",
-         f"--listen-peer-urls={p}", f"--initial-advertise-peer-urls={p}",
-         f"--initial-cluster=py={p}"],
-        stdout=log, stderr=log,
-    )
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if b'"health":"true"' in urllib.request.urlopen(c + "/health", timeout=1).read():
-                break
-        except OSError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "etcd did not start"
-        time.sleep(0.05)
+    for _ in range(4):
+        started = _start_etcd(binary, tmp_path)
+        if started is not None:
+            break
+    else:
+        raise AssertionError("etcd's ports were taken four times over")
+    proc, client = started
     yield f"127.0.0.1:{client}"
     proc.kill()
     proc.wait()
-    log.close()
 
 
 def _engine(name, metadata, ext=None):
