@@ -211,6 +211,7 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
             submitting,
             driver: (!finished).then_some(driver),
             runtime: quiesce_runtime::Handle::try_current(),
+            detach: crate::outcome::detach::<B>,
         }
     }
 }

@@ -237,6 +237,9 @@ pub(crate) struct Handoff<B> {
     pub(crate) abandoned: Cell<bool>,
     pub(crate) waiter: RefCell<Option<Waker>>,
     pub(crate) driver: RefCell<Option<Waker>>,
+    /// The panic of a transfer of this batch after its driver went on as a
+    /// task of its own: the result the ticket raises instead of draining.
+    panic: RefCell<Option<Box<dyn Any + Send>>>,
 }
 
 impl<B> Default for Handoff<B> {
@@ -249,6 +252,7 @@ impl<B> Default for Handoff<B> {
             abandoned: Cell::new(false),
             waiter: RefCell::new(None),
             driver: RefCell::new(None),
+            panic: RefCell::new(None),
         }
     }
 }
@@ -350,7 +354,13 @@ pub struct Submitted<B> {
     pub(crate) driver: Option<DriverFuture>,
     /// The runtime the batch was submitted on, where its driver goes on.
     pub(crate) runtime: Option<quiesce_runtime::Handle>,
+    /// [`detach`] for this buffer type (which `submit` knows to be
+    /// `'static`).
+    pub(crate) detach: Detach<B>,
 }
+
+/// How a [`Submitted`] lets its driver go on without it.
+pub(crate) type Detach<B> = fn(Option<&quiesce_runtime::Handle>, DriverFuture, &Rc<Handoff<B>>);
 
 /// The batch driver's future: boxed, in a block that the thread's next
 /// batch of the same shape reuses (no `malloc`/`free` per batch).
@@ -360,15 +370,57 @@ pub(crate) type DriverFuture = quiesce_runtime::recycle::RecycledFuture;
 /// on, without the `Submitted` that polled it (wherever that is dropped).
 /// Once that runtime is gone nothing can drive it: it is leaked, with
 /// whatever it holds, rather than freeing buffers a NIC or the kernel may
-/// still touch.
-fn detach(runtime: Option<&quiesce_runtime::Handle>, driver: DriverFuture) {
+/// still touch. A transfer that panics there ends the task and goes to
+/// the batch's ticket (see [`Ticket::wait`]), or to the log if nothing
+/// holds one.
+pub(crate) fn detach<B: 'static>(
+    runtime: Option<&quiesce_runtime::Handle>,
+    driver: DriverFuture,
+    shared: &Rc<Handoff<B>>,
+) {
     let left = match runtime {
-        Some(rt) => rt.spawn_local(driver).err(),
+        Some(rt) => rt
+            .spawn_local(Detached {
+                driver,
+                shared: shared.clone(),
+            })
+            .err()
+            .map(|d| d.driver),
         None => Some(driver),
     };
     if let Some(d) = left {
         tracing::error!("batch dropped in flight after its runtime shut down: leaking its buffers");
         std::mem::forget(d);
+    }
+}
+
+/// A batch driver running as a task of its own, which hands a panic of one
+/// of its transfers to the batch's [`Ticket`] rather than to the executor.
+struct Detached<B> {
+    driver: DriverFuture,
+    shared: Rc<Handoff<B>>,
+}
+
+impl<B> Future for Detached<B> {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        match catch_unwind(AssertUnwindSafe(|| Pin::new(&mut this.driver).poll(cx))) {
+            Ok(done) => done,
+            Err(panic) => {
+                // Its state was dropped on the way out (the operations it
+                // held parked in their reactor); what it had not sent is
+                // lost, and the target was never fenced: the batch can
+                // never drain.
+                tracing::error!("a transfer panicked in a batch going on without its `Submitted`: the batch is lost");
+                if !this.shared.abandoned.get() {
+                    *this.shared.panic.borrow_mut() = Some(panic);
+                    this.shared.wake_waiter();
+                }
+                Poll::Ready(())
+            }
+        }
     }
 }
 
@@ -407,7 +459,7 @@ impl<B> Future for Submitted<B> {
         if sh.unknown.get() {
             self.done = true;
             if let Some(d) = self.driver.take() {
-                detach(self.runtime.as_ref(), d);
+                (self.detach)(self.runtime.as_ref(), d, &self.shared);
             }
             return Poll::Ready(Outcome::CompletionUnknown(Ticket {
                 shared: sh.clone(),
@@ -429,7 +481,7 @@ impl<B> Drop for Submitted<B> {
             tracing::debug!("in-flight batch dropped: fencing it and parking it until it drains");
             self.shared.abandon();
             if let Some(d) = self.driver.take() {
-                detach(self.runtime.as_ref(), d);
+                (self.detach)(self.runtime.as_ref(), d, &self.shared);
             }
         }
     }
@@ -454,7 +506,8 @@ impl<B> std::fmt::Debug for Ticket<B> {
 }
 
 impl<B> Ticket<B> {
-    /// True once the batch has drained (the buffers can be taken).
+    /// True once the batch has drained (the buffers can be taken). Never,
+    /// for a batch a transfer of which panicked (see [`Ticket::wait`]).
     pub fn is_quiesced(&self) -> bool {
         self.shared.finished.get()
     }
@@ -470,7 +523,9 @@ impl<B> Ticket<B> {
     }
 
     /// The quiescent result, if the batch has drained; the ticket otherwise.
+    /// Raises the panic of a transfer of the batch, as [`Ticket::wait`].
     pub fn try_take(mut self) -> Result<Quiesced<B>, Ticket<B>> {
+        self.raise_panic();
         let q = self.shared.final_result.borrow_mut().take();
         match q {
             Some(q) => {
@@ -482,6 +537,13 @@ impl<B> Ticket<B> {
     }
 
     /// Waits until the batch drains.
+    ///
+    /// A transfer of the batch that panicked lost track of a buffer, and
+    /// left the target unfenced: the batch can never drain. That panic is
+    /// then raised here (once; as from the [`Submitted`] of a batch that
+    /// panicked before its completion became unknown), rather than waiting
+    /// for ever. What the panic dropped is gone; operations the kernel still
+    /// held were parked in their reactor and are released when they end.
     pub async fn wait(mut self) -> Quiesced<B> {
         let q = self.drained().await;
         self.taken = true;
@@ -500,8 +562,19 @@ impl<B> Ticket<B> {
         }
     }
 
-    fn drained(&self) -> impl Future<Output = Quiesced<B>> + '_ {
+    fn raise_panic(&mut self) {
+        let panic = self.shared.panic.borrow_mut().take();
+        if let Some(panic) = panic {
+            // Nothing is left to collect: dropping this ticket must not
+            // mark a batch that is gone abandoned.
+            self.taken = true;
+            resume_unwind(panic);
+        }
+    }
+
+    fn drained(&mut self) -> impl Future<Output = Quiesced<B>> + '_ {
         std::future::poll_fn(|cx| {
+            self.raise_panic();
             if let Some(q) = self.shared.final_result.borrow_mut().take() {
                 return Poll::Ready(q);
             }

@@ -97,10 +97,15 @@ fn panics_during(f: impl FnOnce()) -> Vec<String> {
         }
     }));
     PANICS.with(|p| *p.borrow_mut() = Some(Vec::new()));
-    f();
+    let ran = catch_unwind(AssertUnwindSafe(f));
     let seen = PANICS.with(|p| p.borrow_mut().take()).unwrap_or_default();
     drop(std::panic::take_hook());
     std::panic::set_hook(Box::new(move |info| before(info)));
+    if let Err(panic) = ran {
+        // The test's own assertion failed in `f`: its message was recorded.
+        eprintln!("panics while recording: {seen:?}");
+        std::panic::resume_unwind(panic);
+    }
     seen
 }
 
@@ -140,4 +145,91 @@ fn a_transfer_that_panics_panics_the_batch_once() {
         // others did), and nothing else did.
         assert!(!seen.is_empty() && seen.len() <= tasks, "{tasks}: {seen:?}");
     }
+}
+
+/// Target 0 refuses at once; target 1 ignores the abort, ends 100 ms later
+/// and then panics.
+#[derive(Clone)]
+struct LatePanic;
+
+async fn refuses_or_panics_late<B>(target: u64, buf: B) -> (Result<u64, TransferError>, B) {
+    if target == 0 {
+        return (Err(TransferError::Forbidden(0)), buf);
+    }
+    sleep(Duration::from_millis(100)).await;
+    if std::hint::black_box(true) {
+        panic!("a transfer that panics late");
+    }
+    (Ok(0), buf)
+}
+
+impl Transport for LatePanic {
+    type Target = u64;
+    type Peer = u64;
+
+    fn peer(&self, target: &u64) -> u64 {
+        *target
+    }
+
+    fn len(&self, _: &u64) -> u64 {
+        64
+    }
+
+    fn write<B: IoBuf>(
+        &self,
+        target: &u64,
+        src: B,
+        _: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
+        refuses_or_panics_late(*target, src)
+    }
+
+    fn read<B: IoBufMut>(
+        &self,
+        target: &u64,
+        dst: B,
+        _: u64,
+    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
+        refuses_or_panics_late(*target, dst)
+    }
+
+    fn fence(&self, _: &u64, _: u64) -> impl Future<Output = Result<(), TransferError>> + 'static {
+        std::future::ready(Ok(()))
+    }
+
+    fn abort(&self, _: &u64) {}
+}
+
+/// A batch whose completion became unknown goes on as a task of its own;
+/// when a transfer panics there, the ticket's wait raises that panic, once,
+/// rather than waiting for a result that can never come.
+#[test]
+fn a_ticket_raises_the_panic_of_its_detached_batch() {
+    use quiesce_batch::{FailurePolicy, Outcome};
+    let rt = Runtime::new().unwrap();
+    let seen = panics_during(|| {
+        let ticket = rt.block_on(async {
+            let opts = BatchOptions {
+                fence_grace: Duration::from_millis(10),
+                policy: FailurePolicy::FailFast,
+                ..BatchOptions::default()
+            };
+            let mut batch = Batch::new(LatePanic, opts);
+            batch.write(vec![1u8; 64], 0).ok().unwrap();
+            batch.write(vec![2u8; 64], 1).ok().unwrap();
+            match batch.submit().await {
+                Outcome::CompletionUnknown(t) => t,
+                Outcome::Quiesced(q) => panic!("quiesced: {:?}", q.tasks()),
+            }
+        });
+        let waited = catch_unwind(AssertUnwindSafe(|| {
+            rt.block_on(ticket.wait_for(Duration::from_secs(2)))
+        }));
+        match waited {
+            Err(_) => {}
+            Ok(Ok(_)) => panic!("the ticket gave the buffers of a panicked batch back"),
+            Ok(Err(_)) => panic!("the ticket still waits 2 s after its batch panicked"),
+        }
+    });
+    assert_eq!(seen, ["a transfer that panics late"], "{seen:?}");
 }

@@ -570,6 +570,14 @@ impl SyncEngine {
                     return;
                 }
             };
+            // Only a drained ticket is taken: one whose batch panicked
+            // (the panic was logged) never drains, and stays -2 with its
+            // memory pinned rather than unwinding the engine's thread.
+            if !ticket.is_quiesced() {
+                tickets.insert(id, Box::new(ticket));
+                let _ = tx.send(Ok(None));
+                return;
+            }
             match ticket.try_take() {
                 Ok(q) => {
                     let _ = tx.send(Ok(Some(finish(q))));
