@@ -493,3 +493,28 @@ fn a_lane_batch_cut_by_an_unknown_fence_reports_the_tasks_that_completed() {
         std::thread::sleep(Duration::from_millis(350)); // the frozen target thaws
     }
 }
+
+/// A halted engine runs nothing more, whatever a batch's size: a small one
+/// got no new lane (the halt dropped this thread's, and the next call built
+/// another and wrote through it) but `Stopped`, as a large one does.
+#[test]
+fn a_halted_engine_runs_no_small_batch_on_a_new_lane() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    assert_eq!(write(&e, kv, 0, vec![1u8; 4096]), SYNC_OK);
+    assert_eq!(e.halt(), Ok(()));
+    for (size, byte) in [(4096, 2u8), (LANE_MAX_BYTES + 1, 3u8)] {
+        let r = e.batch(
+            Direction::Write,
+            vec![task(kv, 0, vec![byte; size])],
+            BatchOptions::default(),
+        );
+        assert!(
+            matches!(r, Err(SyncError::Stopped)),
+            "{size} bytes after the halt: {r:?}"
+        );
+    }
+    assert!(t.peek(0, 4096).iter().all(|&b| b == 1), "a write landed");
+    assert_eq!(t.wait_sessions(0), 0, "a lane lives on after the halt");
+}

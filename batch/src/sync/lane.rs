@@ -171,7 +171,12 @@ impl Lanes {
         tasks: SyncTasks<B>,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
-        if !self.on.load(Ordering::Relaxed) || !qualifies(&tasks) {
+        // A stopped engine's batches go to its thread, which answers
+        // `Stopped`: no new lane for them.
+        if !self.on.load(Ordering::Relaxed)
+            || self.stopped.load(Ordering::Acquire)
+            || !qualifies(&tasks)
+        {
             return Err((tasks, opts));
         }
         // Inside a runtime the thread is that runtime's: no second one here.
