@@ -122,7 +122,9 @@ int quiesce_log_to_stderr(const char *filter);
 /* The last error message of the calling thread ("" if none). */
 const char *quiesce_last_error(void);
 /* 1 if every target confirmed the last batch of this thread that returned 0
- * or -1 (nothing more of it lands there), 0 if not. */
+ * or -1 (nothing more of it lands there), 0 if not: a call that
+ * quiesce_engine_stop cut off answers -1 with 0 here (it was never fenced).
+ * A -1 that nothing was sent for (bad input) says 1. */
 int quiesce_last_remote_confirmed(void);
 
 #ifdef __cplusplus

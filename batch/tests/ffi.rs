@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use quiesce_batch::ffi::{
     quiesce_batch_transfer_sync_write, quiesce_engine_start, quiesce_engine_stop,
-    quiesce_last_error, quiesce_open, quiesce_transfer_sync_read, quiesce_transfer_sync_write,
-    QuiesceEngine, QuiesceTask,
+    quiesce_last_error, quiesce_last_remote_confirmed, quiesce_open, quiesce_transfer_sync_read,
+    quiesce_transfer_sync_write, QuiesceEngine, QuiesceTask,
 };
 use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN, SYNC_UNKNOWN_HANDLE};
 
@@ -125,6 +125,71 @@ fn a_call_cut_off_by_the_engines_stop_answers_minus_one_only_once_nothing_touche
         }
         std::thread::sleep(Duration::from_millis(1000));
     }
+}
+
+/// A write cut off by the engine's stop was never fenced at its target:
+/// bytes it had queued in the socket still land there after it answered
+/// -1. `quiesce_last_remote_confirmed()` must then say 0, not what the
+/// thread's previous batch (confirmed) left.
+#[test]
+fn a_write_cut_off_by_the_stop_is_not_confirmed_at_its_target() {
+    // More tasks than a caller lane takes (it runs on the engine's thread),
+    // few bytes: all in the socket's buffers while the target stalls, so
+    // the batch waits only for the answers, which the stop cancels.
+    const TASKS: usize = 17;
+    const LEN: usize = 4096;
+    let t = Target::start();
+    // SAFETY: a null node name is allowed.
+    let e = Handle(unsafe { quiesce_engine_start(std::ptr::null()) });
+    assert!(!e.0.is_null());
+    let seg = open(e, &t);
+    let mut bufs = vec![[0x5au8; LEN]; TASKS];
+    let code = std::thread::scope(|s| {
+        let writer = s.spawn(move || {
+            let e = e; // the whole handle, not its pointer field
+            let tasks: Vec<QuiesceTask> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| QuiesceTask {
+                    segment: seg,
+                    offset: (i * LEN) as u64,
+                    buf: b.as_mut_ptr().cast(),
+                    len: LEN as u64,
+                })
+                .collect();
+            let write = || {
+                // SAFETY: a live engine (the stop waits for this call) and
+                // TASKS readable buffers of LEN bytes; no deadline.
+                unsafe {
+                    quiesce_batch_transfer_sync_write(
+                        e.0,
+                        tasks.as_ptr(),
+                        TASKS,
+                        std::ptr::null(),
+                        std::ptr::null_mut(),
+                    )
+                }
+            };
+            assert_eq!(write(), SYNC_OK);
+            assert_eq!(quiesce_last_remote_confirmed(), 1);
+            t.stall(Duration::from_millis(1500));
+            let rc = write();
+            (rc, quiesce_last_remote_confirmed())
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: the engine came from quiesce_engine_start; the writer's
+        // call is in flight, which the stop cancels.
+        let stopped = unsafe { quiesce_engine_stop(e.0) };
+        eprintln!("stop answered {stopped}");
+        writer.join().unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(1500)); // the target thaws
+    let (rc, confirmed) = code;
+    assert_eq!(rc, SYNC_FAILED, "the cut-off write (drained at the stop)");
+    assert_eq!(
+        confirmed, 0,
+        "a cut-off write answered -1 'confirmed at its target'"
+    );
 }
 
 fn last_error() -> String {
