@@ -34,7 +34,9 @@
 //! The target trusts nothing in the mapping: it keeps its own count of
 //! requests served, refuses a request count that runs ahead of the ring,
 //! checks every request as if it came from the socket, and copies a slot's
-//! bytes out before using them.
+//! bytes out before using them. Nor does the initiator: its counts start at
+//! zero, whatever the mapping says when the offer is answered, and a served
+//! count outside the requests it made kills the connection.
 
 use std::io;
 use std::sync::atomic::{fence, AtomicU64, Ordering};

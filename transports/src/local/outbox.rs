@@ -126,9 +126,14 @@ impl CompletionSource for Answers {
 impl Outbox {
     /// Starts watching `mb`'s answers for `conn` (on the current runtime).
     pub(crate) fn new(mb: Mailbox, conn: &Rc<Conn>) -> Outbox {
+        // Both counts start at zero, as this side made the memory: the
+        // target has had it since it took the offer, and whatever it wrote
+        // into the counters is no count of ours (a served count ahead of
+        // the requests made the first one overflow, or wait for a slot for
+        // ever). Its later served counts are checked against ours.
         let ring = Rc::new(Ring {
-            submitted: Cell::new(mb.submitted()),
-            seen: Cell::new(mb.served()),
+            submitted: Cell::new(0),
+            seen: Cell::new(0),
             mb,
             tasks: RefCell::new([(0, 0); SLOTS as usize]),
             room: RefCell::default(),

@@ -6,6 +6,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod doorbells;
+mod hostile_target;
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
