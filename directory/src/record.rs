@@ -1,6 +1,6 @@
 //! What the directory holds, and how it is laid out under a prefix.
 //!
-//! Keys (`docs/PROTOCOL.md` §9):
+//! Keys (`docs/PROTOCOL.md` §8):
 //!
 //! * `<prefix>/nodes/<node>` → a [`NodeRecord`]
 //! * `<prefix>/segments/<node>/<segment>` → a [`SegmentRecord`]
@@ -173,8 +173,9 @@ impl SegmentRecord {
 
     pub(crate) fn decode(node: &str, name: &str, value: &[u8]) -> Option<SegmentRecord> {
         let f = fields(value)?;
+        // What `encode` writes, nothing else ("" for neither).
         let rights = field(&f, "rights")?;
-        if rights.chars().any(|c| c != 'r' && c != 'w') {
+        if !matches!(rights, "" | "r" | "w" | "rw") {
             return None;
         }
         let base: u64 = field(&f, "base")?.parse().ok()?;
@@ -237,10 +238,10 @@ mod tests {
         }
         let overflow = format!("id=1\nbase={}\nlen=2\nrights=rw\n", u64::MAX);
         assert_eq!(SegmentRecord::decode("a", "kv", overflow.as_bytes()), None);
-        assert_eq!(
-            SegmentRecord::decode("a", "kv", b"id=1\nbase=0\nlen=2\nrights=rwx\n"),
-            None
-        );
+        for rights in ["rwx", "wr", "rrw", "R"] {
+            let bad = format!("id=1\nbase=0\nlen=2\nrights={rights}\n");
+            assert_eq!(SegmentRecord::decode("a", "kv", bad.as_bytes()), None);
+        }
     }
 
     #[test]

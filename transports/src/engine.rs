@@ -109,11 +109,21 @@ fn check(config: &EngineConfig) -> io::Result<()> {
             "slice_size must be in 1..=max_frame",
         ));
     }
+    if config.node.len() > MAX_NODE_NAME {
+        // It travels in every hello: each connection would fail.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("node name longer than {MAX_NODE_NAME} bytes"),
+        ));
+    }
     if let Some(name) = &config.tcp_congestion {
         quiesce_runtime::net::check_tcp_congestion(name)?;
     }
     Ok(())
 }
+
+/// The longest node name a hello carries, in bytes.
+const MAX_NODE_NAME: usize = 255;
 
 /// Closes every peer (the engine shuts down).
 fn close_peers(peers: &RefCell<HashMap<SocketAddr, Peer>>) {

@@ -83,10 +83,18 @@ fn an_engine_config_that_cannot_work_is_refused_at_bind() {
                 },
                 "slice_size",
             ),
+            (
+                // It travels in every hello: each connection failed.
+                EngineConfig {
+                    node: "n".repeat(256),
+                    ..Default::default()
+                },
+                "node name",
+            ),
         ] {
             let e = quiesce_transports::Engine::bind(cfg.clone())
                 .err()
-                .unwrap_or_else(|| panic!("bound with {why} 0"));
+                .unwrap_or_else(|| panic!("bound with a bad {why}"));
             assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
             assert!(e.to_string().contains(why), "{e}");
             assert!(quiesce_transports::Engine::initiator(cfg).is_err());

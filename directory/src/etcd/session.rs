@@ -532,7 +532,7 @@ impl Helper {
                 Some(Entry::Node(n)) => self.mirror.put_node(n),
                 Some(Entry::Segment(s)) => self.mirror.put_segment(s),
                 // Deleted, or replaced by a value that does not decode
-                // (never served, PROTOCOL.md §9): the old entry goes rather
+                // (never served, PROTOCOL.md §8): the old entry goes rather
                 // than staying the answer.
                 None => match self.layout.parse(kv.key()) {
                     Some(Key::Node(n)) => self.mirror.remove_node(&n),
