@@ -14,3 +14,9 @@ done
 # own test builds the runtime with it.
 echo "=== cargo test -p quiesce-runtime --features timeline --lib timeline"
 cargo test -p quiesce-runtime --features timeline --lib timeline
+
+# The Python extension's crate is `test = false` (a cdylib the pytest suite
+# drives); its unit tests (managed buffers' accounting) need no Python and
+# run when asked by name.
+echo "=== cargo test -p quiesce-python --lib"
+cargo test -p quiesce-python --lib

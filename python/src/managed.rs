@@ -103,7 +103,7 @@ impl Live {
         let floor = addr.saturating_sub(self.longest);
         self.lendings
             .range(floor..end)
-            .filter(move |(&at, l)| at + l.len > addr)
+            .filter(move |(&at, l)| at.saturating_add(l.len) > addr)
             .map(|(&at, _)| at)
     }
 }
@@ -115,6 +115,8 @@ pub(crate) enum NotLendable {
     BeingFreed(usize),
     /// A registration at this very address has not been taken back.
     AlreadyLent,
+    /// The range runs past the end of the address space.
+    PastTheAddressSpace,
 }
 
 /// Why [`ManagedBuffers::begin_free`] refused.
@@ -206,7 +208,12 @@ impl ManagedBuffers {
     /// Undone by [`lent_back`](Self::lent_back) (the registration failed,
     /// or was taken back to the end).
     pub(crate) fn lending(&self, addr: usize, len: usize) -> Result<(), NotLendable> {
-        let end = addr.saturating_add(len);
+        // Refused before it is recorded: `longest` would keep its length
+        // (every later scan starting at address 0), and `at + len` of the
+        // record overflow in a scan meanwhile.
+        let end = addr
+            .checked_add(len)
+            .ok_or(NotLendable::PastTheAddressSpace)?;
         let mut live = lock(&self.live);
         if live.lendings.contains_key(&addr) {
             return Err(NotLendable::AlreadyLent);
@@ -540,6 +547,10 @@ mod tests {
         m.lending(a, 1 << 20).unwrap();
         assert_eq!(m.lending(a, 4096), Err(NotLendable::AlreadyLent));
         m.lending(a + 4096, 4096).unwrap();
+        assert_eq!(
+            m.lending(usize::MAX - 4095, 8192),
+            Err(NotLendable::PastTheAddressSpace)
+        );
         assert_eq!(m.begin_free(a, 1 << 20), Err(Held::LentAt(a + 4096)));
         m.lent_back(a + 4096);
         m.begin_free(a, 1 << 20).unwrap();

@@ -133,6 +133,11 @@ impl TransferEngine {
                     "register_memory {addr:#x}: the managed buffer at {at:#x} is being freed"
                 ))
             }
+            Err(NotLendable::PastTheAddressSpace) => {
+                return complain(&format!(
+                    "register_memory {addr:#x}: {len} bytes run past the end of the address space"
+                ))
+            }
             Err(NotLendable::AlreadyLent) => {
                 return complain(&format!(
                     "register_memory {addr:#x}: already registered (unregister it first)"
