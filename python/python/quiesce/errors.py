@@ -54,8 +54,8 @@ class SecretMissing(QuiesceError):
 
 class EngineClosed(QuiesceError):
     """The engine was closed. Raised by a call made after ``close()``, where
-    nothing moved; or about memory the engine held — by ``run_async`` for a
-    batch the close overtook, ``CompletionUnknown.wait()`` and
+    nothing moved; or about memory the engine held — by ``run`` or
+    ``run_async`` for a batch the close overtook, ``CompletionUnknown.wait()`` and
     ``LocalSegment.revoke()`` — where ``buffers_held`` says what became of
     it: False, the engine drained and it is yours; True, it could not drain
     and the memory stays held for good (a transfer may still touch it: never

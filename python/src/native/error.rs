@@ -52,6 +52,9 @@ pub(crate) fn zero_length(py: Python<'_>, msg: &str) -> PyErr {
 /// The exception class for a sync-engine error.
 pub(crate) fn from_sync(py: Python<'_>, e: &SyncError) -> PyErr {
     let kind = match e {
+        // A stop whose drain left operations live: whatever memory the call
+        // was about is held for good (a plain error would say it is yours).
+        SyncError::Undrained(_) => return engine_closed(py, true),
         SyncError::Stopped => "EngineClosed",
         SyncError::UnknownSegment(_)
         | SyncError::UnknownTicket(_)
@@ -62,7 +65,7 @@ pub(crate) fn from_sync(py: Python<'_>, e: &SyncError) -> PyErr {
         SyncError::Revoke(quiesce_transports::RevokeError::KeysLive { .. }) => "QuiesceError",
         SyncError::Batch(_) | SyncError::Revoke(_) | SyncError::Register(_) => "InvalidInput",
         SyncError::Transfer(t) => transfer_kind(t),
-        SyncError::Setup(_) | SyncError::Undrained(_) | SyncError::Forked => "QuiesceError",
+        SyncError::Setup(_) | SyncError::Forked => "QuiesceError",
     };
     raise(py, kind, &e.to_string())
 }
