@@ -371,8 +371,8 @@ impl ManagedBuffers {
 
     /// Counts a batch's use of the managed buffers its local ranges
     /// (`(address, length)`) lie in and of the registrations they overlap;
-    /// refused (the address of the registration) if one of those is being
-    /// unregistered.
+    /// refused (the address of the registration, or of the buffer) if one
+    /// of those is being unregistered, or a buffer freed.
     #[inline]
     pub(crate) fn take_uses(
         &self,
@@ -411,14 +411,27 @@ impl ManagedBuffers {
             // Buffers do not overlap: walking down from the last one that
             // starts before `end`, the first that ends at or before `addr`
             // ends the walk.
+            let mut freeing = None;
             for (&start, m) in live.buffers.range_mut(..end).rev() {
                 if start + m.len <= addr {
+                    break;
+                }
+                // Its free has begun (and may have taken its registration
+                // back already): a batch from it now would leave the free
+                // at -2 with the buffer unregistered.
+                if m.freeing {
+                    freeing = Some(start);
                     break;
                 }
                 if !uses.buffers.contains(&start) {
                     m.uses += 1;
                     uses.buffers.push(start);
                 }
+            }
+            if let Some(start) = freeing {
+                drop(live);
+                self.give_back(uses);
+                return Err(start);
             }
             let over: SmallVec<[usize; 2]> = live.lent_over(addr, end).collect();
             for at in over {
@@ -555,6 +568,9 @@ mod tests {
         m.lent_back(a + 4096);
         m.begin_free(a, 1 << 20).unwrap();
         assert_eq!(m.lending(a + 8192, 16), Err(NotLendable::BeingFreed(a)));
+        // Nor does a batch start from it (the free would answer -2 with
+        // its registration taken back).
+        assert!(matches!(m.take_uses([(a + 100, 16)].into_iter()), Err(at) if at == a));
         assert_eq!(m.begin_free(a, 1 << 20), Err(Held::Freeing));
         assert_eq!(
             m.free(a, 1 << 20),

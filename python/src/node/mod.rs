@@ -452,7 +452,7 @@ impl Node {
             .managed
             .take_uses(locals.map(|(&b, &l)| (b, l)))
             .map_err(|at| {
-                format!("the range registered at {at:#x} is being unregistered: no batch may start from it")
+                format!("the memory at {at:#x} is being unregistered or freed: no batch may start from it")
             })?;
         Ok(Prepared {
             peer,
