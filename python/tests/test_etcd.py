@@ -336,3 +336,33 @@ def test_a_stale_entry_at_another_nodes_address_opens_nothing(etcd):
     finally:
         caller.free_managed_buffer(src, 4096)
         target.free_managed_buffer(dst, 1 << 20)
+
+
+def test_two_initialize_calls_at_once_leave_the_winner_published(etcd):
+    """Two threads initialise one engine at once: one answers 0, the other
+    -1, and the engine that answered 0 stays in the directory. The loser
+    started a node of its own, published under the same name and, dropped,
+    revoked its lease: when its write came last, etcd deleted the winner's
+    entry, and peers could not find an engine that said 0."""
+    import threading
+
+    for k in range(6):
+        name = f"127.0.0.{20 + k}"
+        e = TransferEngine()
+        start = threading.Barrier(2)
+        codes = []
+
+        def init():
+            start.wait()
+            codes.append(e.initialize(name, f"etcd://{etcd}/twice", "tcp", ""))
+
+        threads = [threading.Thread(target=init) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(codes) == [-1, 0], (k, codes)
+        time.sleep(0.3)
+        assert any(n.startswith(name) for n in _node_keys(etcd, "twice")), (
+            k, name, _node_keys(etcd, "twice"))
+        del e

@@ -2,6 +2,7 @@
 //! starting the node, running a blocking transfer, lending a range,
 //! submitting an asynchronous batch, and freeing a managed buffer.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -30,6 +31,28 @@ impl TransferEngine {
         if self.node().is_some() {
             return complain("initialize: already initialised");
         }
+        if self.starting.swap(true, Ordering::AcqRel) {
+            return complain("initialize: another thread is initialising this engine");
+        }
+        /// Clears `starting` however the start ends (a panic included).
+        struct Started<'a>(&'a AtomicBool);
+        impl Drop for Started<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _started = Started(&self.starting);
+        self.start_node(py, local_hostname, metadata, protocol, device_name)
+    }
+
+    fn start_node(
+        &self,
+        py: Python<'_>,
+        local_hostname: &str,
+        metadata: &str,
+        protocol: &str,
+        device_name: &str,
+    ) -> i32 {
         // Mooncake's switch (SGLang sets it and keeps protocol "rdma"): TCP
         // whatever the protocol says.
         let protocol = if force_tcp() { "tcp" } else { protocol };

@@ -13,6 +13,7 @@
 mod calls;
 
 use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -46,6 +47,11 @@ const STATUS_WAIT: Duration = Duration::MAX;
 #[pyclass(module = "quiesce._native")]
 pub struct TransferEngine {
     node: RwLock<Option<Arc<Node>>>,
+    /// An `initialize` is under way: another answers -1 at once rather
+    /// than start a node of its own (two would publish under one name in
+    /// etcd, and the loser's lease, revoked as it dropped, could take the
+    /// winner's entry with it).
+    starting: AtomicBool,
 }
 #[pymethods]
 impl TransferEngine {
@@ -54,6 +60,7 @@ impl TransferEngine {
     fn new() -> Self {
         TransferEngine {
             node: RwLock::new(None),
+            starting: AtomicBool::new(false),
         }
     }
 
