@@ -13,6 +13,7 @@
 //! * The lease is kept alive every TTL/3; a node that dies (or loses etcd
 //!   for longer than the TTL) loses every entry within the TTL.
 
+mod ownership;
 mod pages;
 mod session;
 

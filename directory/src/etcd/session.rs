@@ -7,13 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, LeaseKeepAliveStream, LeaseKeeper,
-    PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
+    Client, ConnectOptions, EventType, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
+    WatchOptions, WatchStream,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{sleep_until, timeout, Instant};
 use tracing::{debug, info, warn};
 
+use super::ownership::{wrote, Ownership};
 use super::pages::{read_prefix, REPLY_LIMIT};
 use super::{Command, EtcdOptions};
 use crate::mirror::{Link, Mirror};
@@ -56,17 +57,8 @@ pub(crate) struct Helper {
     /// Deleted while away: deleted from etcd once a session is up (an old
     /// lease may still hold them).
     withdrawn: BTreeSet<String>,
-    /// The entries this process wrote, with the revision and the lease of
-    /// its last write: what it owns. Another process may write the same
-    /// key after it (a newer incarnation of the node, or a duplicate
-    /// name): the newest writer owns it, and this one never writes it back
-    /// nor deletes it. (The lease too: a wiped etcd numbers revisions from
-    /// 1 again, and another process's write may get this one's number;
-    /// lease ids are not reused.)
-    written: BTreeMap<String, Written>,
-    /// Published since its last write (while away): this process's to
-    /// write whoever wrote it meanwhile, as a publication with a session is.
-    fresh: BTreeSet<String>,
+    /// Which keys are this process's to write back or delete.
+    own: Ownership,
     flushes: Vec<Flush>,
     /// Lookups that missed the mirror while there was no session: answered
     /// by the next attempt (from etcd if it succeeds), or at their deadline.
@@ -101,8 +93,7 @@ impl Helper {
             commands,
             published: BTreeMap::new(),
             withdrawn: BTreeSet::new(),
-            written: BTreeMap::new(),
-            fresh: BTreeSet::new(),
+            own: Ownership::default(),
             flushes: Vec::new(),
             lookups: Vec::new(),
             last_lease: None,
@@ -165,13 +156,13 @@ impl Helper {
                 c = self.commands.recv() => match c? {
                     Command::Put(k, v) => {
                         self.withdrawn.remove(&k);
-                        self.fresh.insert(k.clone());
+                        self.own.fresh.insert(k.clone());
                         self.published.insert(k, v);
                     }
                     Command::Delete(k, id) => {
                         if self.published_as(&k, id) {
                             self.published.remove(&k);
-                            self.fresh.remove(&k);
+                            self.own.fresh.remove(&k);
                             self.withdrawn.insert(k);
                         }
                     }
@@ -255,7 +246,7 @@ impl Helper {
         for chunk in withdrawn.chunks(TXN_ENTRIES) {
             let ops: Vec<TxnOp> = chunk
                 .iter()
-                .filter_map(|k| Some(TxnOp::txn(self.delete_own(k)?)))
+                .filter_map(|k| Some(TxnOp::txn(self.own.delete_own(k)?)))
                 .collect();
             client
                 .txn(Txn::new().and_then(ops))
@@ -263,7 +254,7 @@ impl Helper {
                 .map_err(|e| unavailable("delete", e))?;
             for k in chunk {
                 self.withdrawn.remove(k);
-                self.written.remove(k);
+                self.own.forget(k);
             }
         }
         // Each written back only where it is still this process's, or
@@ -276,13 +267,10 @@ impl Helper {
         for chunk in entries.chunks(TXN_ENTRIES) {
             let ops: Vec<TxnOp> = chunk
                 .iter()
-                .map(|(k, v)| TxnOp::txn(self.put_own(k, v, lease)))
+                .map(|(k, v)| TxnOp::txn(self.own.put_own(k, v, lease)))
                 .collect();
-            // Until its answer is in: the transaction may commit with the
-            // answer lost (a timeout), the keys then under this session's
-            // lease, which `written` does not know — the next session must
-            // write them whoever holds them, as publications.
-            self.fresh.extend(chunk.iter().map(|(k, _)| k.clone()));
+            self.own
+                .writing_back(chunk.iter().map(|(k, _)| k.as_str()), lease);
             let r = client
                 .txn(Txn::new().and_then(ops))
                 .await
@@ -290,15 +278,15 @@ impl Helper {
             let revision = r.header().map_or(0, |h| h.revision());
             for ((k, _), put) in chunk.iter().zip(r.op_responses()) {
                 if wrote(&put) {
-                    self.fresh.remove(k);
-                    self.written.insert(k.clone(), Written { revision, lease });
+                    self.own.fresh.remove(k);
+                    self.own.wrote(k, revision, lease);
                 } else {
                     warn!(
                         key = k.as_str(),
                         "another process published this entry since; leaving it to it"
                     );
                     self.published.remove(k);
-                    self.written.remove(k);
+                    self.own.forget(k);
                 }
             }
         }
@@ -347,35 +335,6 @@ impl Helper {
             .get(key)
             .and_then(|v| SegmentRecord::decode("", "", v))
             .is_some_and(|r| r.id == id)
-    }
-
-    /// Deletes `key` if it still holds this process's last write of it;
-    /// `None` if this process never wrote it.
-    fn delete_own(&self, key: &str) -> Option<Txn> {
-        let w = self.written.get(key)?;
-        Some(
-            Txn::new()
-                .when(w.holds(key))
-                .and_then([TxnOp::delete(key, None)]),
-        )
-    }
-
-    /// Writes `key = value` under `lease`: published since its last write,
-    /// whoever holds it; else if nobody holds the key, or it still holds
-    /// this process's last write (see [`wrote`]).
-    fn put_own(&self, key: &str, value: &[u8], lease: i64) -> Txn {
-        let put = || TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)));
-        if self.fresh.contains(key) {
-            return Txn::new().and_then([put()]);
-        }
-        let ours = self
-            .written
-            .get(key)
-            .map(|w| Txn::new().when(w.holds(key)).and_then([put()]));
-        Txn::new()
-            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
-            .and_then([put()])
-            .or_else(ours.map(TxnOp::txn).into_iter().collect::<Vec<_>>())
     }
 
     fn decode(&self, key: &[u8], value: &[u8]) -> Option<Entry> {
@@ -450,14 +409,14 @@ impl Helper {
                 let put = PutOptions::new().with_lease(s.lease);
                 match s.client.put(k.clone(), v, Some(put)).await {
                     Ok(r) => {
-                        self.fresh.remove(&k);
+                        self.own.fresh.remove(&k);
                         let revision = r.header().map_or(0, |h| h.revision());
                         let lease = s.lease;
-                        self.written.insert(k, Written { revision, lease });
+                        self.own.wrote(&k, revision, lease);
                     }
                     Err(e) => {
                         // Written (or not) by the next session, as fresh.
-                        self.fresh.insert(k);
+                        self.own.fresh.insert(k);
                         return Err(unavailable("put", e));
                     }
                 }
@@ -467,15 +426,15 @@ impl Helper {
                     return Ok(());
                 }
                 self.published.remove(&k);
-                self.fresh.remove(&k);
-                let Some(txn) = self.delete_own(&k) else {
+                self.own.fresh.remove(&k);
+                let Some(txn) = self.own.delete_own(&k) else {
                     return Ok(());
                 };
                 if let Err(e) = s.client.txn(txn).await {
                     self.withdrawn.insert(k);
                     return Err(unavailable("delete", e));
                 }
-                self.written.remove(&k);
+                self.own.forget(&k);
             }
             Command::Lookup(node, tx) => {
                 let r = self.lookup(s, &node).await;
@@ -568,33 +527,4 @@ impl Helper {
 enum Entry {
     Node(NodeRecord),
     Segment(SegmentRecord),
-}
-
-/// This process's last write of a key.
-#[derive(Clone, Copy)]
-struct Written {
-    revision: i64,
-    lease: i64,
-}
-
-impl Written {
-    /// The comparisons that hold while the key is still that write.
-    fn holds(&self, key: &str) -> [Compare; 2] {
-        [
-            Compare::mod_revision(key, CompareOp::Equal, self.revision),
-            Compare::lease(key, CompareOp::Equal, self.lease),
-        ]
-    }
-}
-
-/// Whether the answer to one [`Helper::put_own`] says it wrote: the key was
-/// free, or (the nested transaction) still this process's.
-fn wrote(r: &TxnOpResponse) -> bool {
-    let TxnOpResponse::Txn(r) = r else {
-        return false;
-    };
-    r.succeeded()
-        || r.op_responses()
-            .first()
-            .is_some_and(|n| matches!(n, TxnOpResponse::Txn(n) if n.succeeded()))
 }
