@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use quiesce_batch::sync::{Direction, SyncEngine, SyncOutcome, SyncTask};
+use quiesce_batch::sync::{Direction, SyncEngine, SyncError, SyncOutcome, SyncTask};
 use quiesce_batch::{BatchOptions, FailurePolicy, SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
 use quiesce_transports::EngineConfig;
 
@@ -312,6 +312,46 @@ fn a_ticket_outliving_its_engine_thread_stays_unknown() {
     assert_eq!(waited.map(|o| o.map(|o| o.code)), Ok(None));
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     std::thread::sleep(Duration::from_millis(400));
+}
+
+/// A -2 ticket still out when the engine stops cleanly (its drain reaped
+/// every operation) answers -1 once: nothing touches its memory any more,
+/// and nothing confirmed the target (its outcome, had it drained, went with
+/// the engine's thread). It stayed -2 for good, and a caller that polls
+/// tickets to free memory (Python's managed buffers) held it for ever. A
+/// ticket the engine never issued is unknown, as before the stop.
+#[test]
+fn a_ticket_out_at_a_clean_stop_answers_minus_one_once() {
+    let t = Target::start();
+    // Over TCP: the stop cancels the socket's operations and reaps them (a
+    // loan to a frozen target on this host stays the target's to end, and
+    // the stop reports it undrained).
+    let e = SyncEngine::start(EngineConfig {
+        local: quiesce_transports::LocalMode::Off,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    e.caller_lanes(false);
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    let out = frozen_write(&e, &t, kv, 6);
+    assert_eq!(out.code, SYNC_UNKNOWN);
+    let ticket = out.ticket.unwrap();
+    assert_eq!(e.halt(), Ok(()), "the stop reaped every operation");
+    let o = e
+        .wait::<Vec<u8>>(ticket, Duration::from_secs(1))
+        .unwrap()
+        .expect("still -2 after a stop that reaped everything");
+    assert_eq!(o.code, SYNC_FAILED);
+    assert!(!o.remote_confirmed, "nothing confirmed the target");
+    assert!(o.buffers.is_none(), "the buffers went with the engine");
+    assert!(
+        matches!(e.poll::<Vec<u8>>(ticket), Err(SyncError::UnknownTicket(_))),
+        "answered twice"
+    );
+    assert!(matches!(
+        e.poll::<Vec<u8>>(ticket + 1_000_000),
+        Err(SyncError::UnknownTicket(_))
+    ));
 }
 
 const PANIC_CHILD: &str = "QUIESCE_TEST_PANIC_CHILD";

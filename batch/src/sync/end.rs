@@ -6,6 +6,7 @@
 //! -1 is true only if the drain reaped everything, so with operations left
 //! live the call answers as the stop does ([`SyncError::Undrained`]).
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::thread;
@@ -22,6 +23,9 @@ pub(super) struct ThreadEnd {
     /// once the thread has ended.
     live: Mutex<Option<usize>>,
     recorded: Condvar,
+    /// The tickets still out when the job loop ended (`None`: it never
+    /// got there, the thread died in a job).
+    orphans: Mutex<Option<HashSet<u64>>>,
 }
 
 /// How often a wait for the record looks whether the thread died without
@@ -62,6 +66,31 @@ impl ThreadEnd {
                 .wait_timeout(live, CHECK)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+        }
+    }
+
+    /// The job loop ended with tickets `ids` still out (their batches are
+    /// dropped with the runtime, which then drains).
+    pub(super) fn orphan(&self, ids: HashSet<u64>) {
+        *self.orphans.lock().unwrap_or_else(|e| e.into_inner()) = Some(ids);
+    }
+
+    /// Ticket `id` asked for after the engine's thread ended: `true` (once)
+    /// if it was out when the loop ended and the drain then reaped every
+    /// operation — nothing touches its memory, and nothing confirmed its
+    /// targets; `false` while whether it drained is not known (operations
+    /// left live, or the thread died in a job), so it stays -2.
+    pub(super) fn orphaned(&self, id: u64, gone: impl Fn() -> bool) -> Result<bool, SyncError> {
+        let live = self.wait(gone);
+        let mut orphans = self.orphans.lock().unwrap_or_else(|e| e.into_inner());
+        match orphans.as_mut() {
+            None => Ok(false),
+            Some(ids) if !ids.contains(&id) => Err(SyncError::UnknownTicket(id)),
+            Some(ids) if live == 0 => {
+                ids.remove(&id);
+                Ok(true)
+            }
+            Some(_) => Ok(false),
         }
     }
 

@@ -92,10 +92,12 @@ pub type SyncTasks<B> = SmallVec<[(Direction, SyncTask<B>); 1]>;
 pub struct SyncOutcome<B> {
     /// 0, -1 or -2.
     pub code: i32,
-    /// The buffers (task order) for 0 and -1; `None` for -2. Inline for one
-    /// task, as are the reports.
+    /// The buffers (task order) for 0 and -1; `None` for -2, and for a
+    /// ticket answered after the engine stopped ([`SyncEngine::poll`]).
+    /// Inline for one task, as are the reports.
     pub buffers: Option<SmallVec<[B; 1]>>,
-    /// Per-task reports for 0 and -1.
+    /// Per-task reports for 0 and -1 (none for a ticket answered after the
+    /// engine stopped).
     pub tasks: SmallVec<[TaskReport; 1]>,
     /// For -2: wait on or poll this id.
     pub ticket: Option<u64>,
@@ -330,6 +332,7 @@ impl SyncEngine {
                             break;
                         }
                     }
+                    end_loop.orphan(st.tickets.borrow().keys().copied().collect());
                     st.fabric.shutdown(&st.engine)
                 });
                 // Batches still in flight are dropped with their tasks: every
@@ -529,7 +532,7 @@ impl SyncEngine {
         loop {
             let polled = match self.poll_ticket::<B>(id) {
                 // Never drains now (see `poll`): no use waiting.
-                Err(SyncError::Stopped) => return Ok(None),
+                Err(SyncError::Stopped) => return self.after_stop(id),
                 r => r?,
             };
             match polled {
@@ -540,16 +543,31 @@ impl SyncEngine {
         }
     }
 
-    /// The outcome of ticket `id` if its batch has drained. `Ok(None)` for
-    /// good once the engine's thread is gone (it died: a live engine stops
-    /// only when dropped): whether the batch drained is then not known —
-    /// the dying runtime's drain may have run out of time and left its
-    /// operations live — so the code stays -2, the memory pinned.
+    /// The outcome of ticket `id` if its batch has drained.
+    ///
+    /// Once the engine's thread is gone: -1, once, for a ticket that was
+    /// out when the engine stopped and whose drain reaped every operation
+    /// (nothing touches its memory; its buffers, reports and whatever its
+    /// targets confirmed went with the thread: `remote_confirmed` is
+    /// false); `Ok(None)` for good where whether it drained is not known —
+    /// the drain ran out of time and left operations live, or the thread
+    /// died — so the code stays -2, the memory pinned.
     pub fn poll<B: IoBufMut + Send>(&self, id: u64) -> Result<Option<SyncOutcome<B>>, SyncError> {
         match self.poll_ticket(id) {
-            Err(SyncError::Stopped) => Ok(None),
+            Err(SyncError::Stopped) => self.after_stop(id),
             r => r,
         }
+    }
+
+    fn after_stop<B>(&self, id: u64) -> Result<Option<SyncOutcome<B>>, SyncError> {
+        let reaped = self.end.orphaned(id, || self.finished())?;
+        Ok(reaped.then(|| SyncOutcome {
+            code: crate::SYNC_FAILED,
+            buffers: None,
+            tasks: SmallVec::new(),
+            ticket: None,
+            remote_confirmed: false,
+        }))
     }
 
     fn poll_ticket<B: IoBufMut + Send>(
