@@ -428,6 +428,10 @@ impl<B> Future for Submitted<B> {
     type Output = Outcome<B>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome<B>> {
+        // Polled again, it would hand out a second ticket (the drop of
+        // either abandons the batch) or take the drained result from under
+        // the first.
+        assert!(!self.done, "`Submitted` polled after it resolved");
         // Right after `submit`, in the same poll of the same task, with
         // nothing having woken it since: the driver, polled at submit with
         // this task's waker, can have made no progress, and its wakers are

@@ -233,3 +233,44 @@ fn a_ticket_raises_the_panic_of_its_detached_batch() {
     });
     assert_eq!(seen, ["a transfer that panics late"], "{seen:?}");
 }
+
+/// A `Submitted` polled again after it resolved to `CompletionUnknown`
+/// panics: it handed out a second ticket (whose drop abandoned the batch,
+/// so the first never resolved), or, once the batch drained, the result
+/// itself (and the ticket then waited for ever).
+#[test]
+fn a_submitted_polled_after_it_resolved_panics() {
+    use quiesce_batch::{FailurePolicy, Outcome};
+    use std::task::Poll;
+    let rt = Runtime::new().unwrap();
+    let seen = panics_during(|| {
+        rt.block_on(async {
+            let opts = BatchOptions {
+                fence_grace: Duration::from_millis(10),
+                policy: FailurePolicy::FailFast,
+                ..BatchOptions::default()
+            };
+            let mut batch = Batch::new(LatePanic, opts);
+            batch.write(vec![1u8; 64], 0).ok().unwrap();
+            batch.write(vec![2u8; 64], 1).ok().unwrap();
+            let mut submitted = std::pin::pin!(batch.submit());
+            let first = std::future::poll_fn(|cx| submitted.as_mut().poll(cx)).await;
+            assert!(matches!(first, Outcome::CompletionUnknown(_)));
+            let again = catch_unwind(AssertUnwindSafe(|| {
+                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                submitted.as_mut().poll(&mut cx)
+            }));
+            assert!(
+                !matches!(again, Ok(Poll::Ready(_))),
+                "a resolved Submitted gave a second outcome"
+            );
+            drop(first);
+            // Let the detached batch end (its transfer panics late).
+            sleep(Duration::from_millis(150)).await;
+        });
+    });
+    assert!(
+        seen.contains(&"`Submitted` polled after it resolved".to_string()),
+        "{seen:?}"
+    );
+}
