@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
 
 /// What this process knows of its keys in etcd.
 #[derive(Default)]
@@ -19,10 +19,14 @@ pub(super) struct Ownership {
     /// Published since its last write (while away): this process's to
     /// write whoever wrote it meanwhile, as a publication with a session is.
     pub(super) fresh: BTreeSet<String>,
-    /// Written back under this lease in a transaction whose answer never
-    /// came: this process's while it holds that lease (the transaction
-    /// committed), not otherwise.
-    uncertain: BTreeMap<String, i64>,
+    /// The lease of the session being set up, until it is up.
+    granted: Option<i64>,
+    /// Leases of session setups that failed after their grant: a write
+    /// back under one may have committed with its answer lost, leaving a
+    /// key under a lease `written` does not know. Revoked (their keys
+    /// deleted) before the next write back, so that every key is free,
+    /// this process's last known write, or another process's.
+    abandoned: Vec<i64>,
 }
 
 /// This process's last write of a key.
@@ -46,27 +50,44 @@ impl Ownership {
     /// `key` was written at `revision` under `lease`: this process's now.
     pub(super) fn wrote(&mut self, key: &str, revision: i64, lease: i64) {
         self.fresh.remove(key);
-        self.uncertain.remove(key);
         self.written
             .insert(key.to_string(), Written { revision, lease });
     }
 
-    /// `keys` are about to be written back under `lease`, in a transaction
-    /// whose answer may be lost (a timeout) after it committed.
-    /// Until its answer is in, a key is also this process's if it holds
-    /// `lease` (the write committed); never whoever holds it, as a fresh
-    /// publication is: a key another process wrote since, this write back
-    /// did not take.
-    pub(super) fn writing_back<'a>(&mut self, keys: impl Iterator<Item = &'a str>, lease: i64) {
-        for k in keys.filter(|k| !self.fresh.contains(*k)) {
-            self.uncertain.insert(k.to_string(), lease);
+    /// A session's setup was granted `lease`.
+    pub(super) fn granted(&mut self, lease: i64) {
+        self.granted = Some(lease);
+    }
+
+    /// The session being set up is up: its lease is the session's.
+    pub(super) fn established(&mut self) {
+        self.granted = None;
+    }
+
+    /// The session being set up failed (or timed out) after its grant.
+    pub(super) fn setup_failed(&mut self) {
+        if let Some(lease) = self.granted.take() {
+            self.abandoned.push(lease);
         }
+    }
+
+    /// Revokes the leases of failed setups (one that expired already
+    /// counts as revoked); `Err` leaves the rest for the next attempt.
+    pub(super) async fn revoke_abandoned(&mut self, client: &mut Client) -> Result<(), String> {
+        while let Some(&lease) = self.abandoned.last() {
+            match client.lease_revoke(lease).await {
+                Ok(_) => {}
+                Err(e) if e.to_string().contains("lease not found") => {}
+                Err(e) => return Err(e.to_string()),
+            }
+            self.abandoned.pop();
+        }
+        Ok(())
     }
 
     /// This process gives `key` up (another wrote it, or it was deleted).
     pub(super) fn forget(&mut self, key: &str) {
         self.written.remove(key);
-        self.uncertain.remove(key);
     }
 
     /// Deletes `key` if it still holds this process's last write of it;
@@ -82,27 +103,17 @@ impl Ownership {
 
     /// Writes `key = value` under `lease`: published since its last write,
     /// whoever holds it; else if nobody holds the key, or it still holds
-    /// this process's last write, or the lease of a write back whose answer
-    /// was lost (each tried in turn, nested: see [`wrote`]).
+    /// this process's last write (a nested transaction: see [`wrote`]).
+    /// Run after [`revoke_abandoned`](Self::revoke_abandoned).
     pub(super) fn put_own(&self, key: &str, value: &[u8], lease: i64) -> Txn {
         let put = || TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)));
         if self.fresh.contains(key) {
             return Txn::new().and_then([put()]);
         }
-        let uncertain = self.uncertain.get(key).map(|&l| {
-            Txn::new()
-                .when([Compare::lease(key, CompareOp::Equal, l)])
-                .and_then([put()])
-        });
-        let ours = match self.written.get(key) {
-            Some(w) => Some(
-                Txn::new()
-                    .when(w.holds(key))
-                    .and_then([put()])
-                    .or_else(uncertain.map(TxnOp::txn).into_iter().collect::<Vec<_>>()),
-            ),
-            None => uncertain,
-        };
+        let ours = self
+            .written
+            .get(key)
+            .map(|w| Txn::new().when(w.holds(key)).and_then([put()]));
         Txn::new()
             .when([Compare::create_revision(key, CompareOp::Equal, 0)])
             .and_then([put()])
@@ -144,10 +155,12 @@ mod tests {
     }
 
     /// A write back whose answer was lost (the session's setup failed or
-    /// timed out there) leaves the key this process's only if that write
-    /// committed: it made the key "fresh", and the next session wrote it
+    /// timed out there) may have committed, under a lease `written` does
+    /// not know. It made the key "fresh", and the next session wrote it
     /// whoever held it — over the entry of a newer incarnation of the node,
-    /// which then gave the name up to the stale one for good.
+    /// which then gave the name up to the stale one for good. Now the lost
+    /// setups' leases are revoked first: a key they wrote is deleted, and
+    /// free again; one a newer writer holds stays its.
     #[test]
     fn a_write_back_whose_answer_was_lost_does_not_overwrite_a_newer_writer() {
         if !LocalEtcd::available() {
@@ -162,31 +175,46 @@ mod tests {
             .unwrap();
         rt.block_on(async {
             let mut c = Client::connect([etcd.endpoint()], None).await.unwrap();
-            let grant = async || c.clone().lease_grant(60, None).await.unwrap().id();
-            let (l1, l2, l3, theirs) = (grant().await, grant().await, grant().await, grant().await);
-            for committed in [false, true] {
+            let granter = c.clone();
+            let grant = async || granter.clone().lease_grant(60, None).await.unwrap().id();
+            let theirs = grant().await;
+            // How many setups in a row wrote the key back with their answer
+            // lost (0: the one lost write did not commit; a newer
+            // incarnation wrote the key instead).
+            for committed in [0, 1, 2] {
                 let key = format!("q/nodes/n{committed}");
                 let mut own = Ownership::default();
                 // Session 1 wrote the key.
+                let l1 = grant().await;
                 assert!(put(&mut c, &own, &key, b"mine", l1).await);
                 let rev = c.get(key.as_str(), None).await.unwrap().kvs()[0].mod_revision();
                 own.wrote(&key, rev, l1);
-                // Session 2's write back, its answer lost.
-                own.writing_back([key.as_str()].into_iter(), l2);
-                if committed {
-                    let opts = PutOptions::new().with_lease(l2);
-                    c.put(key.as_str(), "mine", Some(opts)).await.unwrap();
-                } else {
+                // Setups whose write back's answer was lost.
+                for _ in 0..committed.max(1) {
+                    let lease = grant().await;
+                    own.granted(lease);
+                    if committed > 0 {
+                        let opts = PutOptions::new().with_lease(lease);
+                        c.put(key.as_str(), "mine", Some(opts)).await.unwrap();
+                    }
+                    own.setup_failed();
+                }
+                if committed == 0 {
                     // Session 1's entry expired; a newer incarnation wrote.
                     c.delete(key.as_str(), None).await.unwrap();
                     let opts = PutOptions::new().with_lease(theirs);
                     c.put(key.as_str(), "theirs", Some(opts)).await.unwrap();
                 }
-                // Session 3 writes back.
-                let wrote_it = put(&mut c, &own, &key, b"mine again", l3).await;
+                // The next setup writes back.
+                own.revoke_abandoned(&mut c).await.unwrap();
+                let lease = grant().await;
+                let wrote_it = put(&mut c, &own, &key, b"mine again", lease).await;
                 let now = value(&mut c, &key).await;
-                if committed {
-                    assert!(wrote_it, "its own write of session 2 is not this process's");
+                if committed > 0 {
+                    assert!(
+                        wrote_it,
+                        "{committed}: its own lost write is not this process's"
+                    );
                     assert_eq!(now, b"mine again");
                 } else {
                     assert!(!wrote_it, "written over a newer writer's entry");

@@ -186,6 +186,7 @@ impl Helper {
         let attempt = timeout(bound, self.establish()).await;
         match attempt.unwrap_or_else(|_| Err(unavailable("session setup", "timed out"))) {
             Ok(s) => {
+                self.own.established();
                 info!(
                     lease = s.lease,
                     entries = self.published.len(),
@@ -203,6 +204,7 @@ impl Helper {
                 Some(State::Live(s))
             }
             Err(e) => {
+                self.own.setup_failed();
                 debug!(error = %e, "etcd unreachable");
                 self.mirror.set_link(Link::Down(e.to_string()));
                 let waiting = std::mem::take(&mut self.lookups);
@@ -229,12 +231,19 @@ impl Helper {
         let mut client = Client::connect(&o.endpoints, Some(connect))
             .await
             .map_err(|e| unavailable("connect", e))?;
+        // A key the last failed setups wrote back with the answer lost is
+        // under a lease nothing here knows: revoked first, it is free again.
+        self.own
+            .revoke_abandoned(&mut client)
+            .await
+            .map_err(|e| unavailable("revoke a failed setup's lease", e))?;
         let grant = client
             .lease_grant(o.ttl_secs, None)
             .await
             .map_err(|e| unavailable("lease grant", e))?;
         let lease = grant.id();
         self.last_lease = Some(lease);
+        self.own.granted(lease);
         let (keeper, alive) = client
             .lease_keep_alive(lease)
             .await
@@ -269,8 +278,6 @@ impl Helper {
                 .iter()
                 .map(|(k, v)| TxnOp::txn(self.own.put_own(k, v, lease)))
                 .collect();
-            self.own
-                .writing_back(chunk.iter().map(|(k, _)| k.as_str()), lease);
             let r = client
                 .txn(Txn::new().and_then(ops))
                 .await
