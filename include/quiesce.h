@@ -21,9 +21,9 @@
  * land in the target ranges (revoke or fence them before trusting them).
  *
  * A panic inside the engine while a call waits for its batch aborts the
- * process; one in a batch whose -2 ticket is out leaves that ticket at -2 for
- * good (its memory stays pinned), and so does one that ends the engine's
- * thread: every ticket of it then answers -2. No call ever returns 0 or -1 without the
+ * process; one in a batch whose -2 ticket is out leaves that ticket at -2
+ * (its memory stays pinned) until the engine stops, and one that ends the
+ * engine's thread leaves every ticket of it at -2 for good. No call ever returns 0 or -1 without the
  * batch having quiesced.
  *
  * Link with -lquiesce_batch (the cdylib of the quiesce-batch crate).
@@ -124,7 +124,7 @@ const char *quiesce_last_error(void);
 /* 1 if every target confirmed the last batch of this thread that returned 0
  * or -1 (nothing more of it lands there), 0 if not: a call that
  * quiesce_engine_stop cut off answers -1 with 0 here (it was never fenced).
- * A -1 that nothing was sent for (bad input) says 1. */
+ * A call refused before anything started (bad input) leaves it as it was. */
 int quiesce_last_remote_confirmed(void);
 
 #ifdef __cplusplus

@@ -242,9 +242,9 @@ fn sync_error(err: SyncError) -> i32 {
 /// 1 if the last transfer call or ticket of this thread that returned 0 or
 /// -1 had every target confirm that nothing more of the batch lands there;
 /// 0 if not (a -1 write may still deliver bytes into its target ranges until
-/// they are revoked or fenced again; a call the engine's stop cut off says 0,
-/// one refused before anything was sent 1). The caller's memory is safe
-/// either way.
+/// they are revoked or fenced again; a call the engine's stop cut off says
+/// 0). A call refused before anything started leaves it as it was. The
+/// caller's memory is safe either way.
 #[no_mangle]
 pub extern "C" fn quiesce_last_remote_confirmed() -> i32 {
     LAST_REMOTE_CONFIRMED.with(|c| c.get()) as i32
@@ -464,12 +464,12 @@ fn answer(out: Result<SyncOutcome<RawBuf>, crate::sync::SyncError>, ticket_out: 
             o.code
         }
         Err(err) => {
-            // A batch the engine's stop cut off was never fenced at its
-            // targets (what it queued in a socket still lands); any other
-            // error came before anything was sent.
-            if !matches!(err, SyncError::Undrained(_)) {
-                let sent = matches!(err, SyncError::Stopped);
-                LAST_REMOTE_CONFIRMED.with(|c| c.set(!sent));
+            // A batch the engine's stop cut off (-1 once its drain reaped
+            // it) was never fenced at its targets: what it queued in a
+            // socket still lands. (Any other error came before anything
+            // was sent, and is not a -1 the flag speaks of, or -3.)
+            if matches!(err, SyncError::Stopped) {
+                LAST_REMOTE_CONFIRMED.with(|c| c.set(false));
             }
             sync_error(err)
         }

@@ -80,18 +80,34 @@ impl ThreadEnd {
     /// operation — nothing touches its memory, and nothing confirmed its
     /// targets; `false` while whether it drained is not known (operations
     /// left live, or the thread died in a job), so it stays -2.
-    pub(super) fn orphaned(&self, id: u64, gone: impl Fn() -> bool) -> Result<bool, SyncError> {
-        let live = self.wait(gone);
+    /// Never waits: while the drain runs, `false`.
+    pub(super) fn orphaned(&self, id: u64) -> Result<bool, SyncError> {
         let mut orphans = self.orphans.lock().unwrap_or_else(|e| e.into_inner());
         match orphans.as_mut() {
             None => Ok(false),
             Some(ids) if !ids.contains(&id) => Err(SyncError::UnknownTicket(id)),
-            Some(ids) if live == 0 => {
+            Some(ids) if self.reaped_all() => {
                 ids.remove(&id);
                 Ok(true)
             }
             Some(_) => Ok(false),
         }
+    }
+
+    /// Whether the thread recorded a drain that reaped every operation
+    /// (not waiting for the record).
+    fn reaped_all(&self) -> bool {
+        *self.live.lock().unwrap_or_else(|e| e.into_inner()) == Some(0)
+    }
+
+    /// Whether how the thread ended is known: its record is in, or it ended
+    /// without one.
+    pub(super) fn settled(&self, gone: impl Fn() -> bool) -> bool {
+        self.live
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+            || gone()
     }
 
     /// How the drain went, as a stop answers it.

@@ -171,12 +171,7 @@ impl Lanes {
         tasks: SyncTasks<B>,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
-        // A stopped engine's batches go to its thread, which answers
-        // `Stopped`: no new lane for them.
-        if !self.on.load(Ordering::Relaxed)
-            || self.stopped.load(Ordering::Acquire)
-            || !qualifies(&tasks)
-        {
+        if !self.on.load(Ordering::Relaxed) || !qualifies(&tasks) {
             return Err((tasks, opts));
         }
         // Inside a runtime the thread is that runtime's: no second one here.
@@ -193,6 +188,11 @@ impl Lanes {
                 return Err((tasks, opts));
             };
             lanes.retain(|l| !l.stopped.load(Ordering::Acquire));
+            // A stopped engine's batches go to its thread, which answers
+            // `Stopped`: no new lane for them (its old one went just now).
+            if self.stopped.load(Ordering::Acquire) {
+                return Err((tasks, opts));
+            }
             let at = match lanes.iter().position(|l| l.engine == self.id) {
                 Some(i) => i,
                 None => match self.lane() {

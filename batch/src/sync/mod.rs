@@ -22,8 +22,10 @@
 //! unknown handle or ticket, -1 otherwise). A panic in the engine while a
 //! call waits for its batch aborts the process rather than answer (tested:
 //! `batch/tests/sync_api.rs`, a destination whose `set_init` panics); one in
-//! a batch whose -2 ticket is out is caught by the runtime and leaves that
-//! ticket at -2 for good, its memory pinned — never a 0 or -1 on a guess.
+//! a batch whose -2 ticket is out is caught and leaves that ticket at -2,
+//! its memory pinned, until the engine stops (then -1 if the stop's drain
+//! reaped every operation: [`SyncEngine::poll`]) — never a 0 or -1 on a
+//! guess.
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -531,8 +533,17 @@ impl SyncEngine {
         let deadline = quiesce_runtime::time::deadline_in(timeout);
         loop {
             let polled = match self.poll_ticket::<B>(id) {
-                // Never drains now (see `poll`): no use waiting.
-                Err(SyncError::Stopped) => return self.after_stop(id),
+                // The engine stopped: its answer once the drain is known
+                // (see `poll`).
+                Err(SyncError::Stopped) => loop {
+                    // Known before the look: then the look saw the record.
+                    let settled = self.end.settled(|| self.finished());
+                    let out = self.after_stop(id)?;
+                    if out.is_some() || settled || Instant::now() >= deadline {
+                        return Ok(out);
+                    }
+                    thread::sleep(Duration::from_millis(1));
+                },
                 r => r?,
             };
             match polled {
@@ -549,9 +560,11 @@ impl SyncEngine {
     /// out when the engine stopped and whose drain reaped every operation
     /// (nothing touches its memory; its buffers, reports and whatever its
     /// targets confirmed went with the thread: `remote_confirmed` is
-    /// false); `Ok(None)` for good where whether it drained is not known —
-    /// the drain ran out of time and left operations live, or the thread
-    /// died — so the code stays -2, the memory pinned.
+    /// false); `Ok(None)` while the stop's drain runs (it never waits for
+    /// it; [`wait`](Self::wait) does, up to its timeout), and for good where
+    /// whether the batch drained is not known — the drain ran out of time
+    /// and left operations live, or the thread died — so the code stays -2,
+    /// the memory pinned.
     pub fn poll<B: IoBufMut + Send>(&self, id: u64) -> Result<Option<SyncOutcome<B>>, SyncError> {
         match self.poll_ticket(id) {
             Err(SyncError::Stopped) => self.after_stop(id),
@@ -560,7 +573,7 @@ impl SyncEngine {
     }
 
     fn after_stop<B>(&self, id: u64) -> Result<Option<SyncOutcome<B>>, SyncError> {
-        let reaped = self.end.orphaned(id, || self.finished())?;
+        let reaped = self.end.orphaned(id)?;
         Ok(reaped.then(|| SyncOutcome {
             code: crate::SYNC_FAILED,
             buffers: None,

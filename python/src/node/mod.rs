@@ -537,9 +537,9 @@ impl Node {
                 );
                 drained
             }
-            // Not yet, or the engine stopped (after reaping every
-            // operation: then the ticket is gone and -2 would pin nothing,
-            // but nothing says whether it completed either).
+            // Not yet, or the engine's thread is gone (a stop that reaped
+            // everything answers -1 above; one that did not, or a thread
+            // that died, leaves -2).
             Ok(None) | Err(_) => out,
         }
     }
