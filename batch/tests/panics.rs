@@ -15,57 +15,67 @@ use quiesce_batch::{Batch, BatchOptions, Transport};
 use quiesce_runtime::{time::sleep, yield_now, IoBuf, IoBufMut, Runtime};
 use quiesce_transports::TransferError;
 
-/// Every transfer waits one turn of the reactor, then panics.
-#[derive(Clone)]
-struct Panicky;
+/// A transport whose transfers panic. Each target is a 64-byte range and
+/// its own peer.
+#[derive(Clone, Copy)]
+enum Panicky {
+    /// Every transfer waits one turn of the reactor, then panics.
+    AfterATurn,
+    /// Target 0 refuses at once; the others ignore the abort, end 100 ms
+    /// later and then panic.
+    Late,
+}
 
-async fn panics<B>(buf: B) -> (Result<u64, TransferError>, B) {
-    yield_now().await;
+async fn panics<B>(how: Panicky, target: u64, buf: B) -> (Result<u64, TransferError>, B) {
+    match how {
+        Panicky::AfterATurn => yield_now().await,
+        Panicky::Late if target == 0 => return (Err(TransferError::Forbidden(0)), buf),
+        Panicky::Late => sleep(Duration::from_millis(100)).await,
+    }
     if std::hint::black_box(true) {
-        panic!("a transfer that panics");
+        match how {
+            Panicky::AfterATurn => panic!("a transfer that panics"),
+            Panicky::Late => panic!("a transfer that panics late"),
+        }
     }
     (Ok(0), buf)
 }
 
 impl Transport for Panicky {
     type Target = u64;
-    type Peer = usize;
+    type Peer = u64;
 
-    fn peer(&self, _: &u64) -> usize {
-        0
+    fn peer(&self, target: &u64) -> u64 {
+        *target
     }
 
-    fn len(&self, len: &u64) -> u64 {
-        *len
+    fn len(&self, _: &u64) -> u64 {
+        64
     }
 
     fn write<B: IoBuf>(
         &self,
-        _: &u64,
+        target: &u64,
         src: B,
         _: u64,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
-        panics(src)
+        panics(*self, *target, src)
     }
 
     fn read<B: IoBufMut>(
         &self,
-        _: &u64,
+        target: &u64,
         dst: B,
         _: u64,
     ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
-        panics(dst)
+        panics(*self, *target, dst)
     }
 
-    fn fence(
-        &self,
-        _: &usize,
-        _: u64,
-    ) -> impl Future<Output = Result<(), TransferError>> + 'static {
+    fn fence(&self, _: &u64, _: u64) -> impl Future<Output = Result<(), TransferError>> + 'static {
         std::future::ready(Ok(()))
     }
 
-    fn abort(&self, _: &usize) {}
+    fn abort(&self, _: &u64) {}
 }
 
 thread_local! {
@@ -118,7 +128,7 @@ fn a_transfer_that_panics_panics_the_batch_once() {
         let seen = panics_during(|| {
             let awaited = catch_unwind(AssertUnwindSafe(|| {
                 rt.block_on(async {
-                    let mut batch = Batch::new(Panicky, BatchOptions::default());
+                    let mut batch = Batch::new(Panicky::AfterATurn, BatchOptions::default());
                     for _ in 0..tasks {
                         batch.write(vec![7u8; 64], 64).ok().unwrap();
                     }
@@ -147,59 +157,6 @@ fn a_transfer_that_panics_panics_the_batch_once() {
     }
 }
 
-/// Target 0 refuses at once; target 1 ignores the abort, ends 100 ms later
-/// and then panics.
-#[derive(Clone)]
-struct LatePanic;
-
-async fn refuses_or_panics_late<B>(target: u64, buf: B) -> (Result<u64, TransferError>, B) {
-    if target == 0 {
-        return (Err(TransferError::Forbidden(0)), buf);
-    }
-    sleep(Duration::from_millis(100)).await;
-    if std::hint::black_box(true) {
-        panic!("a transfer that panics late");
-    }
-    (Ok(0), buf)
-}
-
-impl Transport for LatePanic {
-    type Target = u64;
-    type Peer = u64;
-
-    fn peer(&self, target: &u64) -> u64 {
-        *target
-    }
-
-    fn len(&self, _: &u64) -> u64 {
-        64
-    }
-
-    fn write<B: IoBuf>(
-        &self,
-        target: &u64,
-        src: B,
-        _: u64,
-    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
-        refuses_or_panics_late(*target, src)
-    }
-
-    fn read<B: IoBufMut>(
-        &self,
-        target: &u64,
-        dst: B,
-        _: u64,
-    ) -> impl Future<Output = (Result<u64, TransferError>, B)> + 'static {
-        refuses_or_panics_late(*target, dst)
-    }
-
-    fn fence(&self, _: &u64, _: u64) -> impl Future<Output = Result<(), TransferError>> + 'static {
-        std::future::ready(Ok(()))
-    }
-
-    fn abort(&self, _: &u64) {}
-}
-
 /// A batch whose completion became unknown goes on as a task of its own;
 /// when a transfer panics there, the ticket's wait raises that panic, once,
 /// rather than waiting for a result that can never come.
@@ -214,7 +171,7 @@ fn a_ticket_raises_the_panic_of_its_detached_batch() {
                 policy: FailurePolicy::FailFast,
                 ..BatchOptions::default()
             };
-            let mut batch = Batch::new(LatePanic, opts);
+            let mut batch = Batch::new(Panicky::Late, opts);
             batch.write(vec![1u8; 64], 0).ok().unwrap();
             batch.write(vec![2u8; 64], 1).ok().unwrap();
             match batch.submit().await {
@@ -250,7 +207,7 @@ fn a_submitted_polled_after_it_resolved_panics() {
                 policy: FailurePolicy::FailFast,
                 ..BatchOptions::default()
             };
-            let mut batch = Batch::new(LatePanic, opts);
+            let mut batch = Batch::new(Panicky::Late, opts);
             batch.write(vec![1u8; 64], 0).ok().unwrap();
             batch.write(vec![2u8; 64], 1).ok().unwrap();
             let mut submitted = std::pin::pin!(batch.submit());

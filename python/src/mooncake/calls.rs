@@ -42,17 +42,6 @@ impl TransferEngine {
             }
         }
         let _started = Started(&self.starting);
-        self.start_node(py, local_hostname, metadata, protocol, device_name)
-    }
-
-    fn start_node(
-        &self,
-        py: Python<'_>,
-        local_hostname: &str,
-        metadata: &str,
-        protocol: &str,
-        device_name: &str,
-    ) -> i32 {
         // Mooncake's switch (SGLang sets it and keeps protocol "rdma"): TCP
         // whatever the protocol says.
         let protocol = if force_tcp() { "tcp" } else { protocol };
