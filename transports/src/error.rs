@@ -82,10 +82,17 @@ pub enum TransferError {
     ConnectTimeout,
     /// RDMA: the target's NIC refused the access (remote key, bounds or the
     /// memory region's access flags); nothing of this request landed past
-    /// the refusal, and the queue pair was reset. Local transport: the
-    /// target could not reach this process's memory, and stopped.
+    /// the refusal, and the queue pair was reset.
     #[error("remote access refused: {0}")]
     RemoteAccess(String),
+    /// Local transport: the target could not reach this process's memory,
+    /// and stopped after `landed` bytes of the write had landed (for a
+    /// write striped over connections, summed over its slices).
+    #[error("the target could not reach this process's memory after {landed} bytes")]
+    Unreachable {
+        /// Bytes applied before it stopped.
+        landed: u64,
+    },
     /// RDMA: the local buffer is not inside memory registered with the
     /// engine (`RdmaEngine::register_region`); nothing was posted.
     #[error("buffer {addr:#x}+{len} is not in registered memory")]
@@ -130,9 +137,7 @@ impl TransferError {
             Status::Fenced => TransferError::Fenced,
             Status::FencedPartial => TransferError::FencedPartial { landed },
             Status::Revoked => TransferError::Revoked { landed },
-            Status::Unreachable => TransferError::RemoteAccess(format!(
-                "the target could not reach this process's memory after {landed} bytes"
-            )),
+            Status::Unreachable => TransferError::Unreachable { landed },
         })
     }
 
@@ -152,6 +157,7 @@ impl TransferError {
             | TransferError::FencedPartial { .. }
             | TransferError::Revoked { .. }
             | TransferError::RemoteAccess(_)
+            | TransferError::Unreachable { .. }
             | TransferError::NotSent(_)
             | TransferError::Unregistered { .. } => true,
             TransferError::BadFrame(_)
@@ -159,6 +165,17 @@ impl TransferError {
             | TransferError::Handshake { .. }
             | TransferError::ConnectionLost(_)
             | TransferError::ConnectTimeout => false,
+        }
+    }
+
+    /// Bytes the target answered as landed before the request failed
+    /// (`None`: it answered none, or did not answer).
+    pub fn landed(&self) -> Option<u64> {
+        match self {
+            TransferError::FencedPartial { landed }
+            | TransferError::Revoked { landed }
+            | TransferError::Unreachable { landed } => Some(*landed),
+            _ => None,
         }
     }
 

@@ -559,3 +559,39 @@ fn a_read_refused_with_a_count_is_a_bad_frame() {
         });
     }
 }
+
+/// A local-transport target that could not reach the initiator's memory
+/// after some bytes answers `Unreachable` with their count: the write's
+/// error carries it (summed over a striped write's slices), as a fenced or
+/// revoked write's does. It was a message (`RemoteAccess`), and the task's
+/// report said 0 bytes landed, with the target's answer in.
+#[test]
+fn a_write_the_target_could_not_finish_reaching_reports_what_landed() {
+    let addr = fake_target("unreaching", move |mut s, addr| {
+        while let Some(h) = recv_header(&mut s) {
+            let Some(p) = payload(&mut s, &h) else { return };
+            match h.op {
+                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
+                Opcode::Write => {
+                    let a = Header {
+                        op: Opcode::Status,
+                        flags: Status::Unreachable as u8,
+                        length: h.length / 2,
+                        ..h
+                    };
+                    send(&mut s, &a, &[]);
+                }
+                _ => {}
+            }
+        }
+    });
+    Runtime::new().unwrap().block_on(async {
+        let kv = open(addr, Token::random()).await;
+        for len in [4096u64, 3 << 20] {
+            let (r, _) = kv.write(0, vec![1u8; len as usize], 1).await;
+            let e = r.expect_err("answered Unreachable");
+            assert_eq!(e.landed(), Some(len / 2), "{len}-byte write: {e:?}");
+            assert!(e.settles_remote(), "{e:?}");
+        }
+    });
+}

@@ -121,8 +121,10 @@ impl<T: Transport, B> Task<T, B> {
             // not settle the remote) until a fence is acknowledged.
             Err(TransferError::Fenced | TransferError::Flushed) => (TaskStatus::Fenced, 0),
             Err(TransferError::FencedPartial { landed }) => (TaskStatus::Fenced, landed),
-            Err(e @ TransferError::Revoked { landed }) => (TaskStatus::Failed(e), landed),
-            Err(e) => (TaskStatus::Failed(e), 0),
+            Err(e) => {
+                let landed = e.landed().unwrap_or(0);
+                (TaskStatus::Failed(e), landed)
+            }
         };
         self.bytes = bytes;
         self.state = TaskState::Done(status);

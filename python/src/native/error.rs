@@ -75,7 +75,8 @@ fn transfer_kind(t: &TransferError) -> &'static str {
         TransferError::OpenRefused(_)
         | TransferError::NoSuchSegment(_)
         | TransferError::Forbidden(_)
-        | TransferError::RemoteAccess(_) => "SegmentRefused",
+        | TransferError::RemoteAccess(_)
+        | TransferError::Unreachable { .. } => "SegmentRefused",
         TransferError::OutOfBounds { .. } => "OutOfBounds",
         TransferError::BadLength(_) => "InvalidInput",
         TransferError::Handshake { .. }

@@ -55,7 +55,7 @@ fn refuse_read(
         Err(
             TransferError::FencedPartial { .. }
             | TransferError::Revoked { .. }
-            | TransferError::RemoteAccess(_),
+            | TransferError::Unreachable { .. },
         ) => {
             let why = "a read refused with a count of bytes";
             fill(result, Err(TransferError::BadFrame(why.into())));
@@ -80,7 +80,11 @@ fn answer_write(
     let why = match (&res, len) {
         (Ok(n), Some(len)) if *n != len => Some("a write answered Ok for another length"),
         (
-            Err(TransferError::FencedPartial { landed } | TransferError::Revoked { landed }),
+            Err(
+                TransferError::FencedPartial { landed }
+                | TransferError::Revoked { landed }
+                | TransferError::Unreachable { landed },
+            ),
             Some(len),
         ) if *landed > len => Some("a write answered with more bytes landed than it carried"),
         _ => None,

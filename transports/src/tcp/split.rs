@@ -197,11 +197,7 @@ pub(crate) async fn join_slices(
             // (Each answer counts at most its slice: checked as it came.)
             Ok(Ok(n)) => total += n,
             Ok(Err(e)) => {
-                if let TransferError::FencedPartial { landed } | TransferError::Revoked { landed } =
-                    e
-                {
-                    total += landed;
-                }
+                total += e.landed().unwrap_or(0);
                 keep_worst(&mut first_err, e);
             }
             // A slice that panicked lost track of its part: there is no
@@ -223,6 +219,9 @@ pub(crate) async fn join_slices(
             Err(TransferError::FencedPartial { landed: total })
         }
         Some(TransferError::Revoked { .. }) => Err(TransferError::Revoked { landed: total }),
+        Some(TransferError::Unreachable { .. }) => {
+            Err(TransferError::Unreachable { landed: total })
+        }
         // The segment went away (revoked and withdrawn) between a write's
         // slices: those before it landed whole, those after found it gone.
         // That is a revoke after `total` bytes, not a write that never
