@@ -142,7 +142,9 @@ impl<B> Quiesced<B> {
     }
 
     /// How long the fence took (from starting it to quiescence), if the
-    /// batch fenced.
+    /// batch fenced its transfers: the first such fence, for a batch that
+    /// was retried after it (a fence sent afterwards only to confirm what
+    /// the targets hold is not counted).
     pub fn fence_time(&self) -> Option<Duration> {
         (self.fence_ns != NO_FENCE).then(|| Duration::from_nanos(self.fence_ns))
     }
