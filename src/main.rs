@@ -67,12 +67,24 @@ enum Cmd {
     /// Latency and bandwidth against a target, or `--compare` against raw TCP and tokio.
     Bench {
         /// Start a target on loopback and compare raw std TCP, tokio, quiesce io_uring and epoll.
-        #[arg(long)]
+        #[arg(
+            long,
+            conflicts_with_all = [
+                "connect", "token", "directory", "size", "op", "batch", "initiator",
+                "driver", "busy_poll"
+            ]
+        )]
         compare: bool,
         /// Start a target on loopback and measure many transfers at once:
         /// 1,000 batches in flight (heap per batch), 16 concurrent 64 MiB
         /// writes, two shards against one.
-        #[arg(long, conflicts_with = "compare")]
+        #[arg(
+            long,
+            conflicts_with_all = [
+                "compare", "connect", "token", "directory", "json", "iters", "size",
+                "driver", "spin_us", "op", "batch", "initiator", "busy_poll"
+            ]
+        )]
         scale: bool,
         /// Target address (from `quiesce target`).
         #[arg(long)]
@@ -199,7 +211,8 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     num.parse::<usize>()
         .ok()
         .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| format!("{s:?} is not a size (like 4096, 4K, 64M)"))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{s:?} is not a size of at least 1 byte (like 4096, 4K, 64M)"))
 }
 
 /// `peer`'s address in the directory at `url`.

@@ -63,8 +63,8 @@ pub fn run(
         None => target.addr,
     };
     println!(
-        "each round: batch [4 KiB write the target refuses, valid {} MiB write], fail-fast;",
-        size >> 20
+        "each round: batch [4 KiB write the target refuses, valid {} write], fail-fast;",
+        size_label(size)
     );
     println!("then the returned source is overwritten and the destination checked for it.");
     let (results, driver) = quiesce_rounds(&target, addr, rounds_n, size, rdma, LocalMode::Off)?;
@@ -257,4 +257,15 @@ fn summarise(results: &[Round], driver: quiesce::runtime::Stats) -> usize {
         driver.ops_submitted
     );
     corrupted
+}
+
+/// `size` in the largest binary unit that divides it ("64 MiB", "512 KiB",
+/// "1000 B").
+fn size_label(size: usize) -> String {
+    match size {
+        s if s % (1 << 30) == 0 => format!("{} GiB", s >> 30),
+        s if s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
+        s if s % (1 << 10) == 0 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
 }
