@@ -24,7 +24,10 @@ mkfifo "$dir/in"
 "$bin" target --size 1M <"$dir/in" >"$dir/target" 2>/dev/null &
 tpid=$!
 exec {keep}>"$dir/in"   # the target serves until its stdin closes
-until grep -q '^listening' "$dir/target" 2>/dev/null; do sleep 0.2; done
+until grep -q '^listening' "$dir/target" 2>/dev/null; do
+    kill -0 "$tpid" 2>/dev/null || { echo "the target did not start (is $bin built?)" >&2; exit 1; }
+    sleep 0.2
+done
 addr=$(awk '/^listening/ {print $2}' "$dir/target")
 token=$(awk '$1 == "segment" && $2 == "kv" {print $5}' "$dir/target")
 

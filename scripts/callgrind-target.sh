@@ -21,7 +21,10 @@ ir() {
         "$bin" target --size 1M <"$fifo" >"$dir/target.$n" 2>/dev/null &
     local pid=$!
     exec {keep}>"$fifo"   # the target serves until its stdin closes
-    until grep -q '^listening' "$dir/target.$n" 2>/dev/null; do sleep 0.2; done
+    until grep -q '^listening' "$dir/target.$n" 2>/dev/null; do
+        kill -0 "$pid" 2>/dev/null || { echo "the target did not start (valgrind, $bin?)" >&2; exit 1; }
+        sleep 0.2
+    done
     local addr token
     addr=$(awk '/^listening/ {print $2}' "$dir/target.$n")
     token=$(awk '$1 == "segment" && $2 == "kv" {print $5}' "$dir/target.$n")
