@@ -14,6 +14,8 @@ def test_bench_runs_and_counts_no_corruption():
     )
     assert out.returncode == 0, out.stderr
     assert "== 4 KiB write" in out.stdout and "== 64 × 64 KiB batch" in out.stdout
+    # The big write's section names the size it measured.
+    assert "== 4 MiB write" in out.stdout and "64 MiB write" not in out.stdout, out.stdout
     assert "quiesce       corrupted 0/2" in out.stdout, out.stdout
     assert "quiesce-local corrupted 0/2" in out.stdout, out.stdout
 
