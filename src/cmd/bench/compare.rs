@@ -327,7 +327,7 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
     }
     drop(workers);
     if a.instructions {
-        count_instructions(&exe, &t, &mut rows)?;
+        count_instructions(&exe, &t, &a.setup(), &mut rows)?;
     }
     print!("{}", table(&rows)?);
     println!(
@@ -363,6 +363,7 @@ fn congestion_in_use(a: &BenchArgs) -> String {
 fn count_instructions(
     exe: &std::path::Path,
     t: &Endpoint,
+    setup: &Setup,
     rows: &mut [Row],
 ) -> Result<(), Box<dyn std::error::Error>> {
     if !instructions::available() {
@@ -380,12 +381,21 @@ fn count_instructions(
         }
         for im in IMPLS.into_iter().filter(|im| runs(*im, case)) {
             progress(&format!("callgrind {} {}…", case.name(), im.name()));
-            let ir = instructions::per_iteration(exe, t, im, case)?;
+            // One that fails leaves its cell empty: the run's other figures
+            // (minutes of them) are still printed.
+            let ir = match instructions::per_iteration(exe, t, im, case, setup) {
+                Ok(ir) => Some(ir),
+                Err(e) => {
+                    progress("");
+                    println!("instructions: {e}; left out");
+                    None
+                }
+            };
             if let Some(r) = rows
                 .iter_mut()
                 .find(|r| r.case == case.name() && r.im == im.name())
             {
-                r.instructions = Some(ir);
+                r.instructions = ir;
             }
         }
     }

@@ -15,7 +15,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use super::{Case, Endpoint, Impl};
+use super::{Case, Endpoint, Impl, Setup};
 use quiesce::runtime::DriverKind;
 
 /// Iterations of the shorter run.
@@ -39,9 +39,10 @@ pub fn per_iteration(
     t: &Endpoint,
     im: Impl,
     case: Case,
+    setup: &Setup,
 ) -> Result<f64, Box<dyn std::error::Error>> {
-    let short = total(exe, t, im, case, SHORT)?;
-    let long = total(exe, t, im, case, LONG)?;
+    let short = total(exe, t, im, case, SHORT, setup)?;
+    let long = total(exe, t, im, case, LONG, setup)?;
     Ok((long as f64 - short as f64) / (LONG - SHORT) as f64)
 }
 
@@ -52,6 +53,7 @@ fn total(
     im: Impl,
     case: Case,
     iters: usize,
+    setup: &Setup,
 ) -> Result<u64, Box<dyn std::error::Error>> {
     let (initiator, driver) = match im {
         Impl::Raw => ("raw", "io_uring"),
@@ -75,16 +77,23 @@ fn total(
         im.name(),
         case.name()
     ));
-    let run = Command::new("valgrind")
-        .arg("--tool=callgrind")
+    // Set up as the timed initiator was.
+    let mut cmd = Command::new("valgrind");
+    cmd.arg("--tool=callgrind")
         .arg(format!("--callgrind-out-file={}", out.display()))
         .arg(exe)
         .args(["bench", "--connect", &t.addr.to_string()])
         .args(["--token", &t.kv.token.to_string()])
         .args(["--impl", initiator, "--driver", driver, "--op", op])
         .args(["--size", &size.to_string(), "--iters", &iters.to_string()])
-        .stdout(Stdio::null())
-        .output()?;
+        .args(["--spin-us", &setup.spin.as_micros().to_string()]);
+    if let Some(zc) = setup.zc_threshold {
+        cmd.args(["--zc-threshold", &zc.to_string()]);
+    }
+    if let Some(name) = &setup.tcp_congestion {
+        cmd.args(["--tcp-congestion", name]);
+    }
+    let run = cmd.stdout(Stdio::null()).output()?;
     let text = std::fs::read_to_string(&out);
     let _ = std::fs::remove_file(&out);
     if !run.status.success() {
