@@ -28,6 +28,27 @@ impl TransferOpcode {
             ))),
         }
     }
+
+    /// Its int's hash: it equals its int, so a set or a dict keyed by
+    /// opcodes finds it by either (as pybind11's enums do).
+    fn __hash__(&self) -> isize {
+        *self as isize
+    }
+
+    /// `"Read"` or `"Write"`, as pybind11's enums name their members.
+    #[getter]
+    fn name(&self) -> &'static str {
+        match self {
+            TransferOpcode::Read => "Read",
+            TransferOpcode::Write => "Write",
+        }
+    }
+
+    /// 0 or 1.
+    #[getter]
+    fn value(&self) -> i64 {
+        *self as i64
+    }
 }
 
 /// The direction `opcode` names.

@@ -475,6 +475,12 @@ def test_the_opcode_is_built_from_its_int_as_in_mooncake():
     assert TransferEngine.TransferOpcode(1) == TransferOpcode.Write
     with pytest.raises(ValueError):
         TransferOpcode(2)
+    # Hashable as pybind11's enums are (it had __hash__ None: a dict or a
+    # set of opcodes raised TypeError), and named.
+    assert hash(TransferOpcode.Write) == hash(1)
+    assert {TransferOpcode.Read: "r"}[TransferOpcode(0)] == "r"
+    assert TransferOpcode.Write in {TransferOpcode.Write, TransferOpcode.Read}
+    assert (TransferOpcode.Write.name, TransferOpcode.Write.value) == ("Write", 1)
 
 
 FORKED_ENGINE_CODE = """
