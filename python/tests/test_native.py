@@ -172,7 +172,10 @@ def test_bad_input_raises_a_typed_error_and_loses_nothing(native_peer, eng):
         eng.open("127.0.0.1:1", "kv")
     # A bad policy or deadline is refused when the batch is made, before
     # any buffer is given to it (it was refused only at run()).
-    for bad in ({"policy": "sometimes"}, {"deadline": 0}, {"deadline": float("nan")}, {"deadline": -1.0}):
+    # (Under a nanosecond, or an int that rounds to 2**64 as a float, the
+    # engine reads as no deadline: they passed here and failed at run().)
+    for bad in ({"policy": "sometimes"}, {"deadline": 0}, {"deadline": float("nan")}, {"deadline": -1.0},
+                {"deadline": 1e-10}, {"deadline": 2**64 - 1}, {"deadline": 10**400}):
         with pytest.raises(quiesce.InvalidInput):
             eng.batch(**bad)
     with pytest.raises(quiesce.InvalidInput):

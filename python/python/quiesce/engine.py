@@ -84,9 +84,15 @@ class Batch:
     def __init__(self, engine: "Engine", policy: str, deadline: float) -> None:
         if policy not in ("fail_fast", "drain"):
             raise InvalidInput(f'policy {policy!r}: use "fail_fast" or "drain"')
-        # What the engine takes: more than 0 s, and no more than a u64 of them.
-        if not (isinstance(deadline, (int, float)) and 0 < deadline < 2.0**64):
-            raise InvalidInput(f"deadline {deadline!r}: a positive number of seconds")
+        # What the engine takes: a nanosecond at least, and less than 2**64 s
+        # (checked as the float it becomes: an int just below 2**64 rounds
+        # up to it).
+        try:
+            seconds = float(deadline) if isinstance(deadline, (int, float)) else float("nan")
+        except OverflowError:  # an int past any float
+            seconds = float("inf")
+        if not 1e-9 <= seconds < 2.0**64:
+            raise InvalidInput(f"deadline {deadline!r}: a positive number of seconds (1 ns at least)")
         self._engine = engine
         self._policy = policy
         self._deadline = deadline
