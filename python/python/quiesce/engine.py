@@ -255,7 +255,8 @@ class Engine:
         each one's buffers go as it does — also those whose awaiting task
         was cancelled, or whose ``CompletionUnknown`` was dropped. True:
         none is left. A ``CompletionUnknown`` still held answers its
-        ``wait()`` with the drained outcome afterwards."""
+        ``wait()`` with the drained outcome afterwards (the engine keeps the
+        last 4,096 outcomes collected so)."""
         return self._native.wait_for_quiescence(timeout)
 
     def close(self) -> bool:

@@ -89,7 +89,11 @@ class CompletionUnknown:
         """Blocks (without the GIL) up to ``timeout`` s for the batch to
         drain: its outcome, or None if it still has not. Every wait after
         the batch drained answers the same outcome — also one made while a
-        wait abandoned by its caller (``asyncio.wait_for``) still ran."""
+        wait abandoned by its caller (``asyncio.wait_for``) still ran. If a
+        sweep (``Engine.pending()``, ``wait_for_quiescence()``) collected the
+        drained batch before any wait here did, its outcome is kept among
+        the engine's last 4,096 such; a first wait after more drained
+        raises ``InvalidInput`` (the buffers were let go either way)."""
         timeout = min(max(timeout, 0.0), threading.TIMEOUT_MAX)
         deadline = time.monotonic() + timeout
         if not self._asking.acquire(timeout=timeout):

@@ -57,6 +57,18 @@ impl Core {
                     py.detach(|| std::thread::sleep(Duration::from_micros(200)));
                 }
                 Err(SyncError::UnknownTicket(_)) if self.answered_has(ticket) => {}
+                // Neither out nor kept: a sweep collected it, and more than
+                // ANSWERS_KEPT others drained since.
+                Err(SyncError::UnknownTicket(_)) => {
+                    return Err(super::error::invalid(
+                        py,
+                        &format!(
+                            "ticket {ticket}: its batch drained and a sweep (pending() or \
+                             wait_for_quiescence()) let its buffers go; its outcome is no longer \
+                             kept (the last {ANSWERS_KEPT} are)"
+                        ),
+                    ))
+                }
                 Err(SyncError::Stopped) => return Err(self.engine_closed(py)),
                 r => return r.map_err(|e| from_sync(py, &e)),
             }
