@@ -220,6 +220,7 @@ impl TransferEngine {
             // Registered still, so that a batch's retry finds it where it was.
             Err(Held::InUse | Held::Freeing) => return SYNC_UNKNOWN,
         }
+        let id = node.published_id(buffer_addr as u64);
         let reclaimed = py.detach(|| node.engine().reclaim(buffer_addr as u64, RECLAIM_WAIT));
         let code = match reclaimed {
             // Nothing holds it now — or nothing was lent there any more (an
@@ -227,10 +228,11 @@ impl TransferEngine {
             // record with it: one there now is a `register_memory` still
             // starting, which `free` sees).
             Ok(true) | Err(SyncError::NotLent(_)) => {
+                // (`NotLent`: that unregister withdrew its record too.)
                 if reclaimed.is_ok() {
                     node.managed.lent_back(buffer_addr);
+                    node.withdrawn(buffer_addr as u64, id);
                 }
-                node.withdrawn(buffer_addr as u64);
                 match node.managed.free(buffer_addr, length) {
                     Free::Done => return SYNC_OK,
                     // A batch started on it meanwhile.

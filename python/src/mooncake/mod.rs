@@ -147,9 +147,10 @@ impl TransferEngine {
         let Some(node) = self.not_ready() else {
             return SYNC_FAILED;
         };
+        let id = node.published_id(buffer_addr as u64);
         match py.detach(|| node.unregister(buffer_addr, RECLAIM_WAIT)) {
             Ok(true) => {
-                node.withdrawn(buffer_addr as u64);
+                node.withdrawn(buffer_addr as u64, id);
                 SYNC_OK
             }
             Ok(false) => SYNC_UNKNOWN,

@@ -98,6 +98,10 @@ pub(crate) struct Node {
     /// a node was found, and another node found there later (the first
     /// gone, its address another's) is not that session.
     p2p_nodes: Mutex<FnvHashMap<String, String>>,
+    /// The registration id published for each registered address (etcd):
+    /// a withdraw names it, so that it never deletes the record of a newer
+    /// registration at the same address.
+    published_ids: Mutex<FnvHashMap<u64, u64>>,
     /// Batches that returned -2: their memory stays pinned.
     pending: Mutex<Vec<Pinned>>,
     /// Batches that returned -2 with nothing to wait on (the engine's
@@ -214,6 +218,7 @@ impl Node {
             opened: Mutex::default(),
             peers: Mutex::default(),
             p2p_nodes: Mutex::default(),
+            published_ids: Mutex::default(),
             pending: Mutex::default(),
             lost: AtomicU64::new(0),
             waiting: Mutex::default(),
@@ -242,16 +247,33 @@ impl Node {
             read: true,
             write: true,
         };
+        lock(&self.published_ids).insert(addr, id);
         if let Err(e) = self.directory.publish_segment(&rec) {
             tracing::warn!(error = %e, "register_memory: not published");
         }
     }
 
-    /// Withdraws a range taken back (etcd; nothing to do for P2P).
-    pub(crate) fn withdrawn(&self, addr: u64) {
+    /// The registration id published at `addr`, read before its range is
+    /// taken back (a register of the address may follow at once).
+    pub(crate) fn published_id(&self, addr: u64) -> Option<u64> {
+        lock(&self.published_ids).get(&addr).copied()
+    }
+
+    /// Withdraws the range registration `id` (from [`published_id`]) had
+    /// at `addr`, taken back (etcd; nothing to do for P2P): not a newer
+    /// registration's record there.
+    ///
+    /// [`published_id`]: Self::published_id
+    pub(crate) fn withdrawn(&self, addr: u64, id: Option<u64>) {
+        {
+            let mut ids = lock(&self.published_ids);
+            if id.is_some() && ids.get(&addr).copied() == id {
+                ids.remove(&addr);
+            }
+        }
         let _ = self
             .directory
-            .withdraw_segment(&self.name, &format!("{addr:#x}"), None);
+            .withdraw_segment(&self.name, &format!("{addr:#x}"), id);
     }
 
     /// The address of session `target`: the name itself for P2P, its
