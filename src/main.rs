@@ -82,7 +82,8 @@ enum Cmd {
             long,
             conflicts_with_all = [
                 "compare", "connect", "token", "directory", "json", "iters", "size",
-                "driver", "spin_us", "op", "batch", "initiator", "busy_poll"
+                "driver", "spin_us", "op", "batch", "initiator", "busy_poll", "rounds",
+                "zc_threshold"
             ]
         )]
         scale: bool,

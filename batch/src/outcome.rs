@@ -53,8 +53,10 @@ pub enum RemoteState {
 pub struct TaskReport {
     /// How it ended.
     pub status: TaskStatus,
-    /// Bytes moved. For a fenced (or revoked) write: the bytes that landed
-    /// before the fence, summed over the transfer's slices — not necessarily
+    /// Bytes moved. For a fenced (or revoked) write, or one the target could
+    /// not finish reaching (local transport, `Unreachable`; for a read so
+    /// cut, the bytes it had pushed): the bytes that landed before the cut,
+    /// summed over the transfer's slices — not necessarily
     /// a prefix of the range, since slices land in parallel, as the target
     /// answered them. For a task that failed without its target's answer
     /// (a lost connection, a deadline): 0, and any part of the range may

@@ -595,3 +595,42 @@ fn a_write_the_target_could_not_finish_reaching_reports_what_landed() {
         }
     });
 }
+
+/// A striped write whose first slice finds no segment and whose others the
+/// target could not finish reaching: what landed is the unreached slices'
+/// bytes, and the error says so. It was reported as a revoke after them (the
+/// "no such segment" kept, turned into `Revoked` by the landed count).
+#[test]
+fn a_striped_write_partly_unreached_is_not_reported_revoked() {
+    let addr = fake_target("unreaching-striped", move |mut s, addr| {
+        while let Some(h) = recv_header(&mut s) {
+            let Some(p) = payload(&mut s, &h) else { return };
+            match h.op {
+                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
+                Opcode::Write => {
+                    let (st, length) = match h.offset {
+                        0 => (Status::NoSuchSegment, 0),
+                        _ => (Status::Unreachable, h.length / 2),
+                    };
+                    let a = Header {
+                        op: Opcode::Status,
+                        flags: st as u8,
+                        length,
+                        ..h
+                    };
+                    send(&mut s, &a, &[]);
+                }
+                _ => {}
+            }
+        }
+    });
+    Runtime::new().unwrap().block_on(async {
+        let kv = open(addr, Token::random()).await;
+        let (r, _) = kv.write(0, vec![1u8; 3 << 20], 1).await;
+        let e = r.expect_err("refused and unreached");
+        assert!(
+            matches!(e, TransferError::Unreachable { landed } if landed > 0),
+            "{e:?}"
+        );
+    });
+}

@@ -303,21 +303,21 @@ def main():
         [i for i in available if i == "nixl"],
     ]
     results, seeds = {}, []
-    big_write = f"{a.big >> 20} MiB write"
+    big_write = big_write_case(a.big)
     for n, phase in enumerate(phases):
         if not phase:
             continue
         sides = [Side(i, a.big) for i in phase]
-        for s in [s for s in sides if LOCAL.get(s.impl) == "required"]:
-            # Required: a target that may not reach this process's memory
-            # (another user, YAMA's ptrace_scope 2) fails every transfer.
-            if s.engine.transfer_sync_write(s.session, s.buffer(4096, 7), s.big, 4096) != 0:
-                print(f"{s.impl}: the local transport cannot attach here (kernel.yama.ptrace_scope?), skipped")
-                s.close()
-                sides.remove(s)
-        if not sides:
-            continue
         try:
+            for s in [s for s in sides if LOCAL.get(s.impl) == "required"]:
+                # Required: a target that may not reach this process's memory
+                # (another user, YAMA's ptrace_scope 2) fails every transfer.
+                if s.engine.transfer_sync_write(s.session, s.buffer(4096, 7), s.big, 4096) != 0:
+                    print(f"{s.impl}: the local transport cannot attach here (kernel.yama.ptrace_scope?), skipped")
+                    s.close()
+                    sides.remove(s)
+            if not sides:
+                continue
             measure(sides, a, results, suffix=ALONE if n == 1 else "")
             if n == 1:
                 continue
@@ -356,6 +356,11 @@ def main():
     print("\n".join(seeds))
 
 
+def big_write_case(big):
+    """The big write's case name: its size, exact."""
+    return f"{big >> 20} MiB write" if big % MiB == 0 else f"{big} B write"
+
+
 def measure(sides, a, results, suffix=""):
     """Every case for `sides`, interleaved among them; into `results`, each
     implementation's figures under its name + `suffix`."""
@@ -366,7 +371,7 @@ def measure(sides, a, results, suffix=""):
     for name, size in [("4 KiB write", 4096), ("64 KiB write", 64 << 10)]:
         put(name, latency(sides, size, a.iters, a.block))
     put("64 × 64 KiB batch", batch64(sides, max(a.iters // 10, 20), max(a.block // 10, 5)))
-    put(f"{a.big >> 20} MiB write", latency(sides, a.big, 20, 5))
+    put(big_write_case(a.big), latency(sides, a.big, 20, 5))
 
 
 if __name__ == "__main__":

@@ -57,15 +57,16 @@ impl Core {
                     py.detach(|| std::thread::sleep(Duration::from_micros(200)));
                 }
                 Err(SyncError::UnknownTicket(_)) if self.answered_has(ticket) => {}
-                // Neither out nor kept: a sweep collected it, and more than
-                // ANSWERS_KEPT others drained since.
+                // Neither out nor kept: not this engine's, or a sweep
+                // collected it and more than ANSWERS_KEPT others drained
+                // since.
                 Err(SyncError::UnknownTicket(_)) => {
                     return Err(super::error::invalid(
                         py,
                         &format!(
-                            "ticket {ticket}: its batch drained and a sweep (pending() or \
-                             wait_for_quiescence()) let its buffers go; its outcome is no longer \
-                             kept (the last {ANSWERS_KEPT} are)"
+                            "ticket {ticket}: not out, and its outcome not among the last \
+                             {ANSWERS_KEPT} kept (a ticket of this engine whose batch drained and \
+                             a sweep, pending() or wait_for_quiescence(), let its buffers go)"
                         ),
                     ))
                 }

@@ -235,12 +235,15 @@ pub(crate) async fn join_slices(
 
 /// Keeps the first error, unless a later one left the target unsettled
 /// (a lost connection): the transfer's error must say so. Among settled
-/// errors a revoke wins: slices sent after it find the segment gone, and
-/// their "no such segment" would hide that bytes landed before the cut.
+/// errors a revoke (or a target that could not reach this process's
+/// memory) wins: slices sent after it find the segment gone, and their "no
+/// such segment" would hide that bytes landed before the cut.
 fn keep_worst(kept: &mut Option<TransferError>, e: TransferError) {
     let rank = |e: &TransferError| match e {
         _ if !e.settles_remote() => 2,
-        TransferError::Revoked { .. } => 1,
+        // Each counts bytes that landed (a "no such segment" after it would
+        // turn them into a revoke that never was).
+        TransferError::Revoked { .. } | TransferError::Unreachable { .. } => 1,
         _ => 0,
     };
     if kept.as_ref().is_none_or(|k| rank(&e) > rank(k)) {
