@@ -157,23 +157,31 @@ fn a_transfer_that_panics_panics_the_batch_once() {
     }
 }
 
+/// Fail-fast, 10 ms of grace: target 0 refuses its write at once, and the
+/// fence cannot end target 1's (it ignores the abort), which panics 100 ms
+/// later — after the batch's completion became unknown.
+fn refused_and_late() -> Batch<Panicky, Vec<u8>> {
+    let opts = BatchOptions {
+        fence_grace: Duration::from_millis(10),
+        policy: quiesce_batch::FailurePolicy::FailFast,
+        ..BatchOptions::default()
+    };
+    let mut batch = Batch::new(Panicky::Late, opts);
+    batch.write(vec![1u8; 64], 0).ok().unwrap();
+    batch.write(vec![2u8; 64], 1).ok().unwrap();
+    batch
+}
+
 /// A batch whose completion became unknown goes on as a task of its own;
 /// when a transfer panics there, the ticket's wait raises that panic, once,
 /// rather than waiting for a result that can never come.
 #[test]
 fn a_ticket_raises_the_panic_of_its_detached_batch() {
-    use quiesce_batch::{FailurePolicy, Outcome};
+    use quiesce_batch::Outcome;
     let rt = Runtime::new().unwrap();
     let seen = panics_during(|| {
         let ticket = rt.block_on(async {
-            let opts = BatchOptions {
-                fence_grace: Duration::from_millis(10),
-                policy: FailurePolicy::FailFast,
-                ..BatchOptions::default()
-            };
-            let mut batch = Batch::new(Panicky::Late, opts);
-            batch.write(vec![1u8; 64], 0).ok().unwrap();
-            batch.write(vec![2u8; 64], 1).ok().unwrap();
+            let batch = refused_and_late();
             match batch.submit().await {
                 Outcome::CompletionUnknown(t) => t,
                 Outcome::Quiesced(q) => panic!("quiesced: {:?}", q.tasks()),
@@ -197,19 +205,12 @@ fn a_ticket_raises_the_panic_of_its_detached_batch() {
 /// itself (and the ticket then waited for ever).
 #[test]
 fn a_submitted_polled_after_it_resolved_panics() {
-    use quiesce_batch::{FailurePolicy, Outcome};
+    use quiesce_batch::Outcome;
     use std::task::Poll;
     let rt = Runtime::new().unwrap();
     let seen = panics_during(|| {
         rt.block_on(async {
-            let opts = BatchOptions {
-                fence_grace: Duration::from_millis(10),
-                policy: FailurePolicy::FailFast,
-                ..BatchOptions::default()
-            };
-            let mut batch = Batch::new(Panicky::Late, opts);
-            batch.write(vec![1u8; 64], 0).ok().unwrap();
-            batch.write(vec![2u8; 64], 1).ok().unwrap();
+            let batch = refused_and_late();
             let mut submitted = std::pin::pin!(batch.submit());
             let first = std::future::poll_fn(|cx| submitted.as_mut().poll(cx)).await;
             assert!(matches!(first, Outcome::CompletionUnknown(_)));

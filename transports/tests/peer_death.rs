@@ -479,6 +479,33 @@ fn an_open_during_a_reconnect_is_proven_on_the_new_connection() {
     });
 }
 
+/// A fake target that accepts every proof and answers each write with
+/// `answer(header)`: a status and the count it says.
+fn answering_writes(
+    name: &'static str,
+    answer: impl Fn(&Header) -> (Status, u64) + Send + Sync + 'static,
+) -> SocketAddr {
+    fake_target(name, move |mut s, addr| {
+        while let Some(h) = recv_header(&mut s) {
+            let Some(p) = payload(&mut s, &h) else { return };
+            match h.op {
+                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
+                Opcode::Write => {
+                    let (st, length) = answer(&h);
+                    let a = Header {
+                        op: Opcode::Status,
+                        flags: st as u8,
+                        length,
+                        ..h
+                    };
+                    send(&mut s, &a, &[]);
+                }
+                _ => {}
+            }
+        }
+    })
+}
+
 /// A target's answer may count no more bytes than the write carried: `Ok`
 /// says every byte landed, and a partial answer counts those that did. One
 /// that answers a 4 KiB write `Ok` for 1 byte, or 2⁶³ landed of a
@@ -488,24 +515,7 @@ fn an_open_during_a_reconnect_is_proven_on_the_new_connection() {
 #[test]
 fn a_write_answered_for_another_length_is_a_bad_frame() {
     for (st, length) in [(Status::Ok, 1), (Status::FencedPartial, 1 << 63)] {
-        let addr = fake_target("miscounting", move |mut s, addr| {
-            while let Some(h) = recv_header(&mut s) {
-                let Some(p) = payload(&mut s, &h) else { return };
-                match h.op {
-                    Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
-                    Opcode::Write => {
-                        let a = Header {
-                            op: Opcode::Status,
-                            flags: st as u8,
-                            length,
-                            ..h
-                        };
-                        send(&mut s, &a, &[]);
-                    }
-                    _ => {}
-                }
-            }
-        });
+        let addr = answering_writes("miscounting", move |_| (st, length));
         Runtime::new().unwrap().block_on(async {
             let kv = open(addr, Token::random()).await;
             for len in [4096, 256 << 10] {
@@ -567,24 +577,7 @@ fn a_read_refused_with_a_count_is_a_bad_frame() {
 /// report said 0 bytes landed, with the target's answer in.
 #[test]
 fn a_write_the_target_could_not_finish_reaching_reports_what_landed() {
-    let addr = fake_target("unreaching", move |mut s, addr| {
-        while let Some(h) = recv_header(&mut s) {
-            let Some(p) = payload(&mut s, &h) else { return };
-            match h.op {
-                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
-                Opcode::Write => {
-                    let a = Header {
-                        op: Opcode::Status,
-                        flags: Status::Unreachable as u8,
-                        length: h.length / 2,
-                        ..h
-                    };
-                    send(&mut s, &a, &[]);
-                }
-                _ => {}
-            }
-        }
-    });
+    let addr = answering_writes("unreaching", |h| (Status::Unreachable, h.length / 2));
     Runtime::new().unwrap().block_on(async {
         let kv = open(addr, Token::random()).await;
         for len in [4096u64, 3 << 20] {
@@ -602,27 +595,9 @@ fn a_write_the_target_could_not_finish_reaching_reports_what_landed() {
 /// "no such segment" kept, turned into `Revoked` by the landed count).
 #[test]
 fn a_striped_write_partly_unreached_is_not_reported_revoked() {
-    let addr = fake_target("unreaching-striped", move |mut s, addr| {
-        while let Some(h) = recv_header(&mut s) {
-            let Some(p) = payload(&mut s, &h) else { return };
-            match h.op {
-                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
-                Opcode::Write => {
-                    let (st, length) = match h.offset {
-                        0 => (Status::NoSuchSegment, 0),
-                        _ => (Status::Unreachable, h.length / 2),
-                    };
-                    let a = Header {
-                        op: Opcode::Status,
-                        flags: st as u8,
-                        length,
-                        ..h
-                    };
-                    send(&mut s, &a, &[]);
-                }
-                _ => {}
-            }
-        }
+    let addr = answering_writes("unreaching-striped", |h| match h.offset {
+        0 => (Status::NoSuchSegment, 0),
+        _ => (Status::Unreachable, h.length / 2),
     });
     Runtime::new().unwrap().block_on(async {
         let kv = open(addr, Token::random()).await;
