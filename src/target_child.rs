@@ -168,3 +168,22 @@ impl Drop for TargetChild {
         let _ = self.child.wait();
     }
 }
+
+/// The local transport's target copies from this process's memory; under
+/// YAMA's ptrace_scope 1 only a process this one names may, and the target
+/// here is not known before the attach (a `--connect` target, or under
+/// `--compare`'s callgrind runs a sibling): any process of this user may
+/// then, for the benchmark's life. (Without YAMA: nothing changes.)
+pub fn allow_any_ptracer() {
+    // SAFETY: prctl with integer arguments only; it changes nothing this
+    // process relies on.
+    let _ = unsafe {
+        libc::prctl(
+            libc::PR_SET_PTRACER,
+            libc::PR_SET_PTRACER_ANY as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+}

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::fake::{accept_auth, ack_fence, answer, fake_target, payload};
+use common::fake::{accept_auth, ack_fence, answer, fake_target, open, payload};
 use common::*;
 use quiesce_runtime::{spawn_local, time, Runtime};
 use quiesce_transports::wire::{Header, Opcode, Status};
@@ -20,20 +20,6 @@ const BIG: usize = 64 << 20;
 
 /// How long an outcome may take after the fault.
 const PROMPT: Duration = Duration::from_secs(1);
-
-async fn open(addr: std::net::SocketAddr, token: quiesce_transports::Token) -> RemoteSegment {
-    let e = Engine::bind(tcp()).unwrap();
-    let kv = e
-        .connect(addr)
-        .await
-        .unwrap()
-        .open("kv", token)
-        .await
-        .unwrap();
-    // The engine lives as long as the runtime's tasks need it.
-    std::mem::forget(e);
-    kv
-}
 
 fn lost(res: &Result<u64, TransferError>) -> bool {
     matches!(res, Err(TransferError::ConnectionLost(_)))
@@ -476,136 +462,5 @@ fn an_open_during_a_reconnect_is_proven_on_the_new_connection() {
             "b was not proven on the reconnected connection: {res:?}"
         );
         e.shutdown();
-    });
-}
-
-/// A fake target that accepts every proof and answers each write with
-/// `answer(header)`: a status and the count it says.
-fn answering_writes(
-    name: &'static str,
-    answer: impl Fn(&Header) -> (Status, u64) + Send + Sync + 'static,
-) -> SocketAddr {
-    fake_target(name, move |mut s, addr| {
-        while let Some(h) = recv_header(&mut s) {
-            let Some(p) = payload(&mut s, &h) else { return };
-            match h.op {
-                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
-                Opcode::Write => {
-                    let (st, length) = answer(&h);
-                    let a = Header {
-                        op: Opcode::Status,
-                        flags: st as u8,
-                        length,
-                        ..h
-                    };
-                    send(&mut s, &a, &[]);
-                }
-                _ => {}
-            }
-        }
-    })
-}
-
-/// A target's answer may count no more bytes than the write carried: `Ok`
-/// says every byte landed, and a partial answer counts those that did. One
-/// that answers a 4 KiB write `Ok` for 1 byte, or 2⁶³ landed of a
-/// partial one, broke the protocol: the write fails as a bad frame, never
-/// `Ok(1)` (a task reported completed with 1 of its 4,096 bytes) nor a sum
-/// that overflows over slices.
-#[test]
-fn a_write_answered_for_another_length_is_a_bad_frame() {
-    for (st, length) in [(Status::Ok, 1), (Status::FencedPartial, 1 << 63)] {
-        let addr = answering_writes("miscounting", move |_| (st, length));
-        Runtime::new().unwrap().block_on(async {
-            let kv = open(addr, Token::random()).await;
-            for len in [4096, 256 << 10] {
-                let (r, _) = kv.write(0, vec![1u8; len], 1).await;
-                assert!(
-                    matches!(r, Err(TransferError::BadFrame(_))),
-                    "{st:?} for {length} bytes of a {len}-byte write: {r:?}"
-                );
-            }
-        });
-    }
-}
-
-/// A read is refused whole or not at all: a status for it never counts
-/// bytes (no `Status` carries a read's data, and fences and revokes do not
-/// cut reads). A target that answers one `FencedPartial`, `Revoked` or
-/// `Unreachable` with a count broke the protocol: the read fails as a bad
-/// frame, never reports 2⁶³ bytes in a 4 KiB buffer nor sums the counts of
-/// its slices past 64 bits.
-#[test]
-fn a_read_refused_with_a_count_is_a_bad_frame() {
-    for st in [Status::FencedPartial, Status::Revoked, Status::Unreachable] {
-        let addr = fake_target("miscounting-reads", move |mut s, addr| {
-            while let Some(h) = recv_header(&mut s) {
-                if h.op == Opcode::Read {
-                    // (A read's header carries no payload.)
-                    let a = Header {
-                        op: Opcode::Status,
-                        flags: st as u8,
-                        length: 1 << 63,
-                        ..h
-                    };
-                    send(&mut s, &a, &[]);
-                    continue;
-                }
-                let Some(p) = payload(&mut s, &h) else { return };
-                if h.op == Opcode::Auth {
-                    accept_auth(&mut s, &p, addr, |_| {});
-                }
-            }
-        });
-        Runtime::new().unwrap().block_on(async {
-            let kv = open(addr, Token::random()).await;
-            for len in [4096usize, 3 << 20] {
-                let (r, _) = kv.read(0, len as u64, vec![0u8; len], 1).await;
-                assert!(
-                    matches!(r, Err(TransferError::BadFrame(_))),
-                    "{st:?} with a count for a {len}-byte read: {r:?}"
-                );
-            }
-        });
-    }
-}
-
-/// A local-transport target that could not reach the initiator's memory
-/// after some bytes answers `Unreachable` with their count: the write's
-/// error carries it (summed over a striped write's slices), as a fenced or
-/// revoked write's does. It was a message (`RemoteAccess`), and the task's
-/// report said 0 bytes landed, with the target's answer in.
-#[test]
-fn a_write_the_target_could_not_finish_reaching_reports_what_landed() {
-    let addr = answering_writes("unreaching", |h| (Status::Unreachable, h.length / 2));
-    Runtime::new().unwrap().block_on(async {
-        let kv = open(addr, Token::random()).await;
-        for len in [4096u64, 3 << 20] {
-            let (r, _) = kv.write(0, vec![1u8; len as usize], 1).await;
-            let e = r.expect_err("answered Unreachable");
-            assert_eq!(e.landed(), Some(len / 2), "{len}-byte write: {e:?}");
-            assert!(e.settles_remote(), "{e:?}");
-        }
-    });
-}
-
-/// A striped write whose first slice finds no segment and whose others the
-/// target could not finish reaching: what landed is the unreached slices'
-/// bytes, and the error says so. It was reported as a revoke after them (the
-/// "no such segment" kept, turned into `Revoked` by the landed count).
-#[test]
-fn a_striped_write_partly_unreached_is_not_reported_revoked() {
-    let addr = answering_writes("unreaching-striped", |h| match h.offset {
-        0 => (Status::NoSuchSegment, 0),
-        _ => (Status::Unreachable, h.length / 2),
-    });
-    Runtime::new().unwrap().block_on(async {
-        let kv = open(addr, Token::random()).await;
-        let (r, _) = kv.write(0, vec![1u8; 3 << 20], 1).await;
-        let e = r.expect_err("refused and unreached");
-        assert!(
-            matches!(e, TransferError::Unreachable { landed } if landed > 0),
-            "{e:?}"
-        );
     });
 }

@@ -510,7 +510,7 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         }
     };
     if matches!(im, Impl::Local | Impl::LocalSocket) {
-        allow_any_ptracer();
+        quiesce::target_child::allow_any_ptracer();
     }
     let mut client = Client::connect(im, &Endpoint { addr, kv, ro }, &a.setup())?;
     println!(
@@ -583,23 +583,4 @@ fn write_json(a: &BenchArgs, rows: &[Row]) -> std::io::Result<()> {
     }
     s.push_str("]}\n");
     std::fs::write(path, s)
-}
-
-/// The local transport's target copies from this process's memory; under
-/// YAMA's ptrace_scope 1 only a process this one names may, and the target
-/// here is not known before the attach (a `--connect` target, or under
-/// `--compare`'s callgrind runs a sibling): any process of this user may
-/// then, for the benchmark's life. (Without YAMA: nothing changes.)
-fn allow_any_ptracer() {
-    // SAFETY: prctl with integer arguments only; it changes nothing this
-    // process relies on.
-    let _ = unsafe {
-        libc::prctl(
-            libc::PR_SET_PTRACER,
-            libc::PR_SET_PTRACER_ANY as libc::c_ulong,
-            0,
-            0,
-            0,
-        )
-    };
 }

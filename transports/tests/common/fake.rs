@@ -8,7 +8,7 @@ use std::sync::Arc;
 use quiesce_transports::wire::{
     AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, SegmentRef, Status, VERSION,
 };
-use quiesce_transports::Rights;
+use quiesce_transports::{Engine, RemoteSegment, Rights, Token};
 
 use super::{recv_header, send};
 
@@ -135,4 +135,19 @@ pub fn ack_fence(s: &mut TcpStream, h: &Header) {
         ..*h
     };
     send(s, &a, &[]);
+}
+
+/// Segment `kv` at `addr`, opened with `token` by an engine that lives as
+/// long as the process (the runtime's tasks need it).
+pub async fn open(addr: SocketAddr, token: Token) -> RemoteSegment {
+    let e = Engine::bind(super::tcp()).unwrap();
+    let kv = e
+        .connect(addr)
+        .await
+        .unwrap()
+        .open("kv", token)
+        .await
+        .unwrap();
+    std::mem::forget(e);
+    kv
 }
