@@ -325,10 +325,17 @@ impl<R> Drop for Shards<R> {
 }
 
 struct Chan<T> {
-    queue: Mutex<VecDeque<T>>,
+    queue: Mutex<Queue<T>>,
     waker: Mutex<Option<Waker>>,
     senders: AtomicUsize,
-    closed: AtomicBool,
+}
+
+/// The values in flight, and whether the receiver is gone — one lock, so a
+/// value is either refused or queued before the receiver went (which then
+/// drops it), never queued after.
+struct Queue<T> {
+    values: VecDeque<T>,
+    closed: bool,
 }
 
 /// Sends to a shard from any thread.
@@ -344,10 +351,12 @@ pub struct Receiver<T> {
 /// An unbounded channel between shards (or any threads).
 pub fn channel<T: Send>() -> (Sender<T>, Receiver<T>) {
     let chan = Arc::new(Chan {
-        queue: Mutex::new(VecDeque::new()),
+        queue: Mutex::new(Queue {
+            values: VecDeque::new(),
+            closed: false,
+        }),
         waker: Mutex::new(None),
         senders: AtomicUsize::new(1),
-        closed: AtomicBool::new(false),
     });
     (Sender { chan: chan.clone() }, Receiver { chan })
 }
@@ -358,16 +367,16 @@ pub fn channel<T: Send>() -> (Sender<T>, Receiver<T>) {
 pub struct SendError<T>(pub T);
 
 impl<T> Sender<T> {
-    /// Queues `value` and wakes the receiver.
+    /// Queues `value` and wakes the receiver; once the receiver is gone,
+    /// the value comes back.
     pub fn send(&self, value: T) -> Result<(), SendError<T>> {
-        if self.chan.closed.load(Ordering::SeqCst) {
-            return Err(SendError(value));
+        {
+            let mut q = self.chan.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if q.closed {
+                return Err(SendError(value));
+            }
+            q.values.push_back(value);
         }
-        self.chan
-            .queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(value);
         self.wake();
         Ok(())
     }
@@ -429,13 +438,23 @@ impl<T> Receiver<T> {
             .queue
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .values
             .pop_front()
     }
 }
 
 impl<T> Drop for Receiver<T> {
+    /// Refuses every later send, and drops what was left queued now, not
+    /// when the last sender goes: a request's reply channel in it ends its
+    /// requester's wait.
     fn drop(&mut self) {
-        self.chan.closed.store(true, Ordering::SeqCst);
+        let left = {
+            let mut q = self.chan.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.closed = true;
+            std::mem::take(&mut q.values)
+        };
+        // Outside the lock: a value's drop may send on this channel.
+        drop(left);
     }
 }
 

@@ -205,3 +205,67 @@ fn a_shutdown_request_wakes_every_task_waiting_for_it() {
     );
     assert_eq!(asking.join().unwrap(), 1);
 }
+
+/// A value is either refused by `send` (it comes back) or queued before the
+/// receiver went, and a receiver that goes drops what it left queued at
+/// once: nothing waits for the last sender to be dropped (a reply channel
+/// inside a queued request would otherwise keep its requester waiting).
+#[test]
+fn a_dropped_receiver_drops_what_it_left_queued_and_refuses_the_rest() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    struct Counted(Arc<AtomicUsize>);
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    // Left queued: dropped with the receiver, the sender still alive.
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = channel::<Counted>();
+    tx.send(Counted(dropped.clone()))
+        .ok()
+        .expect("the receiver is alive");
+    drop(rx);
+    assert_eq!(
+        dropped.load(Ordering::SeqCst),
+        1,
+        "a value left queued outlived its receiver"
+    );
+    let back = tx.send(Counted(dropped.clone()));
+    assert!(back.is_err(), "a send after the receiver went was taken");
+    drop(back);
+    assert_eq!(dropped.load(Ordering::SeqCst), 2);
+
+    // Racing the drop: once the receiver's drop returned, every value
+    // `send` took is dropped, while its sender lives on.
+    for _ in 0..200 {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = channel::<Counted>();
+        let d = dropped.clone();
+        let sender = std::thread::spawn(move || {
+            let mut taken = 0;
+            loop {
+                match tx.send(Counted(d.clone())) {
+                    Ok(()) => taken += 1,
+                    Err(refused) => {
+                        drop(refused);
+                        return (taken, tx);
+                    }
+                }
+            }
+        });
+        std::thread::yield_now();
+        drop(rx);
+        let (taken, tx) = sender.join().unwrap();
+        // The first refusal is counted too.
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            taken + 1,
+            "a value taken by send outlived the receiver"
+        );
+        drop(tx);
+    }
+}
