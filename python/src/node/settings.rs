@@ -136,17 +136,37 @@ pub(crate) fn spin() -> Duration {
 
 /// Fail-fast, as Mooncake returns at a batch's first failure — but after
 /// fencing the rest, so the -1 is safe. Mooncake's `MC_TRANSFER_TIMEOUT`
-/// (seconds, 5 to 1800; 30 by default) is each batch's deadline, plus its
-/// size ([`Node::options_for`]), so every batch of less than ~1.8 TB has an
-/// outcome within `get_batch_transfer_status`'s hour.
+/// (seconds, at least 5; 30 by default: [`transfer_timeout`]) is each
+/// batch's deadline, plus a nanosecond per byte ([`Node::options_for`]).
 pub(super) fn options() -> BatchOptions {
-    let secs = std::env::var("MC_TRANSFER_TIMEOUT")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(30, |s| s.clamp(5, 1800));
+    let secs = transfer_timeout(std::env::var("MC_TRANSFER_TIMEOUT").ok().as_deref());
     BatchOptions::default()
         .policy(FailurePolicy::FailFast)
         .deadline(Duration::from_secs(secs))
+}
+
+/// Seconds of `MC_TRANSFER_TIMEOUT`'s value `v` (unset: 30), read as
+/// Mooncake reads it — `std::max(5, atoi(v))`: the number the text starts
+/// with (after blanks, with its sign), 0 if none, at least 5, and no upper
+/// bound but an `int`'s (where `atoi` would wrap, the largest).
+fn transfer_timeout(v: Option<&str>) -> u64 {
+    let Some(v) = v else { return 30 };
+    let v = v.trim_start();
+    let (negative, digits) = match v.as_bytes().first() {
+        Some(b'-') => (true, &v[1..]),
+        Some(b'+') => (false, &v[1..]),
+        _ => (false, v),
+    };
+    let end = digits
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(digits.len());
+    let n = match digits[..end].parse::<u64>() {
+        Ok(n) if !negative => n.min(i32::MAX as u64),
+        // Too many digits for any integer: past an int either way.
+        Err(_) if !negative && end > 0 => i32::MAX as u64,
+        _ => 0,
+    };
+    n.max(5)
 }
 
 pub(crate) fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
@@ -174,4 +194,26 @@ pub(crate) fn listen_addr(local_hostname: &str) -> Result<SocketAddr, String> {
         .to_socket_addrs()
         .map_err(|e| format!("cannot resolve {host:?}: {e}"))?;
     quiesce_directory::prefer_ipv4(addrs).ok_or_else(|| format!("{host:?} resolves to no address"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transfer_timeout;
+
+    /// Mooncake's `std::max(5, atoi(MC_TRANSFER_TIMEOUT))`: no upper bound,
+    /// the leading number of the text, 5 for none; 30 s when unset.
+    #[test]
+    fn mc_transfer_timeout_is_read_as_mooncake_reads_it() {
+        assert_eq!(transfer_timeout(None), 30);
+        assert_eq!(transfer_timeout(Some("60")), 60);
+        assert_eq!(transfer_timeout(Some("3600")), 3600, "an hour is an hour");
+        assert_eq!(transfer_timeout(Some("1")), 5);
+        assert_eq!(transfer_timeout(Some("-7")), 5);
+        assert_eq!(transfer_timeout(Some("abc")), 5);
+        assert_eq!(transfer_timeout(Some("")), 5);
+        assert_eq!(transfer_timeout(Some(" 45s")), 45);
+        assert_eq!(transfer_timeout(Some("+90")), 90);
+        // atoi's int: past it, the largest.
+        assert_eq!(transfer_timeout(Some("99999999999999")), i32::MAX as u64);
+    }
 }
