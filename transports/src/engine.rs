@@ -282,6 +282,17 @@ impl Engine {
             .await
     }
 
+    /// Says hello to `addr` on a connection of its own and names the node
+    /// that answered: whether a peer is alive, which an accepted connection
+    /// alone does not say (the kernel accepts for a stopped process too).
+    /// Nothing is proven on it, and it is closed before this returns.
+    pub async fn probe(&self, addr: SocketAddr) -> Result<String, TransferError> {
+        let p = self.connect_control(addr).await?;
+        let node = p.node().to_string();
+        p.close();
+        Ok(node)
+    }
+
     /// A peer with only its control connection (the RDMA engine's control
     /// plane); not shared with [`connect`](Self::connect).
     pub(crate) async fn connect_control(&self, addr: SocketAddr) -> Result<Peer, TransferError> {

@@ -11,7 +11,8 @@ use std::sync::{mpsc, MutexGuard};
 use std::time::Duration;
 
 use quiesce_runtime::spawn_local;
-use quiesce_transports::{ForeignMemory, Token};
+use quiesce_runtime::time::timeout;
+use quiesce_transports::{ForeignMemory, Token, TransferError};
 
 use super::{host, Lent, SegmentBy, SyncEngine, SyncError};
 
@@ -222,6 +223,26 @@ impl SyncEngine {
     /// `get_first_buffer_address`).
     pub fn open_first(&self, peer: SocketAddr, token: Token) -> Result<OpenedSegment, SyncError> {
         self.open_by(peer, SegmentBy::First, token)
+    }
+
+    /// Whether a peer answers at `peer` within `within`: a hello round
+    /// trip on a connection of its own, closed after (nothing is proven on
+    /// it); the node that answered. A connection the kernel accepted for a
+    /// stopped process times out here.
+    pub fn probe(&self, peer: SocketAddr, within: Duration) -> Result<String, SyncError> {
+        self.call(move |st, tx| {
+            let st = st.clone();
+            spawn_local(async move {
+                let r = match timeout(within, st.engine.probe(peer)).await {
+                    Ok(r) => r.map_err(SyncError::from),
+                    Err(_) => Err(SyncError::Transfer(TransferError::handshake(
+                        peer,
+                        format!("no hello ack within {within:?}"),
+                    ))),
+                };
+                let _ = tx.send(r);
+            });
+        })?
     }
 
     /// The name of the node at `peer` (connecting to it if this engine has

@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use quiesce_batch::sync::{Direction, SyncError};
@@ -170,6 +171,27 @@ impl TransferEngine {
                 node.managed.lent_back(buffer_addr);
                 complain(&format!("register_memory {addr:#x}: {e}"))
             }
+        }
+    }
+
+    /// `unregister_memory`, run without the GIL: 0 once nothing touches
+    /// the range, -2 if something still held it after `wait`, -1 if it was
+    /// not registered.
+    pub(super) fn take_back(&self, buffer_addr: usize, wait: Duration) -> i32 {
+        let Some(node) = self.not_ready() else {
+            return SYNC_FAILED;
+        };
+        let id = node.published_id(buffer_addr as u64);
+        match node.unregister(buffer_addr, wait) {
+            Ok(true) => {
+                node.withdrawn(buffer_addr as u64, id);
+                SYNC_OK
+            }
+            Ok(false) => SYNC_UNKNOWN,
+            // (`NotLent`: no record of ours to undo. One there belongs to a
+            // `register_memory` of that address still starting, which
+            // undoes it itself if it fails.)
+            Err(e) => complain(&format!("unregister_memory {buffer_addr:#x}: {e}")),
         }
     }
 

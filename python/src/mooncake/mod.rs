@@ -20,12 +20,14 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use quiesce_batch::sync::Direction;
-use quiesce_batch::{SYNC_FAILED, SYNC_OK, SYNC_UNKNOWN};
+use quiesce_batch::{SYNC_FAILED, SYNC_OK};
 
 use crate::node::{complain, seconds, Node, Progress};
 use crate::opcode::{direction, refuse_notify, TransferOpcode};
 use crate::word::{Word, Words};
 
+/// How long `send_probe` waits for the peer's answer.
+const PROBE_WAIT: Duration = Duration::from_secs(2);
 /// How long `unregister_memory` waits for nothing to hold the range.
 const RECLAIM_WAIT: Duration = Duration::from_secs(30);
 /// How long `get_batch_transfer_status` waits at most: without a limit, as
@@ -93,7 +95,8 @@ impl TransferEngine {
 
     /// `initialize` with Mooncake's explicit `metadata_type`: `"etcd"`
     /// (`metadata_server` is then `host:port` or `etcd://host:port`) or
-    /// `"P2PHANDSHAKE"`.
+    /// `"P2PHANDSHAKE"`; a `metadata_server` of `"P2PHANDSHAKE"` is P2P
+    /// whatever the type, as in Mooncake.
     fn initialize_ext(
         &self,
         py: Python<'_>,
@@ -103,16 +106,22 @@ impl TransferEngine {
         device_name: &str,
         metadata_type: &str,
     ) -> i32 {
-        let server = match metadata_type {
-            "P2PHANDSHAKE" => "P2PHANDSHAKE",
-            "etcd" if metadata_server != "P2PHANDSHAKE" => metadata_server,
-            _ => {
+        // Mooncake's `buildConnString`: a "P2PHANDSHAKE" server is P2P
+        // whatever the type; a server with a scheme keeps it; a bare one
+        // takes the type's ("etcd://host:port"). (The type "P2PHANDSHAKE"
+        // with another server, which Mooncake would make a URL of, is P2P.)
+        let server = match (metadata_type, metadata_server) {
+            (_, "P2PHANDSHAKE") => "P2PHANDSHAKE".to_string(),
+            (_, s) if s.contains("://") => s.to_string(),
+            ("P2PHANDSHAKE", _) => "P2PHANDSHAKE".to_string(),
+            ("etcd", s) => format!("etcd://{s}"),
+            (t, s) => {
                 return complain(&format!(
-                    "initialize_ext: metadata type {metadata_type:?} with server {metadata_server:?}: \"etcd\" and \"P2PHANDSHAKE\" are supported"
+                    "initialize_ext: metadata type {t:?} with server {s:?}: \"etcd\" and \"P2PHANDSHAKE\" are supported"
                 ))
             }
         };
-        self.start(py, local_hostname, server, protocol, device_name)
+        self.start(py, local_hostname, &server, protocol, device_name)
     }
 
     /// The port peers reach this engine on (its session name is
@@ -144,25 +153,14 @@ impl TransferEngine {
     /// 0: nothing touches it any more; -1: not registered; -2: something
     /// still held it after 30 s (do not free it; call again).
     fn unregister_memory(&self, py: Python<'_>, buffer_addr: usize) -> i32 {
-        let Some(node) = self.not_ready() else {
-            return SYNC_FAILED;
-        };
-        let id = node.published_id(buffer_addr as u64);
-        match py.detach(|| node.unregister(buffer_addr, RECLAIM_WAIT)) {
-            Ok(true) => {
-                node.withdrawn(buffer_addr as u64, id);
-                SYNC_OK
-            }
-            Ok(false) => SYNC_UNKNOWN,
-            // (`NotLent`: no record of ours to undo. One there belongs to a
-            // `register_memory` of that address still starting, which
-            // undoes it itself if it fails.)
-            Err(e) => complain(&format!("unregister_memory {buffer_addr:#x}: {e}")),
-        }
+        py.detach(|| self.take_back(buffer_addr, RECLAIM_WAIT))
     }
 
-    /// `register_memory` for each pair; 0 if every one succeeded, else -1
-    /// (the others stay registered).
+    /// `register_memory` for each pair, all or nothing, as Mooncake's: 0 if
+    /// every one succeeded; else -1 (the same range twice included), and
+    /// those this call registered are taken back — or -2 if one of them
+    /// could not be in 30 s (a peer holds it: do not free it; unregister
+    /// it again).
     #[pyo3(signature = (buffer_addresses, capacities, location = "*"))]
     fn batch_register_memory(
         &self,
@@ -176,12 +174,17 @@ impl TransferEngine {
             return complain("batch_register_memory: addresses and capacities differ in count");
         }
         py.detach(|| {
-            let codes: Vec<i32> = buffer_addresses
-                .iter()
-                .zip(&capacities)
-                .map(|(&a, &c)| self.lend_range(a, c))
-                .collect();
-            codes.into_iter().min().unwrap_or(SYNC_OK)
+            for (i, (&a, &c)) in buffer_addresses.iter().zip(&capacities).enumerate() {
+                let code = self.lend_range(a, c);
+                if code != SYNC_OK {
+                    let undone = buffer_addresses[..i]
+                        .iter()
+                        .rev()
+                        .map(|&r| self.take_back(r, RECLAIM_WAIT));
+                    return undone.fold(code, i32::min);
+                }
+            }
+            SYNC_OK
         })
     }
 
@@ -372,8 +375,9 @@ impl TransferEngine {
         py.detach(|| node.wait_all(&batch_ids, STATUS_WAIT))
     }
 
-    /// Starts one write and returns its id (-1: it could not start); poll
-    /// it with `transfer_check_status`.
+    /// Starts one write and returns its id, or 0 if it could not start
+    /// (Mooncake's sentinel: its ids are unsigned); poll it with
+    /// `transfer_check_status`.
     #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
     fn transfer_submit_write(
         &self,
@@ -383,13 +387,10 @@ impl TransferEngine {
         peer_buffer_address: Word,
         length: Word,
         transport_hint: &str,
-    ) -> i64 {
+    ) -> u64 {
         let _ = transport_hint;
         let (b, a, l) = ([buffer.0], [peer_buffer_address.0], [length.0]);
-        match self.submit(py, target_hostname, Direction::Write, &b, &a, &l) {
-            0 => -1,
-            id => id as i64,
-        }
+        self.submit(py, target_hostname, Direction::Write, &b, &a, &l)
     }
 
     /// Mooncake's codes: 1 completed, 0 still running, -1 failed (nothing
@@ -493,8 +494,11 @@ impl TransferEngine {
     }
 
     /// Whether the peer `peer_server_name` — a session name, found as a
-    /// transfer finds it (`"host:port"`, or a name in etcd) — accepts a
-    /// connection within 2 s: 0 if so, -1 otherwise.
+    /// transfer finds it (`"host:port"`, or a name in etcd) — answers a
+    /// hello within 2 s (a connection of its own, closed after; before
+    /// `initialize`, whether it accepts a connection): 0 if so, -1
+    /// otherwise. As Mooncake's probe, an answer is needed: the kernel
+    /// accepts connections for a stopped process too.
     fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i32 {
         let node = self.node();
         py.detach(|| {
@@ -511,8 +515,18 @@ impl TransferEngine {
                 Ok(a) => a,
                 Err(e) => return complain(&format!("send_probe: {e}")),
             };
-            match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
-                Ok(_) => SYNC_OK,
+            let answered = match &node {
+                Some(node) => node
+                    .engine()
+                    .probe(addr, PROBE_WAIT)
+                    .map(drop)
+                    .map_err(|e| e.to_string()),
+                None => TcpStream::connect_timeout(&addr, PROBE_WAIT)
+                    .map(drop)
+                    .map_err(|e| e.to_string()),
+            };
+            match answered {
+                Ok(()) => SYNC_OK,
                 Err(e) => complain(&format!("send_probe {peer_server_name} ({addr}): {e}")),
             }
         })
