@@ -197,14 +197,13 @@ impl<T> Future for Harness<T> {
 
 impl<T> Drop for Harness<T> {
     fn drop(&mut self) {
-        if self.fut.take().is_some() {
-            // Dropped by a shutting-down runtime before it finished.
-            let mut st = self.state.borrow_mut();
-            st.output = Some(Err(JoinError::Cancelled));
-            if let Some(w) = st.waiter.take() {
-                drop(st);
-                w.wake();
-            }
+        if self.fut.is_some() {
+            // Dropped by a shutting-down runtime before it finished: as an
+            // abort, the future's own drop may panic, and that panic is the
+            // task's (its handle's answer). Out of here it would cut the
+            // shutdown short before its drain, or abort a runtime dropped
+            // while unwinding.
+            self.finish(Err(JoinError::Cancelled));
         }
     }
 }

@@ -433,3 +433,56 @@ fn a_waker_that_panics_during_the_shutdown_drain_does_not_escape_it() {
     );
     drop(op);
 }
+
+/// A task whose future panics when dropped, still pending when its runtime
+/// shuts down, beside a receive in flight: the shutdown completes, drains
+/// the receive and says so, and the task's handle gets the panic. The
+/// panic came out of `shutdown` before the drain (and would have aborted a
+/// runtime dropped while unwinding), leaving the receive's ring running.
+#[test]
+fn a_task_that_panics_when_the_shutdown_drops_it_does_not_cut_the_drain() {
+    struct PanicsOnDrop;
+    impl std::future::Future for PanicsOnDrop {
+        type Output = ();
+        fn poll(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<()> {
+            std::task::Poll::Pending
+        }
+    }
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("a pending future that panics when dropped");
+        }
+    }
+    let rt = rt();
+    let (_a, b) = rt.block_on(pair());
+    let mut op = Box::pin(b.read(vec![0u8; 8]));
+    let w = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(w);
+    assert!(std::future::Future::poll(op.as_mut(), &mut cx).is_pending());
+    let mut handle = rt.spawn_local(PanicsOnDrop);
+    rt.block_on(yield_now());
+    let shut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.shutdown()));
+    assert!(
+        matches!(shut, Ok(Ok(()))),
+        "the shutdown did not complete: {shut:?}"
+    );
+    // The receive was cancelled and reaped by the drain.
+    match std::future::Future::poll(op.as_mut(), &mut cx) {
+        std::task::Poll::Ready((r, _)) => assert!(r.is_err(), "{r:?}"),
+        std::task::Poll::Pending => panic!("the receive was left in flight"),
+    }
+    // The handle says how the task ended.
+    match std::future::Future::poll(std::pin::Pin::new(&mut handle), &mut cx) {
+        std::task::Poll::Ready(Err(quiesce_runtime::JoinError::Panicked(p))) => assert_eq!(
+            p.downcast_ref::<&str>(),
+            Some(&"a pending future that panics when dropped")
+        ),
+        other => panic!(
+            "the handle answered {:?}",
+            other.map(|r| r.map_err(|e| format!("{e:?}")))
+        ),
+    }
+}
