@@ -1,4 +1,5 @@
-//! `DriverKind::Auto` falls back to epoll when io_uring is blocked, and says why.
+//! How a runtime is built: `DriverKind::Auto` falls back to epoll when io_uring is
+//! blocked, and says why; sizes past what the kernel takes are clamped.
 
 use quiesce_runtime::{BuildError, DriverKind, Runtime};
 
@@ -100,4 +101,37 @@ fn a_bad_quiesce_driver_value_is_a_typed_error() {
         Err(e) => panic!("wrong error: {e}"),
         Ok(_) => panic!("must refuse"),
     }
+}
+
+/// `entries(u32::MAX)`: the kernel clamps the ring (`setup_clamp`), and so
+/// must the driver's table of ops, sized from it. It was sized from the
+/// number asked for (4.3 billion slots, ~170 GB): the allocation failed and
+/// the process aborted. Run in a child process, which an abort kills.
+#[test]
+fn a_ring_size_past_the_kernels_is_clamped_not_an_abort() {
+    const CHILD: &str = "QUIESCE_TEST_HUGE_RING_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let rt = Runtime::builder()
+            .driver(DriverKind::IoUring)
+            .entries(u32::MAX)
+            .build()
+            .expect("a clamped ring");
+        rt.block_on(quiesce_runtime::yield_now());
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_ring_size_past_the_kernels_is_clamped_not_an_abort",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the child died: {:?}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -136,10 +136,13 @@ impl Uring {
                 "io_uring lacks IORING_FEAT_NODROP or IORING_FEAT_EXT_ARG (kernel older than 5.11)",
             ));
         }
+        // As many op slots as the ring the kernel gave (it clamps what was
+        // asked for): more ops grow the slab.
+        let slots = ring.params().sq_entries() as usize;
         Ok(Uring {
             ring: ManuallyDrop::new(ring),
             leaked: false,
-            ops: Slab::with_capacity(cfg.entries as usize),
+            ops: Slab::with_capacity(slots),
             unsubmitted: 0,
             defer_taskrun: cfg.defer_taskrun,
             sqpoll: cfg.sqpoll_idle.is_some(),
