@@ -406,3 +406,45 @@ fn waiters_that_gave_up_on_an_idle_fd_do_not_pile_up() {
         );
     });
 }
+
+/// `SO_LINGER` set past an `int` of seconds lingers as long as the kernel
+/// can, never not at all: a `LONGEST_WAIT` (2^32 s) was cut to 0, which
+/// turns a close into a reset that drops unsent data.
+#[test]
+fn a_linger_past_an_int_of_seconds_is_the_longest_not_zero() {
+    use std::os::fd::AsRawFd;
+    let rt = rt();
+    rt.block_on(async {
+        let (a, _b) = pair().await;
+        let read_back = |a: &quiesce_runtime::net::TcpStream| {
+            let mut l = libc::linger {
+                l_onoff: 0,
+                l_linger: 0,
+            };
+            let mut n = std::mem::size_of::<libc::linger>() as libc::socklen_t;
+            // SAFETY: `l` and `n` are live and `n` is `l`'s size.
+            let r = unsafe {
+                libc::getsockopt(
+                    a.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&mut l as *mut libc::linger).cast(),
+                    &mut n,
+                )
+            };
+            assert_eq!(r, 0);
+            (l.l_onoff, l.l_linger)
+        };
+        a.set_linger(Some(Duration::from_secs(7))).unwrap();
+        assert_eq!(read_back(&a), (1, 7));
+        for long in [
+            quiesce_runtime::time::LONGEST_WAIT,
+            Duration::from_secs((1 << 32) + 5),
+        ] {
+            a.set_linger(Some(long)).unwrap();
+            assert_eq!(read_back(&a), (1, i32::MAX), "{long:?}");
+        }
+        a.set_linger(None).unwrap();
+        assert_eq!(read_back(&a).0, 0);
+    });
+}

@@ -143,11 +143,13 @@ pub(crate) fn pin_to_core(core: usize) -> io::Result<()> {
     set_affinity(&set)
 }
 
-/// Sets `SO_LINGER` on a socket.
+/// Sets `SO_LINGER` on a socket; a time past an `int` of seconds is the
+/// longest one (cut to its low bits it could be 0, a reset).
 pub(crate) fn set_linger(fd: &impl AsRawFd, linger: Option<std::time::Duration>) -> io::Result<()> {
+    let secs = |d: std::time::Duration| d.as_secs().min(libc::c_int::MAX as u64) as libc::c_int;
     let l = libc::linger {
         l_onoff: linger.is_some() as libc::c_int,
-        l_linger: linger.map(|d| d.as_secs() as libc::c_int).unwrap_or(0),
+        l_linger: linger.map_or(0, secs),
     };
     // SAFETY: `l` is a live linger struct and its size is passed.
     cvt(unsafe {
