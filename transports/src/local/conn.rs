@@ -30,7 +30,8 @@ impl Conn {
     /// Attaches the connection to this process for the local transport:
     /// the target checks that we hold the connection and that it can read
     /// our memory (our copy of its nonce); we check that the process it
-    /// names holds the other end. Returns that process.
+    /// names holds the other end and may write our memory (it runs as our
+    /// user, or root). Returns that process.
     pub(crate) async fn attach_local(&self) -> Result<PeerProcess, TransferError> {
         let (local, remote) = (self.stream.local_addr()?, self.stream.peer_addr()?);
         if !(local.ip() == remote.ip() || local.ip().is_loopback() && remote.ip().is_loopback()) {
@@ -61,6 +62,12 @@ impl Conn {
             ));
         }
         let process = PeerProcess::open(pid)?;
+        // (After the pidfd: the pid cannot be another process's by now.)
+        // Its answers say it copied into this process's memory: a process
+        // that cannot would have a read's spare capacity marked filled.
+        if !owner::may_write_here(pid)? {
+            return Err(refused("the target's process runs as another user"));
+        }
         self.local.set(true);
         Ok(process)
     }

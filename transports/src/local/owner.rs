@@ -56,6 +56,27 @@ pub(crate) fn refuses_user(pid: u32) -> io::Result<Option<&'static str>> {
     Ok(None)
 }
 
+/// Whether process `pid` may write this process's memory, as a target's
+/// answers to an attached initiator claim it did: it runs as this
+/// process's own user (every one of its user ids), or as root. A process
+/// of another user cannot, so what it says it copied never was; an
+/// initiator attaches to none.
+pub(crate) fn may_write_here(pid: u32) -> io::Result<bool> {
+    // SAFETY: geteuid has no preconditions.
+    let me = u64::from(unsafe { libc::geteuid() });
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let uids: Vec<u64> = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .map(|v| {
+            v.split_whitespace()
+                .filter_map(|n| n.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(uids.len() == 4 && (uids.iter().all(|&u| u == me) || uids.iter().all(|&u| u == 0)))
+}
+
 /// True if process `pid` holds the socket whose local end is `local` and
 /// whose remote end is `remote`.
 pub(crate) fn holds_socket(pid: u32, local: SocketAddr, remote: SocketAddr) -> io::Result<bool> {

@@ -87,3 +87,113 @@ fn counters_a_target_wrote_before_the_first_request_neither_panic_nor_hang() {
         });
     }
 }
+
+/// Forks a child that holds this process's sockets and turns into user
+/// `nobody`; returns once it has.
+fn fork_as_nobody() -> libc::pid_t {
+    // SAFETY: the child calls only async-signal-safe functions.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0);
+    if child == 0 {
+        // SAFETY: async-signal-safe calls in the forked child.
+        unsafe {
+            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                libc::_exit(1);
+            }
+            loop {
+                libc::pause();
+            }
+        }
+    }
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_to_string(format!("/proc/{child}/status"))
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("65534"))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the child never changed user"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child
+}
+
+/// A target whose connection is held by a process of another user is not
+/// attached to: that process cannot write this one's memory, so its `Ok` to
+/// a local read would mark bytes nobody wrote as read — undefined behaviour
+/// for a `Vec`'s spare capacity, stale heap handed out as data. (The check
+/// that the named process holds the connection passed, and the initiator
+/// took the target's word for the rest.) `Required` fails such a
+/// connection; the read never answers `Ok`.
+#[test]
+fn a_target_of_another_user_is_not_attached_to() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a process as another user");
+        return;
+    }
+    let children = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let forked = children.clone();
+    let addr = fake_target("another-user", move |mut s, addr| {
+        while let Some(h) = recv_header(&mut s) {
+            let Some(p) = payload(&mut s, &h) else { return };
+            let answer_len = |s: &mut std::net::TcpStream, length: u64| {
+                let a = Header {
+                    op: Opcode::Status,
+                    flags: Status::Ok as u8,
+                    length,
+                    ..h
+                };
+                send(s, &a, &[]);
+            };
+            match h.op {
+                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
+                // A child of `nobody` holds this end of the connection.
+                Opcode::LocalAttach => {
+                    let child = fork_as_nobody();
+                    forked.lock().unwrap().push(child);
+                    answer_len(&mut s, child as u64);
+                }
+                // "Read": nothing was written.
+                Opcode::ReadLocal => answer_len(&mut s, h.length),
+                _ => {}
+            }
+        }
+    });
+    let out = Runtime::new().unwrap().block_on(async {
+        // One data connection: one attach, one process holding it.
+        let e = Engine::bind(EngineConfig {
+            local: LocalMode::Required,
+            mailbox: false,
+            connections_per_peer: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        let peer = match e.connect(addr).await {
+            Ok(p) => p,
+            Err(e) => return Err(e),
+        };
+        let kv = match peer.open("kv", quiesce_transports::Token::random()).await {
+            Ok(kv) => kv,
+            Err(e) => return Err(e),
+        };
+        let read = kv.read(0, 4096, Vec::<u8>::with_capacity(4096), 1);
+        match quiesce_runtime::time::timeout(Duration::from_secs(5), read).await {
+            Ok((r, buf)) => r.map(|n| (n, buf.len())),
+            Err(_) => Ok((0, usize::MAX)), // no answer in 5 s: attached, and stuck
+        }
+    });
+    for child in children.lock().unwrap().drain(..) {
+        // SAFETY: kills and reaps a child forked above.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+    }
+    assert!(
+        out.is_err(),
+        "a target of another user attached, and its read answered {out:?}"
+    );
+}
