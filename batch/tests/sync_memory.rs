@@ -11,7 +11,9 @@ use std::time::Duration;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{Direction, SyncEngine, SyncError, SyncTask};
 use quiesce_batch::{BatchOptions, SYNC_OK};
-use quiesce_transports::wire::{AuthRequest, Header, Hello, HelloAck, Opcode, SegmentRef, VERSION};
+use quiesce_transports::wire::{
+    AuthRequest, GrantReceipt, Header, Hello, HelloAck, Opcode, SegmentRef, VERSION,
+};
 use quiesce_transports::{EngineConfig, Token};
 
 const LEN: usize = 1 << 20;
@@ -262,7 +264,7 @@ fn authed(addr: std::net::SocketAddr, token: Token, base: u64) -> TcpStream {
     let proof = token.prove(&ack.nonce, &nonce, ack.session, &seg);
     let auth = AuthRequest {
         join: [0; 32],
-        proofs: vec![(seg, proof)],
+        proofs: vec![(seg, proof, GrantReceipt::NONE)],
     }
     .encode()
     .unwrap();

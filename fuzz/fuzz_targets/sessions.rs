@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use quiesce_transports::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, SegmentRef, Status, HEADER_LEN, VERSION,
+    AuthAck, AuthRequest, GrantReceipt, Header, Hello, HelloAck, Opcode, SegmentRef, Status,
+    HEADER_LEN, VERSION,
 };
 use quiesce_transports::{Rights, Token};
 
@@ -236,7 +237,7 @@ fn seg_id(t: &Target, s: Seg) -> u64 {
 fn auth(c: &mut Conn, tally: &mut Tally, seg: SegmentRef, proof: [u8; 32], join: [u8; 32]) {
     let p = AuthRequest {
         join,
-        proofs: vec![(seg, proof)],
+        proofs: vec![(seg, proof, GrantReceipt::NONE)],
     }
     .encode()
     .unwrap();

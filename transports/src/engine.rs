@@ -10,7 +10,7 @@ use std::rc::Rc;
 use quiesce_runtime::net::TcpListener;
 
 use crate::config::EngineConfig;
-use crate::control::auth::Token;
+use crate::control::auth::{GrantKey, Token};
 use crate::control::fence::FenceTable;
 use crate::control::log_limit::PeerLogs;
 use crate::control::target::{Counters, Target};
@@ -177,6 +177,7 @@ impl Engine {
             counters: Counters::default(),
             qp_plane: RefCell::default(),
             peer_logs: PeerLogs::default(),
+            grant_key: GrantKey::random(),
             refused_proofs: RefCell::default(),
         });
         let peers = Rc::new(RefCell::new(HashMap::new()));

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use quiesce_runtime::Runtime;
-use quiesce_transports::wire::{Header, Opcode, Status};
+use quiesce_transports::wire::{GrantReceipt, Header, Opcode, SegmentRef, Status};
 use quiesce_transports::{Engine, RevokeError, Rights, TransferError};
 
 const LEN: usize = 1 << 20;
@@ -130,10 +130,34 @@ fn a_connection_that_proves_the_token_again_writes_under_the_new_grant() {
         &[2u8; 16],
     );
     assert_eq!(c.recv().unwrap().status().unwrap(), Status::Ok);
-    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    // A proof that names no newer grant than the connection holds regrants
+    // nothing (it could have been sent before the revoke); its answer
+    // carries the receipt of the grant now.
+    let ack = c.auth(kv.id, kv.token);
+    assert_eq!(ack.results[0].0, Status::Ok);
+    let grant = ack.results[0].1.as_ref().unwrap().grant;
+    assert_eq!(grant.epoch, 1, "the revoke's epoch");
     c.send(&write_header(kv.id, 3, 16), &[3u8; 16]);
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::Revoked);
+    // A receipt the target did not issue is no grant either.
+    let forged = GrantReceipt {
+        epoch: 1,
+        tag: [0x5a; 16],
+    };
+    let ack = c.auth_granted(SegmentRef::Id(kv.id), kv.token, forged);
+    assert_eq!(
+        ack.results[0].0,
+        Status::Ok,
+        "the token is proven all the same"
+    );
+    c.send(&write_header(kv.id, 4, 16), &[4u8; 16]);
+    assert_eq!(c.recv().unwrap().status().unwrap(), Status::Revoked);
+    // Naming the receipt, sent after the revoke, writes under the new grant.
+    let ack = c.auth_granted(SegmentRef::Id(kv.id), kv.token, grant);
+    assert_eq!(ack.results[0].0, Status::Ok);
+    c.send(&write_header(kv.id, 5, 16), &[5u8; 16]);
     assert_eq!(c.recv().unwrap().status().unwrap(), Status::Ok);
-    assert_eq!(t.snapshot("kv", 0, 16), vec![3u8; 16]);
+    assert_eq!(t.snapshot("kv", 0, 16), vec![5u8; 16]);
 }
 
 #[test]
@@ -243,4 +267,72 @@ fn a_revoke_reaches_writes_through_every_overlapping_segment() {
         engine.shutdown();
     });
     drop(owned);
+}
+
+/// Reads the payload of a frame whose header `h` was just read.
+fn payload(c: &mut RawClient, h: &Header) -> Vec<u8> {
+    use std::io::Read;
+    let mut b = vec![0u8; h.length as usize];
+    c.s.read_exact(&mut b).unwrap();
+    b
+}
+
+/// An `Auth` proving the token again, queued in the target's socket with a
+/// write behind it before the revoke was called, regrants nothing: it may
+/// have been sent before the revoke too, and so may the write. (The target
+/// stamped the connection with the epoch current when it *read* the proof —
+/// after the revoke — and the write landed in the revoked range.)
+#[test]
+fn a_proof_queued_before_the_revoke_does_not_regrant_the_writes_behind_it() {
+    use std::sync::mpsc;
+    let rt = Runtime::new().unwrap();
+    let e = rt.block_on(async { Engine::bind(tcp()).unwrap() });
+    let kv = e
+        .register("kv", vec![0u8; 4096], Rights::READ | Rights::WRITE)
+        .unwrap();
+    let (addr, id, token) = (e.local_addr(), kv.id(), kv.token());
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let (sent_tx, sent_rx) = mpsc::channel();
+    let client = std::thread::spawn(move || {
+        let mut c = RawClient::connect(addr);
+        assert_eq!(c.auth_status(id, token), Status::Ok);
+        ready_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        // The proof and a write behind it, in one send.
+        let mut frames = c.auth_frame(&[(SegmentRef::Id(id), token)]);
+        frames.extend_from_slice(&write_header(id, 1, 8).encode());
+        frames.extend_from_slice(&[0xAA; 8]);
+        c.s.write_all(&frames).unwrap();
+        sent_tx.send(()).unwrap();
+        let h = c.recv().expect("the proof's answer");
+        assert_eq!(h.op, Opcode::AuthAck);
+        payload(&mut c, &h);
+        c.recv().expect("the write's answer")
+    });
+    // The runtime turns while the client connects and proves the token.
+    rt.block_on(async {
+        while ready_rx.try_recv().is_err() {
+            quiesce_runtime::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    // Now it does not: the frames wait in the target's socket, unread.
+    go_tx.send(()).unwrap();
+    sent_rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    rt.block_on(kv.revoke(0..8)).expect("the revoke resolves");
+    rt.block_on(async {
+        while !client.is_finished() {
+            quiesce_runtime::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    let answer = client.join().unwrap();
+    let mut landed = [0u8; 8];
+    assert!(kv.read_at(0, &mut landed));
+    assert_eq!(
+        landed, [0u8; 8],
+        "a write sent before the revoke landed after it"
+    );
+    assert_eq!(answer.status().unwrap(), Status::Revoked, "{answer:?}");
+    rt.block_on(async { e.shutdown() });
 }

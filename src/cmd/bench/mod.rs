@@ -68,13 +68,13 @@ pub fn auth_frame(
     nonce: [u8; 16],
     segs: &[&SegInfo],
 ) -> Vec<u8> {
-    use quiesce::transports::wire::{AuthRequest, Header, Opcode, SegmentRef};
+    use quiesce::transports::wire::{AuthRequest, GrantReceipt, Header, Opcode, SegmentRef};
     let proofs = segs
         .iter()
         .map(|s| {
             let seg = SegmentRef::Id(s.id);
             let proof = s.token.prove(&ack.nonce, &nonce, ack.session, &seg);
-            (seg, proof)
+            (seg, proof, GrantReceipt::NONE)
         })
         .collect();
     let auth = AuthRequest {

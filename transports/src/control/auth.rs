@@ -14,12 +14,13 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
 
-use crate::control::wire::SegmentRef;
+use crate::control::wire::{GrantReceipt, SegmentRef};
 
 type HmacSha256 = Hmac<Sha256>;
 
 const DOMAIN: &[u8] = b"quiesce-auth-v2";
 const JOIN_DOMAIN: &[u8] = b"quiesce-join-v1";
+const GRANT_DOMAIN: &[u8] = b"quiesce-grant-v1";
 
 /// Fills `out` from the kernel's CSPRNG (`getrandom(2)`: no file
 /// descriptor, so a process at its `RLIMIT_NOFILE` still gets its bytes).
@@ -180,6 +181,39 @@ impl SessionKey {
                 &session.to_le_bytes(),
             ],
         )
+    }
+}
+
+/// The target's key for grant receipts ([`GrantReceipt`]): random per
+/// engine, never sent. A receipt's tag is the first 128 bits of
+/// HMAC-SHA256(key, "quiesce-grant-v1" ‖ segment id ‖ epoch).
+pub(crate) struct GrantKey([u8; 32]);
+
+impl GrantKey {
+    /// A fresh random key.
+    pub(crate) fn random() -> GrantKey {
+        let mut k = [0u8; 32];
+        random_bytes(&mut k);
+        GrantKey(k)
+    }
+
+    /// The receipt for `segment`'s grant `epoch` (epoch 0 needs none).
+    pub(crate) fn receipt(&self, segment: u64, epoch: u64) -> GrantReceipt {
+        if epoch == 0 {
+            return GrantReceipt::NONE;
+        }
+        let mac = keyed(
+            &self.0,
+            &[GRANT_DOMAIN, &segment.to_le_bytes(), &epoch.to_le_bytes()],
+        );
+        let mut tag = [0u8; 16];
+        tag.copy_from_slice(&mac.finalize().into_bytes()[..16]);
+        GrantReceipt { epoch, tag }
+    }
+
+    /// Whether `r` is this key's receipt for `segment` (in constant time).
+    pub(crate) fn issued(&self, segment: u64, r: &GrantReceipt) -> bool {
+        self.receipt(segment, r.epoch).tag.ct_eq(&r.tag).into()
     }
 }
 

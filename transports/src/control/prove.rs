@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use crate::control::frame::send_frame;
 use crate::control::server::{peer_name, reject, Closed, ServedConn, SessionEntry};
 use crate::control::wire::{
-    AuthAck, AuthRequest, Descriptor, Header, Opcode, SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD,
+    AuthAck, AuthRequest, Descriptor, GrantReceipt, Header, Opcode, SegmentRef, Status,
+    MAX_HANDSHAKE_PAYLOAD,
 };
 use crate::segment::Segment;
 
@@ -96,7 +97,7 @@ impl ServedConn<'_> {
         let firsts = req
             .proofs
             .iter()
-            .filter(|(r, _)| matches!(r, SegmentRef::First));
+            .filter(|(r, ..)| matches!(r, SegmentRef::First));
         if firsts.count() > 1 {
             let why = "more than one First proof in one Auth".into();
             return Err(reject(self.s, h, Status::BadFrame, why).await);
@@ -118,12 +119,13 @@ impl ServedConn<'_> {
                 .await);
             }
         }
-        // The HMACs one Auth may cost: two per proof, and one First's pass
-        // over every segment. Proofs by address try every segment holding
-        // the address, so a frame of many into overlapping segments could
-        // cost more: past the budget it is a bad frame.
+        // The HMACs one Auth may cost: two per proof and one per grant
+        // receipt it names, and one First's pass over every segment. Proofs
+        // by address try every segment holding the address, so a frame of
+        // many into overlapping segments could cost more: past the budget
+        // it is a bad frame.
         let segments = self.engine.segments.borrow().len();
-        let budget = 2 * req.proofs.len() + segments + 1;
+        let budget = 3 * req.proofs.len() + segments + 1;
         let now = Instant::now();
         let target_budget = TARGET_REFUSED_BUDGETS * refused_first_budget(segments);
         // The target's budget spent (a flood of refusals, perhaps over many
@@ -140,7 +142,7 @@ impl ServedConn<'_> {
         let results = req
             .proofs
             .iter()
-            .map(|(seg_ref, proof)| {
+            .map(|(seg_ref, proof, grant)| {
                 if work.get() > budget {
                     return (Status::BadFrame, None);
                 }
@@ -148,7 +150,7 @@ impl ServedConn<'_> {
                     return (Status::Forbidden, None);
                 }
                 let before = work.get();
-                let answer = self.answer(seg_ref, proof, &work);
+                let answer = self.answer(seg_ref, proof, grant, &work);
                 if answer.0 != Status::Ok {
                     let spent = work.get() - before;
                     refused_work.set(refused_work.get() + spent);
@@ -217,10 +219,19 @@ impl ServedConn<'_> {
 
     /// One proof's answer: its segment opened, or refused. `work` counts
     /// the HMACs it took.
+    ///
+    /// A proof opened is granted the epoch its receipt names, if the target
+    /// issued that receipt (else the first, epoch 0), and never less than
+    /// the connection held: not the epoch current when the target reads
+    /// it. The proof — and every write behind it — may have been sent
+    /// before a revoke the target made before reading it; a receipt of the
+    /// revoke's epoch was sent after that revoke, so a proof naming it was
+    /// too (PROTOCOL.md §5.1).
     fn answer(
         &mut self,
         seg_ref: &SegmentRef,
         proof: &[u8; 32],
+        grant: &GrantReceipt,
         work: &Cell<usize>,
     ) -> (Status, Option<Descriptor>) {
         // Segments may share a token (a Mooncake-style node derives
@@ -254,7 +265,14 @@ impl ServedConn<'_> {
         };
         match seg {
             Some(seg) if verify(&seg.token()) => {
-                self.authorised.insert(seg.id(), seg.inner.grants.current());
+                let issued = grant.epoch <= seg.inner.grants.current()
+                    && (grant.epoch == 0 || {
+                        work.set(work.get() + 1);
+                        self.engine.grant_key.issued(seg.id(), grant)
+                    });
+                let named = if issued { grant.epoch } else { 0 };
+                let held = self.authorised.get(&seg.id()).copied().unwrap_or(0);
+                self.authorised.insert(seg.id(), held.max(named));
                 self.census.authenticated();
                 (Status::Ok, Some(self.engine.descriptor(&seg)))
             }

@@ -1,10 +1,14 @@
 //! Target-side revoke: the owner of a segment takes a range back.
 //!
 //! Every segment has a *grant epoch*. A connection that proves the segment's
-//! token is stamped with the epoch current at that moment. `revoke(range)`
+//! token holds the epoch its proof named with a receipt this target issued
+//! (else 0; never less than it held): a receipt of an epoch is sent only
+//! after the revoke that made it, so a proof naming it was sent after that
+//! revoke too — where the epoch current when the target *reads* a proof
+//! says nothing of when it was sent (PROTOCOL.md §5.1). `revoke(range)`
 //! advances the epoch and records `(range, epoch)`; from then on a write into
-//! that range is refused (`Status::Revoked`) unless its connection proved the
-//! token after the revoke — "issued under the new grant". Writes of older
+//! that range is refused (`Status::Revoked`) unless its connection holds
+//! that epoch or a later one — "issued under the new grant". Writes of older
 //! grants that are landing in the range right now have their receive
 //! cancelled, and `revoke` resolves only once each of them has stopped (its
 //! receive reaped). So once it resolves, no byte of any write accepted,
@@ -18,8 +22,8 @@
 //! there is also *re-keyed*: its memory region in every connection's
 //! protection domain is deregistered, after which the NIC refuses every old
 //! remote key (a write in flight with one stops at the next packet). A
-//! connection that proves the token after the revoke gets a new region, and
-//! its key, at its next `QpConnect`; older grants get none. So a revoke of any
+//! connection granted the revoke's epoch gets a new region, and its key, at
+//! its next `QpConnect`; older grants get none. So a revoke of any
 //! range re-keys the whole segment for RDMA peers.
 
 use std::cell::{Cell, RefCell};
@@ -145,7 +149,7 @@ fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
 }
 
 impl Grants {
-    /// The epoch a connection proving the token now is granted.
+    /// The segment's epoch now: what a receipt sent now names.
     pub(crate) fn current(&self) -> u64 {
         self.epoch.get()
     }

@@ -12,7 +12,7 @@ use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::JoinHandle;
 
 use crate::config::EngineConfig;
-use crate::control::auth::{random_u64, SessionKey};
+use crate::control::auth::{random_u64, GrantKey, SessionKey};
 use crate::control::fence::FenceTable;
 use crate::control::log_limit::PeerLogs;
 use crate::control::registered::Registered;
@@ -57,6 +57,8 @@ pub(crate) struct Target {
     pub(crate) qp_plane: RefCell<Option<Rc<dyn crate::control::QpPlane>>>,
     /// What peers can make the target log, limited (`log_limit.rs`).
     pub(crate) peer_logs: PeerLogs,
+    /// Tags the grant receipts peers name in their proofs.
+    pub(crate) grant_key: GrantKey,
     /// HMACs spent on refused proofs over every connection: past
     /// [`TARGET_REFUSED_BUDGETS`](crate::control::prove::TARGET_REFUSED_BUDGETS)
     /// connections' `First` budgets, `First` proofs are refused unchecked
@@ -119,6 +121,7 @@ impl Target {
             base: s.base(),
             rights: s.rights(),
             endpoints: vec![self.local_addr],
+            grant: self.grant_key.receipt(s.id(), s.inner.grants.current()),
         }
     }
 

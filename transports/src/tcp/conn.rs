@@ -20,8 +20,8 @@ use quiesce_runtime::time::timeout;
 use crate::control::auth::{random_bytes, SessionKey, Token};
 use crate::control::frame::{read_header, read_payload, send_frame};
 use crate::control::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, SegmentRef,
-    MAX_HANDSHAKE_PAYLOAD, VERSION,
+    AuthAck, AuthRequest, GrantReceipt, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect,
+    SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD, VERSION,
 };
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
@@ -82,7 +82,16 @@ pub(crate) struct Conn {
     /// Batches this initiator has fenced at the peer: their slices that
     /// have not started are answered `Fenced` locally, without being sent.
     pub(super) fenced: LocalFences,
+    /// The newest grant receipt the target gave this connection, per
+    /// segment id: what its next proof of the segment asks for.
+    grants: RefCell<super::own_ids::OwnIdMap<GrantReceipt>>,
 }
+
+/// Times [`Conn::auth`] proves a segment again for a newer grant: a revoke
+/// between two proofs makes one more; past this (revokes back to back) the
+/// connection keeps the grant it has, and its writes into the newly
+/// revoked range are refused.
+const REGRANTS: usize = 3;
 
 /// Batches fenced by this initiator, shared by a peer's connections.
 pub(crate) type LocalFences = Rc<RefCell<super::own_ids::OwnIdSet>>;
@@ -228,6 +237,7 @@ impl Conn {
             on_close: RefCell::default(),
             local: Cell::new(false),
             outbox: std::cell::OnceCell::new(),
+            grants: RefCell::default(),
         });
         // The reader holds the connection until the socket ends (kill/abort
         // shut it down), then fails whatever is pending.
@@ -295,15 +305,97 @@ impl Conn {
 
     /// Proves tokens for segments (by id, or by name to open them); returns
     /// the target's verdicts.
+    ///
+    /// Each proof asks for the newest grant this connection was given a
+    /// receipt for. A segment revoked since is answered with a receipt for
+    /// its newer grant, and proven again naming it (at most [`REGRANTS`]
+    /// times): the target grants a proof only an epoch it already told the
+    /// initiator of, so that a proof sent before a revoke never regrants
+    /// the writes behind it (PROTOCOL.md §5.1).
     pub(crate) async fn auth(
         &self,
         tokens: &[(SegmentRef, Token)],
     ) -> Result<AuthAck, TransferError> {
-        let proofs = tokens
+        let mut asked: Vec<GrantReceipt> = tokens
             .iter()
-            .map(|(seg, t)| {
+            .map(|(seg, _)| match seg {
+                SegmentRef::Id(id) => self.grants.borrow().get(id).copied(),
+                _ => None,
+            })
+            .map(|g| g.unwrap_or(GrantReceipt::NONE))
+            .collect();
+        let proofs: Vec<_> = tokens
+            .iter()
+            .zip(&asked)
+            .map(|((seg, t), g)| (seg.clone(), *t, *g))
+            .collect();
+        let mut ack = self.auth_once(&proofs).await?;
+        if ack.results.len() != tokens.len() {
+            // (The caller refuses a wrong count.)
+            return Ok(ack);
+        }
+        for _ in 0..REGRANTS {
+            self.keep_grants(&ack);
+            let behind: Vec<usize> = (0..tokens.len())
+                .filter(|&i| match &ack.results[i] {
+                    (Status::Ok, Some(d)) => d.grant.epoch > asked[i].epoch,
+                    _ => false,
+                })
+                .collect();
+            if behind.is_empty() {
+                break;
+            }
+            let again: Vec<_> = behind
+                .iter()
+                .map(|&i| {
+                    let d = ack.results[i].1.as_ref().expect("an opened proof");
+                    (SegmentRef::Id(d.id), tokens[i].1, d.grant)
+                })
+                .collect();
+            let more = self.auth_once(&again).await?;
+            if more.results.len() != again.len() {
+                return Err(TransferError::BadFrame(
+                    "an AuthAck with the wrong count".into(),
+                ));
+            }
+            for ((&i, (_, _, g)), answer) in behind.iter().zip(&again).zip(more.results) {
+                match answer.0 {
+                    Status::Ok => {
+                        asked[i] = *g;
+                        ack.results[i] = answer;
+                    }
+                    // Refused the second time (deregistered meanwhile):
+                    // the first answer stands, with the grant it gave.
+                    _ => asked[i].epoch = u64::MAX,
+                }
+            }
+        }
+        Ok(ack)
+    }
+
+    /// Keeps the grant receipts of `ack`'s opened segments, for this
+    /// connection's next proofs of them.
+    fn keep_grants(&self, ack: &AuthAck) {
+        let mut grants = self.grants.borrow_mut();
+        for d in ack.results.iter().filter_map(|(_, d)| d.as_ref()) {
+            let g = grants.entry(d.id).or_insert(GrantReceipt::NONE);
+            if d.grant.epoch > g.epoch {
+                *g = d.grant;
+            }
+        }
+    }
+
+    /// One `Auth` of `proofs` (segment, token, the grant asked for), and
+    /// its answer.
+    async fn auth_once(
+        &self,
+        proofs: &[(SegmentRef, Token, GrantReceipt)],
+    ) -> Result<AuthAck, TransferError> {
+        let proofs = proofs
+            .iter()
+            .map(|(seg, t, g)| {
                 let proof = t.prove(&self.hello.nonce, &self.nonce, self.session, seg);
-                (seg.clone(), proof)
+                (seg.clone(), proof, *g)
             })
             .collect();
         let payload = AuthRequest {

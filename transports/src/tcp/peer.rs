@@ -422,8 +422,9 @@ fn conn_params<'a>(
 }
 
 /// The most proofs a reconnect sends in one `Auth`: the answer carries a
-/// descriptor per proof (up to ~290 bytes with a long name), and an
-/// `AuthAck` is at most 256 KiB, a request at most 4,096 proofs.
+/// descriptor per proof (up to ~315 bytes with a long name and its grant
+/// receipt), and an `AuthAck` is at most 256 KiB, a request at most 4,096
+/// proofs (and 256 KiB: 65 bytes a proof by id).
 const REPROVE_CHUNK: usize = 512;
 
 /// A segment opened on a peer: the token that proved it and what the target

@@ -6,7 +6,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 
 use quiesce_transports::wire::{
-    AuthAck, AuthRequest, Descriptor, Header, Hello, HelloAck, Opcode, SegmentRef, Status, VERSION,
+    AuthAck, AuthRequest, Descriptor, GrantReceipt, Header, Hello, HelloAck, Opcode, SegmentRef,
+    Status, VERSION,
 };
 use quiesce_transports::{Engine, RemoteSegment, Rights, Token};
 
@@ -74,7 +75,7 @@ pub fn accept_auth(s: &mut TcpStream, p: &[u8], addr: SocketAddr, mut proven: im
     let results = req
         .proofs
         .iter()
-        .map(|(r, _)| {
+        .map(|(r, ..)| {
             // A segment proven by id again is described as when it was
             // opened (a real target does: another name is another segment).
             let (id, name) = match r {
@@ -93,6 +94,7 @@ pub fn accept_auth(s: &mut TcpStream, p: &[u8], addr: SocketAddr, mut proven: im
                 base: 0x1000,
                 rights: Rights::READ | Rights::WRITE,
                 endpoints: vec![addr],
+                grant: GrantReceipt::NONE,
             };
             (Status::Ok, Some(d))
         })

@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use quiesce_runtime::shard::{channel, Sender, Shards};
 use quiesce_transports::wire::{
-    AuthAck, AuthRequest, Header, Hello, HelloAck, Opcode, SegmentRef, HEADER_LEN, VERSION,
+    AuthAck, AuthRequest, GrantReceipt, Header, Hello, HelloAck, Opcode, SegmentRef, HEADER_LEN,
+    VERSION,
 };
 use quiesce_transports::{Engine, EngineConfig, LocalMode, Rights, Token};
 
@@ -441,10 +442,15 @@ impl RawClient {
 
     /// Proves `token` for `seg` (by id or by name).
     pub fn auth_ref(&mut self, seg: SegmentRef, token: Token) -> AuthAck {
+        self.auth_granted(seg, token, GrantReceipt::NONE)
+    }
+
+    /// Proves `token` for `seg`, asking for the grant `grant` names.
+    pub fn auth_granted(&mut self, seg: SegmentRef, token: Token, grant: GrantReceipt) -> AuthAck {
         let proof = prove(&token, &self.ack.nonce, &self.nonce, self.ack.session, &seg);
         let p = AuthRequest {
             join: self.join,
-            proofs: vec![(seg, proof)],
+            proofs: vec![(seg, proof, grant)],
         }
         .encode()
         .unwrap();
@@ -477,7 +483,7 @@ impl RawClient {
             .iter()
             .map(|(seg, token)| {
                 let p = prove(token, &self.ack.nonce, &self.nonce, self.ack.session, seg);
-                (seg.clone(), p)
+                (seg.clone(), p, GrantReceipt::NONE)
             })
             .collect();
         let p = AuthRequest {

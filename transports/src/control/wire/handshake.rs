@@ -1,6 +1,7 @@
 //! Handshake payloads: `Hello`, `HelloAck` (the session), `Auth` (join
-//! proof, token proofs by segment id or name) and `AuthAck` (verdicts, with
-//! the descriptor of each segment proven).
+//! proof, token proofs by segment id or name, each naming the grant it
+//! asks for) and `AuthAck` (verdicts, with the descriptor of each segment
+//! proven and a receipt for its grant now).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -49,6 +50,42 @@ pub struct Descriptor {
     pub rights: Rights,
     /// Addresses of the engine(s) serving it.
     pub endpoints: Vec<SocketAddr>,
+    /// The segment's grant epoch when the target answered, with the
+    /// target's tag: a later proof naming it is granted that epoch
+    /// (PROTOCOL.md §5.1).
+    pub grant: GrantReceipt,
+}
+
+/// A target's receipt for a segment's grant epoch: `tag` is its
+/// HMAC-SHA256 of the segment id and `epoch` under a key only it holds, so
+/// a peer names an epoch only after the target told it — after that
+/// epoch's revoke. [`NONE`](Self::NONE) names the first grant, epoch 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GrantReceipt {
+    /// The segment's grant epoch.
+    pub epoch: u64,
+    /// The target's tag for it (zeros for epoch 0).
+    pub tag: [u8; 16],
+}
+
+impl GrantReceipt {
+    /// No receipt: the first grant (epoch 0), which needs none.
+    pub const NONE: GrantReceipt = GrantReceipt {
+        epoch: 0,
+        tag: [0; 16],
+    };
+
+    fn put(&self, o: &mut Vec<u8>) {
+        o.extend_from_slice(&self.epoch.to_le_bytes());
+        o.extend_from_slice(&self.tag);
+    }
+
+    fn get(r: &mut Reader<'_>) -> Result<GrantReceipt, FrameError> {
+        Ok(GrantReceipt {
+            epoch: r.u64()?,
+            tag: r.array()?,
+        })
+    }
 }
 
 impl Descriptor {
@@ -103,8 +140,10 @@ pub struct AuthRequest {
     /// For a connection joining a live session, its proof of the session's
     /// key; zeros otherwise.
     pub join: [u8; 32],
-    /// `(segment, HMAC proof)` pairs.
-    pub proofs: Vec<(SegmentRef, [u8; 32])>,
+    /// `(segment, HMAC proof, the grant asked for)`: the receipt of the
+    /// newest grant epoch the initiator was told of, or
+    /// [`GrantReceipt::NONE`].
+    pub proofs: Vec<(SegmentRef, [u8; 32], GrantReceipt)>,
 }
 
 /// Target → initiator: one verdict per proof, in request order.
@@ -263,6 +302,7 @@ impl Descriptor {
         for e in &self.endpoints {
             put_addr(o, e);
         }
+        self.grant.put(o);
         Ok(())
     }
 
@@ -277,6 +317,7 @@ impl Descriptor {
             return Err(FrameError::Invalid("too many endpoints"));
         }
         let endpoints = (0..ne).map(|_| get_addr(r)).collect::<Result<_, _>>()?;
+        let grant = GrantReceipt::get(r)?;
         Ok(Descriptor {
             id,
             name,
@@ -284,6 +325,7 @@ impl Descriptor {
             base,
             rights,
             endpoints,
+            grant,
         })
     }
 }
@@ -294,12 +336,13 @@ impl AuthRequest {
         if self.proofs.len() > MAX_PROOFS {
             return Err(FrameError::Invalid("too many proofs"));
         }
-        let mut o = Vec::with_capacity(34 + self.proofs.len() * 41);
+        let mut o = Vec::with_capacity(34 + self.proofs.len() * 65);
         o.extend_from_slice(&self.join);
         o.extend_from_slice(&(self.proofs.len() as u16).to_le_bytes());
-        for (seg, proof) in &self.proofs {
+        for (seg, proof, grant) in &self.proofs {
             seg.put(&mut o)?;
             o.extend_from_slice(proof);
+            grant.put(&mut o);
         }
         if o.len() > MAX_HANDSHAKE_PAYLOAD {
             return Err(FrameError::Invalid("handshake payload too large"));
@@ -316,7 +359,11 @@ impl AuthRequest {
             return Err(FrameError::Invalid("too many proofs"));
         }
         let proofs = (0..n)
-            .map(|_| Ok((SegmentRef::get(&mut r)?, r.array()?)))
+            .map(|_| {
+                let seg = SegmentRef::get(&mut r)?;
+                let proof = r.array()?;
+                Ok((seg, proof, GrantReceipt::get(&mut r)?))
+            })
             .collect::<Result<_, FrameError>>()?;
         r.finish()?;
         Ok(AuthRequest { join, proofs })
@@ -397,9 +444,20 @@ mod tests {
         let a = AuthRequest {
             join: [4; 32],
             proofs: vec![
-                (SegmentRef::Id(5), [3; 32]),
-                (SegmentRef::Name("kv".into()), [2; 32]),
-                (SegmentRef::Address(0x7f00_0000_1234), [1; 32]),
+                (SegmentRef::Id(5), [3; 32], GrantReceipt::NONE),
+                (
+                    SegmentRef::Name("kv".into()),
+                    [2; 32],
+                    GrantReceipt {
+                        epoch: 3,
+                        tag: [8; 16],
+                    },
+                ),
+                (
+                    SegmentRef::Address(0x7f00_0000_1234),
+                    [1; 32],
+                    GrantReceipt::NONE,
+                ),
             ],
         };
         assert_eq!(AuthRequest::decode(&a.encode().unwrap()).unwrap(), a);
@@ -418,6 +476,10 @@ mod tests {
                             "127.0.0.1:9".parse().unwrap(),
                             "[::1]:10".parse().unwrap(),
                         ],
+                        grant: GrantReceipt {
+                            epoch: 2,
+                            tag: [6; 16],
+                        },
                     }),
                 ),
             ],

@@ -7,14 +7,15 @@ mod handshake;
 mod rdma;
 
 pub use handshake::{
-    AuthAck, AuthRequest, Descriptor, Hello, HelloAck, SegmentRef, MAX_HANDSHAKE_PAYLOAD,
+    AuthAck, AuthRequest, Descriptor, GrantReceipt, Hello, HelloAck, SegmentRef,
+    MAX_HANDSHAKE_PAYLOAD,
 };
 pub use rdma::{QpAccept, QpConnect, QpWire, RemoteKey, MAX_QP_PAYLOAD, QP_CONNECT_PAYLOAD};
 
 /// `b"QSCE"`, the first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"QSCE";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// Size of the frame header.
 pub const HEADER_LEN: usize = 48;
 
