@@ -43,6 +43,8 @@ struct Group {
     marker: bool,
     /// Completions of the run reaped so far (errors, or flushes).
     seen: u32,
+    /// Bytes its requests move.
+    bytes: u64,
 }
 
 /// What one reaped completion retires.
@@ -56,6 +58,8 @@ pub(crate) struct Retired {
     /// Send queue entries (and completion queue room) they held: the
     /// requests, and the marker of a cut group.
     pub(crate) entries: u32,
+    /// Bytes those requests move (landed, if the completion is a success).
+    pub(crate) bytes: u64,
 }
 
 /// One link's posted groups, oldest first.
@@ -91,6 +95,7 @@ impl Ledger {
                     signalled: w.signalled(),
                     marker: false,
                     seen: 0,
+                    bytes: wrs[start..=i].iter().map(|w| u64::from(w.len)).sum(),
                 });
                 start = i + 1;
             }
@@ -138,17 +143,18 @@ impl Ledger {
             front.seen += 1;
             !front.signalled && front.seen == front.requests
         };
-        let (requests, entries) = match retires {
+        let (requests, entries, bytes) = match retires {
             true => {
                 let g = self.groups.pop_front()?;
-                (g.requests, g.requests + u32::from(g.marker))
+                (g.requests, g.requests + u32::from(g.marker), g.bytes)
             }
-            false => (0, 0),
+            false => (0, 0, 0),
         };
         Some(Retired {
             wr_id: id,
             requests,
             entries,
+            bytes,
         })
     }
 
@@ -181,6 +187,7 @@ mod tests {
             wr_id,
             requests,
             entries: requests,
+            bytes: 8 * u64::from(requests),
         })
     }
 
@@ -277,7 +284,8 @@ mod tests {
             Some(Retired {
                 wr_id: 5,
                 requests: 2,
-                entries: 3
+                entries: 3,
+                bytes: 16,
             })
         );
         assert_eq!(l.len(), 0);

@@ -47,6 +47,9 @@ struct Slot {
     /// Queued or posted requests not yet known done.
     outstanding: u32,
     bytes: u64,
+    /// Bytes of its requests known to have landed: those of groups whose
+    /// signalled request completed successfully.
+    landed: u64,
     error: Option<TransferError>,
     waker: Option<Waker>,
     link: Rc<Link>,
@@ -170,6 +173,7 @@ impl Reaper {
             batch: sub.batch,
             outstanding: sub.count,
             bytes: sub.bytes,
+            landed: 0,
             error: None,
             waker: None,
             link: link.clone(),
@@ -232,7 +236,7 @@ impl Reaper {
             drop(queued);
             for w in never_posted {
                 let e = link.flushed_error(self.slot_batch(w.wr_id), false);
-                self.retire(w.wr_id, 1, Some(e));
+                self.retire(w.wr_id, 1, 0, Some(e));
             }
             return;
         }
@@ -269,7 +273,7 @@ impl Reaper {
                 self.close_cut(link);
                 // The NIC refused these: nothing of them was sent.
                 for w in &wrs[posted..] {
-                    self.retire(w.wr_id, 1, Some(TransferError::NotSent(e.to_string())));
+                    self.retire(w.wr_id, 1, 0, Some(TransferError::NotSent(e.to_string())));
                 }
             }
         }
@@ -319,7 +323,7 @@ impl Reaper {
 
     /// `requests` requests of `wr_id` are done (known done on the NIC, or
     /// failed before posting); 0 only records `error`.
-    fn retire(&mut self, wr_id: u64, requests: u32, error: Option<TransferError>) {
+    fn retire(&mut self, wr_id: u64, requests: u32, landed: u64, error: Option<TransferError>) {
         let key = wr_id as u32 as usize;
         let Some(slot) = self
             .slots
@@ -329,6 +333,7 @@ impl Reaper {
             tracing::error!(wr_id, "completion for an unknown work request");
             return;
         };
+        slot.landed += landed;
         // The first error, unless a later one leaves the target unsettled
         // (a posted request flushed or lost): the transfer must say so.
         match (&slot.error, error) {
@@ -405,7 +410,8 @@ impl Reaper {
                 Some(status_error(st))
             }
         };
-        self.retire(done.wr_id, done.requests, error);
+        let landed = if error.is_none() { done.bytes } else { 0 };
+        self.retire(done.wr_id, done.requests, landed, error);
     }
 
     /// Moves every link with requests in flight to the error state and reaps
@@ -523,7 +529,25 @@ impl<B: 'static> Future for Transfer<B> {
         let slot = r.slots.remove(this.key);
         drop(r);
         let buf = this.buf.take().expect("Transfer polled after completion");
-        Poll::Ready((slot.error.map_or(Ok(slot.bytes), Err), buf))
+        Poll::Ready((result(slot), buf))
+    }
+}
+
+/// A resolved transfer's result. Its first error may be its unposted
+/// rest's — `Fenced` or `NotSent`, which say nothing of it landed — while
+/// the groups posted before landed: then it says what landed (fenced, as a
+/// TCP write cut by a fence: `FencedPartial`), or, the link lost, leaves
+/// the target unconfirmed rather than settled with nothing.
+fn result(slot: Slot) -> Result<u64, TransferError> {
+    match (slot.error, slot.landed) {
+        (None, _) => Ok(slot.bytes),
+        (Some(TransferError::Fenced), landed) if landed > 0 => {
+            Err(TransferError::FencedPartial { landed })
+        }
+        (Some(TransferError::NotSent(why)), landed) if landed > 0 => Err(
+            TransferError::ConnectionLost(format!("{why}, after {landed} bytes of it landed")),
+        ),
+        (Some(e), _) => Err(e),
     }
 }
 

@@ -370,3 +370,60 @@ fn a_link_whose_queue_pair_a_fence_reset_first_is_retired() {
         .unwrap()
         .block_on(a_link_reset_before_it_was_installed(AfterAccept::Fence(99)));
 }
+
+/// A transfer cut across doorbells: its first requests were posted and
+/// finished on the NIC, the rest were still queued when the batch was
+/// fenced (or the peer aborted) and are failed unposted. It says what
+/// landed: never `Fenced` or `NotSent` — nothing of it landed — while its
+/// posted part did (it reported so: the success of the posted group did not
+/// count against the error of the unposted rest).
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_transfer_cut_between_doorbells_reports_what_landed() {
+    for abort in [false, true] {
+        Runtime::new().unwrap().block_on(async {
+            let (target, kv) = kv_target(1 << 20);
+            let init = RdmaEngine::bind(RdmaConfig {
+                queue_depth: 2,
+                slice_size: 4096,
+                ..Default::default()
+            })
+            .unwrap();
+            let region = Region::new(1 << 20);
+            let _reg = init.register_region(&region).unwrap();
+            let peer = init.connect(target.local_addr()).await.unwrap();
+            let remote = peer.open("kv", kv.token()).await.unwrap();
+            let mut src = region.lease(0..16 << 10).unwrap();
+            fill(&mut src, 31);
+            let w = spawn_local(async move { remote.write(0, src, 7).await });
+            let t0 = Instant::now();
+            while init.stats().posted < 2 {
+                assert!(t0.elapsed() < Duration::from_secs(10), "nothing was posted");
+                quiesce_runtime::yield_now().await;
+            }
+            // The reactor held: the NIC finishes the two posted requests,
+            // nothing is reaped, the other two stay queued.
+            std::thread::sleep(Duration::from_millis(200));
+            if abort {
+                peer.abort();
+            } else {
+                peer.fence(7).await.unwrap();
+            }
+            let (r, src) = w.await.unwrap();
+            let mut landed = vec![0u8; 16 << 10];
+            assert!(kv.read_at(0, &mut landed));
+            let same = landed.iter().zip(&src[..]).filter(|(a, b)| a == b).count();
+            if let Err(TransferError::Fenced | TransferError::NotSent(_)) = &r {
+                assert!(
+                    same < 4096,
+                    "abort {abort}: {r:?}, nothing landed — yet {same} bytes had"
+                );
+            }
+            if let Err(TransferError::FencedPartial { landed }) = r {
+                assert!(landed as usize <= same, "abort {abort}: {landed} > {same}");
+            }
+            let s = init.stats();
+            assert_eq!((s.in_flight, s.posted), (0, s.completed), "{s:?}");
+        });
+    }
+}
