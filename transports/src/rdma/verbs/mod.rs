@@ -240,7 +240,8 @@ impl Pd {
 
 impl Drop for Pd {
     fn drop(&mut self) {
-        // SAFETY: MRs and QPs hold an Rc to the PD, so none is left.
+        // SAFETY: MRs and QPs hold an Rc to the PD (one whose deregistration
+        // failed keeps its hold for good), so none is left.
         unsafe { sys::ibv_dealloc_pd(self.pd) };
     }
 }
@@ -352,25 +353,26 @@ impl Mr {
             f.set(n.saturating_sub(1));
             n > 0
         });
-        if failing {
-            // Left registered, as by a device that refused: never reused.
-            self.mr = std::ptr::null_mut();
-            return Err(RdmaError::Verbs(
-                "ibv_dereg_mr",
-                io::Error::from_raw_os_error(libc::EBUSY),
-            ));
-        }
-        // SAFETY: registered once and not yet deregistered (null after);
-        // the owner deregisters only after quiescence.
-        let rc = unsafe { sys::ibv_dereg_mr(self.mr) };
+        let rc = if failing {
+            // Left registered, as by a device that refused.
+            libc::EBUSY
+        } else {
+            // SAFETY: registered once and not yet deregistered (null after);
+            // the owner deregisters only after quiescence.
+            unsafe { sys::ibv_dereg_mr(self.mr) }
+        };
         self.mr = std::ptr::null_mut();
-        match rc {
-            0 => Ok(()),
-            rc => Err(RdmaError::Verbs(
-                "ibv_dereg_mr",
-                io::Error::from_raw_os_error(rc),
-            )),
+        if rc == 0 {
+            return Ok(());
         }
+        // Still registered, for good: its protection domain (and the
+        // context it holds) must outlive it, so this region's hold on them
+        // is never given back — what `Pd`'s and `Context`'s drops rely on.
+        std::mem::forget(self._pd.clone());
+        Err(RdmaError::Verbs(
+            "ibv_dereg_mr",
+            io::Error::from_raw_os_error(rc),
+        ))
     }
 }
 
