@@ -106,17 +106,22 @@ fn a_bad_quiesce_driver_value_is_a_typed_error() {
 /// `entries(u32::MAX)`: the kernel clamps the ring (`setup_clamp`), and so
 /// must the driver's table of ops, sized from it. It was sized from the
 /// number asked for (4.3 billion slots, ~170 GB): the allocation failed and
-/// the process aborted. Run in a child process, which an abort kills.
+/// the process aborted. Run in a child process, which an abort kills. (A
+/// kernel that refuses so large a ring — one charging it to
+/// `RLIMIT_MEMLOCK`, or no io_uring at all — answers a typed error: no
+/// abort either.)
 #[test]
 fn a_ring_size_past_the_kernels_is_clamped_not_an_abort() {
     const CHILD: &str = "QUIESCE_TEST_HUGE_RING_CHILD";
     if std::env::var_os(CHILD).is_some() {
-        let rt = Runtime::builder()
+        match Runtime::builder()
             .driver(DriverKind::IoUring)
             .entries(u32::MAX)
             .build()
-            .expect("a clamped ring");
-        rt.block_on(quiesce_runtime::yield_now());
+        {
+            Ok(rt) => rt.block_on(quiesce_runtime::yield_now()),
+            Err(e) => eprintln!("no ring here: {e}"),
+        }
         return;
     }
     let out = std::process::Command::new(std::env::current_exe().unwrap())

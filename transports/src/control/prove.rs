@@ -119,13 +119,13 @@ impl ServedConn<'_> {
                 .await);
             }
         }
-        // The HMACs one Auth may cost: two per proof and one per grant
-        // receipt it names, and one First's pass over every segment. Proofs
-        // by address try every segment holding the address, so a frame of
-        // many into overlapping segments could cost more: past the budget
-        // it is a bad frame.
+        // The HMACs one Auth may cost: two per proof and two per grant
+        // receipt (the one it names, the one its answer carries), and one
+        // First's pass over every segment. Proofs by address try every
+        // segment holding the address, so a frame of many into overlapping
+        // segments could cost more: past the budget it is a bad frame.
         let segments = self.engine.segments.borrow().len();
-        let budget = 3 * req.proofs.len() + segments + 1;
+        let budget = 4 * req.proofs.len() + segments + 1;
         let now = Instant::now();
         let target_budget = TARGET_REFUSED_BUDGETS * refused_first_budget(segments);
         // The target's budget spent (a flood of refusals, perhaps over many
@@ -273,6 +273,11 @@ impl ServedConn<'_> {
                 let named = if issued { grant.epoch } else { 0 };
                 let held = self.authorised.get(&seg.id()).copied().unwrap_or(0);
                 self.authorised.insert(seg.id(), held.max(named));
+                // The answer's receipt (the descriptor's), an HMAC too once
+                // the segment was revoked.
+                if seg.inner.grants.current() > 0 {
+                    work.set(work.get() + 1);
+                }
                 self.census.authenticated();
                 (Status::Ok, Some(self.engine.descriptor(&seg)))
             }

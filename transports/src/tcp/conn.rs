@@ -83,8 +83,10 @@ pub(crate) struct Conn {
     /// have not started are answered `Fenced` locally, without being sent.
     pub(super) fenced: LocalFences,
     /// The newest grant receipt the target gave this connection, per
-    /// segment id: what its next proof of the segment asks for.
-    grants: RefCell<super::own_ids::OwnIdMap<GrantReceipt>>,
+    /// segment id: what its next proof of the segment asks for. (Ids the
+    /// target chose: a `HashMap` with std's keyed hasher, not an
+    /// `OwnIdMap`.)
+    grants: RefCell<std::collections::HashMap<u64, GrantReceipt>>,
 }
 
 /// Times [`Conn::auth`] proves a segment again for a newer grant: a revoke
@@ -335,7 +337,6 @@ impl Conn {
             return Ok(ack);
         }
         for _ in 0..REGRANTS {
-            self.keep_grants(&ack);
             let behind: Vec<usize> = (0..tokens.len())
                 .filter(|&i| match &ack.results[i] {
                     (Status::Ok, Some(d)) => d.grant.epoch > asked[i].epoch,
@@ -370,6 +371,7 @@ impl Conn {
                 }
             }
         }
+        self.keep_grants(&ack);
         Ok(ack)
     }
 

@@ -115,9 +115,11 @@ pub enum Status {
     Fenced = 5,
     /// A fenced write that had started: some bytes landed before the fence.
     FencedPartial = 6,
-    /// The range was revoked by the segment's owner after this connection
-    /// proved the token: nothing of the request lands after the revoke
-    /// (`length` = bytes of a write's prefix that landed before it).
+    /// The range was revoked by the segment's owner, and this connection
+    /// holds an older grant than that revoke's (a proof naming the revoke's
+    /// receipt grants it, PROTOCOL.md §5.1): nothing of the request lands
+    /// after the revoke (`length` = bytes of a write's prefix that landed
+    /// before it).
     Revoked = 7,
     /// Local transport: the target could not reach the initiator's memory
     /// (cross-memory attach failed); `length` = bytes moved before that.
