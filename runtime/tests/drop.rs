@@ -441,28 +441,13 @@ fn a_waker_that_panics_during_the_shutdown_drain_does_not_escape_it() {
 /// runtime dropped while unwinding), leaving the receive's ring running.
 #[test]
 fn a_task_that_panics_when_the_shutdown_drops_it_does_not_cut_the_drain() {
-    struct PanicsOnDrop;
-    impl std::future::Future for PanicsOnDrop {
-        type Output = ();
-        fn poll(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<()> {
-            std::task::Poll::Pending
-        }
-    }
-    impl Drop for PanicsOnDrop {
-        fn drop(&mut self) {
-            panic!("a pending future that panics when dropped");
-        }
-    }
     let rt = rt();
     let (_a, b) = rt.block_on(pair());
     let mut op = Box::pin(b.read(vec![0u8; 8]));
     let w = std::task::Waker::noop();
     let mut cx = std::task::Context::from_waker(w);
     assert!(std::future::Future::poll(op.as_mut(), &mut cx).is_pending());
-    let mut handle = rt.spawn_local(PanicsOnDrop);
+    let mut handle = rt.spawn_local(PanicsOnDrop { pending: true });
     rt.block_on(yield_now());
     let shut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.shutdown()));
     assert!(
@@ -476,10 +461,9 @@ fn a_task_that_panics_when_the_shutdown_drops_it_does_not_cut_the_drain() {
     }
     // The handle says how the task ended.
     match std::future::Future::poll(std::pin::Pin::new(&mut handle), &mut cx) {
-        std::task::Poll::Ready(Err(quiesce_runtime::JoinError::Panicked(p))) => assert_eq!(
-            p.downcast_ref::<&str>(),
-            Some(&"a pending future that panics when dropped")
-        ),
+        std::task::Poll::Ready(Err(quiesce_runtime::JoinError::Panicked(p))) => {
+            assert_eq!(p.downcast_ref::<&str>(), Some(&PANICS_ON_DROP))
+        }
         other => panic!(
             "the handle answered {:?}",
             other.map(|r| r.map_err(|e| format!("{e:?}")))

@@ -316,27 +316,6 @@ fn tasks_ready_says_whether_another_task_waits_to_run() {
 /// runtime's turn (out of `block_on`), and the handle waited for good.
 #[test]
 fn a_task_whose_future_panics_when_dropped_reports_through_its_handle() {
-    /// Ready at once (or never, `pending`), and panics when dropped.
-    struct PanicsOnDrop {
-        pending: bool,
-    }
-    impl std::future::Future for PanicsOnDrop {
-        type Output = ();
-        fn poll(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<()> {
-            match self.pending {
-                true => std::task::Poll::Pending,
-                false => std::task::Poll::Ready(()),
-            }
-        }
-    }
-    impl Drop for PanicsOnDrop {
-        fn drop(&mut self) {
-            panic!("a future that panics when dropped");
-        }
-    }
     for abort in [false, true] {
         let rt = Runtime::new().unwrap();
         let turned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -350,10 +329,9 @@ fn a_task_whose_future_panics_when_dropped_reports_through_its_handle() {
             })
         }));
         match turned {
-            Ok(Ok(Err(JoinError::Panicked(p)))) => assert_eq!(
-                p.downcast_ref::<&str>(),
-                Some(&"a future that panics when dropped")
-            ),
+            Ok(Ok(Err(JoinError::Panicked(p)))) => {
+                assert_eq!(p.downcast_ref::<&str>(), Some(&PANICS_ON_DROP))
+            }
             Ok(other) => panic!("abort {abort}: the handle answered {other:?}"),
             Err(_) => panic!("abort {abort}: the drop's panic left the runtime's turn"),
         }

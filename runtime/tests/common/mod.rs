@@ -141,3 +141,27 @@ pub fn waker_that_panics_when_woken() -> std::task::Waker {
     // SAFETY: every function of the vtable ignores the (null) data pointer.
     unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
 }
+
+/// What [`PanicsOnDrop`] panics with.
+pub const PANICS_ON_DROP: &str = "a future that panics when dropped";
+
+/// Ready at once (or never, `pending`), and panics when dropped.
+pub struct PanicsOnDrop {
+    pub pending: bool,
+}
+
+impl std::future::Future for PanicsOnDrop {
+    type Output = ();
+    fn poll(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        match self.pending {
+            true => std::task::Poll::Pending,
+            false => std::task::Poll::Ready(()),
+        }
+    }
+}
+
+impl Drop for PanicsOnDrop {
+    fn drop(&mut self) {
+        std::panic::panic_any(PANICS_ON_DROP);
+    }
+}

@@ -247,33 +247,7 @@ fn a_process_of_another_user_does_not_attach() {
     assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
     // A fork holds the socket and the nonce at the same address; it turns
     // into user `nobody` and waits.
-    // SAFETY: the child calls only async-signal-safe functions.
-    let child = unsafe { libc::fork() };
-    assert!(child >= 0);
-    if child == 0 {
-        // SAFETY: async-signal-safe calls in the forked child.
-        unsafe {
-            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
-                libc::_exit(1);
-            }
-            loop {
-                libc::pause();
-            }
-        }
-    }
-    // Until the child runs as `nobody`.
-    let t0 = Instant::now();
-    while !std::fs::read_to_string(format!("/proc/{child}/status"))
-        .unwrap_or_default()
-        .lines()
-        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("65534"))
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "the child never changed user"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let child = fork_as_nobody();
     let st = attach_as(&mut c, child as u32);
     // SAFETY: kills and reaps the child forked above.
     unsafe {

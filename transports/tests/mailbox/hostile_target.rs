@@ -13,6 +13,17 @@ use common::fake::{accept_auth, fake_target, payload};
 const SUBMITTED_AT: u64 = 0;
 const SERVED_AT: u64 = 64;
 
+/// Answers request `h` `Ok`, with `length`.
+fn answer_len(s: &mut std::net::TcpStream, h: &Header, length: u64) {
+    let a = Header {
+        op: Opcode::Status,
+        flags: Status::Ok as u8,
+        length,
+        ..*h
+    };
+    send(s, &a, &[]);
+}
+
 /// A target that attaches, takes the mailbox and, before answering the
 /// offer, writes `submitted` and `served` into the ring's counters; it
 /// never serves a request.
@@ -22,19 +33,10 @@ fn miscounting_target(submitted: u64, served: u64) -> SocketAddr {
         let mut held = Vec::new();
         while let Some(h) = recv_header(&mut s) {
             let Some(p) = payload(&mut s, &h) else { return };
-            let answer_len = |s: &mut std::net::TcpStream, length: u64| {
-                let a = Header {
-                    op: Opcode::Status,
-                    flags: Status::Ok as u8,
-                    length,
-                    ..h
-                };
-                send(s, &a, &[]);
-            };
             match h.op {
                 Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
                 // This test process holds both ends of the connection.
-                Opcode::LocalAttach => answer_len(&mut s, u64::from(std::process::id())),
+                Opcode::LocalAttach => answer_len(&mut s, &h, u64::from(std::process::id())),
                 Opcode::LocalMailbox => {
                     // The initiator's fd numbers are this process's.
                     let take = |at: usize| {
@@ -50,7 +52,7 @@ fn miscounting_target(submitted: u64, served: u64) -> SocketAddr {
                     mem.write_all_at(&submitted.to_le_bytes(), SUBMITTED_AT)
                         .unwrap();
                     mem.write_all_at(&served.to_le_bytes(), SERVED_AT).unwrap();
-                    answer_len(&mut s, 0);
+                    answer_len(&mut s, &h, 0);
                 }
                 _ => {}
             }
@@ -88,38 +90,6 @@ fn counters_a_target_wrote_before_the_first_request_neither_panic_nor_hang() {
     }
 }
 
-/// Forks a child that holds this process's sockets and turns into user
-/// `nobody`; returns once it has.
-fn fork_as_nobody() -> libc::pid_t {
-    // SAFETY: the child calls only async-signal-safe functions.
-    let child = unsafe { libc::fork() };
-    assert!(child >= 0);
-    if child == 0 {
-        // SAFETY: async-signal-safe calls in the forked child.
-        unsafe {
-            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
-                libc::_exit(1);
-            }
-            loop {
-                libc::pause();
-            }
-        }
-    }
-    let t0 = std::time::Instant::now();
-    while !std::fs::read_to_string(format!("/proc/{child}/status"))
-        .unwrap_or_default()
-        .lines()
-        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("65534"))
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "the child never changed user"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child
-}
-
 /// A target whose connection is held by a process of another user is not
 /// attached to: that process cannot write this one's memory, so its `Ok` to
 /// a local read would mark bytes nobody wrote as read — undefined behaviour
@@ -139,25 +109,16 @@ fn a_target_of_another_user_is_not_attached_to() {
     let addr = fake_target("another-user", move |mut s, addr| {
         while let Some(h) = recv_header(&mut s) {
             let Some(p) = payload(&mut s, &h) else { return };
-            let answer_len = |s: &mut std::net::TcpStream, length: u64| {
-                let a = Header {
-                    op: Opcode::Status,
-                    flags: Status::Ok as u8,
-                    length,
-                    ..h
-                };
-                send(s, &a, &[]);
-            };
             match h.op {
                 Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
                 // A child of `nobody` holds this end of the connection.
                 Opcode::LocalAttach => {
                     let child = fork_as_nobody();
                     forked.lock().unwrap().push(child);
-                    answer_len(&mut s, child as u64);
+                    answer_len(&mut s, &h, child as u64);
                 }
                 // "Read": nothing was written.
-                Opcode::ReadLocal => answer_len(&mut s, h.length),
+                Opcode::ReadLocal => answer_len(&mut s, &h, h.length),
                 _ => {}
             }
         }

@@ -492,3 +492,35 @@ fn a_request_published_before_a_frame_is_served_before_it() {
         assert!(target.snapshot("kv", 0, 512) == pattern(512, round as u8));
     }
 }
+
+/// Forks a child that holds this process's sockets and turns into user
+/// `nobody`; returns once it has.
+pub(crate) fn fork_as_nobody() -> libc::pid_t {
+    // SAFETY: the child calls only async-signal-safe functions.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0);
+    if child == 0 {
+        // SAFETY: async-signal-safe calls in the forked child.
+        unsafe {
+            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                libc::_exit(1);
+            }
+            loop {
+                libc::pause();
+            }
+        }
+    }
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_to_string(format!("/proc/{child}/status"))
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("65534"))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the child never changed user"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child
+}

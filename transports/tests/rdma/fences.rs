@@ -383,16 +383,18 @@ fn a_transfer_cut_between_doorbells_reports_what_landed() {
     for abort in [false, true] {
         Runtime::new().unwrap().block_on(async {
             let (target, kv) = kv_target(1 << 20);
-            let init = RdmaEngine::bind(RdmaConfig {
+            let cfg = RdmaConfig {
                 queue_depth: 2,
                 slice_size: 4096,
                 ..Default::default()
-            })
-            .unwrap();
-            let region = Region::new(1 << 20);
-            let _reg = init.register_region(&region).unwrap();
-            let peer = init.connect(target.local_addr()).await.unwrap();
-            let remote = peer.open("kv", kv.token()).await.unwrap();
+            };
+            let Sliced {
+                init,
+                region,
+                _reg,
+                peer,
+                remote,
+            } = Sliced::connect_with(&target, &kv, cfg).await;
             let mut src = region.lease(0..16 << 10).unwrap();
             fill(&mut src, 31);
             let w = spawn_local(async move { remote.write(0, src, 7).await });

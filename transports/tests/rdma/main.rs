@@ -263,13 +263,17 @@ struct Sliced {
 
 impl Sliced {
     async fn connect(target: &RdmaEngine, kv: &Segment, cq_depth: Option<u32>) -> Sliced {
-        let init = RdmaEngine::bind(RdmaConfig {
+        let cfg = RdmaConfig {
             queue_depth: 256,
             cq_depth,
             slice_size: 4096,
             ..Default::default()
-        })
-        .unwrap();
+        };
+        Sliced::connect_with(target, kv, cfg).await
+    }
+
+    async fn connect_with(target: &RdmaEngine, kv: &Segment, cfg: RdmaConfig) -> Sliced {
+        let init = RdmaEngine::bind(cfg).unwrap();
         let region = Region::new(1 << 20);
         let _reg = init.register_region(&region).unwrap();
         let peer = init.connect(target.local_addr()).await.unwrap();
