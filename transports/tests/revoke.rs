@@ -269,14 +269,6 @@ fn a_revoke_reaches_writes_through_every_overlapping_segment() {
     drop(owned);
 }
 
-/// Reads the payload of a frame whose header `h` was just read.
-fn payload(c: &mut RawClient, h: &Header) -> Vec<u8> {
-    use std::io::Read;
-    let mut b = vec![0u8; h.length as usize];
-    c.s.read_exact(&mut b).unwrap();
-    b
-}
-
 /// An `Auth` proving the token again, queued in the target's socket with a
 /// write behind it before the revoke was called, regrants nothing: it may
 /// have been sent before the revoke too, and so may the write. (The target
@@ -307,7 +299,7 @@ fn a_proof_queued_before_the_revoke_does_not_regrant_the_writes_behind_it() {
         sent_tx.send(()).unwrap();
         let h = c.recv().expect("the proof's answer");
         assert_eq!(h.op, Opcode::AuthAck);
-        payload(&mut c, &h);
+        fake::payload(&mut c.s, &h).expect("the proof's answer's payload");
         c.recv().expect("the write's answer")
     });
     // The runtime turns while the client connects and proves the token.

@@ -273,13 +273,19 @@ impl ServedConn<'_> {
                 let named = if issued { grant.epoch } else { 0 };
                 let held = self.authorised.get(&seg.id()).copied().unwrap_or(0);
                 self.authorised.insert(seg.id(), held.max(named));
-                // The answer's receipt (the descriptor's), an HMAC too once
-                // the segment was revoked.
-                if seg.inner.grants.current() > 0 {
-                    work.set(work.get() + 1);
-                }
+                // The answer's receipt: the one named, if it is the current
+                // epoch's; else an HMAC more once the segment was revoked.
+                let current = seg.inner.grants.current();
+                let answer = if issued && grant.epoch == current {
+                    *grant
+                } else {
+                    if current > 0 {
+                        work.set(work.get() + 1);
+                    }
+                    self.engine.grant_key.receipt(seg.id(), current)
+                };
                 self.census.authenticated();
-                (Status::Ok, Some(self.engine.descriptor(&seg)))
+                (Status::Ok, Some(self.engine.descriptor(&seg, answer)))
             }
             Some(_) => (Status::Forbidden, None),
             // The same answer, after the same work, as a wrong

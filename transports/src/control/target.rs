@@ -16,7 +16,7 @@ use crate::control::auth::{random_u64, GrantKey, SessionKey};
 use crate::control::fence::FenceTable;
 use crate::control::log_limit::PeerLogs;
 use crate::control::registered::Registered;
-use crate::control::wire::Descriptor;
+use crate::control::wire::{Descriptor, GrantReceipt};
 use crate::control::{ServedLink, ServedSlot};
 use crate::segment::Segment;
 
@@ -112,8 +112,9 @@ impl Target {
         (best.cloned(), tried)
     }
 
-    /// What a peer that proved `s`'s token learns about it.
-    pub(crate) fn descriptor(&self, s: &Segment) -> Descriptor {
+    /// What a peer that proved `s`'s token learns about it, with `grant`,
+    /// the receipt for the segment's current epoch.
+    pub(crate) fn descriptor(&self, s: &Segment, grant: GrantReceipt) -> Descriptor {
         Descriptor {
             id: s.id(),
             name: s.name().into(),
@@ -121,7 +122,7 @@ impl Target {
             base: s.base(),
             rights: s.rights(),
             endpoints: vec![self.local_addr],
-            grant: self.grant_key.receipt(s.id(), s.inner.grants.current()),
+            grant,
         }
     }
 

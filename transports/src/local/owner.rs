@@ -23,19 +23,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 pub(crate) fn refuses_user(pid: u32) -> io::Result<Option<&'static str>> {
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let ids = |key: &str| -> Vec<u64> {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .map(|v| {
-                v.split_whitespace()
-                    .filter_map(|n| n.parse().ok())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let uids = ids("Uid:");
+    let uids = uids(pid)?;
     if uids.len() != 4 || uids.iter().any(|&u| u != u64::from(me)) {
         return Ok(Some("the process runs as another user"));
     }
@@ -64,8 +52,15 @@ pub(crate) fn refuses_user(pid: u32) -> io::Result<Option<&'static str>> {
 pub(crate) fn may_write_here(pid: u32) -> io::Result<bool> {
     // SAFETY: geteuid has no preconditions.
     let me = u64::from(unsafe { libc::geteuid() });
+    let uids = uids(pid)?;
+    Ok(uids.len() == 4 && (uids.iter().all(|&u| u == me) || uids.iter().all(|&u| u == 0)))
+}
+
+/// Process `pid`'s user ids (real, effective, saved, file system), as
+/// `/proc/PID/status` lists them; empty if it lists none.
+fn uids(pid: u32) -> io::Result<Vec<u64>> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let uids: Vec<u64> = status
+    Ok(status
         .lines()
         .find_map(|l| l.strip_prefix("Uid:"))
         .map(|v| {
@@ -73,8 +68,7 @@ pub(crate) fn may_write_here(pid: u32) -> io::Result<bool> {
                 .filter_map(|n| n.parse().ok())
                 .collect()
         })
-        .unwrap_or_default();
-    Ok(uids.len() == 4 && (uids.iter().all(|&u| u == me) || uids.iter().all(|&u| u == 0)))
+        .unwrap_or_default())
 }
 
 /// True if process `pid` holds the socket whose local end is `local` and
