@@ -6,7 +6,7 @@ mod common;
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -250,6 +250,92 @@ fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
             "took {:?}",
             t0.elapsed()
         );
+    });
+}
+
+/// An open whose control connection is answered but whose data
+/// connection's `Auth` never is (a target frozen between the two, or a
+/// hostile one) fails within the connect timeout once that connection
+/// shows no progress. It waited for good: a data connection's auth had no
+/// deadline at all, so the open — and a Python call's first touch of the
+/// segment — never returned.
+#[test]
+fn an_open_whose_data_connection_never_answers_fails_within_the_connect_timeout() {
+    let mute = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(AtomicUsize::new(0));
+    let muted = mute.clone();
+    let addr = fake_target("muting-data", move |mut s, addr| {
+        // The peer's first connection is its control connection.
+        let control = seen.fetch_add(1, Ordering::SeqCst) == 0;
+        while let Some(h) = recv_header(&mut s) {
+            let Some(p) = payload(&mut s, &h) else { return };
+            if h.op == Opcode::Auth && (control || !muted.load(Ordering::SeqCst)) {
+                accept_auth(&mut s, &p, addr, |_| {});
+            }
+        }
+    });
+    Runtime::new().unwrap().block_on(async {
+        let cfg = EngineConfig {
+            connect_timeout: Duration::from_millis(300),
+            connections_per_peer: 2,
+            ..tcp()
+        };
+        let e = Engine::bind(cfg).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        peer.open("kv", Token::random()).await.unwrap();
+        mute.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        let out = time::timeout(Duration::from_secs(3), peer.open("lv", Token::random())).await;
+        let res = out.expect("the open waited 3 s for a data connection's auth ack");
+        let err = res
+            .err()
+            .expect("an open with no data-connection auth ack succeeded");
+        assert!(matches!(err, TransferError::ConnectionLost(_)), "{err:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t0.elapsed()
+        );
+        e.shutdown();
+    });
+}
+
+/// The other side of that bound: a data connection's `Auth` queued behind
+/// writes that the target answers slowly (100 ms each: eight slices
+/// striped over two connections put about 400 ms ahead of it, against a
+/// 300 ms connect timeout) is waited for, since the connection keeps
+/// moving: the open succeeds and so does every write.
+#[test]
+fn an_open_behind_slow_but_moving_writes_is_waited_for() {
+    let addr = fake_target("slow", move |mut s, addr| {
+        while let Some(h) = recv_header(&mut s) {
+            let Some(p) = payload(&mut s, &h) else { return };
+            match h.op {
+                Opcode::Auth => accept_auth(&mut s, &p, addr, |_| {}),
+                Opcode::Write => {
+                    std::thread::sleep(Duration::from_millis(100));
+                    answer(&mut s, &h, Status::Ok);
+                }
+                _ => {}
+            }
+        }
+    });
+    Runtime::new().unwrap().block_on(async {
+        let cfg = EngineConfig {
+            connect_timeout: Duration::from_millis(300),
+            connections_per_peer: 2,
+            slice_size: 4096,
+            ..tcp()
+        };
+        let e = Engine::bind(cfg).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let kv = peer.open("kv", Token::random()).await.unwrap();
+        let write = spawn_local(async move { kv.write(0, vec![1u8; 8 * 4096], 1).await.0 });
+        time::sleep(Duration::from_millis(20)).await;
+        let opened = peer.open("lv", Token::random()).await;
+        assert!(opened.is_ok(), "{:?}", opened.err());
+        assert_eq!(write.await.unwrap().unwrap(), 8 * 4096);
+        e.shutdown();
     });
 }
 

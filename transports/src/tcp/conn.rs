@@ -37,7 +37,9 @@ pub(crate) struct SendGuard<'a> {
 
 impl Drop for SendGuard<'_> {
     fn drop(&mut self) {
-        if !self.complete {
+        if self.complete {
+            self.conn.moved();
+        } else {
             self.conn.kill("a request was abandoned mid-send");
         }
     }
@@ -87,6 +89,9 @@ pub(crate) struct Conn {
     /// target chose: a `HashMap` with std's keyed hasher, not an
     /// `OwnIdMap`.)
     grants: RefCell<std::collections::HashMap<u64, GrantReceipt>>,
+    /// Frames heard and requests sent so far: what a wait bounded by the
+    /// connection's silence (`Peer::auth_within`) watches.
+    progress: Cell<u64>,
 }
 
 /// Times [`Conn::auth`] proves a segment again for a newer grant: a revoke
@@ -240,11 +245,22 @@ impl Conn {
             local: Cell::new(false),
             outbox: std::cell::OnceCell::new(),
             grants: RefCell::default(),
+            progress: Cell::new(0),
         });
         // The reader holds the connection until the socket ends (kill/abort
         // shut it down), then fails whatever is pending.
         spawn_local(read_loop(conn.clone()));
         Ok(conn)
+    }
+
+    /// Notes that the connection moved: a frame heard, a request sent.
+    pub(super) fn moved(&self) {
+        self.progress.set(self.progress.get().wrapping_add(1));
+    }
+
+    /// How often the connection moved so far ([`moved`](Self::moved)).
+    pub(super) fn progress(&self) -> u64 {
+        self.progress.get()
     }
 
     pub(crate) fn is_dead(&self) -> bool {

@@ -1,6 +1,8 @@
 //! Opening a peer's segments: a token proven on the control connection
-//! (within the connect timeout), then on every data connection of the peer.
+//! then on every data connection of the peer, each bounded by the
+//! connection's silence (the connect timeout).
 
+use std::pin::pin;
 use std::rc::Rc;
 
 use quiesce_runtime::time::timeout;
@@ -90,12 +92,13 @@ impl Peer {
         let n = self.inner.conns.borrow().len();
         for i in 1..n {
             match self.live(i) {
-                // No deadline on a data connection: its auth waits for the
-                // send lock and its answer behind the connection's bulk
-                // (a long transfer is no dead target), and the control
-                // connection's answer just showed the target alive.
+                // Its auth may wait behind the connection's bulk (the send
+                // lock, answers ahead of it): bounded by its silence, not
+                // by a deadline (a long transfer is no dead target).
                 Some(c) => {
-                    let ack = c.auth(&[(SegmentRef::Id(desc.id), token)]).await?;
+                    let ack = self
+                        .auth_within(&c, &[(SegmentRef::Id(desc.id), token)])
+                        .await?;
                     check_auth(&[desc.id], &ack.results)?;
                 }
                 // A new connection proves every opened token, this one too.
@@ -110,25 +113,33 @@ impl Peer {
         })
     }
 
-    /// The control connection `c`'s answer to an `Auth` of `tokens`, within
-    /// the connect timeout (it carries no bulk to wait behind): a target
-    /// that does not answer in time (a frozen process, whose kernel still
-    /// acks) has the connection killed, and the open fails as
-    /// `ConnectionLost` instead of waiting for good.
+    /// Connection `c`'s answer to an `Auth` of `tokens`, unless `c` stays
+    /// silent for the connect timeout: no frame heard and no request sent
+    /// in that time (a frozen target, whose kernel still acks, or one that
+    /// answers everything but this) gets the connection killed, and the
+    /// open fails as `ConnectionLost` instead of waiting for good. An answer
+    /// queued behind bulk that still moves (a data connection's) is waited
+    /// for; on the control connection, which carries none, this is a
+    /// deadline.
     async fn auth_within(
         &self,
         c: &Conn,
         tokens: &[(SegmentRef, Token)],
     ) -> Result<AuthAck, TransferError> {
         let limit = self.inner.params.connect_timeout;
-        match timeout(limit, c.auth(tokens)).await {
-            Ok(r) => r,
-            Err(_) => {
-                c.kill("no auth ack within the connect timeout");
-                Err(TransferError::ConnectionLost(format!(
-                    "opening a segment of {}: no auth ack within {limit:?}",
-                    self.inner.addr
-                )))
+        let mut auth = pin!(c.auth(tokens));
+        loop {
+            let seen = c.progress();
+            match timeout(limit, auth.as_mut()).await {
+                Ok(r) => return r,
+                Err(_) if c.progress() != seen => continue,
+                Err(_) => {
+                    c.kill("no auth ack, and nothing else moved, within the connect timeout");
+                    return Err(TransferError::ConnectionLost(format!(
+                        "opening a segment of {}: no auth ack within {limit:?}",
+                        self.inner.addr
+                    )));
+                }
             }
         }
     }

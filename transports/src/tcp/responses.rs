@@ -248,6 +248,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
             None => return Ok(()),
             Some(h) => h?,
         };
+        conn.moved();
         match h.op {
             Opcode::Status => {
                 let st = h.status()?;
