@@ -34,6 +34,7 @@
 #![warn(unsafe_op_in_unsafe_fn)]
 
 pub mod buf;
+mod builder;
 mod context;
 mod crowding;
 pub mod driver;
@@ -53,12 +54,13 @@ pub mod time;
 pub mod timeline;
 
 pub use buf::{BufResult, IoBuf, IoBufMut, Slice};
+pub use builder::{BuildError, Builder};
 pub use crowding::offer_core;
 pub use driver::{Canceller, DriverKind, Op};
 pub use executor::{
     spawn_local, try_spawn_local, yield_now, Handle, JoinError, JoinHandle, TaskPoll,
 };
-pub use runtime::{spin_time, strand, tasks_ready, BuildError, Builder, Runtime, Undrained};
+pub use runtime::{spin_time, strand, tasks_ready, Runtime, Undrained};
 pub use stats::{stats, try_stats, Stats};
 
 /// False once this thread's thread-locals are being torn down (the thread

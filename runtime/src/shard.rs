@@ -21,8 +21,8 @@ use std::thread;
 
 use slab::Slab;
 
+use crate::builder::{BuildError, Builder};
 use crate::driver::socket::pin_to_core;
-use crate::runtime::{BuildError, Builder};
 
 /// Pins the calling thread to CPU `core` (threads it starts afterwards, and
 /// processes it spawns, inherit that), as shards do with
