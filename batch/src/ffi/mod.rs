@@ -321,6 +321,11 @@ unsafe fn batch(
     if tasks.iter().any(|t| t.buf.is_null() || t.len == 0) {
         return set_error("a task has a null buffer or zero length");
     }
+    // Before the buffer check's lock: in a forked child, one that a
+    // parent's thread held at the fork is never released.
+    if let Err(err) = engine.engine.not_forked() {
+        return sync_error(err);
+    }
     // Before anything copies from a buffer or into it (a small batch's
     // bytes are copied on this thread): a device pointer killed the process.
     // A write's source need only be readable (a read-only file mapping).
@@ -483,6 +488,70 @@ mod tests {
             retries: 0,
             flags,
         })
+    }
+
+    /// A forked child's transfer call answers -1 even though, at the fork,
+    /// another thread of the parent was inside the buffer check (whose
+    /// lock no thread of the child will ever release). It waited on that
+    /// lock for good: the check ran before the fork was noticed.
+    #[test]
+    fn a_forked_child_answers_minus_one_though_the_host_check_was_held_at_the_fork() {
+        // SAFETY: a null node name is allowed.
+        let e = unsafe { quiesce_engine_start(std::ptr::null()) };
+        assert!(!e.is_null());
+        let mut buf = vec![7u8; 4096];
+        // Another thread sits inside the check (its lock held) while this
+        // one forks.
+        let (inside, release) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+        let handle = e as usize;
+        let holder = std::thread::spawn(move || {
+            // SAFETY: the engine is live until the stop below, after this
+            // thread ends.
+            let held = unsafe { Hold::new(handle as *mut QuiesceEngine) }.expect("a live engine");
+            held.host.while_held(|| {
+                inside.0.send(()).unwrap();
+                release.1.recv().unwrap();
+            });
+        });
+        inside.1.recv().unwrap();
+        // SAFETY (child): it calls the C entry point and `_exit`s; `alarm`
+        // kills it if that call blocks.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: in the child: `e` is its copy of the live handle;
+            // `buf` holds 4,096 bytes.
+            unsafe {
+                libc::alarm(5);
+                let code = quiesce_transfer_sync_write(
+                    e,
+                    1,
+                    0,
+                    buf.as_mut_ptr().cast(),
+                    4096,
+                    std::ptr::null(),
+                    std::ptr::null_mut(),
+                );
+                libc::_exit(if code == crate::SYNC_FAILED { 0 } else { 1 });
+            }
+        }
+        release.0.send(()).unwrap();
+        holder.join().unwrap();
+        let mut status = 0;
+        // SAFETY: waits for the child this test forked.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status),
+            "the child's transfer call blocked (killed by signal {})",
+            libc::WTERMSIG(status)
+        );
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "the child's call did not answer -1"
+        );
+        // SAFETY: the engine is live; nothing else uses it.
+        assert_eq!(unsafe { quiesce_engine_stop(e) }, 0);
     }
 
     #[test]

@@ -127,6 +127,14 @@ impl HostRanges {
         self.first_without(ranges, MemoryAccess::ReadWrite)
     }
 
+    /// Runs `f` with this check's lock held (tests: a thread that forks
+    /// while another is inside a check).
+    #[cfg(test)]
+    pub(crate) fn while_held<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _held = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        f()
+    }
+
     /// The first of `ranges` that is not wholly memory this process may
     /// access as `access` says (a write's source need only be readable),
     /// or `None` if each one is.

@@ -366,7 +366,9 @@ impl SyncEngine {
     }
 
     /// `Forked` in a forked child of the process the engine started in.
-    fn not_forked(&self) -> Result<(), SyncError> {
+    /// Checked before any lock: one that a parent's thread held at the
+    /// fork stays held in the child for good.
+    pub fn not_forked(&self) -> Result<(), SyncError> {
         match self.lineage.forked() {
             true => Err(SyncError::Forked),
             false => Ok(()),

@@ -376,6 +376,9 @@ impl Node {
         peer_addresses: &[usize],
         lengths: &[usize],
     ) -> Result<Prepared, String> {
+        // Before any lock (the buffer check's, the peers'): in a forked
+        // child, one that a parent's thread held at the fork stays held.
+        self.engine().not_forked().map_err(|e| e.to_string())?;
         if buffers.len() != peer_addresses.len() || buffers.len() != lengths.len() {
             return Err("buffers, peer addresses and lengths differ in count".into());
         }
