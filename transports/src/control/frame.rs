@@ -139,19 +139,14 @@ pub(crate) fn send_now(s: &TcpStream, head: &[u8], payload: &[u8]) -> io::Result
     }
 }
 
-/// Sends a header and `len` bytes of payload that `fill` writes straight
-/// into the frame, as one write.
-pub(crate) async fn send_frame_filled(
-    s: &TcpStream,
-    h: &Header,
-    len: usize,
-    fill: impl FnOnce(&mut [u8]),
-) -> io::Result<()> {
+/// A frame of a header and `len` bytes of payload that `fill` writes
+/// straight into it, for one write ([`send_frame_buffer`]).
+pub(crate) fn frame_filled(h: &Header, len: usize, fill: impl FnOnce(&mut [u8])) -> Vec<u8> {
     let mut out = frame_buffer(HEADER_LEN + len);
     out.extend_from_slice(&h.encode());
     out.resize(HEADER_LEN + len, 0);
     fill(&mut out[HEADER_LEN..]);
-    send_frame_buffer(s, out).await
+    out
 }
 
 /// An empty buffer for a frame of `total` bytes: a spare one if it fits.
@@ -172,7 +167,7 @@ fn frame_buffer(total: usize) -> Vec<u8> {
 }
 
 /// Sends `out` whole, then keeps it as a spare if it is small enough.
-async fn send_frame_buffer(s: &TcpStream, out: Vec<u8>) -> io::Result<()> {
+pub(crate) async fn send_frame_buffer(s: &TcpStream, out: Vec<u8>) -> io::Result<()> {
     let (res, out) = s.write_all(out).await;
     if out.capacity() <= SPARE_FRAME_LEN {
         let _ = SPARE_FRAMES.try_with(|spare| {

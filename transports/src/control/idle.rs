@@ -88,7 +88,7 @@ impl IdleLimit {
                 match until {
                     Some(u) if now >= u => {
                         return Poll::Ready(Err(Closed::TimedOut(format!(
-                            "silent for {d:?} inside a frame"
+                            "no progress for {d:?} inside a frame"
                         ))))
                     }
                     Some(u) => timer.reset(u),

@@ -9,7 +9,6 @@ use std::cmp::Reverse;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::control::frame::send_frame;
 use crate::control::server::{peer_name, reject, Closed, ServedConn, SessionEntry};
 use crate::control::wire::{
     AuthAck, AuthRequest, Descriptor, GrantReceipt, Header, Opcode, SegmentRef, Status,
@@ -204,16 +203,12 @@ impl ServedConn<'_> {
             // of ours asks for so many at once.)
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };
-        send_frame(
-            self.s,
-            &Header {
-                op: Opcode::AuthAck,
-                length: payload.len() as u64,
-                ..*h
-            },
-            &payload,
-        )
-        .await?;
+        let head = Header {
+            op: Opcode::AuthAck,
+            length: payload.len() as u64,
+            ..*h
+        };
+        self.send(&head, &payload).await?;
         Ok(())
     }
 

@@ -16,7 +16,7 @@ use quiesce_runtime::time::timeout;
 use quiesce_runtime::timeline::{self, Step};
 
 use crate::control::auth::{random_bytes, SessionKey};
-use crate::control::frame::{read_header, read_payload, send_frame};
+use crate::control::frame::{read_header, read_payload, send_frame, send_now, send_unsent};
 use crate::control::idle::IdleLimit;
 use crate::control::prove::RefusedWork;
 use crate::control::read_ahead::ReadAhead;
@@ -429,17 +429,13 @@ async fn serve_inner(
                         return Err(Closed::Io(io::Error::other(why)));
                     }
                 };
-                send_frame(
-                    s,
-                    &Header {
-                        op: Opcode::FenceAck,
-                        length: 0,
-                        offset: reset_qpn,
-                        ..h
-                    },
-                    &[],
-                )
-                .await?;
+                let ack = Header {
+                    op: Opcode::FenceAck,
+                    length: 0,
+                    offset: reset_qpn,
+                    ..h
+                };
+                c.send(&ack, &[]).await?;
                 // Released only by closing what could still carry those
                 // batches: every connection of the session that holds them.
                 let cfg = &engine.config;
@@ -463,6 +459,37 @@ async fn serve_inner(
 }
 
 impl ServedConn<'_> {
+    /// Awaits `send`, a frame to the peer, within the idle limit: a peer
+    /// that stops taking the target's answers (its window shut, or opened
+    /// too slowly to take one frame in about the limit) is closed like one
+    /// gone silent, instead of holding the connection (and a read's
+    /// segment memory, which a deregister waits for) for as long as its
+    /// kernel acks. A send the socket takes at once never looks at the
+    /// timer.
+    pub(crate) async fn sent(
+        &mut self,
+        send: impl std::future::Future<Output = io::Result<()>>,
+    ) -> Result<(), Closed> {
+        self.idle.within(send).await?.map_err(Closed::Io)
+    }
+
+    /// Sends the frame of `h` and `payload` as [`send_frame`] does, what the
+    /// socket does not take at once within the idle limit ([`sent`]): the
+    /// common case, a socket with room, costs no more than `send_frame`.
+    ///
+    /// [`sent`]: Self::sent
+    pub(crate) async fn send(&mut self, h: &Header, payload: &[u8]) -> Result<(), Closed> {
+        let head = h.encode();
+        let sent = send_now(self.s, &head, payload)?;
+        if sent == head.len() + payload.len() {
+            return Ok(());
+        }
+        // A full socket (rare): boxed, as in `send_frame`.
+        let s = self.s;
+        self.sent(Box::pin(send_unsent(s, &head, payload, sent)))
+            .await
+    }
+
     /// The frame's payload, of at most `max` bytes, decoded by `decode`;
     /// one too large or malformed is `BadFrame`, and the connection closed.
     pub(crate) async fn decoded<T, E: std::fmt::Display>(
@@ -547,16 +574,12 @@ impl ServedConn<'_> {
             Ok(p) => p,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),
         };
-        send_frame(
-            self.s,
-            &Header {
-                op: Opcode::QpAccept,
-                length: payload.len() as u64,
-                ..*h
-            },
-            &payload,
-        )
-        .await?;
+        let head = Header {
+            op: Opcode::QpAccept,
+            length: payload.len() as u64,
+            ..*h
+        };
+        self.send(&head, &payload).await?;
         Ok(())
     }
 }

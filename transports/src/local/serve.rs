@@ -4,7 +4,6 @@
 use quiesce_runtime::process::PeerProcess;
 use quiesce_runtime::yield_now;
 
-use crate::control::frame::send_frame;
 use crate::control::revoke::LandingGuard;
 use crate::control::server::{reject, status_frame, Closed, ServedConn};
 use crate::control::wire::{Header, Status};
@@ -64,7 +63,7 @@ impl ServedConn<'_> {
                 (Status::Forbidden, 0)
             }
         };
-        send_frame(self.s, &status_frame(h, st, me), &[]).await?;
+        self.send(&status_frame(h, st, me), &[]).await?;
         Ok(())
     }
 
@@ -204,7 +203,7 @@ impl ServedConn<'_> {
             let c = &self.engine.counters;
             c.bytes_landed.set(c.bytes_landed.get() + moved);
         }
-        send_frame(self.s, &status_frame(h, st, moved), &[]).await?;
+        self.send(&status_frame(h, st, moved), &[]).await?;
         Ok(())
     }
 }

@@ -15,7 +15,7 @@ use std::rc::Rc;
 
 use quiesce_runtime::timeline::{self, Step};
 
-use crate::control::frame::{send_frame, send_frame_filled};
+use crate::control::frame::{frame_filled, send_frame_buffer};
 use crate::control::revoke::LandingGuard;
 use crate::control::server::{reject, status_frame, Closed, ServedConn};
 use crate::control::wire::{Header, Opcode, Status};
@@ -107,7 +107,7 @@ impl ServedConn<'_> {
             .await?;
         let c = &self.engine.counters.rejected;
         c.set(c.get() + 1);
-        send_frame(self.s, &status_frame(h, st, 0), &[]).await?;
+        self.send(&status_frame(h, st, 0), &[]).await?;
         timeline::mark(Step::RefusalSent);
         Ok(())
     }
@@ -205,7 +205,7 @@ impl ServedConn<'_> {
         };
         let c = &self.engine.counters;
         c.bytes_landed.set(c.bytes_landed.get() + landed);
-        send_frame(self.s, &status_frame(h, st, landed), &[]).await?;
+        self.send(&status_frame(h, st, landed), &[]).await?;
         Ok(())
     }
 
@@ -220,26 +220,32 @@ impl ServedConn<'_> {
         };
         if h.length <= INLINE_READ {
             // Small: header and data in one send, one reactor turn, the data
-            // copied from the segment straight into the frame (checked above).
-            send_frame_filled(self.s, &head, h.length as usize, |b| {
+            // copied from the segment straight into the frame (checked
+            // above); the segment let go before the send waits.
+            let frame = frame_filled(&head, h.length as usize, |b| {
                 seg.read_at(h.offset, b);
-            })
-            .await?;
-            return Ok(());
+            });
+            drop(seg);
+            return self.sent(send_frame_buffer(self.s, frame)).await;
         }
-        send_frame(self.s, &head, &[]).await?;
+        self.send(&head, &[]).await?;
+        // The window holds the segment's memory until the send ends (or the
+        // idle limit cuts it).
         let window = Window::new(seg.inner.mem.clone(), h.offset as usize, h.length as usize);
+        drop(seg);
         let zc = self
             .engine
             .config
             .zc_threshold
             .is_some_and(|t| h.length >= t as u64);
-        let (res, _) = if zc {
-            self.s.write_all_zc(window).await
-        } else {
-            self.s.write_all(window).await
-        };
-        res?;
-        Ok(())
+        let s = self.s;
+        self.sent(async move {
+            let (res, _) = match zc {
+                true => s.write_all_zc(window).await,
+                false => s.write_all(window).await,
+            };
+            res
+        })
+        .await
     }
 }

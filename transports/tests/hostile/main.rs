@@ -411,3 +411,33 @@ fn a_connection_silent_mid_frame_is_closed_after_the_idle_limit() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(t.stats().connections, 0);
 }
+
+/// A peer that asks for reads and then stops reading the answers (or
+/// reads them too slowly to take one frame within the idle limit) is
+/// closed like a silent one. The target's sends had no bound: the answer
+/// to a read waited for the peer's window for good, holding the
+/// connection — and the segment's memory, which a deregister waits for —
+/// as long as the peer's kernel kept acking.
+#[test]
+fn a_peer_that_stops_reading_its_answers_is_closed_after_the_idle_limit() {
+    use quiesce_transports::wire::{Header, Opcode};
+    let (t, mut c) = idle_target();
+    // 400 reads of 64 KiB: far more than the two sockets' buffers hold.
+    for i in 0..400u64 {
+        let h = Header {
+            batch: 1,
+            task: i,
+            segment: t.seg("kv").id,
+            offset: 0,
+            length: 65536,
+            ..Header::new(Opcode::Read)
+        };
+        c.send(&h, &[]);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        t.stats().connections,
+        0,
+        "a connection whose peer stopped reading was still served 2 s later (idle limit 300 ms)"
+    );
+}
