@@ -461,10 +461,14 @@ impl Lane {
         for (_, t) in tasks {
             let known = self.opened.get(t.segment as usize).cloned().flatten();
             let seg = match known {
-                Some(LaneSegment::Open(s)) => s,
+                Some(LaneSegment::Open(s)) if !s.is_gone() => s,
                 Some(LaneSegment::Another) => return (None, spent),
                 Some(LaneSegment::Slow(until)) if now < until => return (None, spent),
-                Some(LaneSegment::Slow(_)) | None => {
+                // Never opened here, or not for a while, or gone at the
+                // peer (a restarted target): opened as the engine has it
+                // now, as its thread would (a lane that kept a gone
+                // opening failed for good where the engine recovered).
+                Some(LaneSegment::Slow(_) | LaneSegment::Open(_)) | None => {
                     let left = budget.map(|b| b.saturating_sub(spent));
                     if let (Some(l), Some(b)) = (left, budget) {
                         if l.is_zero() || l < b / 2 {

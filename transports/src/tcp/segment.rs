@@ -150,6 +150,14 @@ impl RemoteSegment {
         }
     }
 
+    /// True once the target no longer has this opening's segment (a
+    /// restarted target refused it when a connection proved it again):
+    /// every transfer fails `NoSuchSegment`, and only opening it again
+    /// gives a handle that works.
+    pub fn is_gone(&self) -> bool {
+        !self.desc.current.get()
+    }
+
     /// The peer it lives on.
     pub fn peer(&self) -> &Peer {
         &self.peer
