@@ -120,6 +120,59 @@ def test_a_close_waiting_for_a_blocking_call_does_not_freeze_python(native_peer)
     assert max(gaps) < 1.0, f"Python stalled for {max(gaps):.1f} s"
 
 
+def test_run_async_while_a_close_waits_does_not_block_the_event_loop(native_peer):
+    """While one thread's run() blocks on a stopped target and another's
+    close() waits for it, an asyncio task's run_async() submitted on the
+    loop's thread, waiting for the engine behind that close: the loop froze
+    until the run's deadline ended, then got EngineClosed."""
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+
+    def run():
+        b = e.batch(deadline=3.0)
+        b.write(bytearray(4096), kv)
+        b.run()
+
+    runner = threading.Thread(target=run)
+    closer = threading.Thread(target=e.close)
+    runner.start()
+    time.sleep(0.3)
+    closer.start()
+    time.sleep(0.3)
+
+    async def main():
+        gaps, done = [], asyncio.Event()
+
+        async def heartbeat():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.create_task(heartbeat())
+        await asyncio.sleep(0.05)
+        b = e.batch(deadline=3.0)
+        b.write(bytearray(4096), kv)
+        with pytest.raises(quiesce.EngineClosed):
+            await b.run_async()
+        await asyncio.sleep(0.05)
+        done.set()
+        await beat
+        return max(gaps)
+
+    try:
+        worst = asyncio.run(main())
+    finally:
+        t.signal(signal.SIGCONT)
+        runner.join()
+        closer.join()
+    assert worst < 1.0, f"the event loop stalled for {worst:.1f} s"
+
+
 def test_a_wait_for_quiescence_across_an_undrained_close_says_false(native_peer, monkeypatch):
     """A wait_for_quiescence() that began before a close() which could not
     drain (a stopped target on this host reads the source itself) must not

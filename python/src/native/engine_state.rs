@@ -179,6 +179,23 @@ impl Core {
         f(engine.as_ref().ok_or(SyncError::Stopped)?)
     }
 
+    /// [`with`](Self::with) for a call that must not block (a submit from
+    /// an asyncio loop's thread): a close underway, which holds the engine
+    /// or waits for the blocking calls ahead of it (each up to its
+    /// deadline), answers `Stopped` at once instead of making the caller
+    /// wait behind those calls. Only a close takes the engine's write lock.
+    pub(super) fn with_now<R>(
+        &self,
+        f: impl FnOnce(&SyncEngine) -> Result<R, SyncError>,
+    ) -> Result<R, SyncError> {
+        let engine = match self.engine.try_read() {
+            Ok(engine) => engine,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(SyncError::Stopped),
+        };
+        f(engine.as_ref().ok_or(SyncError::Stopped)?)
+    }
+
     /// Settles `held` by its batch's outcome: kept under the ticket for -2,
     /// released for 0 and -1. A -2 without a ticket (the engine gives every
     /// one a ticket) has nothing to say when it drains: its memory is kept

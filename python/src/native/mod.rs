@@ -438,7 +438,7 @@ impl NativeEngine {
         let key = self.core.next.fetch_add(1, Ordering::Relaxed);
         lock(&self.core.flights).insert(key, Flight { held, callback });
         let r = py.detach(|| {
-            self.core.with(|e| {
+            self.core.with_now(|e| {
                 e.submit_with(tasks, opts, move |out| {
                     let _ = tx.send((key, out));
                 })
@@ -488,19 +488,19 @@ impl NativeEngine {
 impl NativeEngine {
     /// The delivery thread's sender, starting the thread with the first.
     fn deliveries(&self, py: Python<'_>) -> PyResult<mpsc::Sender<Delivery>> {
-        // Without the GIL throughout: the engine's read lock may wait (a
-        // `close` waiting to write holds new readers back), and a thread
-        // holding the GIL must never wait for this mutex's holder.
+        // Without the GIL throughout: a thread holding the GIL must never
+        // wait for this mutex's holder.
         let r = py.detach(|| -> Result<mpsc::Sender<Delivery>, Option<String>> {
             let mut d = lock(&self.core.deliveries);
             if let Some(tx) = d.as_ref() {
                 return Ok(tx.clone());
             }
-            let engine = self.core.engine.read().unwrap_or_else(|e| e.into_inner());
-            if engine.is_none() {
+            // Whether the engine is open, without waiting behind a close
+            // (submit runs on an asyncio loop's thread): one underway
+            // counts as closed.
+            if self.core.with_now(|_| Ok(())).is_err() {
                 return Err(None);
             }
-            drop(engine);
             let (tx, rx) = mpsc::channel();
             let core = self.core.clone();
             std::thread::Builder::new()
