@@ -173,6 +173,50 @@ def test_run_async_while_a_close_waits_does_not_block_the_event_loop(native_peer
     assert worst < 1.0, f"the event loop stalled for {worst:.1f} s"
 
 
+def test_a_forked_childs_close_does_not_wait_for_the_parents_threads(native_peer):
+    """A thread of the parent was inside run() (holding the engine's read
+    lock) when another forked: the child's close() waited for that lock,
+    which no thread of the child will ever release."""
+    import os
+
+    t = native_peer(kv=MiB)
+    e = quiesce.Engine(secret=SECRET)
+    kv = e.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+
+    def run():
+        b = e.batch(deadline=3.0)
+        b.write(bytearray(4096), kv)
+        try:
+            b.run()
+        except quiesce.QuiesceError:
+            pass
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    time.sleep(0.3)
+    pid = os.fork()
+    if pid == 0:
+        e.close()
+        os._exit(0)
+    try:
+        until = time.monotonic() + 10
+        while time.monotonic() < until:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's close() hung")
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    finally:
+        t.signal(signal.SIGCONT)
+        runner.join()
+        e.close()
+
+
 def test_a_wait_for_quiescence_across_an_undrained_close_says_false(native_peer, monkeypatch):
     """A wait_for_quiescence() that began before a close() which could not
     drain (a stopped target on this host reads the source itself) must not

@@ -76,6 +76,10 @@ pub(super) struct Core {
     pub(super) node: String,
     /// Lent segments' names, by address (to withdraw them).
     pub(super) names: Mutex<HashMap<u64, (u64, String)>>,
+    /// The process the engine started in: a forked child's copy takes none
+    /// of its locks to close (a parent's thread may have held one at the
+    /// fork, and no thread of the child ever releases it).
+    pub(super) lineage: quiesce_runtime::fork::Lineage,
 }
 
 /// How long one wait holds the engine's read lock (a `close` waits for it).
@@ -285,6 +289,11 @@ impl Core {
     /// finish first (each within its deadline or wait slice); a second
     /// `close` waits for the first and answers the same.
     pub(super) fn close(&self, py: Python<'_>) -> bool {
+        if self.lineage.forked() {
+            // The child's copies of what the engine held are left as they
+            // are (the parent's engine never touches the child's memory).
+            return false;
+        }
         // Without the GIL: blocking calls on other threads hold the engine's
         // read lock until they finish, and may need the GIL to do so.
         let stopped = py.detach(|| {

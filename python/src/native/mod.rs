@@ -203,6 +203,7 @@ impl NativeEngine {
                 directory: RwLock::new(Some(directory)),
                 node,
                 names: Mutex::default(),
+                lineage: quiesce_runtime::fork::Lineage::here(),
             }),
         })
     }
@@ -479,7 +480,9 @@ impl NativeEngine {
 
     /// Stops the engine (blocking calls finish first; batches in flight are
     /// cancelled and reaped). False: it could not drain, and the memory it
-    /// held stays held for good.
+    /// held stays held for good. In a forked child (whose copy of the
+    /// engine has no thread: the parent's runs on) it returns False at
+    /// once and takes nothing back.
     fn close(&self, py: Python<'_>) -> bool {
         self.core.close(py)
     }
