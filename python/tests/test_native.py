@@ -182,6 +182,13 @@ def test_bad_input_raises_a_typed_error_and_loses_nothing(native_peer, eng):
         eng.batch().run()  # no tasks
     with pytest.raises(quiesce.SecretMissing):
         quiesce.Engine(secret="short")
+    # A segment name no directory can hold (it was lent and served, and
+    # only its publication failed, in a log line): refused, nothing lent.
+    for bad in ("a/b", "kv 0", "", "x" * 256):
+        lent = bytearray(4096)
+        with pytest.raises(quiesce.InvalidInput):
+            eng.register(bad, lent)
+        assert resizable(lent), f"{bad!r}: a refused registration kept its buffer"
     assert issubclass(quiesce.OutOfBounds, ValueError)
     assert t.count("kv", 0) == MiB, "a refused task wrote"
     # The engine and the batch still work.

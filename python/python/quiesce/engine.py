@@ -221,7 +221,9 @@ class Engine:
     def register(self, name: str, buffer: Any) -> LocalSegment:
         """Lends ``buffer`` (writable, contiguous) to peers as segment
         ``name``: peers that prove the secret may read and write it until
-        ``revoke()``. Do not write it yourself meanwhile."""
+        ``revoke()``. Do not write it yourself meanwhile. ``name``: 1 to 255
+        bytes, without "/", whitespace or control characters (else
+        ``InvalidInput``)."""
         seg = LocalSegment(self, name, buffer, self._native.lend(name, buffer))
         return seg
 

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{SyncEngine, SyncError, SyncOutcome};
 use quiesce_batch::{BatchOptions, FailurePolicy, RemoteState, TaskStatus};
-use quiesce_directory::{Directory, DirectoryError, NodeRecord, SegmentRecord};
+use quiesce_directory::{check_name, Directory, DirectoryError, NodeRecord, SegmentRecord};
 use quiesce_transports::rdma::RdmaConfig;
 use quiesce_transports::{EngineConfig, Token};
 
@@ -225,6 +225,9 @@ impl NativeEngine {
         name: &str,
         buffer: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, u64, u64)> {
+        // A name no directory holds (it would be lent and served, its
+        // publication failing in a log line): refused before anything.
+        check_name(name).map_err(|e| from_directory(py, &e))?;
         let held = Held::new(buffer, Access::Write)?;
         let (addr, len) = (held.addr as u64, held.len as u64);
         let token = Token::derive(&self.core.secret, name);
