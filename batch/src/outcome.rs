@@ -315,13 +315,17 @@ impl<B: 'static> Handoff<B> {
 
 impl<B> Handoff<B> {
     pub(crate) fn wake_waiter(&self) {
-        if let Some(w) = self.waiter.borrow_mut().take() {
+        // Taken first: a waker that polls its task at once finds the cell
+        // free.
+        let w = self.waiter.borrow_mut().take();
+        if let Some(w) = w {
             w.wake();
         }
     }
 
     pub(crate) fn wake_driver(&self) {
-        if let Some(w) = self.driver.borrow_mut().take() {
+        let w = self.driver.borrow_mut().take();
+        if let Some(w) = w {
             w.wake();
         }
     }
@@ -434,7 +438,7 @@ impl<B> Future for Submitted<B> {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome<B>> {
         // Polled again, it would hand out a second ticket (the drop of
         // either abandons the batch) or take the drained result from under
-        // the first.
+        // the first; after a panic it passed on, it would wait for good.
         assert!(!self.done, "`Submitted` polled after it resolved");
         // Right after `submit`, in the same poll of the same task, with
         // nothing having woken it since: the driver, polled at submit with
@@ -454,7 +458,11 @@ impl<B> Future for Submitted<B> {
                 Ok(Poll::Ready(())) => self.driver = None,
                 Ok(Poll::Pending) => {}
                 Err(panic) => {
+                    // Resolved: the panic is its result (a later poll would
+                    // find no driver to wait for, and perhaps a ticket that
+                    // could never resolve).
                     self.driver = None;
+                    self.done = true;
                     resume_unwind(panic);
                 }
             }

@@ -269,7 +269,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         if !matches!(t.state, TaskState::Queued) {
             return None;
         }
-        t.attempts += 1;
+        t.attempts = t.attempts.saturating_add(1);
         t.state = TaskState::InFlight(InFlight::Held);
         Some(t.buf.take().expect("a queued task holds its buffer"))
     }
@@ -294,7 +294,7 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             } else {
                 InFlight::Spawned(spawn_local(fut))
             };
-            t.attempts += 1;
+            t.attempts = t.attempts.saturating_add(1);
             t.state = TaskState::InFlight(f);
         }
     }

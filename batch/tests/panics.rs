@@ -24,6 +24,10 @@ enum Panicky {
     /// Target 0 refuses at once; the others ignore the abort, end 100 ms
     /// later and then panic.
     Late,
+    /// Every transfer waits one turn; then target 0 refuses, and the others
+    /// panic at their fourth poll, which comes in the same poll of the
+    /// driver as target 0's refusal.
+    FourthPoll,
 }
 
 async fn panics<B>(how: Panicky, target: u64, buf: B) -> (Result<u64, TransferError>, B) {
@@ -31,11 +35,20 @@ async fn panics<B>(how: Panicky, target: u64, buf: B) -> (Result<u64, TransferEr
         Panicky::AfterATurn => yield_now().await,
         Panicky::Late if target == 0 => return (Err(TransferError::Forbidden(0)), buf),
         Panicky::Late => sleep(Duration::from_millis(100)).await,
+        Panicky::FourthPoll => {
+            yield_now().await;
+            if target == 0 {
+                return (Err(TransferError::Forbidden(0)), buf);
+            }
+            yield_now().await;
+            yield_now().await;
+        }
     }
     if std::hint::black_box(true) {
         match how {
             Panicky::AfterATurn => panic!("a transfer that panics"),
             Panicky::Late => panic!("a transfer that panics late"),
+            Panicky::FourthPoll => panic!("a transfer that panics at its fourth poll"),
         }
     }
     (Ok(0), buf)
@@ -229,6 +242,53 @@ fn a_submitted_polled_after_it_resolved_panics() {
     });
     assert!(
         seen.contains(&"`Submitted` polled after it resolved".to_string()),
+        "{seen:?}"
+    );
+}
+
+/// A `Submitted` polled again after it passed on a transfer's panic panics
+/// too. In one poll of the driver, target 0's refusal fenced the batch
+/// with no grace, and then target 1's transfer panicked: a second poll
+/// waited for good (its driver was gone with the panic) — or, had the
+/// fence's grace run out in that poll, handed out a `CompletionUnknown`
+/// whose ticket could never resolve.
+#[test]
+fn a_submitted_polled_again_after_a_panic_panics() {
+    use quiesce_batch::Outcome;
+    use std::task::Poll;
+    let rt = Runtime::new().unwrap();
+    let seen = panics_during(|| {
+        rt.block_on(async {
+            let opts = BatchOptions {
+                fence_grace: Duration::ZERO,
+                policy: quiesce_batch::FailurePolicy::FailFast,
+                ..BatchOptions::default()
+            };
+            let mut batch = Batch::new(Panicky::FourthPoll, opts);
+            batch.write(vec![1u8; 64], 0).ok().unwrap();
+            batch.write(vec![2u8; 64], 1).ok().unwrap();
+            let mut submitted = std::pin::pin!(batch.submit());
+            yield_now().await;
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            let first = catch_unwind(AssertUnwindSafe(|| submitted.as_mut().poll(&mut cx)));
+            assert!(first.is_err(), "the transfer's panic was not passed on");
+            let again = catch_unwind(AssertUnwindSafe(|| submitted.as_mut().poll(&mut cx)));
+            if let Ok(Poll::Ready(Outcome::CompletionUnknown(t))) = again {
+                let waited = t.wait_for(Duration::from_millis(500)).await;
+                panic!(
+                    "polled again after the panic: a ticket (waited 500 ms: {:?})",
+                    waited.map(|_| ())
+                );
+            }
+            match again {
+                Err(_) => {}
+                Ok(Poll::Pending) => panic!("polled again after the panic: pending (for good)"),
+                Ok(Poll::Ready(_)) => panic!("polled again after the panic: an outcome"),
+            }
+        });
+    });
+    assert!(
+        seen.contains(&"a transfer that panics at its fourth poll".to_string()),
         "{seen:?}"
     );
 }
