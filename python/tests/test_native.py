@@ -180,6 +180,22 @@ def test_bad_input_raises_a_typed_error_and_loses_nothing(native_peer, eng):
             eng.batch(**bad)
     with pytest.raises(quiesce.InvalidInput):
         eng.batch().run()  # no tasks
+    # Numbers of other types are numbers (numpy's were InvalidInput).
+    np = pytest.importorskip("numpy")
+    for good in (np.int64(5), np.float32(2.5), 3):
+        eng.batch(deadline=good)
+    # A tensor-like object that says wrong things is InvalidInput (it was
+    # AttributeError for a device given as a string, OverflowError for a
+    # negative pointer or size).
+    cuda = Tensorish(4096)
+    cuda.device = "cuda:0"
+    negative = Tensorish(4096)
+    negative.data_ptr = lambda: -4096
+    short = Tensorish(4096)
+    short.nbytes = -1
+    for odd in (cuda, negative, short):
+        with pytest.raises(quiesce.InvalidInput):
+            b.write(odd, kv)
     with pytest.raises(quiesce.SecretMissing):
         quiesce.Engine(secret="short")
     # A segment name no directory can hold (it was lent and served, and

@@ -31,6 +31,7 @@ lock a bytearray's size; tensors cannot be locked: do not resize them).
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
@@ -88,7 +89,7 @@ class Batch:
         # (checked as the float it becomes: an int just below 2**64 rounds
         # up to it).
         try:
-            seconds = float(deadline) if isinstance(deadline, (int, float)) else float("nan")
+            seconds = float(deadline) if isinstance(deadline, numbers.Real) else float("nan")
         except OverflowError:  # an int past any float
             seconds = float("inf")
         if not 1e-9 <= seconds < 2.0**64:

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
+from quiesce.errors import InvalidInput
+
 
 @dataclass(frozen=True)
 class TaskReport:
@@ -94,6 +96,8 @@ class CompletionUnknown:
         drained batch before any wait here did, its outcome is kept among
         the engine's last 4,096 such; a first wait after more drained
         raises ``InvalidInput`` (the buffers were let go either way)."""
+        if timeout != timeout:  # NaN: Lock.acquire raised ValueError
+            raise InvalidInput(f"timeout {timeout!r}: a number of seconds")
         timeout = min(max(timeout, 0.0), threading.TIMEOUT_MAX)
         deadline = time.monotonic() + timeout
         if not self._asking.acquire(timeout=timeout):

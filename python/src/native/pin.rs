@@ -84,7 +84,14 @@ impl Held {
             ));
         }
         if obj.hasattr("device")? {
-            let kind: String = obj.getattr("device")?.getattr("type")?.extract()?;
+            // torch's `device.type`; a device given as a string ("cuda:0")
+            // is its own.
+            let device = obj.getattr("device")?;
+            let kind = match device.getattr("type") {
+                Ok(t) => t.str()?.to_string(),
+                Err(_) => device.str()?.to_string(),
+            };
+            let kind = kind.split(':').next().unwrap_or_default();
             if kind != "cpu" {
                 return Err(invalid(
                     py,
@@ -95,8 +102,13 @@ impl Held {
         if obj.hasattr("is_contiguous")? && !obj.call_method0("is_contiguous")?.extract::<bool>()? {
             return Err(invalid(py, "the tensor is not contiguous"));
         }
-        let addr: usize = obj.call_method0("data_ptr")?.extract()?;
-        let len: usize = obj.getattr("nbytes")?.extract()?;
+        // A negative or huge pointer or size is bad input, not an overflow.
+        let word = |v: Bound<'_, PyAny>, what: &str| {
+            v.extract::<usize>()
+                .map_err(|_| invalid(py, &format!("the tensor's {what} is not an address-sized count")))
+        };
+        let addr = word(obj.call_method0("data_ptr")?, "data_ptr()")?;
+        let len = word(obj.getattr("nbytes")?, "nbytes")?;
         if len == 0 {
             return Err(zero_length(py, "the tensor is empty"));
         }
