@@ -74,8 +74,10 @@ pub(super) struct Core {
     pub(super) directory: RwLock<Option<Directory>>,
     /// This engine's node name in the directory.
     pub(super) node: String,
-    /// Lent segments' names, by address (to withdraw them).
-    pub(super) names: Mutex<HashMap<u64, (u64, String)>>,
+    /// Lent segments' names, by segment id (to withdraw them): by address,
+    /// a lending of the address made while a revoke of the last one ended
+    /// replaced its entry, and that revoke left its record published.
+    pub(super) names: Mutex<HashMap<u64, String>>,
     /// The process the engine started in: a forked child's copy takes none
     /// of its locks to close (a parent's thread may have held one at the
     /// fork, and no thread of the child ever releases it).

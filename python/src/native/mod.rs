@@ -243,7 +243,7 @@ impl NativeEngine {
             Ok(id) => {
                 let lending = Lending { segment: id, held };
                 self.core.keep(py, &self.core.lent, addr, lending);
-                lock(&self.core.names).insert(addr, (id, name.to_string()));
+                lock(&self.core.names).insert(id, name.to_string());
                 // Publishing only queues (a helper thread writes etcd).
                 let rec = SegmentRecord {
                     node: self.core.node.clone(),
@@ -346,13 +346,7 @@ impl NativeEngine {
             if let Some(h) = held {
                 h.release(py);
             }
-            let name = {
-                let mut names = lock(&self.core.names);
-                match names.get(&address) {
-                    Some((id, _)) if ours(*id) => names.remove(&address),
-                    _ => None,
-                }
-            };
+            let name = segment.and_then(|id| Some((id, lock(&self.core.names).remove(&id)?)));
             if let Some((id, n)) = name {
                 // By id: the name may be lent again (published anew) by now.
                 let _ = py.detach(|| {
