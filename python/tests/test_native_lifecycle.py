@@ -217,6 +217,39 @@ def test_a_forked_childs_close_does_not_wait_for_the_parents_threads(native_peer
         e.close()
 
 
+def test_wait_for_quiescence_after_a_close_says_true_only_once_buffers_are_let_go(native_peer, monkeypatch):
+    """After a close that drained, wait_for_quiescence() said True while a
+    submitted batch's buffer was still held: the delivery thread, which
+    lets it go, needs the GIL the caller held."""
+    monkeypatch.setenv("QUIESCE_LOCAL", "off")
+    t = native_peer(kv=MiB)
+    engines = [quiesce.Engine(secret=SECRET) for _ in range(10)]
+    opened = [(e, e.open(t.address, "kv")) for e in engines]
+    t.signal(signal.SIGSTOP)
+    try:
+
+        async def main(e, kv, src):
+            b = e.batch(deadline=5.0)
+            b.write(src, kv)
+            task = asyncio.ensure_future(b.run_async())
+            await asyncio.sleep(0)  # submitted
+            e.close()
+            said = e.wait_for_quiescence(0)
+            free = resizable(src)
+            try:
+                await task
+            except quiesce.EngineClosed:
+                pass
+            return said, free
+
+        for round, (e, kv) in enumerate(opened):
+            src = bytearray(4096)
+            said, free = asyncio.run(main(e, kv, src))
+            assert free or not said, f"round {round}: True while the batch's buffer was still held"
+    finally:
+        t.signal(signal.SIGCONT)
+
+
 def test_a_wait_for_quiescence_across_an_undrained_close_says_false(native_peer, monkeypatch):
     """A wait_for_quiescence() that began before a close() which could not
     drain (a stopped target on this host reads the source itself) must not

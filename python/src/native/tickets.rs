@@ -137,9 +137,17 @@ impl Core {
                 return Ok(left.is_empty() && lock(&self.flights).is_empty());
             }
         }
-        // Closed: what it could not drain stays held for good.
+        // Closed: what it could not drain stays held for good. The flights
+        // it left are let go (or kept) by the delivery thread, which needs
+        // the GIL: waited for without it, or this said True while their
+        // buffers were still held.
+        py.detach(|| {
+            while !lock(&self.flights).is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
         let drained = *lock(&self.ending) == Ending::Drained;
-        Ok(drained && lock(&self.tickets).is_empty())
+        Ok(drained && lock(&self.tickets).is_empty() && lock(&self.flights).is_empty())
     }
 
     /// Reaps every ticket until `deadline` (each at least once), keeping
