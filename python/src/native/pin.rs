@@ -104,8 +104,12 @@ impl Held {
         }
         // A negative or huge pointer or size is bad input, not an overflow.
         let word = |v: Bound<'_, PyAny>, what: &str| {
-            v.extract::<usize>()
-                .map_err(|_| invalid(py, &format!("the tensor's {what} is not an address-sized count")))
+            v.extract::<usize>().map_err(|_| {
+                invalid(
+                    py,
+                    &format!("the tensor's {what} is not an address-sized count"),
+                )
+            })
         };
         let addr = word(obj.call_method0("data_ptr")?, "data_ptr()")?;
         let len = word(obj.getattr("nbytes")?, "nbytes")?;
