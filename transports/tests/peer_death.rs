@@ -262,18 +262,7 @@ fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
 #[test]
 fn an_open_whose_data_connection_never_answers_fails_within_the_connect_timeout() {
     let mute = Arc::new(AtomicBool::new(false));
-    let seen = Arc::new(AtomicUsize::new(0));
-    let muted = mute.clone();
-    let addr = fake_target("muting-data", move |mut s, addr| {
-        // The peer's first connection is its control connection.
-        let control = seen.fetch_add(1, Ordering::SeqCst) == 0;
-        while let Some(h) = recv_header(&mut s) {
-            let Some(p) = payload(&mut s, &h) else { return };
-            if h.op == Opcode::Auth && (control || !muted.load(Ordering::SeqCst)) {
-                accept_auth(&mut s, &p, addr, |_| {});
-            }
-        }
-    });
+    let addr = muting_data_target(mute.clone(), false);
     Runtime::new().unwrap().block_on(async {
         let cfg = EngineConfig {
             connect_timeout: Duration::from_millis(300),
@@ -296,6 +285,114 @@ fn an_open_whose_data_connection_never_answers_fails_within_the_connect_timeout(
             "took {:?}",
             t0.elapsed()
         );
+        e.shutdown();
+    });
+}
+
+/// A fake target whose control connection (the peer's first) answers every
+/// `Auth`, and whose data connections answer them until `mute` is set and
+/// then nothing. With `stray`, a muted data connection also gets a
+/// `Status` for a request never sent every 100 ms.
+fn muting_data_target(mute: Arc<AtomicBool>, stray: bool) -> SocketAddr {
+    let seen = Arc::new(AtomicUsize::new(0));
+    fake_target("muting-data", move |mut s, addr| {
+        let control = seen.fetch_add(1, Ordering::SeqCst) == 0;
+        if stray && !control {
+            let (mut w, mute) = (s.try_clone().unwrap(), mute.clone());
+            std::thread::spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(100));
+                if mute.load(Ordering::SeqCst) {
+                    let h = Header {
+                        task: 999_999,
+                        ..Header::new(Opcode::Status)
+                    };
+                    if w.write_all(&h.encode()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        while let Some(h) = recv_header(&mut s) {
+            let Some(p) = payload(&mut s, &h) else { return };
+            if h.op == Opcode::Auth && (control || !mute.load(Ordering::SeqCst)) {
+                accept_auth(&mut s, &p, addr, |_| {});
+            }
+        }
+    })
+}
+
+/// What bounds an open's `Auth` is the target's answers, not the
+/// connection's other traffic: requests this initiator sends meanwhile
+/// (fences on the control connection, writes on a data connection) and
+/// frames for requests never sent (a hostile target's) kept it waiting
+/// for as long as they came, once at least every connect timeout.
+#[test]
+fn an_open_is_not_kept_waiting_by_its_own_sends_or_stray_frames() {
+    // The control connection: fences sent (never answered) every 100 ms.
+    Runtime::new().unwrap().block_on(async {
+        let (_e, peer, _kv) = opened_then_muted().await;
+        let fencing = peer.clone();
+        let fences = spawn_local(async move {
+            for b in 1..40 {
+                let f = fencing.clone();
+                spawn_local(async move {
+                    let _ = f.fence(b).await;
+                });
+                time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        let t0 = Instant::now();
+        let out = time::timeout(Duration::from_secs(3), peer.open("lv", Token::random())).await;
+        let err = out
+            .expect("the open waited 3 s behind its own fences")
+            .err()
+            .expect("an open with no auth ack succeeded");
+        assert!(matches!(err, TransferError::ConnectionLost(_)), "{err:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t0.elapsed()
+        );
+        peer.abort();
+        let _ = fences.await;
+    });
+    // A data connection: writes sent (never answered) and stray statuses
+    // heard every 100 ms.
+    let mute = Arc::new(AtomicBool::new(false));
+    let addr = muting_data_target(mute.clone(), true);
+    Runtime::new().unwrap().block_on(async {
+        let cfg = EngineConfig {
+            connect_timeout: Duration::from_millis(300),
+            connections_per_peer: 2,
+            ..tcp()
+        };
+        let e = Engine::bind(cfg).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let kv = peer.open("kv", Token::random()).await.unwrap();
+        mute.store(true, Ordering::SeqCst);
+        let writes = spawn_local(async move {
+            for b in 1..40u64 {
+                let kv = kv.clone();
+                spawn_local(async move {
+                    let _ = kv.write(0, vec![0u8; 4096], b).await;
+                });
+                time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        let t0 = Instant::now();
+        let out = time::timeout(Duration::from_secs(3), peer.open("lv", Token::random())).await;
+        let err = out
+            .expect("the open waited 3 s behind its own writes and stray statuses")
+            .err()
+            .expect("an open with no data-connection auth ack succeeded");
+        assert!(matches!(err, TransferError::ConnectionLost(_)), "{err:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            t0.elapsed()
+        );
+        peer.abort();
+        let _ = writes.await;
         e.shutdown();
     });
 }

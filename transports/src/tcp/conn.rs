@@ -37,9 +37,7 @@ pub(crate) struct SendGuard<'a> {
 
 impl Drop for SendGuard<'_> {
     fn drop(&mut self) {
-        if self.complete {
-            self.conn.moved();
-        } else {
+        if !self.complete {
             self.conn.kill("a request was abandoned mid-send");
         }
     }
@@ -89,9 +87,10 @@ pub(crate) struct Conn {
     /// target chose: a `HashMap` with std's keyed hasher, not an
     /// `OwnIdMap`.)
     grants: RefCell<std::collections::HashMap<u64, GrantReceipt>>,
-    /// Frames heard and requests sent so far: what a wait bounded by the
-    /// connection's silence (`Peer::auth_within`) watches.
-    progress: Cell<u64>,
+    /// Answers heard so far to requests this connection sent (frames for
+    /// no request not counted): what a wait bounded by the target's silence
+    /// (`Peer::auth_within`) watches.
+    answers: Cell<u64>,
 }
 
 /// Times [`Conn::auth`] proves a segment again for a newer grant: a revoke
@@ -245,7 +244,7 @@ impl Conn {
             local: Cell::new(false),
             outbox: std::cell::OnceCell::new(),
             grants: RefCell::default(),
-            progress: Cell::new(0),
+            answers: Cell::new(0),
         });
         // The reader holds the connection until the socket ends (kill/abort
         // shut it down), then fails whatever is pending.
@@ -253,14 +252,14 @@ impl Conn {
         Ok(conn)
     }
 
-    /// Notes that the connection moved: a frame heard, a request sent.
-    pub(super) fn moved(&self) {
-        self.progress.set(self.progress.get().wrapping_add(1));
+    /// Counts an answer to one of this connection's requests.
+    pub(super) fn answered(&self) {
+        self.answers.set(self.answers.get().wrapping_add(1));
     }
 
-    /// How often the connection moved so far ([`moved`](Self::moved)).
-    pub(super) fn progress(&self) -> u64 {
-        self.progress.get()
+    /// Answers heard so far ([`answered`](Self::answered)).
+    pub(super) fn answers(&self) -> u64 {
+        self.answers.get()
     }
 
     pub(crate) fn is_dead(&self) -> bool {

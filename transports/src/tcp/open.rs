@@ -59,7 +59,9 @@ impl Peer {
         what: impl Fn() -> String,
     ) -> Result<RemoteSegment, TransferError> {
         let control = self.control().await?;
-        let ack = self.auth_within(&control, &[(seg, token)]).await?;
+        let ack = self
+            .auth_within(&control, &[(seg, token)], Bound::Deadline)
+            .await?;
         let desc = match ack.results.as_slice() {
             [(Status::Ok, Some(d))] if is_it(d) => d.clone(),
             [(Status::Ok, _)] => {
@@ -96,9 +98,8 @@ impl Peer {
                 // lock, answers ahead of it): bounded by its silence, not
                 // by a deadline (a long transfer is no dead target).
                 Some(c) => {
-                    let ack = self
-                        .auth_within(&c, &[(SegmentRef::Id(desc.id), token)])
-                        .await?;
+                    let proof = [(SegmentRef::Id(desc.id), token)];
+                    let ack = self.auth_within(&c, &proof, Bound::Silence).await?;
                     check_auth(&[desc.id], &ack.results)?;
                 }
                 // A new connection proves every opened token, this one too.
@@ -113,28 +114,26 @@ impl Peer {
         })
     }
 
-    /// Connection `c`'s answer to an `Auth` of `tokens`, unless `c` stays
-    /// silent for the connect timeout: no frame heard and no request sent
-    /// in that time (a frozen target, whose kernel still acks, or one that
-    /// answers everything but this) gets the connection killed, and the
-    /// open fails as `ConnectionLost` instead of waiting for good. An answer
-    /// queued behind bulk that still moves (a data connection's) is waited
-    /// for; on the control connection, which carries none, this is a
-    /// deadline.
+    /// Connection `c`'s answer to an `Auth` of `tokens`, within the connect
+    /// timeout as `bound` says. A target that does not answer in time (a
+    /// frozen process, whose kernel still acks, or one that answers
+    /// nothing) gets the connection killed, and the open fails as
+    /// `ConnectionLost` instead of waiting for good.
     async fn auth_within(
         &self,
         c: &Conn,
         tokens: &[(SegmentRef, Token)],
+        bound: Bound,
     ) -> Result<AuthAck, TransferError> {
         let limit = self.inner.params.connect_timeout;
         let mut auth = pin!(c.auth(tokens));
         loop {
-            let seen = c.progress();
+            let heard = c.answers();
             match timeout(limit, auth.as_mut()).await {
                 Ok(r) => return r,
-                Err(_) if c.progress() != seen => continue,
+                Err(_) if bound == Bound::Silence && c.answers() != heard => continue,
                 Err(_) => {
-                    c.kill("no auth ack, and nothing else moved, within the connect timeout");
+                    c.kill("no auth ack within the connect timeout");
                     return Err(TransferError::ConnectionLost(format!(
                         "opening a segment of {}: no auth ack within {limit:?}",
                         self.inner.addr
@@ -143,6 +142,22 @@ impl Peer {
             }
         }
     }
+}
+
+/// How long an open waits for an `Auth`'s answer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Bound {
+    /// The connect timeout: the control connection carries no bulk, so
+    /// nothing but the target's silence delays its answer.
+    Deadline,
+    /// The connect timeout without an answer to any of the connection's
+    /// requests: a data connection's `Auth` waits behind its bulk (the
+    /// send lock, answers ahead of it) as long as the target answers that.
+    /// Neither this initiator's own sends nor frames for no request count:
+    /// a frozen target's kernel takes the one, a hostile target sends the
+    /// other. (A target that answers the other requests and never the
+    /// `Auth` holds it as long as they come.)
+    Silence,
 }
 
 fn check_auth(ids: &[u64], results: &[(Status, Option<Descriptor>)]) -> Result<(), TransferError> {

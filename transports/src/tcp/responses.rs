@@ -248,11 +248,13 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
             None => return Ok(()),
             Some(h) => h?,
         };
-        conn.moved();
         match h.op {
             Opcode::Status => {
                 let st = h.status()?;
                 let p = conn.state.borrow_mut().pending.remove(&h.task);
+                if p.is_some() {
+                    conn.answered();
+                }
                 let res = match TransferError::from_status(st, h.segment, h.length) {
                     None => Ok(h.length),
                     Some(e) => {
@@ -290,6 +292,7 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                         dst: Some(dst),
                         result,
                     }) if dst.len() as u64 == h.length => {
+                        conn.answered();
                         // The data follows its header: read ahead with it, or
                         // most likely in the socket already.
                         let mut dst = dst;
@@ -343,6 +346,9 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                     .fences
                     .remove(&h.batch)
                     .unwrap_or_default();
+                if !waiters.is_empty() {
+                    conn.answered();
+                }
                 waiters.iter().for_each(|r| fill(r, Ok(h.offset)));
             }
             Opcode::AuthAck => {
@@ -351,7 +357,10 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                 }
                 let ack = AuthAck::decode(&rx.payload(s, h.length as usize).await?)?;
                 match conn.state.borrow_mut().auths.pop_front() {
-                    Some(r) => fill(&r, Ok(ack)),
+                    Some(r) => {
+                        conn.answered();
+                        fill(&r, Ok(ack))
+                    }
                     None => return Err(TransferError::BadFrame("unrequested auth ack".into())),
                 }
             }
@@ -361,7 +370,10 @@ async fn read_responses(conn: &Conn) -> Result<(), TransferError> {
                 }
                 let acc = QpAccept::decode(&rx.payload(s, h.length as usize).await?)?;
                 match conn.state.borrow_mut().qp_accepts.pop_front() {
-                    Some(r) => fill(&r, Ok(acc)),
+                    Some(r) => {
+                        conn.answered();
+                        fill(&r, Ok(acc))
+                    }
                     None => return Err(TransferError::BadFrame("unrequested qp accept".into())),
                 }
             }
