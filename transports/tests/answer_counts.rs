@@ -144,3 +144,60 @@ fn a_striped_write_partly_unreached_is_not_reported_revoked() {
         );
     });
 }
+
+/// An `AuthAck` for one proof must carry one answer: one with two broke the
+/// protocol, and the open fails as a bad frame on a connection it kills
+/// (the next open connects afresh). It was `OpenRefused` — "wrong token or
+/// no such segment" — on a connection kept up.
+#[test]
+fn an_auth_ack_with_the_wrong_count_is_a_bad_frame() {
+    use quiesce_transports::wire::{AuthAck, Descriptor, GrantReceipt};
+    use quiesce_transports::{Engine, Rights};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let conns = Arc::new(AtomicUsize::new(0));
+    let seen = conns.clone();
+    let addr = fake_target("two-answers", move |mut s, addr| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        while let Some(h) = recv_header(&mut s) {
+            if payload(&mut s, &h).is_none() {
+                return;
+            }
+            if h.op != Opcode::Auth {
+                continue;
+            }
+            let d = Descriptor {
+                id: 1,
+                name: "kv".into(),
+                len: 4096,
+                base: 0x1000,
+                rights: Rights::READ | Rights::WRITE,
+                endpoints: vec![addr],
+                grant: GrantReceipt::NONE,
+            };
+            let ack = AuthAck {
+                results: vec![(Status::Ok, Some(d.clone())), (Status::Ok, Some(d))],
+            }
+            .encode()
+            .unwrap();
+            let a = Header {
+                length: ack.len() as u64,
+                ..Header::new(Opcode::AuthAck)
+            };
+            send(&mut s, &a, &ack);
+        }
+    });
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(tcp()).unwrap();
+        let peer = e.connect(addr).await.unwrap();
+        let r = peer.open("kv", Token::random()).await.err();
+        assert!(matches!(r, Some(TransferError::BadFrame(_))), "{r:?}");
+        let before = conns.load(Ordering::SeqCst);
+        let _ = peer.open("kv", Token::random()).await;
+        assert!(
+            conns.load(Ordering::SeqCst) > before,
+            "the connection that broke the protocol was kept"
+        );
+        e.shutdown();
+    });
+}

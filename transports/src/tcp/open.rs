@@ -62,14 +62,19 @@ impl Peer {
         let ack = self
             .auth_within(&control, &[(seg, token)], Bound::Deadline)
             .await?;
+        // A target that broke the protocol loses the connection, as on a
+        // data connection or a reconnect's proof.
+        let broke = |why: &str| {
+            control.kill(why);
+            Err(TransferError::BadFrame(why.into()))
+        };
         let desc = match ack.results.as_slice() {
             [(Status::Ok, Some(d))] if is_it(d) => d.clone(),
             [(Status::Ok, _)] => {
-                return Err(TransferError::BadFrame(
-                    "an AuthAck without the opened segment's descriptor".into(),
-                ))
+                return broke("an AuthAck without the opened segment's descriptor")
             }
-            _ => return Err(TransferError::OpenRefused(what())),
+            [_] => return Err(TransferError::OpenRefused(what())),
+            _ => return broke("an AuthAck with the wrong count"),
         };
         let desc = {
             let mut opened = self.inner.opened.borrow_mut();
