@@ -183,3 +183,31 @@ def test_quiesce_wait_unknown_turns_a_minus_two_into_the_drained_outcome(
     monkeypatch.setenv("QUIESCE_WAIT_UNKNOWN", "30")
     target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 6)
     answers_after_resume(target, e, lambda: e.transfer_sync_write(target.session, src, a, 64 * MiB))
+
+
+def test_a_call_still_opening_its_segment_holds_its_managed_buffer(peer_factory):
+    """A transfer that has not reached its target yet (its first call, the
+    connection's handshake waiting on a stopped target) already uses its
+    buffer: free_managed_buffer must not free it meanwhile. It counted the
+    buffer only once the segment was open, so the free answered 0 and
+    released memory the call went on to read into."""
+    target = peer_factory(MiB)
+    (a, _) = target.regions[0]
+    e = engine()
+    b = e.allocate_managed_buffer(MiB)
+    assert b != 0
+    target.signal(signal.SIGSTOP)  # before any contact: the first call opens
+    out = []
+    t = threading.Thread(target=lambda: out.append(e.transfer_sync_read(target.session, b, a, 4096)))
+    t.start()
+    time.sleep(0.5)
+    assert not out, f"the call answered {out} without its target"
+    code = e.free_managed_buffer(b, MiB)
+    # Let the call end without reaching the target (and, on the bug, without
+    # reading into the freed memory).
+    target.signal(signal.SIGKILL)
+    t.join(40)
+    assert not t.is_alive()
+    assert code == -2, f"free_managed_buffer answered {code} while a call was about to read into it"
+    assert out == [-1], out
+    assert e.free_managed_buffer(b, MiB) == 0, "the buffer was not free once the call ended"

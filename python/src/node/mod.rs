@@ -71,6 +71,10 @@ struct Prepared {
     uses: Uses,
 }
 
+/// A call's peer, tasks and the segment handles they use
+/// ([`Node::tasks`]).
+type Planned = (SocketAddr, SyncTasks<RawBuf>, SmallVec<[u32; 4]>);
+
 pub(crate) struct Node {
     /// `None` only while dropping.
     engine: Option<SyncEngine>,
@@ -412,6 +416,45 @@ impl Node {
                  (device memory? quiesce moves host memory)"
             ));
         }
+        // Counted before anything that may block (the peer's lookup, the
+        // segment's open: a network round trip): from here the call uses
+        // the memory, and an unregister or a free waits for it. Counted
+        // after, a free in that window answered 0 and released a managed
+        // buffer the call then read into.
+        let locals = buffers.iter().zip(lengths).filter(|(_, &l)| l != 0);
+        let uses = self
+            .managed
+            .take_uses(locals.map(|(&b, &l)| (b, l)))
+            .map_err(|at| {
+                format!("the memory at {at:#x} is being unregistered or freed: no batch may start from it")
+            })?;
+        match self.tasks(target, dir, buffers, peer_addresses, lengths) {
+            Ok((peer, tasks, used)) => Ok(Prepared {
+                peer,
+                tasks,
+                used,
+                bytes: lengths.iter().map(|&l| l as u64).sum(),
+                uses,
+            }),
+            // Nothing started: the uses go back.
+            Err(e) => {
+                self.managed.release(uses);
+                Err(e)
+            }
+        }
+    }
+
+    /// [`prepare`](Self::prepare)'s tasks: the peer, each entry's task on
+    /// the segment that holds its remote range (opened if need be), and
+    /// those segments' handles.
+    fn tasks(
+        &self,
+        target: &str,
+        dir: Direction,
+        buffers: &[usize],
+        peer_addresses: &[usize],
+        lengths: &[usize],
+    ) -> Result<Planned, String> {
         let peer = self.peer(target)?;
         let mut tasks = SyncTasks::with_capacity(buffers.len());
         let mut used = SmallVec::with_capacity(buffers.len());
@@ -430,22 +473,7 @@ impl Node {
             };
             tasks.push((dir, task));
         }
-        let bytes = lengths.iter().map(|&l| l as u64).sum();
-        // Last: nothing after it fails, so the uses always reach an outcome.
-        let locals = buffers.iter().zip(lengths).filter(|(_, &l)| l != 0);
-        let uses = self
-            .managed
-            .take_uses(locals.map(|(&b, &l)| (b, l)))
-            .map_err(|at| {
-                format!("the memory at {at:#x} is being unregistered or freed: no batch may start from it")
-            })?;
-        Ok(Prepared {
-            peer,
-            tasks,
-            used,
-            bytes,
-            uses,
-        })
+        Ok((peer, tasks, used))
     }
 
     /// The options of a call's batch: room for all of its tasks. Mooncake
