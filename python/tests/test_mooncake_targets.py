@@ -211,3 +211,23 @@ def test_a_call_still_opening_its_segment_holds_its_managed_buffer(peer_factory)
     assert code == -2, f"free_managed_buffer answered {code} while a call was about to read into it"
     assert out == [-1], out
     assert e.free_managed_buffer(b, MiB) == 0, "the buffer was not free once the call ended"
+
+
+def test_wait_for_quiescence_waits_while_another_thread_waits(peer_factory, local, monkeypatch):
+    """Two threads' wait_for_quiescence(20) on a -2 batch whose target
+    resumes after a second: both answer 0 once it drained. The second
+    answered 1 at once, without waiting: one caller waited at a time, and
+    the others got the count as it stood."""
+    target, a, e, src = stopped_target(peer_factory, local, monkeypatch, 7)
+    assert e.transfer_sync_write(target.session, src, a, 64 * MiB) == -2
+    first = []
+    t = threading.Thread(target=lambda: first.append(e.wait_for_quiescence(20)))
+    t.start()
+    time.sleep(0.2)
+    threading.Timer(1.0, target.signal, (signal.SIGCONT,)).start()
+    t0 = time.monotonic()
+    second = e.wait_for_quiescence(20)
+    waited = time.monotonic() - t0
+    t.join(30)
+    assert first == [0], first
+    assert second == 0, f"the second waiter answered {second} after {waited:.2f} s"

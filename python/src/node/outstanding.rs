@@ -296,18 +296,27 @@ impl Node {
     }
 
     /// Waits up to `timeout` for the batches that returned -2 to drain;
-    /// returns how many have not. One caller waits at a time; another meanwhile
-    /// gets the count at once (its tickets stay listed until they drained, so
-    /// nobody is told 0 while one is out).
+    /// returns how many have not. One caller reaps at a time; another
+    /// meanwhile waits for its turn, up to its own timeout, and is done as
+    /// soon as nothing is left (the tickets stay listed until they drained,
+    /// so nobody is told 0 while one is out). It answered the count at once,
+    /// without waiting.
     pub(crate) fn quiesce_pending(&self, timeout: Duration) -> usize {
+        let deadline = deadline_in(timeout);
         // (A waiter that panicked left nothing half-done: the lock orders
         // waiters, it guards no data.)
-        let _only = match self.waiting.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(g)) => g.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return self.not_drained(),
+        let _only = loop {
+            match self.waiting.try_lock() {
+                Ok(g) => break g,
+                Err(std::sync::TryLockError::Poisoned(g)) => break g.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    if self.not_drained() == 0 || Instant::now() >= deadline {
+                        return self.not_drained();
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
         };
-        let deadline = deadline_in(timeout);
         let tickets: Vec<u64> = lock(&self.pending).iter().map(|p| p.ticket).collect();
         for t in tickets {
             let left = deadline.saturating_duration_since(Instant::now());
