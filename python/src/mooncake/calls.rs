@@ -220,8 +220,10 @@ impl TransferEngine {
         let held = match node.managed.begin_free(buffer_addr, length) {
             // Perhaps by asynchronous batches that finished but nobody
             // polled: their uses go back first.
+            // (Without the GIL: it asks the engine's thread about each
+            // unreported -2 batch.)
             Err(Held::InUse) => {
-                node.release_finished();
+                py.detach(|| node.release_finished());
                 node.managed.begin_free(buffer_addr, length)
             }
             held => held,

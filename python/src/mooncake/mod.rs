@@ -399,11 +399,13 @@ impl TransferEngine {
     /// buffer stays pinned until `wait_for_quiescence()` returns 0. A
     /// reported batch (1, -1 or -2) answers the same again (the last
     /// 4,096 reported; -2 for one longer ago); an id never issued is -1.
-    fn transfer_check_status(&self, batch_id: u64) -> i32 {
+    fn transfer_check_status(&self, py: Python<'_>, batch_id: u64) -> i32 {
         let Some(node) = self.not_ready() else {
             return SYNC_FAILED;
         };
-        match node.progress(batch_id, Duration::ZERO) {
+        // Without the GIL, as Mooncake's: it may wait for the batches'
+        // lock and ask the engine's thread about a -2 batch.
+        match py.detach(|| node.progress(batch_id, Duration::ZERO)) {
             Progress::Running => 0,
             Progress::Done(SYNC_OK) => 1,
             Progress::Done(c) => c,
