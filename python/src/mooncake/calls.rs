@@ -121,11 +121,19 @@ impl TransferEngine {
     }
 
     pub(super) fn not_ready(&self) -> Option<Arc<Node>> {
-        let n = self.node();
-        if n.is_none() {
+        let Some(n) = self.node() else {
             complain("the engine is not initialised");
+            return None;
+        };
+        // A forked child's copy: nothing of it runs here (its thread is the
+        // parent's), and a lock of the node that a parent's thread held at
+        // the fork stays held. Every call answers its failure before
+        // taking any.
+        if let Err(e) = n.engine().not_forked() {
+            complain(&e.to_string());
+            return None;
         }
-        n
+        Some(n)
     }
 
     /// `register_memory`, run without the GIL.
