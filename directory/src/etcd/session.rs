@@ -244,10 +244,46 @@ impl Helper {
         let lease = grant.id();
         self.last_lease = Some(lease);
         self.own.granted(lease);
-        let (keeper, alive) = client
+        let (mut keeper, alive) = client
             .lease_keep_alive(lease)
             .await
             .map_err(|e| unavailable("lease keep-alive", e))?;
+        // The lease is kept alive while the rest runs: the setup may take
+        // longer than its TTL (thousands of entries written back, a large
+        // directory read, over a slow link), and a lease that expired
+        // meanwhile took what the setup had written with it.
+        let ttl = Duration::from_secs(o.ttl_secs.max(1) as u64);
+        let mut tick = tokio::time::interval((ttl / 3).max(Duration::from_millis(200)));
+        tick.tick().await; // (the first is at once: the stream just sent one)
+        let fill = self.fill(client.clone(), lease);
+        tokio::pin!(fill);
+        let watch = loop {
+            tokio::select! {
+                w = &mut fill => break w?,
+                _ = tick.tick() => keeper
+                    .keep_alive()
+                    .await
+                    .map_err(|e| unavailable("lease keep-alive", e))?,
+            }
+        };
+        Ok(Session {
+            client,
+            lease,
+            keeper,
+            alive,
+            watch,
+            confirmed: Instant::now(),
+        })
+    }
+
+    /// The rest of a session's setup under `lease`: this process's entries
+    /// written back (and those it withdrew meanwhile deleted), the mirror
+    /// reloaded, and a watch from the revision it read.
+    async fn fill(
+        &mut self,
+        mut client: Client,
+        lease: i64,
+    ) -> Result<WatchStream, DirectoryError> {
         // In transactions of TXN_ENTRIES: one round trip each, not one per
         // entry (a node with thousands of segments took longer than the
         // setup's bound one put at a time, and never came back).
@@ -323,14 +359,7 @@ impl Helper {
             )
             .await
             .map_err(|e| unavailable("watch", e))?;
-        Ok(Session {
-            client,
-            lease,
-            keeper,
-            alive,
-            watch,
-            confirmed: Instant::now(),
-        })
+        Ok(watch)
     }
 
     /// Whether a delete of `key` for registration `id` is this node's to
