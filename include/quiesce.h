@@ -69,8 +69,8 @@ typedef struct quiesce_options {
  * grace: -2 at once if the fence has not finished). */
 #define QUIESCE_OPT_GRACE 1u
 
-/* Starts an engine (its own thread and runtime) named node (NULL: no name;
- * UTF-8, else refused). NULL on failure. */
+/* Starts an engine (its own thread and runtime) named node (NULL: the
+ * default name, "quiesce"; UTF-8, else refused). NULL on failure. */
 quiesce_engine *quiesce_engine_start(const char *node);
 /* Stops it: batches still in flight are cancelled, and it returns once every
  * operation on memory lent to the engine has been reaped: 0. -2 if that drain

@@ -121,7 +121,8 @@ fn let_go(e: NonNull<QuiesceEngine>) {
     unsafe { ManuallyDrop::drop(&mut *(*e.as_ptr()).live.get()) };
 }
 
-/// Starts an engine named `node` (may be null). Null on failure.
+/// Starts an engine named `node` (null: the default name, "quiesce").
+/// Null on failure.
 ///
 /// # Safety
 /// `node` is null or a NUL-terminated string.

@@ -104,7 +104,9 @@ def _follow_levels():
 def set_log_filter(directives):
     """Chooses which Rust-side events are made: ``tracing-subscriber``
     ``Targets`` directives, as ``QUIESCE_LOG`` (``"warn"``, ``"info"``,
-    ``"quiesce_batch=debug,warn"``); ``ValueError`` if they do not parse.
+    ``"quiesce_batch=debug,warn"``); ``ValueError`` if they do not parse,
+    ``RuntimeError`` if another tracing subscriber handles this process's
+    events.
     They win over ``QUIESCE_LOG`` and the loggers' levels until
     ``set_log_filter(None)``, which goes back to those."""
     global _explicit, _applied

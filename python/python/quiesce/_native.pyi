@@ -8,7 +8,9 @@ DEFAULT_LOG_FILTER: str
 def set_log_filter(directives: str) -> None:
     """Which Rust-side events are made: ``tracing-subscriber`` ``Targets``
     directives, as ``QUIESCE_LOG`` (``"warn"``, ``"info"``,
-    ``"quiesce_batch=debug,warn"``). ``ValueError`` if they do not parse."""
+    ``"quiesce_batch=debug,warn"``). ``ValueError`` if they do not parse;
+    ``RuntimeError`` if another tracing subscriber handles this process's
+    events."""
 
 def next_log_records(timeout: Optional[float] = None) -> Optional[List[Tuple[int, str, str]]]:
     """Waits (GIL released) for queued log records: ``(level, logger name,

@@ -265,7 +265,7 @@ def fmt(v):
 def main():
     ap = argparse.ArgumentParser(prog="python -m quiesce.bench")
     ap.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
-    ap.add_argument("--impl", default=None, help="comma-separated: quiesce,mooncake")
+    ap.add_argument("--impl", default=None, help="comma-separated: quiesce,quiesce-local,mooncake,nixl")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--block", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=20)

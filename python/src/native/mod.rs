@@ -412,9 +412,9 @@ impl NativeEngine {
         }
     }
 
-    /// Starts `batch` and returns at once; `callback(report)` runs on a
-    /// delivery thread once it has an outcome (`callback(None)`: the engine
-    /// closed first).
+    /// Starts `batch` and returns at once; `callback(report, False)` runs
+    /// on a delivery thread once it has an outcome (`callback(None,
+    /// held_for_good)`: the engine closed first).
     fn submit(
         &self,
         py: Python<'_>,
