@@ -71,6 +71,11 @@ def test_a_batch_started_on_a_closed_engine_gives_its_buffers_back(native_peer):
     with pytest.raises(quiesce.EngineClosed):
         asyncio.run(b.run_async())
     assert resizable(src), "the batch raised EngineClosed, yet holds the buffer"
+    # Opening on a closed engine is EngineClosed too, whatever the peer
+    # (it was DirectoryUnavailable: the closed directory answered first).
+    for peer in ("localhost:1", t.address):
+        with pytest.raises(quiesce.EngineClosed):
+            e.open(peer, "kv")
 
 
 def test_a_close_waiting_for_a_blocking_call_does_not_freeze_python(native_peer):

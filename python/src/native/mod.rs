@@ -362,6 +362,8 @@ impl NativeEngine {
     /// length). `peer`: a node name the directory holds, or `host:port`.
     fn open(&self, py: Python<'_>, peer: &str, name: &str) -> PyResult<(u32, u64, u64)> {
         let (addr, named) = py.detach(|| self.core.peer(peer)).map_err(|e| match e {
+            // The directory goes with the engine's close.
+            Some(DirectoryError::Closed) => self.core.engine_closed(py),
             Some(e) => from_directory(py, &e),
             None => raise(py, "UnknownPeer", &format!("cannot resolve peer {peer:?}")),
         })?;
