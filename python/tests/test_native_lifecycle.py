@@ -125,11 +125,10 @@ def test_a_close_waiting_for_a_blocking_call_does_not_freeze_python(native_peer)
     assert max(gaps) < 1.0, f"Python stalled for {max(gaps):.1f} s"
 
 
-def test_run_async_while_a_close_waits_does_not_block_the_event_loop(native_peer):
-    """While one thread's run() blocks on a stopped target and another's
-    close() waits for it, an asyncio task's run_async() submitted on the
-    loop's thread, waiting for the engine behind that close: the loop froze
-    until the run's deadline ended, then got EngineClosed."""
+def blocked_run(native_peer):
+    """A stopped target's 1 MiB segment open on a new engine, and a thread
+    0.3 s into run() of a 4 KiB write to it (3 s deadline). Returns
+    (target, engine, segment, that thread)."""
     t = native_peer(kv=MiB)
     e = quiesce.Engine(secret=SECRET)
     kv = e.open(t.address, "kv")
@@ -138,12 +137,24 @@ def test_run_async_while_a_close_waits_does_not_block_the_event_loop(native_peer
     def run():
         b = e.batch(deadline=3.0)
         b.write(bytearray(4096), kv)
-        b.run()
+        try:
+            b.run()
+        except quiesce.QuiesceError:
+            pass
 
     runner = threading.Thread(target=run)
-    closer = threading.Thread(target=e.close)
     runner.start()
     time.sleep(0.3)
+    return t, e, kv, runner
+
+
+def test_run_async_while_a_close_waits_does_not_block_the_event_loop(native_peer):
+    """While one thread's run() blocks on a stopped target and another's
+    close() waits for it, an asyncio task's run_async() submitted on the
+    loop's thread, waiting for the engine behind that close: the loop froze
+    until the run's deadline ended, then got EngineClosed."""
+    t, e, kv, runner = blocked_run(native_peer)
+    closer = threading.Thread(target=e.close)
     closer.start()
     time.sleep(0.3)
 
@@ -184,22 +195,7 @@ def test_a_forked_childs_close_does_not_wait_for_the_parents_threads(native_peer
     which no thread of the child will ever release."""
     import os
 
-    t = native_peer(kv=MiB)
-    e = quiesce.Engine(secret=SECRET)
-    kv = e.open(t.address, "kv")
-    t.signal(signal.SIGSTOP)
-
-    def run():
-        b = e.batch(deadline=3.0)
-        b.write(bytearray(4096), kv)
-        try:
-            b.run()
-        except quiesce.QuiesceError:
-            pass
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    time.sleep(0.3)
+    t, e, kv, runner = blocked_run(native_peer)
     pid = os.fork()
     if pid == 0:
         e.close()
