@@ -248,18 +248,8 @@ fn a_reconnect_whose_auth_is_never_answered_fails_within_the_connect_timeout() {
 /// segment — never returned.
 #[test]
 fn an_open_whose_data_connection_never_answers_fails_within_the_connect_timeout() {
-    let mute = Arc::new(AtomicBool::new(false));
-    let addr = muting_data_target(mute.clone(), false);
     Runtime::new().unwrap().block_on(async {
-        let cfg = EngineConfig {
-            connect_timeout: Duration::from_millis(300),
-            connections_per_peer: 2,
-            ..tcp()
-        };
-        let e = Engine::bind(cfg).unwrap();
-        let peer = e.connect(addr).await.unwrap();
-        peer.open("kv", Token::random()).await.unwrap();
-        mute.store(true, Ordering::SeqCst);
+        let (e, peer, _kv) = opened_then_data_muted(false).await;
         open_fails_within_a_second(&peer, "a data connection's silence").await;
         e.shutdown();
     });
@@ -314,6 +304,24 @@ fn muting_data_target(mute: Arc<AtomicBool>, stray: bool) -> SocketAddr {
     })
 }
 
+/// An engine (connect timeout 300 ms, one data connection) with segment
+/// "kv" of a [`muting_data_target`] opened, and its data connections muted
+/// since.
+async fn opened_then_data_muted(stray: bool) -> (Engine, quiesce_transports::Peer, RemoteSegment) {
+    let mute = Arc::new(AtomicBool::new(false));
+    let addr = muting_data_target(mute.clone(), stray);
+    let cfg = EngineConfig {
+        connect_timeout: Duration::from_millis(300),
+        connections_per_peer: 2,
+        ..tcp()
+    };
+    let e = Engine::bind(cfg).unwrap();
+    let peer = e.connect(addr).await.unwrap();
+    let kv = peer.open("kv", Token::random()).await.unwrap();
+    mute.store(true, Ordering::SeqCst);
+    (e, peer, kv)
+}
+
 /// What bounds an open's `Auth` is the target's answers, not the
 /// connection's other traffic: requests this initiator sends meanwhile
 /// (fences on the control connection, writes on a data connection) and
@@ -340,18 +348,8 @@ fn an_open_is_not_kept_waiting_by_its_own_sends_or_stray_frames() {
     });
     // A data connection: writes sent (never answered) and stray statuses
     // heard every 100 ms.
-    let mute = Arc::new(AtomicBool::new(false));
-    let addr = muting_data_target(mute.clone(), true);
     Runtime::new().unwrap().block_on(async {
-        let cfg = EngineConfig {
-            connect_timeout: Duration::from_millis(300),
-            connections_per_peer: 2,
-            ..tcp()
-        };
-        let e = Engine::bind(cfg).unwrap();
-        let peer = e.connect(addr).await.unwrap();
-        let kv = peer.open("kv", Token::random()).await.unwrap();
-        mute.store(true, Ordering::SeqCst);
+        let (e, peer, kv) = opened_then_data_muted(true).await;
         let writes = spawn_local(async move {
             for b in 1..40u64 {
                 let kv = kv.clone();
