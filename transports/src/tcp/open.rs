@@ -1,6 +1,7 @@
 //! Opening a peer's segments: a token proven on the control connection
-//! then on every data connection of the peer, each bounded by the
-//! connection's silence (the connect timeout).
+//! (within the connect timeout), then on every data connection of the peer
+//! (until the connect timeout passes with no answer to any of its
+//! requests).
 
 use std::pin::pin;
 use std::rc::Rc;
@@ -100,8 +101,9 @@ impl Peer {
         for i in 1..n {
             match self.live(i) {
                 // Its auth may wait behind the connection's bulk (the send
-                // lock, answers ahead of it): bounded by its silence, not
-                // by a deadline (a long transfer is no dead target).
+                // lock, answers ahead of it): bounded by the target's
+                // silence, not by a deadline (a long transfer is no dead
+                // target).
                 Some(c) => {
                     let proof = [(SegmentRef::Id(desc.id), token)];
                     let ack = self.auth_within(&c, &proof, Bound::Silence).await?;
