@@ -280,3 +280,78 @@ fn a_receive_that_tries_first_never_overtakes_an_earlier_one() {
         );
     });
 }
+
+/// Receives that finish at once (their bytes are in the socket already)
+/// still spend the task's budget: a run of them lets the reactor turn and
+/// other tasks run between them, on io_uring as on epoll — else a reader
+/// kept busy by a fast sender holds the thread (no timers, no other
+/// connections) for the whole transfer.
+#[test]
+fn receives_that_finish_at_once_still_let_other_tasks_run() {
+    use std::cell::Cell;
+    use std::os::fd::AsRawFd;
+    use std::rc::Rc;
+    const READ: usize = 1024;
+    const QUEUED: usize = 160 * READ; // more reads than one poll's budget
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let want: libc::c_int = 1 << 20;
+    for opt in [libc::SO_RCVBUF, libc::SO_RCVBUFFORCE] {
+        // SAFETY: a valid socket and a c_int option value (FORCE may be
+        // refused without CAP_NET_ADMIN; RCVBUF's cap then holds enough).
+        unsafe {
+            libc::setsockopt(
+                l.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&want as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+    let mut client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (server, _) = l.accept().unwrap();
+    client.write_all(&vec![7u8; QUEUED]).unwrap();
+    let queued = || {
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one c_int through the pointer.
+        assert_eq!(
+            unsafe { libc::ioctl(server.as_raw_fd(), libc::FIONREAD, &mut n) },
+            0
+        );
+        n as usize
+    };
+    let t0 = std::time::Instant::now();
+    while queued() < QUEUED {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "only {} of {QUEUED} bytes reached the receiver",
+            queued()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    rt().block_on(async move {
+        let s = TcpStream::from_std(server).unwrap();
+        let ticks = Rc::new(Cell::new(0u64));
+        let t = ticks.clone();
+        let ticker = quiesce_runtime::spawn_local(async move {
+            loop {
+                t.set(t.get() + 1);
+                quiesce_runtime::yield_now().await;
+            }
+        });
+        quiesce_runtime::yield_now().await; // the ticker is running
+        let before = ticks.get();
+        let mut buf = vec![0u8; READ];
+        for _ in 0..QUEUED / READ {
+            let (r, b) = s.read_expected(buf).await;
+            assert_eq!(r.unwrap(), READ);
+            buf = b;
+        }
+        assert!(
+            ticks.get() > before,
+            "{} receives ran without another task running",
+            QUEUED / READ
+        );
+        ticker.abort();
+    });
+}

@@ -299,7 +299,19 @@ impl<T: Operation> Future for Op<T> {
                 }
             }
             State::Finished { spec, res } => {
+                // Done without the ring, it still spends the task's budget,
+                // as an epoll op does before its syscall: else a reader whose
+                // sender keeps the socket full finishes receive after
+                // receive in one poll, and no timer, fence or other task
+                // runs until the whole transfer is in.
+                if crate::executor::op_budget(tcx, T::MOVES_BYTES).is_pending() {
+                    this.state = State::Finished { spec, res };
+                    return Poll::Pending;
+                }
                 crate::stats::Counters::bump(&this.cx.counters.completions);
+                if let (true, Ok(n)) = (T::MOVES_BYTES, &res) {
+                    crate::executor::charge_bytes(*n as usize);
+                }
                 Poll::Ready(spec.complete(res, 0))
             }
             State::Refused(spec) => Poll::Ready(spec.complete(Err(runtime_gone()), 0)),
