@@ -202,8 +202,13 @@ impl<T> Drop for Harness<T> {
             // abort, the future's own drop may panic, and that panic is the
             // task's (its handle's answer). Out of here it would cut the
             // shutdown short before its drain, or abort a runtime dropped
-            // while unwinding.
-            self.finish(Err(JoinError::Cancelled));
+            // while unwinding. So would a panic of the handle's waiter's
+            // waker (anyone's code, woken by `finish`): not the task's, it
+            // is logged, as the drain's wakers' are.
+            let finish = AssertUnwindSafe(|| self.finish(Err(JoinError::Cancelled)));
+            if std::panic::catch_unwind(finish).is_err() {
+                tracing::error!("a task handle's waker panicked while a runtime shut down");
+            }
         }
     }
 }

@@ -470,3 +470,32 @@ fn a_task_that_panics_when_the_shutdown_drops_it_does_not_cut_the_drain() {
         ),
     }
 }
+
+/// A pending task whose handle was polled with a waker that panics when
+/// woken, beside a receive in flight: the shutdown drops the task, wakes
+/// that waiter — whose panic is its own, not the task's — and still drains
+/// the receive and says so. The panic came out of `shutdown` before the
+/// drain, leaving the receive's ring running and its buffer unreaped.
+#[test]
+fn a_task_handle_whose_waker_panics_does_not_cut_the_shutdown_drain() {
+    let rt = rt();
+    let (_a, b) = rt.block_on(pair());
+    let mut op = Box::pin(b.read(vec![0u8; 8]));
+    let noop = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(noop);
+    assert!(std::future::Future::poll(op.as_mut(), &mut cx).is_pending());
+    let mut handle = rt.spawn_local(std::future::pending::<()>());
+    rt.block_on(yield_now());
+    let w = waker_that_panics_when_woken();
+    let mut panicky = std::task::Context::from_waker(&w);
+    assert!(std::future::Future::poll(std::pin::Pin::new(&mut handle), &mut panicky).is_pending());
+    let shut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.shutdown()));
+    assert!(
+        matches!(shut, Ok(Ok(()))),
+        "the shutdown did not complete: {shut:?}"
+    );
+    match std::future::Future::poll(op.as_mut(), &mut cx) {
+        std::task::Poll::Ready((r, _)) => assert!(r.is_err(), "{r:?}"),
+        std::task::Poll::Pending => panic!("the receive was left in flight"),
+    }
+}
