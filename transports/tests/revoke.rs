@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use quiesce_runtime::Runtime;
 use quiesce_transports::wire::{GrantReceipt, Header, Opcode, SegmentRef, Status};
-use quiesce_transports::{Engine, RevokeError, Rights, TransferError};
+use quiesce_transports::{Engine, EngineConfig, LocalMode, RevokeError, Rights, TransferError};
 
 const LEN: usize = 1 << 20;
 const HALF: usize = LEN / 2;
@@ -177,6 +177,91 @@ fn the_initiator_sees_a_typed_revoked_error_and_open_regrants() {
         e.shutdown();
     });
     assert_eq!(t.snapshot("kv", 0, 100), vec![3u8; 100]);
+}
+
+/// A write made before the revoke whose connection is gone: the transfer
+/// reconnects after the revoke resolved, and the new connection must not
+/// carry it under the grant the revoke made (it proves only the grant its
+/// segment was opened with), so it is refused and nothing of it lands.
+#[test]
+fn a_write_made_before_the_revoke_does_not_land_through_a_reconnect() {
+    let t = target();
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(tcp()).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let kv = peer.open("kv", token).await.unwrap();
+        assert_eq!(kv.write(0, vec![1u8; 100], 1).await.0.unwrap(), 100);
+        peer.abort();
+        let late = kv.write(0, vec![0xBB; 100], 2);
+        t.revoke("kv", 0..100).unwrap();
+        let (r, _) = late.await;
+        assert_eq!(r.unwrap_err(), TransferError::Revoked { landed: 0 });
+        // Outside the revoked range the reconnected connection writes.
+        assert_eq!(kv.write(200, vec![4u8; 100], 3).await.0.unwrap(), 100);
+        e.shutdown();
+    });
+    assert_eq!(
+        t.snapshot("kv", 0, 100),
+        vec![1u8; 100],
+        "a write made before the revoke landed after it"
+    );
+    assert_eq!(t.snapshot("kv", 200, 100), vec![4u8; 100]);
+}
+
+/// The same write, still waiting when its initiator opens the segment
+/// again (and so takes the revoke's grant on every connection): it goes
+/// out under none newer than its handle's, and is refused; the new
+/// handle's writes land. `len`: the write's size (a mailbox slot's, or a
+/// request of its own).
+fn refused_after_the_segment_is_opened_again(
+    target: EngineConfig,
+    initiator: EngineConfig,
+    len: usize,
+) {
+    let t = ShardTarget::start(target, &[("kv", 4 * LEN, Rights::READ | Rights::WRITE)]);
+    let token = t.seg("kv").token;
+    Runtime::new().unwrap().block_on(async {
+        let e = Engine::bind(initiator).unwrap();
+        let peer = e.connect(t.addr).await.unwrap();
+        let kv = peer.open("kv", token).await.unwrap();
+        assert_eq!(kv.write(0, vec![1u8; len], 1).await.0.unwrap(), len as u64);
+        peer.abort();
+        let late = kv.write(0, vec![0xBB; len], 2);
+        let also_late = kv.clone();
+        t.revoke("kv", 0..len as u64).unwrap();
+        let again = peer.open("kv", token).await.unwrap();
+        let (r, _) = late.await;
+        assert_eq!(r.unwrap_err(), TransferError::Revoked { landed: 0 });
+        let (r, _) = also_late.write(0, vec![0xBC; len], 3).await;
+        assert_eq!(r.unwrap_err(), TransferError::Revoked { landed: 0 });
+        assert_eq!(
+            again.write(0, vec![3u8; len], 4).await.0.unwrap(),
+            len as u64
+        );
+        e.shutdown();
+    });
+    assert!(t.snapshot("kv", 0, len) == vec![3u8; len], "{len} bytes");
+}
+
+#[test]
+fn a_write_made_before_the_revoke_is_refused_after_the_segment_is_opened_again() {
+    refused_after_the_segment_is_opened_again(tcp(), tcp(), 100);
+    refused_after_the_segment_is_opened_again(tcp(), tcp(), LEN);
+}
+
+/// The same over the local transport: through the mailbox and through
+/// requests of their own on the attached socket.
+#[test]
+fn a_write_made_before_the_revoke_is_refused_after_a_new_open_over_the_local_transport() {
+    for (mailbox, len) in [(true, 100), (true, LEN), (false, 100)] {
+        let initiator = EngineConfig {
+            local: LocalMode::Required,
+            mailbox,
+            ..EngineConfig::default()
+        };
+        refused_after_the_segment_is_opened_again(EngineConfig::default(), initiator, len);
+    }
 }
 
 #[test]

@@ -26,6 +26,10 @@ pub(crate) struct Request {
     pub(crate) op: Opcode,
     pub(crate) batch: u64,
     pub(crate) segment: u64,
+    /// A `WriteLocal`'s handle's grant epoch ([`SegmentGrant`]).
+    ///
+    /// [`SegmentGrant`]: crate::tcp::conn::SegmentGrant
+    pub(crate) ceiling: u64,
     pub(crate) offset: u64,
     pub(crate) addr: u64,
     pub(crate) len: u64,

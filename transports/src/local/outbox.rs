@@ -14,7 +14,7 @@ use quiesce_runtime::IoBufMut;
 use crate::control::wire::Status;
 use crate::error::TransferError;
 use crate::local::mailbox::{Kind, Mailbox, Word, SLOTS, SLOT_DATA};
-use crate::tcp::conn::Conn;
+use crate::tcp::conn::{Conn, SegmentGrant};
 use crate::tcp::responses::Pending;
 use crate::tcp::split::{Erased, Part};
 
@@ -156,6 +156,8 @@ struct Post<'a> {
     kind: Kind,
     batch: u64,
     segment: u64,
+    /// A write's handle's grant epoch ([`SegmentGrant`]).
+    ceiling: u64,
     offset: u64,
     /// A write's bytes.
     data: &'a [u8],
@@ -168,20 +170,21 @@ impl Conn {
         self.outbox.get().is_some()
     }
 
-    /// Writes `data` (at most [`SLOT_DATA`] bytes) to `segment[offset..]`
+    /// Writes `data` (at most [`SLOT_DATA`] bytes) to `to[offset..]`
     /// through the mailbox: copied into a slot, so nothing of the caller's
     /// buffer is reachable by the target.
     pub(crate) async fn write_mailbox(
         &self,
         batch: u64,
-        segment: u64,
+        to: SegmentGrant,
         offset: u64,
         data: &[u8],
     ) -> Result<u64, TransferError> {
         let post = Post {
             kind: Kind::Write,
             batch,
-            segment,
+            segment: to.id,
+            ceiling: to.ceiling,
             offset,
             data,
             len: data.len() as u64,
@@ -203,6 +206,7 @@ impl Conn {
             kind: Kind::Read,
             batch,
             segment,
+            ceiling: 0,
             offset,
             data: &[],
             len: part.len() as u64,
@@ -230,6 +234,13 @@ impl Conn {
             }
             g.complete = true;
         };
+        let to = SegmentGrant {
+            id: p.segment,
+            ceiling: p.ceiling,
+        };
+        if p.kind == Kind::Write && self.refuses_write(&mut g, to) {
+            return Err(TransferError::Revoked { landed: 0 });
+        }
         let id = self.new_id();
         let result = self.reply();
         let pending = match dst {

@@ -28,7 +28,11 @@ struct PeerState {
     local: Rc<LocalSide>,
     tcp: Peer,
     link: RefCell<Option<Rc<Link>>>,
-    keys: RefCell<HashMap<u64, RemoteKey>>,
+    /// Per segment id, the key the current control connection was given
+    /// and the grant epoch that connection held for it then: a handle
+    /// opened under an older grant does not post with it (see
+    /// [`RemoteSegment`](crate::RemoteSegment)'s grant).
+    keys: RefCell<HashMap<u64, (RemoteKey, u64)>>,
     /// Serialises link set-up; who waited behind a failed one fails with it.
     setup: SetupGate,
     /// The control connection whose end resets this peer's link (a hook
@@ -165,10 +169,12 @@ impl RdmaPeer {
                 })
                 .await?;
             check_status(accept.status, self.addr())?;
-            self.inner
-                .keys
-                .borrow_mut()
-                .extend(accept.keys.iter().map(|k| (k.segment, *k)));
+            self.inner.keys.borrow_mut().extend(
+                accept
+                    .keys
+                    .iter()
+                    .map(|k| (k.segment, (*k, conn.granted(k.segment).epoch))),
+            );
         }
         self.key(desc.id).ok_or_else(|| {
             TransferError::handshake(
@@ -183,6 +189,7 @@ impl RdmaPeer {
             peer: self.clone(),
             desc,
             forged: None,
+            ceiling: seg.ceiling,
         })
     }
 
@@ -190,6 +197,11 @@ impl RdmaPeer {
     /// segment `id` (keys belong to the connection's protection domain at
     /// the target: a new connection gets new ones).
     fn key(&self, id: u64) -> Option<RemoteKey> {
+        self.granted_key(id).map(|(k, _)| k)
+    }
+
+    /// [`key`](Self::key), and the grant epoch it was given under.
+    fn granted_key(&self, id: u64) -> Option<(RemoteKey, u64)> {
         self.inner.keys.borrow().get(&id).copied()
     }
 
@@ -237,7 +249,11 @@ impl RdmaPeer {
         // The whole set this connection may use: keys from an older
         // connection (another protection domain) or revoked since are dead,
         // and posting one would only put the new queue pair in error.
-        *self.inner.keys.borrow_mut() = accept.keys.iter().map(|k| (k.segment, *k)).collect();
+        *self.inner.keys.borrow_mut() = accept
+            .keys
+            .iter()
+            .map(|k| (k.segment, (*k, conn.granted(k.segment).epoch)))
+            .collect();
         let link = Rc::new(Link::new(
             qp,
             node.depth,
@@ -389,8 +405,24 @@ impl RdmaPeer {
             return (Err(TransferError::Fenced), buf);
         }
         // Looked up after the link: a link set up on a new control
-        // connection brought that connection's keys.
-        let Some(key) = segment.forged.or_else(|| self.key(segment.desc.id)) else {
+        // connection brought that connection's keys. (From here to the
+        // post nothing waits: a newer key taken meanwhile is not used.)
+        let granted = match segment.forged {
+            Some(k) => Some((k, 0)),
+            None => self.granted_key(segment.desc.id),
+        };
+        // A key of a grant newer than the handle's: the target re-keyed the
+        // segment for a revoke made after the handle's open, and this write
+        // may have been made before it (the older key was deregistered).
+        if let Some((_, epoch)) = granted.filter(|&(_, e)| !read && e > segment.ceiling) {
+            tracing::debug!(
+                epoch,
+                ceiling = segment.ceiling,
+                "a write of an older handle"
+            );
+            return (Err(TransferError::Revoked { landed: 0 }), buf);
+        }
+        let Some((key, _)) = granted else {
             return (
                 Err(TransferError::RemoteAccess(format!(
                     "no remote key for segment {:?} on this connection: open it again",
@@ -464,6 +496,10 @@ pub struct RdmaSegment {
     /// A key to post with instead of the connection's (tests of the
     /// target's enforcement only; see [`RdmaSegment::with_remote_key`]).
     forged: Option<RemoteKey>,
+    /// The grant epoch of the open that made this handle (as TCP's
+    /// [`RemoteSegment`](crate::RemoteSegment)): its writes never post
+    /// with a key of a newer grant.
+    ceiling: u64,
 }
 
 impl RdmaSegment {

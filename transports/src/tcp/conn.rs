@@ -17,11 +17,11 @@ use quiesce_runtime::net::TcpStream;
 use quiesce_runtime::spawn_local;
 use quiesce_runtime::time::timeout;
 
-use crate::control::auth::{random_bytes, SessionKey, Token};
+use crate::control::auth::{random_bytes, SessionKey};
 use crate::control::frame::{read_header, read_payload, send_frame};
 use crate::control::wire::{
-    AuthAck, AuthRequest, GrantReceipt, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect,
-    SegmentRef, Status, MAX_HANDSHAKE_PAYLOAD, VERSION,
+    GrantReceipt, Header, Hello, HelloAck, Opcode, QpAccept, QpConnect, MAX_HANDSHAKE_PAYLOAD,
+    VERSION,
 };
 use crate::error::TransferError;
 use crate::lock::{AsyncLock, LockGuard};
@@ -66,7 +66,7 @@ pub(crate) struct Conn {
     pub(crate) session: u64,
     /// The proof of the session's key that a joining connection sends with
     /// its first `Auth` (zeros for the connection that created it).
-    join: [u8; 32],
+    pub(super) join: [u8; 32],
     /// Answered requests' result slots, for the next requests (see
     /// [`Conn::reply`]).
     pub(super) replies: RefCell<Vec<Reply<Result<u64, TransferError>>>>,
@@ -86,7 +86,15 @@ pub(crate) struct Conn {
     /// segment id: what its next proof of the segment asks for. (Ids the
     /// target chose: a `HashMap` with std's keyed hasher, not an
     /// `OwnIdMap`.)
-    grants: RefCell<std::collections::HashMap<u64, GrantReceipt>>,
+    pub(super) grants: RefCell<std::collections::HashMap<u64, GrantReceipt>>,
+    /// The grant the target gave this connection, per segment id: the
+    /// newest receipt a proof it accepted named (a connection never loses a
+    /// grant). Writes of a handle opened under an older grant are not sent
+    /// here ([`Conn::granted_above`]).
+    pub(super) granted: RefCell<std::collections::HashMap<u64, GrantReceipt>>,
+    /// The newest epoch in `granted` (0: none above the first): most
+    /// connections never see a revoke, and their writes check only this.
+    pub(super) granted_max: Cell<u64>,
     /// Answers heard so far to requests this connection sent (frames for
     /// no request not counted): what a wait bounded by the target's silence
     /// (`Peer::auth_within`) watches.
@@ -97,7 +105,16 @@ pub(crate) struct Conn {
 /// between two proofs makes one more; past this (revokes back to back) the
 /// connection keeps the grant it has, and its writes into the newly
 /// revoked range are refused.
-const REGRANTS: usize = 3;
+pub(super) const REGRANTS: usize = 3;
+
+/// The segment a write goes to, and the grant epoch of the handle it was
+/// made through (`RemoteSegment`'s): checked against the connection's
+/// grant under its send lock ([`Conn::refuses_write`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SegmentGrant {
+    pub(crate) id: u64,
+    pub(crate) ceiling: u64,
+}
 
 /// Batches fenced by this initiator, shared by a peer's connections.
 pub(crate) type LocalFences = Rc<RefCell<super::own_ids::OwnIdSet>>;
@@ -244,6 +261,8 @@ impl Conn {
             local: Cell::new(false),
             outbox: std::cell::OnceCell::new(),
             grants: RefCell::default(),
+            granted: RefCell::default(),
+            granted_max: Cell::new(0),
             answers: Cell::new(0),
         });
         // The reader holds the connection until the socket ends (kill/abort
@@ -318,135 +337,6 @@ impl Conn {
         let id = self.next_id.get();
         self.next_id.set(id + 1);
         id
-    }
-
-    /// Proves tokens for segments (by id, or by name to open them); returns
-    /// the target's verdicts.
-    ///
-    /// Each proof asks for the newest grant this connection was given a
-    /// receipt for. A segment revoked since is answered with a receipt for
-    /// its newer grant, and proven again naming it (at most [`REGRANTS`]
-    /// times): the target grants a proof only an epoch it already told the
-    /// initiator of, so that a proof sent before a revoke never regrants
-    /// the writes behind it (PROTOCOL.md §5.1).
-    pub(crate) async fn auth(
-        &self,
-        tokens: &[(SegmentRef, Token)],
-    ) -> Result<AuthAck, TransferError> {
-        let mut asked: Vec<GrantReceipt> = tokens
-            .iter()
-            .map(|(seg, _)| match seg {
-                SegmentRef::Id(id) => self.grants.borrow().get(id).copied(),
-                _ => None,
-            })
-            .map(|g| g.unwrap_or(GrantReceipt::NONE))
-            .collect();
-        let proofs: Vec<_> = tokens
-            .iter()
-            .zip(&asked)
-            .map(|((seg, t), g)| (seg.clone(), *t, *g))
-            .collect();
-        let mut ack = self.auth_once(&proofs).await?;
-        if ack.results.len() != tokens.len() {
-            // (The caller refuses a wrong count.)
-            return Ok(ack);
-        }
-        for _ in 0..REGRANTS {
-            let behind: Vec<usize> = (0..tokens.len())
-                .filter(|&i| match &ack.results[i] {
-                    (Status::Ok, Some(d)) => d.grant.epoch > asked[i].epoch,
-                    _ => false,
-                })
-                .collect();
-            if behind.is_empty() {
-                break;
-            }
-            let again: Vec<_> = behind
-                .iter()
-                .map(|&i| {
-                    let d = ack.results[i].1.as_ref().expect("an opened proof");
-                    (SegmentRef::Id(d.id), tokens[i].1, d.grant)
-                })
-                .collect();
-            let more = self.auth_once(&again).await?;
-            if more.results.len() != again.len() {
-                return Err(TransferError::BadFrame(
-                    "an AuthAck with the wrong count".into(),
-                ));
-            }
-            for ((&i, (_, _, g)), answer) in behind.iter().zip(&again).zip(more.results) {
-                match answer.0 {
-                    Status::Ok => {
-                        asked[i] = *g;
-                        ack.results[i] = answer;
-                    }
-                    // Refused the second time (deregistered meanwhile):
-                    // the first answer stands, with the grant it gave.
-                    _ => asked[i].epoch = u64::MAX,
-                }
-            }
-        }
-        self.keep_grants(&ack);
-        Ok(ack)
-    }
-
-    /// Keeps the grant receipts of `ack`'s opened segments, for this
-    /// connection's next proofs of them.
-    fn keep_grants(&self, ack: &AuthAck) {
-        let mut grants = self.grants.borrow_mut();
-        for d in ack.results.iter().filter_map(|(_, d)| d.as_ref()) {
-            let g = grants.entry(d.id).or_insert(GrantReceipt::NONE);
-            if d.grant.epoch > g.epoch {
-                *g = d.grant;
-            }
-        }
-    }
-
-    /// One `Auth` of `proofs` (segment, token, the grant asked for), and
-    /// its answer.
-    async fn auth_once(
-        &self,
-        proofs: &[(SegmentRef, Token, GrantReceipt)],
-    ) -> Result<AuthAck, TransferError> {
-        let proofs = proofs
-            .iter()
-            .map(|(seg, t, g)| {
-                let proof = t.prove(&self.hello.nonce, &self.nonce, self.session, seg);
-                (seg.clone(), proof, *g)
-            })
-            .collect();
-        let payload = AuthRequest {
-            join: self.join,
-            proofs,
-        }
-        .encode()?;
-        let result = slot();
-        // Queued under the send lock, right before the frame: answers come
-        // in the order frames went, and a caller that gives up while it
-        // waits for the lock leaves no slot behind (the next auth's answer
-        // would fill it).
-        let mut g = self.send_guard().await;
-        {
-            let mut st = self.state.borrow_mut();
-            if st.dead.is_some() {
-                drop(st);
-                g.complete = true;
-                return Err(self.lost());
-            }
-            st.auths.push_back(result.clone());
-        }
-        let r = send_frame(
-            &self.stream,
-            &Header {
-                length: payload.len() as u64,
-                ..Header::new(Opcode::Auth)
-            },
-            &payload,
-        )
-        .await;
-        g.complete = r.is_ok();
-        drop(g);
-        wait(&result).await
     }
 
     /// Hooks waiting for the connection to end.

@@ -3,6 +3,7 @@
 //! `Write` and `Read` frames on the connections the control server accepted.
 
 pub(crate) mod conn;
+mod grant;
 mod open;
 pub(crate) mod own_ids;
 pub(crate) mod peer;

@@ -97,6 +97,9 @@ impl Peer {
             opened.insert(desc.id, proven);
             desc
         };
+        // Before the data connections: one that reconnects below proves
+        // the grant this open was given.
+        desc.opened_with(control.granted(desc.id));
         let n = self.inner.conns.borrow().len();
         for i in 1..n {
             match self.live(i) {
@@ -115,9 +118,20 @@ impl Peer {
                 }
             }
         }
+        // A revoke while the data connections proved may have given one of
+        // them a newer grant than the control connection's: the handle
+        // writes under the newest this open was given (its writes are made
+        // after the open, so after that revoke).
+        for i in 1..n {
+            if let Some(c) = self.live(i) {
+                desc.opened_with(c.granted(desc.id));
+            }
+        }
+        let ceiling = desc.opened_grant().epoch;
         Ok(RemoteSegment {
             peer: self.clone(),
             desc,
+            ceiling,
         })
     }
 

@@ -14,7 +14,7 @@ use quiesce_runtime::time::timeout;
 use quiesce_runtime::process::PeerProcess;
 
 use crate::control::auth::Token;
-use crate::control::wire::{SegmentRef, Status};
+use crate::control::wire::{GrantReceipt, SegmentRef, Status};
 use crate::error::TransferError;
 use crate::local::conn::attach_data;
 use crate::lock::SetupGate;
@@ -451,11 +451,13 @@ impl Opened {
 async fn reprove(c: &Conn, tokens: &[(u64, Opened)]) -> Result<Vec<u64>, TransferError> {
     let mut refused = Vec::new();
     for chunk in tokens.chunks(REPROVE_CHUNK) {
-        let proofs: Vec<(SegmentRef, Token)> = chunk
+        // The grant each was opened under, and no newer: a transfer made
+        // before a revoke may be what reconnects (PROTOCOL.md §5.1).
+        let proofs: Vec<(SegmentRef, Token, GrantReceipt)> = chunk
             .iter()
-            .map(|(id, o)| (SegmentRef::Id(*id), o.token))
+            .map(|(id, o)| (SegmentRef::Id(*id), o.token, o.desc.opened_grant()))
             .collect();
-        let ack = c.auth(&proofs).await?;
+        let ack = c.auth_as_opened(&proofs).await?;
         if ack.results.len() != chunk.len() {
             return Err(TransferError::BadFrame(
                 "an AuthAck with the wrong count".into(),

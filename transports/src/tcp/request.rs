@@ -9,7 +9,7 @@ use quiesce_runtime::{IoBuf, IoBufMut};
 use crate::control::frame::send_frame;
 use crate::control::wire::{Header, Opcode};
 use crate::error::TransferError;
-use crate::tcp::conn::{Conn, SendGuard};
+use crate::tcp::conn::{Conn, SegmentGrant, SendGuard};
 use crate::tcp::responses::{slot, wait, Pending, Reply};
 use crate::tcp::split::{bytes_of, Erased, Part};
 
@@ -41,33 +41,33 @@ impl<B> Payload<'_, B> {
 }
 
 impl Conn {
-    /// Writes `part` to `segment[offset..]`; the part comes back with the result.
+    /// Writes `part` to `to[offset..]`; the part comes back with the result.
     pub(crate) async fn write<B: IoBuf>(
         &self,
         batch: u64,
-        segment: u64,
+        to: SegmentGrant,
         offset: u64,
         part: Part<B>,
         zc: bool,
     ) -> (Result<u64, TransferError>, Part<B>) {
         let (res, part) = self
-            .write_payload(batch, segment, offset, Payload::Lent(part, zc))
+            .write_payload(batch, to, offset, Payload::Lent(part, zc))
             .await;
         (res, part.expect("a lent part comes back"))
     }
 
-    /// Writes `data` (at most [`INLINE_PAYLOAD`] bytes) to `segment[offset..]`,
+    /// Writes `data` (at most [`INLINE_PAYLOAD`] bytes) to `to[offset..]`,
     /// copied into the frame with its header: nothing of the caller's buffer
     /// is lent to the kernel, so nothing needs to share it.
     pub(crate) async fn write_copied(
         &self,
         batch: u64,
-        segment: u64,
+        to: SegmentGrant,
         offset: u64,
         data: &[u8],
     ) -> Result<u64, TransferError> {
         debug_assert!(data.len() <= INLINE_PAYLOAD);
-        self.write_payload::<Vec<u8>>(batch, segment, offset, Payload::Copied(data))
+        self.write_payload::<Vec<u8>>(batch, to, offset, Payload::Copied(data))
             .await
             .0
     }
@@ -75,7 +75,7 @@ impl Conn {
     async fn write_payload<B: IoBuf>(
         &self,
         batch: u64,
-        segment: u64,
+        to: SegmentGrant,
         offset: u64,
         payload: Payload<'_, B>,
     ) -> (Result<u64, TransferError>, Option<Part<B>>) {
@@ -84,12 +84,19 @@ impl Conn {
         let h = Header {
             batch,
             task: id,
-            segment,
+            segment: to.id,
             offset,
             length: payload.len() as u64,
             ..Header::new(Opcode::Write)
         };
         let mut g = self.send_guard().await;
+        if self.refuses_write(&mut g, to) {
+            self.recycle(result);
+            return (
+                Err(TransferError::Revoked { landed: 0 }),
+                payload.into_part(),
+            );
+        }
         // Registered under the send lock, as a read's: a write given up
         // while it waits for the lock leaves no entry behind.
         let pending = Pending::Write {

@@ -8,21 +8,31 @@ use std::rc::Rc;
 
 use quiesce_runtime::{spawn_local, IoBuf, IoBufMut};
 
-use crate::control::wire::{Descriptor, Opcode};
+use crate::control::wire::{Descriptor, GrantReceipt, Opcode};
 use crate::error::TransferError;
 use crate::local::loan::{lend, Request};
 use crate::local::mailbox::SLOT_DATA;
-use crate::tcp::conn::Conn;
+use crate::tcp::conn::{Conn, SegmentGrant};
 use crate::tcp::peer::Peer;
 use crate::tcp::request::INLINE_PAYLOAD;
 use crate::tcp::split::{bytes_of, init_bytes, join_slices, set_filled, slices, Part, SplitBuf};
 
 /// A segment of a peer that this initiator has opened.
+///
+/// A handle writes under the grant of the open that made it (its clones
+/// too): once the target revoked a range and this initiator opened the
+/// segment again — taking the revoke's grant on its connections — an older
+/// handle's writes are refused `Revoked` without being sent, wherever they
+/// would land, since they may have been made before the revoke
+/// (PROTOCOL.md §5.1). Write through the handle the new open returned.
 #[derive(Clone)]
 pub struct RemoteSegment {
     pub(crate) peer: Peer,
     /// Shared: a segment handle is cloned per transfer.
     pub(crate) desc: Rc<Proven>,
+    /// The grant epoch of the open that made this handle: no connection
+    /// holding a newer grant of the segment carries its writes.
+    pub(crate) ceiling: u64,
 }
 
 /// What the target described when a segment was opened, shared by its
@@ -34,6 +44,10 @@ pub struct RemoteSegment {
 pub(crate) struct Proven {
     desc: Descriptor,
     current: Cell<bool>,
+    /// The newest grant an open of it was given: what a reconnect proves,
+    /// and no newer (a new connection must not carry writes made before a
+    /// revoke under the grant the revoke made).
+    opened: Cell<GrantReceipt>,
 }
 
 impl Proven {
@@ -41,6 +55,19 @@ impl Proven {
         Proven {
             desc,
             current: Cell::new(true),
+            opened: Cell::new(GrantReceipt::NONE),
+        }
+    }
+
+    /// The newest grant an open of the segment was given.
+    pub(crate) fn opened_grant(&self) -> GrantReceipt {
+        self.opened.get()
+    }
+
+    /// An open was given grant `g`.
+    pub(crate) fn opened_with(&self, g: GrantReceipt) {
+        if g.epoch > self.opened.get().epoch {
+            self.opened.set(g);
         }
     }
 
@@ -143,6 +170,8 @@ impl RemoteSegment {
     /// segment is gone at the peer ([`Proven`]): a connection to a restarted
     /// target may have the segment of this id proven, and it is not this one.
     /// Asked once the connection is in hand, since opening it re-proves.
+    /// (A write checks the connection's grant against its handle's under the
+    /// connection's send lock: [`Conn::granted_above`].)
     fn on(&self, conn: Rc<Conn>) -> Result<Rc<Conn>, TransferError> {
         match self.desc.current.get() {
             true => Ok(conn),
@@ -219,9 +248,18 @@ impl RemoteSegment {
             op,
             batch,
             segment: self.desc.id,
+            ceiling: self.ceiling,
             offset,
             addr: at as u64,
             len,
+        }
+    }
+
+    /// Where this handle's writes go, and under which grant at most.
+    fn grant(&self) -> SegmentGrant {
+        SegmentGrant {
+            id: self.desc.id,
+            ceiling: self.ceiling,
         }
     }
 
@@ -305,7 +343,7 @@ impl RemoteSegment {
         };
         if conn.has_outbox() {
             let res = conn
-                .write_mailbox(batch, self.desc.id, offset, init_bytes(&src))
+                .write_mailbox(batch, self.grant(), offset, init_bytes(&src))
                 .await;
             return (res, src);
         }
@@ -316,7 +354,7 @@ impl RemoteSegment {
             return Box::pin(lend(&self.peer, conn, req, src)).await;
         }
         let res = conn
-            .write_copied(batch, self.desc.id, offset, init_bytes(&src))
+            .write_copied(batch, self.grant(), offset, init_bytes(&src))
             .await;
         (res, src)
     }
@@ -333,7 +371,7 @@ impl RemoteSegment {
         let shared = SplitBuf::source(src);
         let p = &self.peer.inner.params;
         let zc_threshold = p.zc_threshold;
-        let seg = self.desc.id;
+        let seg = self.grant();
         let this = self.clone();
         let res = self
             .stripe(&shared, len, true, move |conn, off, part| {

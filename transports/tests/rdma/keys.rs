@@ -245,3 +245,42 @@ fn a_key_left_live_is_reported_after_its_connection_closed() {
         );
     });
 }
+
+/// A handle opened before a revoke never posts with a key the revoke's
+/// grant brought: after a reconnect (the new control connection proves the
+/// grant the segment was opened under, so the target hands it no key of
+/// the re-keyed segment) and after the segment is opened again (the new
+/// key is the new handle's). Nothing of the old handle's writes lands.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_handle_opened_before_a_revoke_never_posts_with_a_key_of_the_newer_grant() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, mut l) = p.remote.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        p.kv.revoke(0..4096).await.expect("revoke resolves");
+        p.remote.peer().abort();
+        fill(&mut l, 2);
+        let (r, mut l) = p.remote.write(0, l, 2).await;
+        assert!(
+            matches!(r, Err(TransferError::RemoteAccess(_))),
+            "a write of the old handle after a reconnect: {r:?}"
+        );
+        let fresh = p.remote.peer().open("kv", p.kv.token()).await.unwrap();
+        fill(&mut l, 3);
+        let (r, mut l) = p.remote.write(0, l, 3).await;
+        assert_eq!(r.unwrap_err(), TransferError::Revoked { landed: 0 });
+        let mut snap = vec![0u8; 4096];
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 1), "an old handle's write landed");
+        fill(&mut l, 4);
+        let (r, _l) = fresh.write(0, l, 4).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert!(p.kv.read_at(0, &mut snap));
+        assert_eq!(snap, pattern(4096, 4));
+        let s = p.initiator.stats();
+        assert_eq!((s.in_flight, s.posted), (0, s.completed));
+    });
+}
