@@ -532,3 +532,37 @@ def test_a_stale_revoke_leaves_a_new_lending_alone(native_peer, eng):
         peer.close()
     assert s2.revoke()
     assert resizable(buf)
+
+
+@pytest.mark.parametrize("direction", ["read_into", "write_from"])
+def test_revoke_waits_for_this_engines_own_batch_in_the_buffer(native_peer, eng, direction):
+    """A lent buffer that this engine's own batch also uses — a read landing
+    in it, or a write's source — with the batch held by a stopped peer:
+    revoke() must not say the buffer is the caller's while that batch can
+    still write it or read it; once the batch quiesced it does."""
+    t = native_peer(kv=MiB)
+    kv = eng.open(t.address, "kv")
+    mem = bytearray([4]) * (2 * MiB)
+    seg = eng.register("lent", mem)
+    view = memoryview(mem)[:MiB]
+    t.signal(signal.SIGSTOP)
+    b = eng.batch(deadline=30.0)
+    if direction == "read_into":
+        b.read(view, kv)
+    else:
+        b.write(view, kv)
+    done = []
+    th = threading.Thread(target=lambda: done.append(b.run()))
+    th.start()
+    time.sleep(0.3)  # the batch is under way, held by the stopped peer
+    try:
+        assert not seg.revoke(timeout=0.5), (
+            "revoke() gave the buffer back while this engine's batch can still touch it"
+        )
+    finally:
+        t.signal(signal.SIGCONT)
+    th.join(30)
+    assert isinstance(done[0], quiesce.Completed), done
+    assert seg.revoke(timeout=5)
+    view.release()
+    assert resizable(mem)

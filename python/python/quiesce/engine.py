@@ -68,8 +68,10 @@ class LocalSegment:
 
     def revoke(self, timeout: float = 5.0) -> bool:
         """Revokes the whole segment and takes it back: once this returns
-        True, no byte of any earlier write lands in it, whoever sent it, and
-        no peer reads it — the buffer is yours again. False: something still
+        True, no byte of any earlier write lands in it, whoever sent it, no
+        peer reads it, and no batch of this engine that reads into it or
+        writes from it (a view of it given to ``Batch.read``/``write``) is
+        still running — the buffer is yours again. False: something still
         holds it after ``timeout`` s (call again; do not reuse it yet)."""
         return self._engine._native.reclaim(self.address, timeout, self.id)
 

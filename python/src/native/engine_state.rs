@@ -18,6 +18,7 @@ use quiesce_directory::{prefer_ipv4, Directory, DirectoryError};
 use crate::node::lock;
 
 use super::error;
+use super::in_use::InUse;
 use super::pin::Held;
 use super::report;
 
@@ -63,6 +64,8 @@ pub(super) struct Core {
     pub(super) answered: Mutex<VecDeque<(u64, Report)>>,
     /// Lent segments' memory, by address.
     pub(super) lent: Mutex<HashMap<u64, Lending>>,
+    /// The memory this engine's batches hold now (a revoke waits for it).
+    pub(super) in_use: Arc<InUse>,
     /// Where submitted batches' outcomes go (started with the first).
     pub(super) deliveries: Mutex<Option<mpsc::Sender<Delivery>>>,
     pub(super) ending: Mutex<Ending>,

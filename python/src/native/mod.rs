@@ -28,12 +28,14 @@ use crate::node::{
 pub(crate) mod batch;
 mod engine_state;
 pub(crate) mod error;
+mod in_use;
 mod pin;
 mod tickets;
 
 use batch::{Moves, NativeBatch};
 use engine_state::{Core, Delivery, Ending, Flight, Lending, Release, Report, WAIT_SLICE};
 use error::{from_sync, invalid, raise};
+use in_use::InUse;
 use pin::{Access, Held};
 /// How long `NativeEngine::new` waits for the directory to hold its entry.
 const PUBLISH_WAIT: Duration = Duration::from_secs(10);
@@ -196,6 +198,7 @@ impl NativeEngine {
                 tickets: Mutex::default(),
                 answered: Mutex::default(),
                 lent: Mutex::default(),
+                in_use: Arc::default(),
                 deliveries: Mutex::default(),
                 ending: Mutex::new(Ending::Running),
                 closing: Mutex::default(),
@@ -281,7 +284,10 @@ impl NativeEngine {
         // The lending this takes back: once the engine let go of it, the
         // address may be lent again (by another thread) before the entries
         // below are removed, and those are not this call's to remove.
-        let lent = lock(&self.core.lent).get(&address).map(|l| l.segment);
+        let (lent, len) = match lock(&self.core.lent).get(&address) {
+            Some(l) => (Some(l.segment), l.held.len as u64),
+            None => (None, 0),
+        };
         // Closed (the close took every lending): whether it left the range
         // held for good, not "not lent".
         if lent.is_none() && self.core.closed(py) {
@@ -309,6 +315,16 @@ impl NativeEngine {
                     return gone();
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
+                // This engine's own batches first: one that reads into the
+                // buffer (or writes from it) can touch it after every peer
+                // let go, so the engine's answer alone is not enough.
+                if self.core.in_use.overlaps(address, len) {
+                    if left.is_zero() {
+                        return Ok(false);
+                    }
+                    std::thread::sleep(left.min(Duration::from_millis(1)));
+                    continue;
+                }
                 let began = Instant::now();
                 // By segment where known: the address may be lent anew by
                 // another thread, and that lending is not this call's.
@@ -334,6 +350,21 @@ impl NativeEngine {
                 SyncError::Stopped => self.core.engine_closed(py),
                 e => from_sync(py, &e),
             })?;
+        // A batch of this engine that started on the buffer while the
+        // engine took it back: the lending stays (a later call, finding it
+        // taken back, waits for that batch first).
+        let back = back && {
+            let batch_done = || !self.core.in_use.overlaps(address, len);
+            py.detach(|| loop {
+                if batch_done() {
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            })
+        };
         if back {
             let ours = |id: u64| Some(id) == segment;
             let held = {
@@ -391,7 +422,8 @@ impl NativeEngine {
         policy: &str,
         deadline: f64,
     ) -> PyResult<Report> {
-        let (opts, (tasks, held)) = take(py, batch, policy, deadline)?;
+        let (opts, (tasks, mut held)) = take(py, batch, policy, deadline)?;
+        InUse::claim(&self.core.in_use, &mut held);
         let r = py.detach(|| self.core.with(|e| e.run(tasks, opts)));
         match r {
             Ok(out) => {
@@ -425,7 +457,8 @@ impl NativeEngine {
         deadline: f64,
         callback: Py<PyAny>,
     ) -> PyResult<()> {
-        let (opts, (tasks, held)) = take(py, batch, policy, deadline)?;
+        let (opts, (tasks, mut held)) = take(py, batch, policy, deadline)?;
+        InUse::claim(&self.core.in_use, &mut held);
         // Used up, as by `run`, and nothing started: the buffers are the
         // caller's again.
         let tx = match self.deliveries(py) {

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use quiesce_batch::sync::HostRanges;
 
 use super::error::{invalid, zero_length};
+use super::in_use::Claim;
 
 /// What keeps the memory alive and in place.
 enum Keep {
@@ -29,6 +30,9 @@ enum Keep {
 pub(crate) struct Held {
     /// `None` once released.
     keep: Option<Keep>,
+    /// A batch buffer's entry among the memory this engine's batches hold
+    /// (a lent segment's revoke waits for it); ended on release only.
+    claim: Option<Claim>,
     /// Its first byte.
     pub(crate) addr: usize,
     /// Its length in bytes.
@@ -65,6 +69,7 @@ impl Held {
             let (addr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
             return Ok(Held {
                 keep: Some(Keep::Export(buf)),
+                claim: None,
                 addr,
                 len,
             });
@@ -136,6 +141,7 @@ impl Held {
         }
         Ok(Held {
             keep: Some(Keep::Object(obj.clone().unbind())),
+            claim: None,
             addr,
             len,
         })
@@ -148,6 +154,14 @@ impl Held {
             Some(Keep::Object(o)) => drop(o),
             None => {}
         }
+        if let Some(c) = self.claim.take() {
+            c.end();
+        }
+    }
+
+    /// Counts the memory as a batch's until released.
+    pub(crate) fn claim(&mut self, c: Claim) {
+        self.claim = Some(c);
     }
 }
 
