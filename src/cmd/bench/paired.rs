@@ -95,6 +95,18 @@ fn coin_tail(n: usize, k: usize) -> f64 {
     tail.min(1.0)
 }
 
+/// Puts `order` in the permutation number `seed` picks (Fisher–Yates with
+/// a fixed xorshift stream: the same turn gets the same order every run).
+pub fn shuffle(order: &mut [usize], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for k in (1..order.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(k, (x % (k as u64 + 1)) as usize);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,5 +140,21 @@ mod tests {
         let p = paired(&[1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0], &[2.0; 8], false);
         assert_eq!(p.behind, 5);
         assert!(!p.significantly_behind(), "{p:?}");
+    }
+
+    /// Every turn's order holds each implementation once, and over a
+    /// run's turns each one follows several others, not one.
+    #[test]
+    fn turn_orders_are_permutations_with_varied_neighbours() {
+        let mut seen = std::collections::HashSet::new();
+        for turn in 0..40u64 {
+            let mut order: Vec<usize> = (0..6).collect();
+            shuffle(&mut order, turn);
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..6).collect::<Vec<_>>());
+            seen.extend(order.windows(2).filter(|w| w[1] == 3).map(|w| w[0]));
+        }
+        assert!(seen.len() >= 4, "3 followed only {seen:?}");
     }
 }

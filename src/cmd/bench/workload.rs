@@ -9,7 +9,8 @@ use quiesce::scenario::{Buf, Seg};
 
 /// The loop every quiesce initiator runs, over TCP or RDMA: one batch per
 /// iteration (with the refused 4 KiB probe first for fail-fast), timed from
-/// submit to the quiesced outcome.
+/// building the batch to its buffers back in hand — as the raw and tokio
+/// loops time building their frames, sending and the answers.
 pub async fn batch_loop<S: Seg, B: Buf>(
     kv: &S,
     ro: Option<&S>,
@@ -25,6 +26,7 @@ pub async fn batch_loop<S: Seg, B: Buf>(
     let mut out = Vec::with_capacity(iters);
     for _ in 0..iters {
         let a0 = allocations();
+        let t0 = Instant::now();
         let opts = match case {
             Case::FailFast(_) => BatchOptions::default().policy(FailurePolicy::FailFast),
             _ => BatchOptions::default(),
@@ -44,9 +46,7 @@ pub async fn batch_loop<S: Seg, B: Buf>(
             }
             .map_err(|r| r.reason)?;
         }
-        let t0 = Instant::now();
         let q = batch.submit().await.quiesced().await;
-        let took = t0.elapsed();
         let fence = q.fence_time();
         match case {
             Case::FailFast(_) if q.all_completed() => {
@@ -72,6 +72,7 @@ pub async fn batch_loop<S: Seg, B: Buf>(
         }
         // Into the vector drained above: its room is still there.
         bufs.extend(back);
+        let took = t0.elapsed();
         out.push(Sample {
             took,
             bytes,
