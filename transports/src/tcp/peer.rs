@@ -235,8 +235,10 @@ impl Peer {
 
     /// Proves on `c` every opened segment not in `proven` yet (by id, as
     /// opened: one opened anew under an id proven meanwhile is proven
-    /// again), until a look
-    /// finds none new. Bounded like the rest of the handshake: a target
+    /// again, and so is one whose open was given a newer grant meanwhile —
+    /// else an open racing this reconnect got the connection it installs
+    /// under the older grant, and the new handle's writes into a revoked
+    /// range were refused there), until a look finds none new. Bounded like the rest of the handshake: a target
     /// that answers the hello and then never the auth must not hold the
     /// transfer (and the caller's buffer) for ever. Segments the target
     /// refuses (deregistered since, or it restarted) are forgotten: their
@@ -244,7 +246,7 @@ impl Peer {
     async fn prove_opened(
         &self,
         c: &Conn,
-        proven: &mut HashMap<u64, Opened>,
+        proven: &mut HashMap<u64, (Opened, u64)>,
     ) -> Result<(), TransferError> {
         loop {
             let more: Vec<(u64, Opened)> = self
@@ -252,13 +254,20 @@ impl Peer {
                 .opened
                 .borrow()
                 .iter()
-                .filter(|(id, o)| !proven.get(id).is_some_and(|p| p.same(o)))
+                .filter(|(id, o)| {
+                    !proven.get(id).is_some_and(|(p, epoch)| {
+                        p.same(o) && *epoch >= o.desc.opened_grant().epoch
+                    })
+                })
                 .map(|(k, v)| (*k, v.clone()))
                 .collect();
             if more.is_empty() {
                 return Ok(());
             }
-            proven.extend(more.iter().cloned());
+            proven.extend(
+                more.iter()
+                    .map(|(id, o)| (*id, (o.clone(), o.desc.opened_grant().epoch))),
+            );
             let limit = self.inner.params.connect_timeout;
             let refused = match timeout(limit, reprove(c, &more)).await {
                 Ok(Ok(refused)) => refused,
