@@ -520,3 +520,31 @@ fn a_halted_engine_runs_no_small_batch_on_a_new_lane() {
     assert!(t.peek(0, 4096).iter().all(|&b| b == 1), "a write landed");
     assert_eq!(t.wait_sessions(0), 0, "a lane lives on after the halt");
 }
+
+/// A range the target revoked: the lane's writes into it are refused, as
+/// the engine thread's are, until the caller opens the segment again —
+/// then the lane opens it again too, and they land. (The lane kept its
+/// opening, and the grant from before the revoke, for good: every later
+/// small write into the range failed, while a large one, on the engine's
+/// thread, landed.)
+#[test]
+fn a_lane_writes_a_revoked_range_again_once_the_segment_is_opened_again() {
+    let t = Target::start();
+    let e = SyncEngine::start(EngineConfig::default()).unwrap();
+    let kv = e.open(t.addr, "kv", t.kv).unwrap();
+    assert_eq!(write(&e, kv, 0, vec![1u8; 4096]), SYNC_OK);
+    assert_eq!(t.wait_sessions(2), 2, "the write ran on this thread's lane");
+    t.revoke(0..4096);
+    assert_eq!(write(&e, kv, 0, vec![2u8; 4096]), SYNC_FAILED);
+    assert!(
+        t.peek(0, 4096).iter().all(|&b| b == 1),
+        "a revoked write landed"
+    );
+    assert_eq!(e.open(t.addr, "kv", t.kv).unwrap(), kv, "the same handle");
+    assert_eq!(write(&e, kv, 0, vec![3u8; 4096]), SYNC_OK);
+    assert!(t.peek(0, 4096).iter().all(|&b| b == 3));
+    // Large (the engine's thread) alike.
+    let big = LANE_MAX_BYTES + 1;
+    assert_eq!(write(&e, kv, 0, vec![4u8; big]), SYNC_OK);
+    e.stop().unwrap();
+}

@@ -34,7 +34,7 @@
 use std::cell::RefCell;
 use std::mem::ManuallyDrop;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -85,6 +85,12 @@ pub(crate) struct LaneKey {
     /// its memory).
     pub(crate) base: u64,
     pub(crate) len: u64,
+    /// The grant epoch of the engine's opening
+    /// ([`RemoteSegment::grant_epoch`](quiesce_transports::RemoteSegment::grant_epoch)):
+    /// a lane whose own opening is older opens the segment again, as the
+    /// engine did after the target revoked a range of it (else the lane's
+    /// writes into that range were refused for good).
+    pub(crate) grant: u64,
 }
 
 /// What an engine shares with the lanes of the threads that call it.
@@ -96,6 +102,9 @@ pub(crate) struct Lanes {
     spin: Duration,
     /// By segment handle: how a lane opens it (`None`: not on TCP).
     pub(crate) keys: Mutex<Vec<Option<LaneKey>>>,
+    /// Counts the keys recorded with a newer grant than the one before:
+    /// a lane that has not seen the count looks for openings to renew.
+    regrants: AtomicU64,
     /// Set when lanes may take batches (see `SyncEngine::caller_lanes`).
     on: AtomicBool,
     /// Set once the engine stopped: its lanes are dropped.
@@ -122,6 +131,7 @@ impl Lanes {
             config,
             spin,
             keys: Mutex::default(),
+            regrants: AtomicU64::new(0),
             on: AtomicBool::new(on),
             stopped: Arc::default(),
             live: Arc::default(),
@@ -140,6 +150,10 @@ impl Lanes {
         let h = handle as usize;
         if keys.len() <= h {
             keys.resize(h + 1, None);
+        }
+        let older = |k: &LaneKey| keys[h].as_ref().is_some_and(|o| o.grant < k.grant);
+        if key.as_ref().is_some_and(older) {
+            self.regrants.fetch_add(1, Ordering::Release);
         }
         keys[h] = key;
     }
@@ -200,7 +214,8 @@ impl Lanes {
                     None => return Err((tasks, opts)),
                 },
             };
-            lanes[at].run(tasks, &self.keys, opts)
+            let regrants = self.regrants.load(Ordering::Acquire);
+            lanes[at].run(tasks, &self.keys, regrants, opts)
         })
     }
 
@@ -240,6 +255,7 @@ impl Lanes {
             rt: ManuallyDrop::new(rt),
             lineage: Lineage::here(),
             _live: live,
+            regrants_seen: self.regrants.load(Ordering::Acquire),
         })
     }
 }
@@ -288,6 +304,8 @@ struct Lane {
     /// The process the lane was made in.
     lineage: Lineage,
     _live: LiveLane,
+    /// [`Lanes::regrants`] when this lane last looked for older openings.
+    regrants_seen: u64,
 }
 
 /// A task's copy, and where its bytes go back to.
@@ -298,8 +316,13 @@ impl Lane {
         &mut self,
         tasks: SyncTasks<B>,
         keys: &Mutex<Vec<Option<LaneKey>>>,
+        regrants: u64,
         opts: BatchOptions,
     ) -> Result<Result<SyncOutcome<B>, SyncError>, Fallback<B>> {
+        if regrants != self.regrants_seen {
+            self.regrants_seen = regrants;
+            self.forget_older_openings(keys);
+        }
         // The call's one clock reading: whether the thread was away, and
         // when the batch counts as submitted (unless opening took time).
         let now = Instant::now();

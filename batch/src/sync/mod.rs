@@ -156,15 +156,19 @@ impl State {
             Opened::Rdma(s) => s.id(),
         };
         let node = seg.node().to_string();
-        let key = matches!(seg, Opened::Tcp(_)).then(|| LaneKey {
-            peer,
-            node: node.clone(),
-            token,
-            name,
-            id,
-            base,
-            len,
-        });
+        let key = match &seg {
+            Opened::Tcp(s) => Some(LaneKey {
+                peer,
+                node: node.clone(),
+                token,
+                name,
+                id,
+                base,
+                len,
+                grant: s.grant_epoch(),
+            }),
+            Opened::Rdma(_) => None,
+        };
         let mut segs = self.segments.borrow_mut();
         let mut handles = self.handles.borrow_mut();
         let same = handles.entry((peer, node, id, base, len)).or_default();

@@ -20,6 +20,8 @@ enum Cmd {
     Stats(mpsc::Sender<EngineStats>),
     /// The bytes of `kv` at an offset.
     Peek(u64, usize, mpsc::Sender<Vec<u8>>),
+    /// Revokes a range of `kv` (answered once it resolved).
+    Revoke(std::ops::Range<u64>, mpsc::Sender<()>),
 }
 
 /// The target; shut down on drop.
@@ -63,6 +65,10 @@ impl Target {
                                     assert!(kv.read_at(at, &mut v));
                                     let _ = r.send(v);
                                 }
+                                Cmd::Revoke(range, r) => {
+                                    kv.revoke(range).await.expect("the revoke resolves");
+                                    let _ = r.send(());
+                                }
                             }
                         }
                     };
@@ -100,6 +106,13 @@ impl Target {
     pub fn stats(&self) -> EngineStats {
         let (tx, rx) = mpsc::channel();
         self.cmds.send(Cmd::Stats(tx)).ok().unwrap();
+        rx.recv().unwrap()
+    }
+
+    /// Revokes `range` of `kv`; returns once it resolved.
+    pub fn revoke(&self, range: std::ops::Range<u64>) {
+        let (tx, rx) = mpsc::channel();
+        self.cmds.send(Cmd::Revoke(range, tx)).ok().unwrap();
         rx.recv().unwrap()
     }
 

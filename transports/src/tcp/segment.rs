@@ -179,6 +179,13 @@ impl RemoteSegment {
         }
     }
 
+    /// The grant epoch of the open that made this handle: its writes go out
+    /// under no newer grant of the segment (see the type's docs). A newer
+    /// open of the segment may have a newer one.
+    pub fn grant_epoch(&self) -> u64 {
+        self.ceiling
+    }
+
     /// True once the target no longer has this opening's segment (a
     /// restarted target refused it when a connection proved it again):
     /// every transfer fails `NoSuchSegment`, and only opening it again

@@ -93,6 +93,24 @@ impl Lane {
         (Some(out), spent)
     }
 
+    /// Drops this lane's openings older than the engine's (by grant epoch):
+    /// the engine opened the segment again after the target revoked a range
+    /// of it, and the lane opens it again at its next use, taking the new
+    /// grant too.
+    pub(super) fn forget_older_openings(&mut self, keys: &Mutex<Vec<Option<LaneKey>>>) {
+        let keys = keys.lock().unwrap_or_else(|e| e.into_inner());
+        for (h, known) in self.opened.iter_mut().enumerate() {
+            let newer = |s: &RemoteSegment| {
+                keys.get(h)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|k| k.grant > s.grant_epoch())
+            };
+            if matches!(known, Some(LaneSegment::Open(s)) if newer(s)) {
+                *known = None;
+            }
+        }
+    }
+
     /// Opens the engine's handle `handle` on this lane as `keys` says the
     /// engine opened it, and records how that went; `None` if it is not a
     /// TCP handle of this engine (the engine's thread answers it).
