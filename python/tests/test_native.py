@@ -566,3 +566,26 @@ def test_revoke_waits_for_this_engines_own_batch_in_the_buffer(native_peer, eng,
     assert seg.revoke(timeout=5)
     view.release()
     assert resizable(mem)
+
+
+def test_revoke_settles_a_drained_batch_of_unknown_completion_in_the_buffer(native_peer, eng):
+    """A batch writing from a view of a lent buffer ends CompletionUnknown
+    (its target stopped; on this host the target's own process reads the
+    buffer) and then drains once the target resumes. revoke() settles it
+    itself: it said False for its whole timeout until the caller collected
+    the ticket (pending(), wait(), ...)."""
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    mem = bytearray(64 * MiB)
+    seg = eng.register("lent", mem)
+    view = memoryview(mem)
+    t.signal(signal.SIGSTOP)
+    b = eng.batch(deadline=1.0)
+    b.write(view, kv)
+    out = b.run()
+    assert isinstance(out, quiesce.CompletionUnknown), out  # lent on this host
+    assert not seg.revoke(timeout=0.2), "revoked while the stopped target may read it"
+    t.signal(signal.SIGCONT)
+    assert seg.revoke(timeout=30), "the drained batch still held the buffer"
+    view.release()
+    assert resizable(mem)

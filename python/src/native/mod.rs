@@ -298,6 +298,12 @@ impl NativeEngine {
         }
         let segment = lent;
         let deadline = Instant::now() + seconds(timeout);
+        // This engine's own batches first: one that reads into the buffer
+        // (or writes from it) can touch it after every peer let go, so the
+        // engine's answer alone is not enough.
+        if !self.own_batches_done(py, address, len, deadline) {
+            return Ok(false);
+        }
         let back = py
             .detach(|| loop {
                 // Another call took this lending back meanwhile (and the
@@ -315,16 +321,6 @@ impl NativeEngine {
                     return gone();
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
-                // This engine's own batches first: one that reads into the
-                // buffer (or writes from it) can touch it after every peer
-                // let go, so the engine's answer alone is not enough.
-                if self.core.in_use.overlaps(address, len) {
-                    if left.is_zero() {
-                        return Ok(false);
-                    }
-                    std::thread::sleep(left.min(Duration::from_millis(1)));
-                    continue;
-                }
                 let began = Instant::now();
                 // By segment where known: the address may be lent anew by
                 // another thread, and that lending is not this call's.
@@ -353,18 +349,7 @@ impl NativeEngine {
         // A batch of this engine that started on the buffer while the
         // engine took it back: the lending stays (a later call, finding it
         // taken back, waits for that batch first).
-        let back = back && {
-            let batch_done = || !self.core.in_use.overlaps(address, len);
-            py.detach(|| loop {
-                if batch_done() {
-                    return true;
-                }
-                if Instant::now() >= deadline {
-                    return false;
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            })
-        };
+        let back = back && self.own_batches_done(py, address, len, deadline);
         if back {
             let ours = |id: u64| Some(id) == segment;
             let held = {
@@ -521,6 +506,29 @@ impl NativeEngine {
 }
 
 impl NativeEngine {
+    /// Waits until no batch of this engine holds a byte of `address..+len`
+    /// ([`InUse`]), settling meanwhile the tickets of batches of unknown
+    /// completion that drained (their memory, and its claim, goes with
+    /// them: else a revoke waited out its timeout until the caller
+    /// collected them); false at `deadline`.
+    fn own_batches_done(&self, py: Python<'_>, address: u64, len: u64, deadline: Instant) -> bool {
+        loop {
+            if !self.core.in_use.overlaps(address, len) {
+                return true;
+            }
+            // (Errors only for a closed engine, whose close took them all.)
+            let _ = self.core.quiesce(py, Instant::now());
+            if !self.core.in_use.overlaps(address, len) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            py.detach(|| std::thread::sleep(left.min(Duration::from_millis(1))));
+        }
+    }
+
     /// The delivery thread's sender, starting the thread with the first.
     fn deliveries(&self, py: Python<'_>) -> PyResult<mpsc::Sender<Delivery>> {
         // Without the GIL throughout: a thread holding the GIL must never
