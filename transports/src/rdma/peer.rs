@@ -189,7 +189,7 @@ impl RdmaPeer {
             peer: self.clone(),
             desc,
             forged: None,
-            ceiling: seg.ceiling,
+            ceiling: seg.grant_epoch(),
         })
     }
 

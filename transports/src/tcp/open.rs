@@ -80,9 +80,10 @@ impl Peer {
         let desc = {
             let mut opened = self.inner.opened.borrow_mut();
             // The segment opened before under this id, if it is this one
-            // (its handles stay good); else that one is gone.
+            // (its handles stay good; this open's are new); else that one
+            // is gone.
             let desc = match opened.get(&desc.id) {
-                Some(o) if o.desc.same_segment(&desc) => o.desc.clone(),
+                Some(o) if o.desc.same_segment(&desc) => Rc::new(o.desc.again(desc)),
                 before => {
                     if let Some(o) = before {
                         o.desc.forget();
@@ -127,11 +128,10 @@ impl Peer {
                 desc.opened_with(c.granted(desc.id));
             }
         }
-        let ceiling = desc.opened_grant().epoch;
+        desc.seal();
         Ok(RemoteSegment {
             peer: self.clone(),
             desc,
-            ceiling,
         })
     }
 

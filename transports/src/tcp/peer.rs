@@ -448,7 +448,7 @@ impl Opened {
     /// The same entry: an open may keep the description and bring another
     /// token, which a connection must be proven with too.
     fn same(&self, other: &Opened) -> bool {
-        Rc::ptr_eq(&self.desc, &other.desc) && self.token == other.token
+        self.desc.same_opening_of(&other.desc) && self.token == other.token
     }
 }
 

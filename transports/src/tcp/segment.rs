@@ -28,52 +28,86 @@ use crate::tcp::split::{bytes_of, init_bytes, join_slices, set_filled, slices, P
 #[derive(Clone)]
 pub struct RemoteSegment {
     pub(crate) peer: Peer,
-    /// Shared: a segment handle is cloned per transfer.
+    /// One open's: shared by the handle's clones (one per transfer), and
+    /// kept two words wide (a small write's state holds a copy).
     pub(crate) desc: Rc<Proven>,
-    /// The grant epoch of the open that made this handle: no connection
-    /// holding a newer grant of the segment carries its writes.
-    pub(crate) ceiling: u64,
 }
 
-/// What the target described when a segment was opened, shared by its
-/// handles and the peer's list of opened segments; and whether it is still
-/// the segment of that id there. A restarted target's new process counts
-/// ids from 1 again: its segment of an old id is other memory, and the
-/// peer, finding another segment under the id on a reconnect (or an open),
-/// marks this one gone — nothing of its handles may reach the new one.
+/// One open of a segment: what the target described, and the grant epoch
+/// the open was given (its handles' writes go out under no newer one);
+/// with the segment's state every open of it shares ([`ProvenSegment`]).
 pub(crate) struct Proven {
     desc: Descriptor,
+    /// Set once, when the open that made it finished proving.
+    ceiling: Cell<u64>,
+    segment: Rc<ProvenSegment>,
+}
+
+/// What every open of one segment (this id, this memory) on a peer shares:
+/// whether it is still the segment of that id there — a restarted target's
+/// new process counts ids from 1 again: its segment of an old id is other
+/// memory, and the peer, finding another segment under the id on a
+/// reconnect (or an open), marks this one gone, and nothing of its handles
+/// may reach the new one — and the newest grant an open of it was given.
+pub(crate) struct ProvenSegment {
     current: Cell<bool>,
-    /// The newest grant an open of it was given: what a reconnect proves,
-    /// and no newer (a new connection must not carry writes made before a
-    /// revoke under the grant the revoke made).
+    /// What a reconnect proves, and no newer (a new connection must not
+    /// carry writes made before a revoke under the grant the revoke made).
     opened: Cell<GrantReceipt>,
 }
 
 impl Proven {
+    /// The first open of a segment.
     pub(crate) fn new(desc: Descriptor) -> Proven {
         Proven {
             desc,
-            current: Cell::new(true),
-            opened: Cell::new(GrantReceipt::NONE),
+            ceiling: Cell::new(0),
+            segment: Rc::new(ProvenSegment {
+                current: Cell::new(true),
+                opened: Cell::new(GrantReceipt::NONE),
+            }),
         }
+    }
+
+    /// Another open of the segment this one opened.
+    pub(crate) fn again(&self, desc: Descriptor) -> Proven {
+        Proven {
+            desc,
+            ceiling: Cell::new(0),
+            segment: self.segment.clone(),
+        }
+    }
+
+    /// Whether `other` opened the same segment as this one.
+    pub(crate) fn same_opening_of(&self, other: &Proven) -> bool {
+        Rc::ptr_eq(&self.segment, &other.segment)
     }
 
     /// The newest grant an open of the segment was given.
     pub(crate) fn opened_grant(&self) -> GrantReceipt {
-        self.opened.get()
+        self.segment.opened.get()
     }
 
     /// An open was given grant `g`.
     pub(crate) fn opened_with(&self, g: GrantReceipt) {
-        if g.epoch > self.opened.get().epoch {
-            self.opened.set(g);
+        if g.epoch > self.segment.opened.get().epoch {
+            self.segment.opened.set(g);
         }
+    }
+
+    /// This open is done: its handles write under the newest grant an open
+    /// of the segment was given by now.
+    pub(crate) fn seal(&self) {
+        self.ceiling.set(self.opened_grant().epoch);
     }
 
     /// Another segment has this one's id at the peer now.
     pub(crate) fn forget(&self) {
-        self.current.set(false);
+        self.segment.current.set(false);
+    }
+
+    fn current(&self) -> bool {
+        self.segment.current.get()
     }
 }
 
@@ -173,7 +207,7 @@ impl RemoteSegment {
     /// (A write checks the connection's grant against its handle's under the
     /// connection's send lock: [`Conn::granted_above`].)
     fn on(&self, conn: Rc<Conn>) -> Result<Rc<Conn>, TransferError> {
-        match self.desc.current.get() {
+        match self.desc.current() {
             true => Ok(conn),
             false => Err(TransferError::NoSuchSegment(self.desc.id)),
         }
@@ -183,7 +217,7 @@ impl RemoteSegment {
     /// under no newer grant of the segment (see the type's docs). A newer
     /// open of the segment may have a newer one.
     pub fn grant_epoch(&self) -> u64 {
-        self.ceiling
+        self.desc.ceiling.get()
     }
 
     /// True once the target no longer has this opening's segment (a
@@ -191,7 +225,7 @@ impl RemoteSegment {
     /// every transfer fails `NoSuchSegment`, and only opening it again
     /// gives a handle that works.
     pub fn is_gone(&self) -> bool {
-        !self.desc.current.get()
+        !self.desc.current()
     }
 
     /// The peer it lives on.
@@ -255,7 +289,7 @@ impl RemoteSegment {
             op,
             batch,
             segment: self.desc.id,
-            ceiling: self.ceiling,
+            ceiling: self.desc.ceiling.get(),
             offset,
             addr: at as u64,
             len,
@@ -266,7 +300,7 @@ impl RemoteSegment {
     fn grant(&self) -> SegmentGrant {
         SegmentGrant {
             id: self.desc.id,
-            ceiling: self.ceiling,
+            ceiling: self.desc.ceiling.get(),
         }
     }
 
