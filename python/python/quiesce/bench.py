@@ -194,19 +194,37 @@ def timed(f):
     return (time.perf_counter_ns() - t) / 1000.0, ret
 
 
+def rounds(sides, iters, block, warm):
+    """Each round's order of `sides` (rotated, and mirrored every other
+    round: no side always runs right after the same other one, and each
+    inherits what another left in turn), after one uncounted call of each
+    (`warm(side)`: a first call that connects or faults pages in is not a
+    sample)."""
+    for s in sides:
+        warm(s)
+    done, r = 0, 0
+    while done < iters:
+        k = r % len(sides)
+        order = sides[k:] + sides[:k]
+        yield order if r % 2 == 0 else order[::-1]
+        done += block
+        r += 1
+
+
 def latency(sides, size, iters, block):
     """Alternating blocks of single writes of `size` bytes; µs per call."""
     srcs = {s.impl: s.buffer(size, 7) for s in sides}
     out = {s.impl: [] for s in sides}
-    done = 0
-    while done < iters:
-        for s in sides:
-            src = srcs[s.impl]
+
+    def call(s):
+        return s.engine.transfer_sync_write(s.session, srcs[s.impl], s.big, size)
+
+    for order in rounds(sides, iters, block, call):
+        for s in order:
             for _ in range(block):
-                us, ret = timed(lambda: s.engine.transfer_sync_write(s.session, src, s.big, size))
+                us, ret = timed(lambda: call(s))
                 assert ret == 0, f"{s.impl}: {ret}"
                 out[s.impl].append(us)
-        done += block
     return out
 
 
@@ -215,17 +233,17 @@ def batch64(sides, iters, block):
     n, chunk = 64, 64 << 10
     srcs = {s.impl: [s.buffer(chunk, 3) for _ in range(n)] for s in sides}
     out = {s.impl: [] for s in sides}
-    done = 0
-    while done < iters:
-        for s in sides:
-            dsts = [s.big + i * chunk for i in range(n)]
+
+    def call(s):
+        dsts = [s.big + i * chunk for i in range(n)]
+        return s.engine.batch_transfer_sync_write(s.session, srcs[s.impl], dsts, [chunk] * n)
+
+    for order in rounds(sides, iters, block, call):
+        for s in order:
             for _ in range(block):
-                us, ret = timed(
-                    lambda: s.engine.batch_transfer_sync_write(s.session, srcs[s.impl], dsts, [chunk] * n)
-                )
+                us, ret = timed(lambda: call(s))
                 assert ret == 0, f"{s.impl}: {ret}"
                 out[s.impl].append(us)
-        done += block
     return out
 
 
