@@ -109,7 +109,9 @@ int quiesce_batch_transfer_sync_write(quiesce_engine *e, const quiesce_task *tas
 int quiesce_batch_transfer_sync_read(quiesce_engine *e, const quiesce_task *tasks, size_t n,
                                      const quiesce_options *opts, uint64_t *ticket_out);
 
-/* For a -2: waits up to timeout_ms; 0 or -1 once drained, -2 if still not. */
+/* For a -2: waits up to timeout_ms; 0 or -1 once drained, -2 if still not
+ * (and always -2 in a forked child: the parent's batch may still touch the
+ * ticket's memory, shared with the child if it is MAP_SHARED). */
 int quiesce_ticket_wait(quiesce_engine *e, uint64_t ticket, uint64_t timeout_ms);
 int quiesce_ticket_poll(quiesce_engine *e, uint64_t ticket);
 

@@ -320,3 +320,43 @@ fn a_call_after_the_stop_answers_minus_three_while_another_still_runs() {
         assert_eq!(before.join().unwrap(), SYNC_OK, "the call before the stop");
     });
 }
+
+/// In a forked child, waiting on (or polling) a ticket answers -2: the
+/// parent's engine may still touch the ticket's memory, which a MAP_SHARED
+/// mapping shares with the child. It answered -1, "nothing touches it",
+/// like the child's other calls.
+#[test]
+fn a_forked_childs_ticket_wait_answers_unknown() {
+    use quiesce_batch::ffi::{quiesce_ticket_poll, quiesce_ticket_wait};
+    // SAFETY: a null node name is allowed.
+    let e = unsafe { quiesce_engine_start(std::ptr::null()) };
+    assert!(!e.is_null());
+    // SAFETY (child): it calls the C entry points and `_exit`s; `alarm`
+    // kills it if a call blocks.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: `e` is the child's copy of the live handle.
+        unsafe {
+            libc::alarm(5);
+            let waited = quiesce_ticket_wait(e, 1, 10);
+            let polled = quiesce_ticket_poll(e, 1);
+            libc::_exit(if (waited, polled) == (SYNC_UNKNOWN, SYNC_UNKNOWN) {
+                0
+            } else {
+                1
+            });
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child this test forked.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "the child's call blocked");
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "a forked child's ticket wait did not answer -2"
+    );
+    // SAFETY: the engine is live; nothing else uses it.
+    assert_eq!(unsafe { quiesce_engine_stop(e) }, SYNC_OK);
+}

@@ -462,6 +462,11 @@ pub unsafe extern "C" fn quiesce_ticket_wait(
             o.code
         }
         Ok(None) => crate::SYNC_UNKNOWN,
+        // A forked child cannot know how its parent's batch stands, and
+        // the ticket's memory may be shared with the parent (MAP_SHARED),
+        // whose engine can still touch it: -1 ("nothing touches it") would
+        // be a guess.
+        Err(err @ SyncError::Forked) => fail(crate::SYNC_UNKNOWN, err),
         Err(err) => sync_error(err),
     }
 }
