@@ -41,6 +41,11 @@ impl InUse {
         }
     }
 
+    /// Whether no batch holds any memory now.
+    pub(crate) fn is_empty(&self) -> bool {
+        lock(&self.ranges).is_empty()
+    }
+
     /// Whether a batch in flight holds a byte of `addr..addr + len`.
     pub(crate) fn overlaps(&self, addr: u64, len: u64) -> bool {
         let end = addr.saturating_add(len);

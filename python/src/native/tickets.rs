@@ -122,7 +122,12 @@ impl Core {
 
     /// Waits until `deadline` for every submitted batch's outcome to be
     /// delivered (a -2 among them becomes a ticket), then for every ticket
-    /// to drain; whether none of either is left.
+    /// to drain, then for every blocking `run` on other threads to have
+    /// its outcome (their buffers are claimed in [`InUse`] until then:
+    /// without it, this said True while another thread's run still moved
+    /// its buffers); whether none of them is left.
+    ///
+    /// [`InUse`]: super::in_use::InUse
     pub(super) fn quiesce_all(&self, py: Python<'_>, deadline: Instant) -> PyResult<bool> {
         if !self.closed(py) {
             py.detach(|| {
@@ -131,10 +136,23 @@ impl Core {
                 }
             });
             let left = self.quiesce(py, deadline)?;
+            // (Runs release their buffers with the GIL: waited for without;
+            // a close ends the wait: what it could not drain stays claimed
+            // for good, and its ending says so below.)
+            py.detach(|| {
+                while !self.in_use.is_empty()
+                    && Instant::now() < deadline
+                    && *lock(&self.ending) == Ending::Running
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            });
             // (A close meanwhile emptied the tickets and flights, drained
             // or not: its ending says which.)
             if !self.closed(py) {
-                return Ok(left.is_empty() && lock(&self.flights).is_empty());
+                return Ok(left.is_empty()
+                    && lock(&self.flights).is_empty()
+                    && self.in_use.is_empty());
             }
         }
         // Closed: what it could not drain stays held for good. The flights
@@ -147,7 +165,17 @@ impl Core {
             }
         });
         let drained = *lock(&self.ending) == Ending::Drained;
-        Ok(drained && lock(&self.tickets).is_empty() && lock(&self.flights).is_empty())
+        // Drained: the runs it cut off let go of their buffers as they
+        // answer (with the GIL).
+        py.detach(|| {
+            while drained && !self.in_use.is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        Ok(drained
+            && lock(&self.tickets).is_empty()
+            && lock(&self.flights).is_empty()
+            && self.in_use.is_empty())
     }
 
     /// Reaps every ticket until `deadline` (each at least once), keeping
