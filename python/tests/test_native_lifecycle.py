@@ -429,3 +429,71 @@ def test_a_call_after_a_drained_close_says_nothing_is_held(native_peer):
     with pytest.raises(quiesce.EngineClosed) as opened:
         e.open(t.address, "kv")
     assert opened.value.buffers_held is False
+
+
+def test_wait_for_quiescence_waits_for_a_blocking_run_on_another_thread(native_peer, eng):
+    """A blocking run() on another thread (an executor's, say, whose
+    awaiting task was cancelled) still moves its buffers:
+    wait_for_quiescence() must not say True meanwhile. It looked only at
+    submitted batches and tickets."""
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    src = bytearray([5]) * (64 * MiB)
+    t.signal(signal.SIGSTOP)
+    b = eng.batch(deadline=3.0)
+    b.write(src, kv)
+    done = []
+    th = threading.Thread(target=lambda: done.append(b.run()))
+    th.start()
+    time.sleep(0.3)
+    try:
+        assert not eng.wait_for_quiescence(0.2), "True while another thread's run moves its buffer"
+        assert not resizable(src)
+    finally:
+        t.signal(signal.SIGCONT)
+    th.join(30)
+    assert done, "the run never returned"
+    assert eng.wait_for_quiescence(30)
+
+
+def test_a_forked_child_is_refused_even_with_the_engine_lock_held_at_the_fork(native_peer, eng):
+    """At the fork a parent's thread is inside run() (the engine's read lock
+    held) and another waits in close() for the write lock: no thread of the
+    child ever lets go of either, so every native call that took the lock
+    before asking whether it runs in a forked child parked for good."""
+    import os
+
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    t.signal(signal.SIGSTOP)
+    b = eng.batch(deadline=2.0)
+    b.write(bytearray(64 * MiB), kv)
+    runner = threading.Thread(target=b.run)
+    runner.start()
+    time.sleep(0.3)
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    time.sleep(0.3)
+    pid = os.fork()
+    if pid == 0:
+        threading.Timer(5, lambda: os._exit(7)).start()
+        code = 0
+        small = eng.batch()
+        small.write(bytearray(8), kv)
+        for call in (eng.pending, lambda: eng.wait_for_quiescence(0), small.run):
+            try:
+                call()
+                code = 1
+            except quiesce.QuiesceError:
+                pass
+            except BaseException:
+                code = 2
+        os._exit(code)
+    t.signal(signal.SIGCONT)
+    _, status = os.waitpid(pid, 0)
+    runner.join(30)
+    closer.join(30)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
+        f"the child's calls: exit {os.WEXITSTATUS(status) if os.WIFEXITED(status) else status} "
+        "(7: parked on a lock, 1: no error, 2: another error)"
+    )

@@ -214,6 +214,7 @@ impl NativeEngine {
     /// Where peers connect ("ip:port").
     #[getter]
     fn address(&self, py: Python<'_>) -> PyResult<String> {
+        self.not_forked(py)?;
         // Without the GIL, as every wait for the engine's lock: a `close`
         // waiting for its write lock holds new readers back until the
         // blocking calls in flight finish.
@@ -228,6 +229,7 @@ impl NativeEngine {
         name: &str,
         buffer: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, u64, u64)> {
+        self.not_forked(py)?;
         // A name no directory holds (it would be lent and served, its
         // publication failing in a log line): refused before anything.
         check_name(name).map_err(|e| from_directory(py, &e))?;
@@ -281,6 +283,7 @@ impl NativeEngine {
         timeout: f64,
         segment: Option<u64>,
     ) -> PyResult<bool> {
+        self.not_forked(py)?;
         // The lending this takes back: once the engine let go of it, the
         // address may be lent again (by another thread) before the entries
         // below are removed, and those are not this call's to remove.
@@ -377,6 +380,7 @@ impl NativeEngine {
     /// Opens peer `peer`'s segment `name`; returns (handle, address,
     /// length). `peer`: a node name the directory holds, or `host:port`.
     fn open(&self, py: Python<'_>, peer: &str, name: &str) -> PyResult<(u32, u64, u64)> {
+        self.not_forked(py)?;
         let (addr, named) = py.detach(|| self.core.peer(peer)).map_err(|e| match e {
             // The directory goes with the engine's close.
             Some(DirectoryError::Closed) => self.core.engine_closed(py),
@@ -407,6 +411,7 @@ impl NativeEngine {
         policy: &str,
         deadline: f64,
     ) -> PyResult<Report> {
+        self.not_forked(py)?;
         let (opts, (tasks, mut held)) = take(py, batch, policy, deadline)?;
         InUse::claim(&self.core.in_use, &mut held);
         let r = py.detach(|| self.core.with(|e| e.run(tasks, opts)));
@@ -442,6 +447,7 @@ impl NativeEngine {
         deadline: f64,
         callback: Py<PyAny>,
     ) -> PyResult<()> {
+        self.not_forked(py)?;
         let (opts, (tasks, mut held)) = take(py, batch, policy, deadline)?;
         InUse::claim(&self.core.in_use, &mut held);
         // Used up, as by `run`, and nothing started: the buffers are the
@@ -478,6 +484,7 @@ impl NativeEngine {
     /// Waits up to `timeout` s for the batch behind `ticket` to drain: its
     /// report, or None if it has not yet.
     fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<Option<Report>> {
+        self.not_forked(py)?;
         self.core
             .wait(py, ticket, Instant::now() + seconds(timeout))
     }
@@ -485,6 +492,7 @@ impl NativeEngine {
     /// Tickets whose batches have not drained yet (those that did are
     /// settled now, their memory let go).
     fn pending(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.not_forked(py)?;
         self.core.quiesce(py, Instant::now())
     }
 
@@ -492,6 +500,7 @@ impl NativeEngine {
     /// every batch whose completion is unknown to drain, letting their
     /// memory go as each does; whether none is left.
     fn wait_for_quiescence(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        self.not_forked(py)?;
         self.core.quiesce_all(py, Instant::now() + seconds(timeout))
     }
 
@@ -506,6 +515,17 @@ impl NativeEngine {
 }
 
 impl NativeEngine {
+    /// `Forked` in a forked child of the process the engine started in,
+    /// asked before any lock: one a parent's thread held at the fork (the
+    /// engine's, with a `close` waiting for it; a map's) is never released
+    /// in the child, and the call parked on it for good.
+    fn not_forked(&self, py: Python<'_>) -> PyResult<()> {
+        match self.core.lineage.forked() {
+            true => Err(from_sync(py, &SyncError::Forked)),
+            false => Ok(()),
+        }
+    }
+
     /// Waits until no batch of this engine holds a byte of `address..+len`
     /// ([`InUse`]), settling meanwhile the tickets of batches of unknown
     /// completion that drained (their memory, and its claim, goes with
