@@ -258,8 +258,9 @@ class Engine:
         """Waits up to ``timeout`` s for the outcome of every submitted batch
         and for every batch whose completion is unknown to drain, letting
         each one's buffers go as it does — also those whose awaiting task
-        was cancelled, or whose ``CompletionUnknown`` was dropped. True:
-        none is left. A ``CompletionUnknown`` still held answers its
+        was cancelled, or whose ``CompletionUnknown`` was dropped — and for
+        every blocking ``run()`` on other threads to return. True: none is
+        left. A ``CompletionUnknown`` still held answers its
         ``wait()`` with the drained outcome afterwards (the engine keeps the
         last 4,096 outcomes collected so)."""
         return self._native.wait_for_quiescence(timeout)
