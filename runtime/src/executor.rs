@@ -485,8 +485,11 @@ pub(crate) fn charge_bytes(n: usize) {
 ///
 /// Returns `Pending` (the task deferred past the next reactor turn) when
 /// either is spent, so a task whose operations keep completing at once
-/// still lets the reactor run.
-pub(crate) fn op_budget(tcx: &mut TaskCx<'_>, moves_bytes: bool) -> Poll<()> {
+/// still lets the reactor run. `moved`: bytes the op moved already (one
+/// that finished before its first poll), charged with the unit when it
+/// is Ready (an op that moves them later charges them then:
+/// [`charge_bytes`]).
+pub(crate) fn op_budget(tcx: &mut TaskCx<'_>, moves_bytes: bool, moved: usize) -> Poll<()> {
     // The budget is the polling task's: that of the runtime running now (none
     // outside a runtime, where nothing needs sharing).
     context::try_with(|cx| {
@@ -499,6 +502,9 @@ pub(crate) fn op_budget(tcx: &mut TaskCx<'_>, moves_bytes: bool) -> Poll<()> {
             Poll::Pending
         } else {
             cx.budget.set(b - 1);
+            if moved > 0 {
+                cx.tick_bytes.set(cx.tick_bytes.get() + moved);
+            }
             Poll::Ready(())
         }
     })

@@ -268,7 +268,7 @@ impl<T: Operation> Future for Op<T> {
                 if this.cx.closed.get() || this.cx.lineage.forked() {
                     return Poll::Ready(spec.complete(Err(runtime_gone()), 0));
                 }
-                if crate::executor::op_budget(tcx, T::MOVES_BYTES).is_pending() {
+                if crate::executor::op_budget(tcx, T::MOVES_BYTES, 0).is_pending() {
                     this.state = State::Idle(spec);
                     return Poll::Pending;
                 }
@@ -304,14 +304,15 @@ impl<T: Operation> Future for Op<T> {
                 // sender keeps the socket full finishes receive after
                 // receive in one poll, and no timer, fence or other task
                 // runs until the whole transfer is in.
-                if crate::executor::op_budget(tcx, T::MOVES_BYTES).is_pending() {
+                let moved = match (T::MOVES_BYTES, &res) {
+                    (true, Ok(n)) => *n as usize,
+                    _ => 0,
+                };
+                if crate::executor::op_budget(tcx, T::MOVES_BYTES, moved).is_pending() {
                     this.state = State::Finished { spec, res };
                     return Poll::Pending;
                 }
                 crate::stats::Counters::bump(&this.cx.counters.completions);
-                if let (true, Ok(n)) = (T::MOVES_BYTES, &res) {
-                    crate::executor::charge_bytes(*n as usize);
-                }
                 Poll::Ready(spec.complete(res, 0))
             }
             State::Refused(spec) => Poll::Ready(spec.complete(Err(runtime_gone()), 0)),

@@ -15,7 +15,7 @@ use crate::local::loan::Request;
 use crate::local::mailbox::{Mailbox, MAILBOX_PAYLOAD};
 use crate::local::outbox::Outbox;
 use crate::local::{owner, ATTACH_PAYLOAD};
-use crate::tcp::conn::{Conn, SegmentGrant, SendGuard};
+use crate::tcp::conn::{Conn, SendGuard};
 use crate::tcp::peer::PeerParams;
 use crate::tcp::responses::{wait, Pending, Reply};
 use crate::LocalMode;
@@ -102,16 +102,12 @@ impl Conn {
         req: &Request,
         result: &Reply<Result<u64, TransferError>>,
     ) -> Result<(), TransferError> {
-        let to = SegmentGrant {
-            id: req.segment,
-            ceiling: req.ceiling,
-        };
-        if req.op == Opcode::WriteLocal && self.refuses_write(&mut g, to) {
+        if req.op == Opcode::WriteLocal && self.refuses_write(&mut g, req.to) {
             return Err(TransferError::Revoked { landed: 0 });
         }
         let h = Header {
             batch: req.batch,
-            segment: req.segment,
+            segment: req.to.id,
             offset: req.offset,
             length: req.len,
             ..Header::new(req.op)

@@ -17,7 +17,7 @@ use quiesce_runtime::{strand, try_spawn_local};
 
 use crate::control::wire::Opcode;
 use crate::error::TransferError;
-use crate::tcp::conn::Conn;
+use crate::tcp::conn::{Conn, SegmentGrant};
 use crate::tcp::peer::Peer;
 use crate::tcp::responses::{wait, Reply};
 
@@ -25,11 +25,8 @@ use crate::tcp::responses::{wait, Reply};
 pub(crate) struct Request {
     pub(crate) op: Opcode,
     pub(crate) batch: u64,
-    pub(crate) segment: u64,
-    /// A `WriteLocal`'s handle's grant epoch ([`SegmentGrant`]).
-    ///
-    /// [`SegmentGrant`]: crate::tcp::conn::SegmentGrant
-    pub(crate) ceiling: u64,
+    /// The segment, and (a `WriteLocal`'s) its handle's grant epoch.
+    pub(crate) to: SegmentGrant,
     pub(crate) offset: u64,
     pub(crate) addr: u64,
     pub(crate) len: u64,

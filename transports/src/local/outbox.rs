@@ -155,9 +155,8 @@ impl Outbox {
 struct Post<'a> {
     kind: Kind,
     batch: u64,
-    segment: u64,
-    /// A write's handle's grant epoch ([`SegmentGrant`]).
-    ceiling: u64,
+    /// The segment, and (a write's) its handle's grant epoch.
+    to: SegmentGrant,
     offset: u64,
     /// A write's bytes.
     data: &'a [u8],
@@ -183,8 +182,7 @@ impl Conn {
         let post = Post {
             kind: Kind::Write,
             batch,
-            segment: to.id,
-            ceiling: to.ceiling,
+            to,
             offset,
             data,
             len: data.len() as u64,
@@ -205,8 +203,10 @@ impl Conn {
         let post = Post {
             kind: Kind::Read,
             batch,
-            segment,
-            ceiling: 0,
+            to: SegmentGrant {
+                id: segment,
+                ceiling: 0,
+            },
             offset,
             data: &[],
             len: part.len() as u64,
@@ -234,11 +234,7 @@ impl Conn {
             }
             g.complete = true;
         };
-        let to = SegmentGrant {
-            id: p.segment,
-            ceiling: p.ceiling,
-        };
-        if p.kind == Kind::Write && self.refuses_write(&mut g, to) {
+        if p.kind == Kind::Write && self.refuses_write(&mut g, p.to) {
             return Err(TransferError::Revoked { landed: 0 });
         }
         let id = self.new_id();
@@ -267,7 +263,7 @@ impl Conn {
             (Word::Kind, p.kind as u64),
             (Word::Task, id),
             (Word::Batch, p.batch),
-            (Word::Segment, p.segment),
+            (Word::Segment, p.to.id),
             (Word::Offset, p.offset),
             (Word::Length, p.len),
         ] {
@@ -277,7 +273,7 @@ impl Conn {
             let (mem, at) = mb.data(seq);
             mem.copy_from_slice(at, p.data);
         }
-        ring.tasks.borrow_mut()[(seq % SLOTS) as usize] = (id, p.segment);
+        ring.tasks.borrow_mut()[(seq % SLOTS) as usize] = (id, p.to.id);
         ring.submitted.set(seq + 1);
         mb.set_submitted(seq + 1);
         mb.wake();

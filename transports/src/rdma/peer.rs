@@ -15,7 +15,7 @@ use super::local::LocalSide;
 use super::reaper::{Reaper, Submission};
 use super::verbs::{Access, WorkRequest};
 use crate::control::auth::Token;
-use crate::control::wire::{Descriptor, QpConnect, QpWire, RemoteKey};
+use crate::control::wire::{Descriptor, QpAccept, QpConnect, QpWire, RemoteKey};
 use crate::error::TransferError;
 use crate::lock::SetupGate;
 use crate::tcp::conn::Conn;
@@ -169,12 +169,10 @@ impl RdmaPeer {
                 })
                 .await?;
             check_status(accept.status, self.addr())?;
-            self.inner.keys.borrow_mut().extend(
-                accept
-                    .keys
-                    .iter()
-                    .map(|k| (k.segment, (*k, conn.granted(k.segment).epoch))),
-            );
+            self.inner
+                .keys
+                .borrow_mut()
+                .extend(granted_keys(&accept, &conn));
         }
         self.key(desc.id).ok_or_else(|| {
             TransferError::handshake(
@@ -249,11 +247,7 @@ impl RdmaPeer {
         // The whole set this connection may use: keys from an older
         // connection (another protection domain) or revoked since are dead,
         // and posting one would only put the new queue pair in error.
-        *self.inner.keys.borrow_mut() = accept
-            .keys
-            .iter()
-            .map(|k| (k.segment, (*k, conn.granted(k.segment).epoch)))
-            .collect();
+        *self.inner.keys.borrow_mut() = granted_keys(&accept, &conn).collect();
         let link = Rc::new(Link::new(
             qp,
             node.depth,
@@ -476,6 +470,18 @@ impl RdmaPeer {
         };
         Reaper::submit(reaper, &link, sub).await
     }
+}
+
+/// `accept`'s keys by segment id, each with the grant epoch `conn` (the
+/// control connection it came on) held for its segment.
+fn granted_keys<'a>(
+    accept: &'a QpAccept,
+    conn: &'a Conn,
+) -> impl Iterator<Item = (u64, (RemoteKey, u64))> + 'a {
+    accept
+        .keys
+        .iter()
+        .map(|k| (k.segment, (*k, conn.granted(k.segment).epoch)))
 }
 
 fn check_status(status: u8, peer: SocketAddr) -> Result<(), TransferError> {

@@ -79,6 +79,13 @@ impl Conn {
         offset: u64,
         payload: Payload<'_, B>,
     ) -> (Result<u64, TransferError>, Option<Part<B>>) {
+        let mut g = self.send_guard().await;
+        if self.refuses_write(&mut g, to) {
+            return (
+                Err(TransferError::Revoked { landed: 0 }),
+                payload.into_part(),
+            );
+        }
         let id = self.new_id();
         let result = self.reply();
         let h = Header {
@@ -89,14 +96,6 @@ impl Conn {
             length: payload.len() as u64,
             ..Header::new(Opcode::Write)
         };
-        let mut g = self.send_guard().await;
-        if self.refuses_write(&mut g, to) {
-            self.recycle(result);
-            return (
-                Err(TransferError::Revoked { landed: 0 }),
-                payload.into_part(),
-            );
-        }
         // Registered under the send lock, as a read's: a write given up
         // while it waits for the lock leaves no entry behind.
         let pending = Pending::Write {

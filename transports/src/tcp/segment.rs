@@ -288,8 +288,7 @@ impl RemoteSegment {
         Request {
             op,
             batch,
-            segment: self.desc.id,
-            ceiling: self.desc.ceiling.get(),
+            to: self.grant(),
             offset,
             addr: at as u64,
             len,
