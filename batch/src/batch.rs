@@ -150,19 +150,26 @@ impl<T: Transport, B: IoBuf> Batch<T, B> {
         if let Err(reason) = self.check(src.bytes_init() as u64, &to, true) {
             return Err(Rejected { reason, buf: src });
         }
-        let i = self.push(launch_write::<T, B>, to, src);
+        let i = self.push(launch_write::<T, B>, true, to, src);
         if i == 0 {
             self.start = Self::submit_with::<Writes>;
         }
         Ok(i)
     }
 
-    fn push(&mut self, launch: crate::run::Launch<T, B>, target: T::Target, buf: B) -> usize {
+    fn push(
+        &mut self,
+        launch: crate::run::Launch<T, B>,
+        writes: bool,
+        target: T::Target,
+        buf: B,
+    ) -> usize {
         if self.tasks.len() == 1 {
             self.start = Self::submit_with::<Boxed>;
         }
         self.tasks.push(Task {
             launch,
+            writes,
             target,
             buf: Some(buf),
             state: TaskState::Queued,
@@ -222,7 +229,7 @@ impl<T: Transport, B: IoBufMut> Batch<T, B> {
         if let Err(reason) = self.check(dst.bytes_total() as u64, &from, false) {
             return Err(Rejected { reason, buf: dst });
         }
-        let i = self.push(launch_read::<T, B>, from, dst);
+        let i = self.push(launch_read::<T, B>, false, from, dst);
         if i == 0 {
             self.start = Self::submit_with::<Reads>;
         }

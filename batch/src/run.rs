@@ -10,10 +10,12 @@
 //!                │                                                │
 //!                └──────────── grace over ──▶ CompletionUnknown (ticket) ──┘
 //! ```
-//! Between local quiescence and the outcome (or a retry), tasks that ended
+//! Between local quiescence and the outcome (or a retry), writes that ended
 //! without their target's answer are confirmed by an acknowledged fence of
 //! the wire batch at their peer, waited for until the grace ends; the rest
 //! are reported [`RemoteState::Unconfirmed`], and then nothing is retried.
+//! (A read so ended is reported unconfirmed too, but nothing of it lands
+//! at the target: it is neither fenced for nor holds back a retry.)
 //! Invariant: a task's buffer is back in its slot only when its transfer
 //! future resolved, which the transport promises happens only once the
 //! transfer quiesced; the outcome is built only from full slots.

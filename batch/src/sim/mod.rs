@@ -195,7 +195,7 @@ pub struct SimLog {
     /// A transfer of a new wire batch started while an older one of the
     /// same batch had transfers in flight (a retry before quiescence).
     pub retry_before_quiescence: usize,
-    /// `(peer, wire batch, buffer address)` of transfers that ended without
+    /// `(peer, wire batch, buffer address)` of writes that ended without
     /// the peer's answer (a lost connection): their bytes may still land
     /// there until a fence of that wire batch is confirmed at that peer.
     pub residue: HashSet<(usize, u64, usize)>,
@@ -451,9 +451,11 @@ impl Sim {
                 log.in_flight -= 1;
                 *log.live.get_mut(&wire).expect("registered") -= 1;
                 match &res {
+                    // A read's bytes land in the caller's buffer, never
+                    // at the target: it leaves no residue.
                     Err(e) if !e.settles_remote() => {
-                        log.residue.insert((t.peer, wire, addr));
                         if write {
+                            log.residue.insert((t.peer, wire, addr));
                             let due = inner.clock.get() + delay;
                             inner.residue.borrow_mut().push(Residue {
                                 peer: t.peer,
