@@ -6,6 +6,7 @@ use std::io::{BufRead, BufReader, Lines, Write};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use quiesce_transports::Token;
 
@@ -128,12 +129,46 @@ impl TargetChild {
         self.child.id() as i32
     }
 
-    /// Sends `sig` to the process.
+    /// Sends `sig` to the process; for SIGSTOP, returns once every thread
+    /// of it has stopped. The kernel wakes one thread for a stop signal and
+    /// that one stops the rest, so right after kill(2) the target's reactor
+    /// thread can still serve a transfer for a while.
     pub fn signal(&self, sig: i32) -> std::io::Result<()> {
         // SAFETY: kill(2) takes no pointers.
-        match unsafe { libc::kill(self.child.id() as i32, sig) } {
-            0 => Ok(()),
-            _ => Err(std::io::Error::last_os_error()),
+        if unsafe { libc::kill(self.pid(), sig) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if sig == libc::SIGSTOP {
+            self.wait_stopped(Duration::from_secs(10))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every thread of the process is in the stopped state.
+    fn wait_stopped(&self, within: Duration) -> std::io::Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut states = Vec::new();
+            for t in std::fs::read_dir(format!("/proc/{}/task", self.pid()))? {
+                // A thread that ended since the listing has no stat.
+                if let Ok(stat) = std::fs::read_to_string(t?.path().join("stat")) {
+                    // "tid (comm) STATE ...": comm may hold spaces and ')'.
+                    let state = stat
+                        .rsplit_once(')')
+                        .and_then(|(_, r)| r.split_whitespace().next());
+                    states.push(state.unwrap_or("?").to_owned());
+                }
+            }
+            if !states.is_empty() && states.iter().all(|s| s == "T" || s == "t") {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("target {} did not stop: {states:?}", self.pid()),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }

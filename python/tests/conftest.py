@@ -19,6 +19,24 @@ def shared_secret(monkeypatch):
     monkeypatch.delenv("QUIESCE_OPEN_CLUSTER", raising=False)
 
 
+def wait_stopped(pid, within=10.0):
+    """Waits until every thread of `pid` is in the stopped state."""
+    deadline = time.monotonic() + within
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    # "tid (comm) STATE ...": comm may hold spaces and ")".
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass  # a thread that ended
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.001)
+
+
 class PeerProcess:
     """A target process driven over stdin/stdout: it prints ``ready ...``
     first, then answers one command a line."""
@@ -42,7 +60,13 @@ class PeerProcess:
         return self.proc.stdout.readline().strip()
 
     def signal(self, sig):
+        """Sends `sig`; for SIGSTOP, returns only once every thread of the
+        process has stopped. The kernel wakes one thread for a stop signal
+        and that one stops the others, so right after kill(2) another
+        thread (the engine's reactor) can still answer for a while."""
         os.kill(self.proc.pid, sig)
+        if sig == signal.SIGSTOP:
+            wait_stopped(self.proc.pid)
 
     def close(self):
         if self.proc.poll() is None:

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quiesce_runtime::shard::{channel, Sender, Shards};
 use quiesce_transports::wire::{
@@ -106,10 +106,37 @@ impl TargetProcess {
         self.child.id() as i32
     }
 
-    /// Sends `sig` to the target process.
+    /// Sends `sig` to the target process; for SIGSTOP, returns once every
+    /// thread of it has stopped. The kernel wakes one thread for a stop
+    /// signal and that one stops the rest, so right after kill(2) the
+    /// target's reactor thread can still answer for a while.
     pub fn signal(&self, sig: i32) {
         // SAFETY: kill(2) takes no pointers.
         assert_eq!(unsafe { libc::kill(self.pid(), sig) }, 0);
+        if sig == libc::SIGSTOP {
+            wait_stopped(self.pid());
+        }
+    }
+}
+
+/// Waits (up to 10 s) until every thread of `pid` is in the stopped state.
+pub fn wait_stopped(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let states: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+            // "tid (comm) STATE ...": comm may hold spaces and ')'.
+            .filter_map(|s| Some(s.rsplit_once(')')?.1.split_whitespace().next()?.to_owned()))
+            .collect();
+        if !states.is_empty() && states.iter().all(|s| s == "T" || s == "t") {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} did not stop: {states:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
