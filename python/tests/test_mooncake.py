@@ -485,6 +485,7 @@ def test_the_opcode_is_built_from_its_int_as_in_mooncake():
 
 FORKED_ENGINE_CODE = """
 import os, sys, time
+import quiesce
 from quiesce.mooncake import TransferEngine
 
 e = TransferEngine()
@@ -502,9 +503,18 @@ if pid == 0:
     # Taking memory back waits for nothing the parent's engine would send.
     t0 = time.monotonic()
     codes = (code, e.unregister_memory(reg), e.free_managed_buffer(buf, 4096))
+    # Every other call answers its failure too, before taking any lock a
+    # parent's thread may have held at the fork.
+    codes += (e.send_probe("127.0.0.1:1"), e.get_first_buffer_address("127.0.0.1:1"))
+    for call in (lambda: e.read_bytes_from_buffer(buf, 8), lambda: e.wait_for_quiescence(1.0)):
+        try:
+            codes += (call(),)
+        except quiesce.QuiesceError as err:
+            codes += ("forked" in str(err),)
     took = time.monotonic() - t0
     print("child", codes, took, flush=True)
-    sys.exit(0 if codes == (-1, -1, -1) and took < 5 else 3)  # an interpreter exit drops the engine
+    ok = codes == (-1, -1, -1, -1, 0, True, True) and took < 5
+    sys.exit(0 if ok else 3)  # an interpreter exit drops the engine
 _, status = os.waitpid(pid, 0)
 assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 # The parent's engine is untouched.

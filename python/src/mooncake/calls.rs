@@ -121,19 +121,28 @@ impl TransferEngine {
     }
 
     pub(super) fn not_ready(&self) -> Option<Arc<Node>> {
-        let Some(n) = self.node() else {
-            complain("the engine is not initialised");
-            return None;
-        };
-        // A forked child's copy: nothing of it runs here (its thread is the
-        // parent's), and a lock of the node that a parent's thread held at
-        // the fork stays held. Every call answers its failure before
-        // taking any.
-        if let Err(e) = n.engine().not_forked() {
-            complain(&e.to_string());
-            return None;
+        match self.node_here() {
+            Ok(Some(n)) => Some(n),
+            Ok(None) => {
+                complain("the engine is not initialised");
+                None
+            }
+            Err(e) => {
+                complain(&e.to_string());
+                None
+            }
         }
-        Some(n)
+    }
+
+    /// The node (`None` before `initialize`), or `Forked` in a forked
+    /// child's copy: nothing of it runs here (its thread is the parent's),
+    /// and a lock of the node that a parent's thread held at the fork
+    /// stays held. Every call answers its failure before taking any.
+    pub(super) fn node_here(&self) -> Result<Option<Arc<Node>>, SyncError> {
+        match self.node() {
+            Some(n) => n.engine().not_forked().map(|()| Some(n)),
+            None => Ok(None),
+        }
     }
 
     /// `register_memory`, run without the GIL.

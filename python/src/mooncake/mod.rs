@@ -22,6 +22,7 @@ use pyo3::types::PyBytes;
 use quiesce_batch::sync::Direction;
 use quiesce_batch::{SYNC_FAILED, SYNC_OK};
 
+use crate::native::error::from_sync;
 use crate::node::{complain, seconds, Node, Progress};
 use crate::opcode::{direction, refuse_notify, TransferOpcode};
 use crate::word::{Word, Words};
@@ -469,8 +470,8 @@ impl TransferEngine {
         source_address: usize,
         length: usize,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let data = self
-            .node()
+        let node = self.node_here().map_err(|e| from_sync(py, &e))?;
+        let data = node
             .and_then(|n| n.managed.read(source_address, length))
             .ok_or_else(|| {
                 pyo3::exceptions::PyValueError::new_err(
@@ -484,9 +485,16 @@ impl TransferEngine {
     /// registered among those it serves now; 0 if there is none open to
     /// this secret (or the peer cannot be reached).
     fn get_first_buffer_address(&self, py: Python<'_>, segment_name: &str) -> u64 {
-        let Some(node) = self.node() else {
-            complain("get_first_buffer_address: not initialised");
-            return 0;
+        let node = match self.node_here() {
+            Ok(Some(n)) => n,
+            Ok(None) => {
+                complain("get_first_buffer_address: not initialised");
+                return 0;
+            }
+            Err(e) => {
+                complain(&format!("get_first_buffer_address: {e}"));
+                return 0;
+            }
         };
         py.detach(|| node.first_buffer(segment_name))
             .unwrap_or_else(|e| {
@@ -502,7 +510,10 @@ impl TransferEngine {
     /// otherwise. As Mooncake's probe, an answer is needed: the kernel
     /// accepts connections for a stopped process too.
     fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i32 {
-        let node = self.node();
+        let node = match self.node_here() {
+            Ok(n) => n,
+            Err(e) => return complain(&format!("send_probe: {e}")),
+        };
         py.detach(|| {
             let addr = match &node {
                 Some(node) => node.peer(peer_server_name),
@@ -536,11 +547,14 @@ impl TransferEngine {
 
     /// Waits up to `timeout` seconds for the batches that returned -2 to
     /// drain; returns how many have not (0: no memory of any is pinned any
-    /// more).
+    /// more). Raises `QuiesceError` in a forked child of the process that
+    /// initialised the engine: the batches are the parent's to wait for.
     #[pyo3(signature = (timeout = 30.0))]
-    fn wait_for_quiescence(&self, py: Python<'_>, timeout: f64) -> usize {
-        let Some(node) = self.node() else { return 0 };
+    fn wait_for_quiescence(&self, py: Python<'_>, timeout: f64) -> PyResult<usize> {
+        let Some(node) = self.node_here().map_err(|e| from_sync(py, &e))? else {
+            return Ok(0);
+        };
         let t = seconds(timeout);
-        py.detach(|| node.quiesce_pending(t))
+        Ok(py.detach(|| node.quiesce_pending(t)))
     }
 }
