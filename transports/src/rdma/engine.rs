@@ -21,6 +21,7 @@ use crate::error::TransferError;
 use crate::lock::Connecting;
 use crate::memory::Region;
 use crate::segment::{Rights, Segment, SegmentMemory};
+use crate::tcp::conn::shut_down;
 use crate::Token;
 
 /// RDMA engine settings.
@@ -81,6 +82,8 @@ pub(crate) struct RdmaInner {
     peers: RefCell<HashMap<SocketAddr, RdmaPeer>>,
     /// Connects in flight, by address (one peer per address, as over TCP).
     connecting: Connecting,
+    /// `shutdown()` ran: no peer connects after it.
+    shut: Cell<bool>,
 }
 
 /// An RDMA transfer engine on the current shard. Cheap to clone.
@@ -133,6 +136,7 @@ impl RdmaEngine {
                 }),
                 peers: RefCell::default(),
                 connecting: Connecting::default(),
+                shut: Cell::new(false),
             }),
         })
     }
@@ -276,6 +280,9 @@ impl RdmaEngine {
     /// unless another node answers there now: [`RdmaPeer::is_replaced`]).
     pub async fn connect(&self, addr: SocketAddr) -> Result<RdmaPeer, TransferError> {
         let inner = &self.inner;
+        if inner.shut.get() {
+            return Err(shut_down());
+        }
         let known = || {
             inner
                 .peers
@@ -289,6 +296,11 @@ impl RdmaEngine {
             .run(addr, known, || async {
                 let tcp = inner.tcp.connect_control(addr).await?;
                 let peer = RdmaPeer::new(inner.local.clone(), tcp);
+                // Shut down during the handshake: shutdown() did not see it.
+                if inner.shut.get() {
+                    peer.close();
+                    return Err(shut_down());
+                }
                 inner.peers.borrow_mut().insert(addr, peer.clone());
                 Ok(peer)
             })
@@ -304,12 +316,15 @@ impl RdmaEngine {
         }
     }
 
-    /// Tears down: every queue pair to the error state, the completion
-    /// queue reaped until no request is outstanding (at most `limit`), then
-    /// the control plane closed. Returns whether everything drained.
+    /// Tears down: every peer closed (its queue pair to the error state; a
+    /// segment opened through it posts nothing after this, and no peer
+    /// connects), the completion queue reaped until no request is
+    /// outstanding (at most `limit`), then the control plane closed.
+    /// Returns whether everything drained.
     pub fn shutdown(&self, limit: Duration) -> bool {
+        self.inner.shut.set(true);
         for p in self.inner.peers.borrow_mut().drain() {
-            p.1.abort();
+            p.1.close();
         }
         let drained = self.inner.local.node.reaper.borrow_mut().drain_all(limit);
         self.inner.tcp.shutdown();

@@ -374,6 +374,16 @@ impl RdmaPeer {
         self.inner.tcp.abort();
     }
 
+    /// Closes the peer (its engine shuts down): the link to the error
+    /// state, as [`abort`](Self::abort), and no connection — so no link,
+    /// and no request — opens after it.
+    pub(crate) fn close(&self) {
+        if let Some(l) = self.inner.link.borrow().as_ref() {
+            l.fence(None);
+        }
+        self.inner.tcp.close();
+    }
+
     async fn post<B: 'static>(
         &self,
         segment: &RdmaSegment,

@@ -150,7 +150,7 @@ pub(crate) struct ConnParams<'a> {
 pub(crate) const SESSION_ENDED: &str = "the peer's session ended at the target";
 
 /// Why a shut-down engine's peer opens no connection.
-pub(super) fn shut_down() -> TransferError {
+pub(crate) fn shut_down() -> TransferError {
     TransferError::ConnectionLost("the engine shut down".into())
 }
 

@@ -119,6 +119,30 @@ fn write_and_read_back_every_size() {
     });
 }
 
+/// `shutdown()` closes the engine's peers: a segment opened before it
+/// posts nothing after it, and no peer connects. The segment reconnected,
+/// built a new queue pair and posted: `shutdown` had answered "drained"
+/// of an engine that could still set the NIC on the caller's memory.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn an_engine_shut_down_posts_nothing_and_connects_nowhere() {
+    Runtime::new().unwrap().block_on(async {
+        let p = pair(1 << 20, 1 << 20).await;
+        let mut src = p.region.lease(0..4096).unwrap();
+        fill(&mut src, 3);
+        let (r, _) = p.remote.write(0, src, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        assert!(p.initiator.shutdown(Duration::from_secs(5)));
+        let posted = p.initiator.stats().posted;
+        let src = p.region.lease(0..4096).unwrap();
+        let (r, _) = p.remote.write(0, src, 2).await;
+        assert!(r.is_err(), "a write after shutdown: {r:?}");
+        assert_eq!(p.initiator.stats().posted, posted, "posted after shutdown");
+        let again = p.initiator.connect(p.target.local_addr()).await;
+        assert!(again.is_err(), "a peer connected after shutdown");
+    });
+}
+
 #[test]
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
 fn bad_input_is_refused_before_posting() {
