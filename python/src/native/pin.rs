@@ -13,6 +13,20 @@ use quiesce_batch::sync::HostRanges;
 use super::error::{invalid, zero_length};
 use super::in_use::Claim;
 
+/// Whether a buffer's struct format has items that are Python object
+/// pointers (`O`; a field's `:name:` is skipped): a peer's bytes written
+/// there would be taken for objects (their next decref writes where the
+/// peer chose), and their bytes sent are this process's addresses.
+fn holds_objects(format: &[u8]) -> bool {
+    let mut in_name = false;
+    format.iter().any(|&c| {
+        if c == b':' {
+            in_name = !in_name;
+        }
+        !in_name && c == b'O'
+    })
+}
+
 /// What keeps the memory alive and in place.
 enum Keep {
     /// A buffer-protocol export.
@@ -65,6 +79,15 @@ impl Held {
             }
             if buf.len_bytes() == 0 {
                 return Err(zero_length(py, "the buffer is empty"));
+            }
+            if holds_objects(buf.format().to_bytes()) {
+                return Err(invalid(
+                    py,
+                    &format!(
+                        "the buffer holds Python objects (format {:?}), not bytes to move",
+                        buf.format()
+                    ),
+                ));
             }
             let (addr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
             return Ok(Held {
