@@ -497,3 +497,37 @@ def test_a_forked_child_is_refused_even_with_the_engine_lock_held_at_the_fork(na
         f"the child's calls: exit {os.WEXITSTATUS(status) if os.WIFEXITED(status) else status} "
         "(7: parked on a lock, 1: no error, 2: another error)"
     )
+
+
+def test_a_run_interrupted_by_ctrl_c_keeps_its_outcome(native_peer, eng, monkeypatch):
+    """Ctrl-C while run() blocks: the run goes on to its outcome (it cannot
+    be cut), and the KeyboardInterrupt comes as it returns — before the
+    caller got the outcome. A CompletionUnknown lost so is the only handle
+    on buffers still pinned; the caller, told nothing, would reuse them.
+    ``Batch.outcome`` keeps it. It was lost."""
+    import _thread
+
+    monkeypatch.setenv("QUIESCE_LOCAL", "auto")
+    t = native_peer(kv=64 * MiB)
+    kv = eng.open(t.address, "kv")
+    warm = eng.batch()
+    warm.write(bytearray(4096), kv)
+    assert isinstance(warm.run(), quiesce.Completed)
+    t.signal(signal.SIGSTOP)
+    b = eng.batch(deadline=1.0)
+    b.write(bytearray([5]) * (64 * MiB), kv)
+    assert b.outcome is None
+    th = threading.Timer(0.5, _thread.interrupt_main)
+    th.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            b.run()
+            time.sleep(5)  # the interrupt, had the run kept it first
+    finally:
+        th.join(30)
+    out = b.outcome
+    assert isinstance(out, quiesce.CompletionUnknown), out
+    assert out is b.outcome, "one outcome per batch"
+    t.signal(signal.SIGCONT)
+    assert isinstance(out.wait(20), (quiesce.Completed, quiesce.Failed))
+    assert eng.pending() == []

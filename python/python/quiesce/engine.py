@@ -102,6 +102,7 @@ class Batch:
         self._native = _native.NativeBatch()
         self._buffers: List[Any] = []
         self._adding = threading.Lock()
+        self._outcome: Optional[Outcome] = None
 
     def write(self, source: Any, to: RemoteSegment, offset: int = 0) -> int:
         """Adds a task writing all of ``source`` into ``to`` at ``offset``;
@@ -133,10 +134,30 @@ class Batch:
 
     def run(self) -> Outcome:
         """Runs the batch and blocks until its outcome. A batch runs once:
-        this uses it up, also when it raises (nothing moved then)."""
-        n = self._engine._native
-        r = n.run(self._native, self._policy, self._deadline)
-        return outcome(r, self._buffers, n)
+        this uses it up, also when it raises (nothing moved then) — except
+        for an interrupt (Ctrl-C) that comes as the run returns, after the
+        outcome: ``outcome`` has it then."""
+        r = self._engine._native.run(self._native, self._policy, self._deadline)
+        return self._keep(r)
+
+    @property
+    def outcome(self) -> Optional[Outcome]:
+        """The outcome ``run()`` answered, once it had one (``None``
+        before, and after a run that raised before moving anything). Read
+        it after a KeyboardInterrupt out of ``run()``: a
+        ``CompletionUnknown`` is the only handle on buffers still pinned."""
+        if self._outcome is None:
+            r = self._native.ran()
+            if r is not None:
+                self._keep(r)
+        return self._outcome
+
+    def _keep(self, report) -> Outcome:
+        # One outcome object per batch (a CompletionUnknown's waits share it).
+        with self._adding:
+            if self._outcome is None:
+                self._outcome = outcome(report, self._buffers, self._engine._native)
+            return self._outcome
 
     async def run_async(self) -> Outcome:
         """Runs the batch without blocking the event loop. Cancelling the

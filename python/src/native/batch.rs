@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 use quiesce_batch::ffi::RawBuf;
 use quiesce_batch::sync::{Direction, SyncTask};
 
+use super::engine_state::Report;
 use super::error::{invalid, raise};
 use super::pin::{Access, Held};
 
@@ -24,6 +25,9 @@ pub(crate) struct Planned {
 pub struct NativeBatch {
     /// `None` once it ran.
     tasks: Option<Vec<Planned>>,
+    /// The report of a blocking run, kept for a caller that did not get
+    /// the return value (a KeyboardInterrupt raised as the call returned).
+    pub(crate) ran: Option<Report>,
 }
 
 #[pymethods]
@@ -32,7 +36,13 @@ impl NativeBatch {
     fn new() -> Self {
         NativeBatch {
             tasks: Some(Vec::new()),
+            ran: None,
         }
+    }
+
+    /// What a blocking `run` of this batch answered (`None` before).
+    fn ran(&self) -> Option<Report> {
+        self.ran.clone()
     }
 
     /// Adds a task moving all of `buffer` to (`write`) or from the remote

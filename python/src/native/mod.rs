@@ -418,7 +418,15 @@ impl NativeEngine {
         match r {
             Ok(out) => {
                 self.core.settle(py, &out, held);
-                Ok(report(&out))
+                let answer = report(&out);
+                // Kept on the batch too: a KeyboardInterrupt raised as this
+                // returns loses the value, and a -2's ticket is the only
+                // handle on its pinned buffers. (Not borrowed now: `take`
+                // emptied it, and `add` of a batch that ran returns at once.)
+                if let Ok(mut b) = batch.try_borrow_mut() {
+                    b.ran = Some(answer.clone());
+                }
+                Ok(answer)
             }
             // Cut off by a stop whose drain left operations live (not
             // reachable while `close` waits for the calls in flight): the
