@@ -34,3 +34,53 @@ def test_a_buffer_of_python_objects_is_refused(native_peer, eng):
     b = eng.batch()
     b.write(plain, kv)
     assert b.run()
+
+
+class Storage:
+    """Memory as torch's UntypedStorage holds it."""
+
+    def __init__(self, n, byte):
+        self.mem = bytearray([byte]) * n
+        self.c = (ctypes.c_char * n).from_buffer(self.mem)
+
+
+class StorageTensor:
+    """A tensor-like object over a storage it can be given anew, as a torch
+    tensor's ``set_()`` or ``.data =`` does (its old storage then goes,
+    unless something else holds it)."""
+
+    def __init__(self, n, byte):
+        self.storage = Storage(n, byte)
+        self.nbytes = n
+        self.device = type("Device", (), {"type": "cpu"})()
+
+    def data_ptr(self):
+        return ctypes.addressof(self.storage.c)
+
+    def untyped_storage(self):
+        return self.storage
+
+    def is_contiguous(self):
+        return True
+
+
+def test_a_tensor_given_other_storage_leaves_the_held_storage_alive(native_peer, eng):
+    """A batch holds a tensor's storage, not only the tensor: ``x.set_(y)``
+    while the batch runs lets go of the memory the transfer reads. It was
+    freed (only the tensor was held)."""
+    import gc
+    import weakref
+
+    t = native_peer(kv=MiB)
+    kv = eng.open(t.address, "kv")
+    x = StorageTensor(4096, 7)
+    old = weakref.ref(x.storage)
+    b = eng.batch()
+    b.write(x, kv)
+    x.storage = Storage(16, 0)  # set_()
+    gc.collect()
+    assert old() is not None, "the memory being moved was freed"
+    assert b.run()
+    assert t.count("kv", 7) == 4096
+    gc.collect()
+    assert old() is None, "the outcome let go of it"

@@ -20,12 +20,15 @@ Initiator side::
     if isinstance(out, quiesce.CompletionUnknown):
         out = out.wait()     # the buffers stay held until then
 
-Buffers are any C-contiguous buffer-protocol object (bytearray, memoryview,
-numpy arrays, mmap) or an object with ``data_ptr()`` and ``nbytes`` on the
-CPU (torch tensors). A batch holds each buffer from ``write``/``read`` until
-its outcome — even if you drop your references, the batch, or the asyncio
-task awaiting it — and your code must not touch them meanwhile (exports
-lock a bytearray's size; tensors cannot be locked: do not resize them).
+Buffers are any C-contiguous buffer-protocol object of plain data
+(bytearray, memoryview, numpy arrays, mmap; not of Python objects) or an
+object with ``data_ptr()`` and ``nbytes`` on the CPU (torch tensors). A
+batch holds each buffer from ``write``/``read`` until its outcome — even if
+you drop your references, the batch, or the asyncio task awaiting it — and
+your code must not touch them meanwhile. Exports lock a bytearray's size.
+A tensor's storage is held too (``set_()`` leaves it alive), but tensors
+cannot be locked: do not ``resize_()`` or ``share_memory_()`` one (it moves
+the memory), nor change the buffer under a ``torch.frombuffer`` tensor.
 """
 
 from __future__ import annotations

@@ -32,8 +32,11 @@ enum Keep {
     /// A buffer-protocol export.
     Export(PyUntypedBuffer),
     /// An object with `data_ptr()`: referenced, never resized by this crate
-    /// (the caller must not `resize_` it while it is held either).
-    Object(Py<PyAny>),
+    /// (the caller must not `resize_` it while it is held either), and its
+    /// `untyped_storage()` where it has one (torch): a tensor given other
+    /// storage (`set_`, `.data =`) lets go of its old one, which the
+    /// transfer still uses.
+    Object(Py<PyAny>, Option<Py<PyAny>>),
 }
 
 /// Caller memory held until nothing can touch it. Only [`Held::release`]
@@ -162,8 +165,12 @@ impl Held {
                 ),
             ));
         }
+        let storage = match obj.hasattr("untyped_storage")? {
+            true => Some(obj.call_method0("untyped_storage")?.unbind()),
+            false => None,
+        };
         Ok(Held {
-            keep: Some(Keep::Object(obj.clone().unbind())),
+            keep: Some(Keep::Object(obj.clone().unbind(), storage)),
             claim: None,
             addr,
             len,
@@ -174,7 +181,7 @@ impl Held {
     pub(crate) fn release(mut self, py: Python<'_>) {
         match self.keep.take() {
             Some(Keep::Export(buf)) => buf.release(py),
-            Some(Keep::Object(o)) => drop(o),
+            Some(Keep::Object(o, storage)) => drop((o, storage)),
             None => {}
         }
         if let Some(c) = self.claim.take() {
