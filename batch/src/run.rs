@@ -10,12 +10,11 @@
 //!                │                                                │
 //!                └──────────── grace over ──▶ CompletionUnknown (ticket) ──┘
 //! ```
-//! Between local quiescence and the outcome (or a retry), writes that ended
+//! Between local quiescence and the outcome (or a retry), tasks that ended
 //! without their target's answer are confirmed by an acknowledged fence of
 //! the wire batch at their peer, waited for until the grace ends; the rest
-//! are reported [`RemoteState::Unconfirmed`], and then nothing is retried.
-//! (A read so ended is reported unconfirmed too, but nothing of it lands
-//! at the target: it is neither fenced for nor holds back a retry.)
+//! are reported [`RemoteState::Unconfirmed`], and then, if one of them is a
+//! write, nothing is retried (nothing of a read lands at its target).
 //! Invariant: a task's buffer is back in its slot only when its transfer
 //! future resolved, which the transport promises happens only once the
 //! transfer quiesced; the outcome is built only from full slots.
@@ -486,8 +485,10 @@ impl<T: Transport, B: 'static> Driver<T, B> {
             return false;
         }
         // A retry rewrites what the old attempt may still deliver: only once
-        // every target confirmed that nothing more of it lands.
-        if self.unconfirmed().next().is_some() {
+        // every target confirmed that nothing more of it lands. (Nothing of
+        // a read lands at its target: its destination is the caller's
+        // buffer, quiescent once its transfer resolved.)
+        if self.unconfirmed().any(|t| t.writes) {
             tracing::warn!(
                 batch = self.id,
                 "not retrying: a target did not confirm the failed attempt"

@@ -122,14 +122,14 @@ impl<T: Transport, B: 'static> Driver<T, B> {
         }
     }
 
-    /// The writes that ended without their target's answer: bytes of them
-    /// may still land there. (A read so ended is reported
-    /// [`RemoteState::Unconfirmed`] too, but nothing of it lands at the
-    /// target: it needs no fence, and does not hold back a retry.)
+    /// The tasks that ended without their target's answer. Their peers
+    /// are fenced (a read's too: its peer may keep state for the wire
+    /// batch, which the retire then lets go, and its report says what the
+    /// target confirmed); only a write of them holds back a retry.
     pub(super) fn unconfirmed(&self) -> impl Iterator<Item = &Task<T, B>> {
         self.tasks
             .iter()
-            .filter(|t| t.writes && t.remote == RemoteState::Unconfirmed)
+            .filter(|t| t.remote == RemoteState::Unconfirmed)
     }
 
     /// After local quiescence: every task that ended without its target's

@@ -98,7 +98,7 @@ pub(crate) struct Task<T: Transport, B> {
     pub(crate) launch: Launch<T, B>,
     /// A write: bytes of it may land at the target after a cut. A read's
     /// only destination is the caller's buffer, quiescent once its
-    /// transfer resolved, so no fence need confirm it before a retry.
+    /// transfer resolved: unconfirmed, it does not hold back a retry.
     pub(crate) writes: bool,
     pub(crate) target: T::Target,
     /// `Some` while the batch holds the buffer: before launch, after return.
