@@ -144,7 +144,8 @@ impl TargetChild {
         Ok(())
     }
 
-    /// Waits until every thread of the process is in the stopped state.
+    /// Waits until every thread of the process is in the stopped state (but
+    /// io_uring's kernel workers, "iou-*").
     fn wait_stopped(&self, within: Duration) -> std::io::Result<()> {
         let deadline = Instant::now() + within;
         loop {
@@ -153,10 +154,14 @@ impl TargetChild {
                 // A thread that ended since the listing has no stat.
                 if let Ok(stat) = std::fs::read_to_string(t?.path().join("stat")) {
                     // "tid (comm) STATE ...": comm may hold spaces and ')'.
-                    let state = stat
-                        .rsplit_once(')')
-                        .and_then(|(_, r)| r.split_whitespace().next());
-                    states.push(state.unwrap_or("?").to_owned());
+                    let (comm, rest) = stat
+                        .split_once('(')
+                        .and_then(|(_, r)| r.rsplit_once(')'))
+                        .unwrap_or(("", ""));
+                    // io_uring's kernel workers run no code of the process.
+                    if !comm.starts_with("iou-") {
+                        states.push(rest.split_whitespace().next().unwrap_or("?").to_owned());
+                    }
                 }
             }
             if !states.is_empty() && states.iter().all(|s| s == "T" || s == "t") {

@@ -20,7 +20,8 @@ def shared_secret(monkeypatch):
 
 
 def wait_stopped(pid, within=10.0):
-    """Waits until every thread of `pid` is in the stopped state."""
+    """Waits until every thread of `pid` is in the stopped state (but
+    io_uring's kernel workers, "iou-*", which run no code of the process)."""
     deadline = time.monotonic() + within
     while True:
         states = []
@@ -28,7 +29,9 @@ def wait_stopped(pid, within=10.0):
             try:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     # "tid (comm) STATE ...": comm may hold spaces and ")".
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+                    head, tail = f.read().split("(", 1)[1].rsplit(")", 1)
+                if not head.startswith("iou-"):
+                    states.append(tail.split()[0])
             except FileNotFoundError:
                 pass  # a thread that ended
         if states and all(s in ("T", "t") for s in states):

@@ -119,7 +119,8 @@ impl TargetProcess {
     }
 }
 
-/// Waits (up to 10 s) until every thread of `pid` is in the stopped state.
+/// Waits (up to 10 s) until every thread of `pid` is in the stopped state
+/// (but io_uring's kernel workers, "iou-*", which run no code of it).
 pub fn wait_stopped(pid: i32) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -127,7 +128,11 @@ pub fn wait_stopped(pid: i32) {
             .unwrap()
             .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
             // "tid (comm) STATE ...": comm may hold spaces and ')'.
-            .filter_map(|s| Some(s.rsplit_once(')')?.1.split_whitespace().next()?.to_owned()))
+            .filter_map(|s| {
+                let (head, tail) = s.split_once('(')?.1.rsplit_once(')')?;
+                let state = tail.split_whitespace().next()?.to_owned();
+                (!head.starts_with("iou-")).then_some(state)
+            })
             .collect();
         if !states.is_empty() && states.iter().all(|s| s == "T" || s == "t") {
             return;
