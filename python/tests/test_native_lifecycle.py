@@ -312,18 +312,23 @@ def test_a_tickets_wait_from_two_threads_keeps_to_its_timeout():
     assert max(took) < 1.6, took
 
 
-def completion_unknown(e, t, kv):
-    """A batch of 64 MiB to the native peer ``t`` (stopped, on this host:
-    its own process reads the source, and may still once resumed) that
-    answers CompletionUnknown after a 1 s deadline; the target is left
-    stopped."""
+def stalled_batch(e, t, kv):
+    """A batch of 64 MiB to the native peer ``t``, which is stopped (on
+    this host: its own process reads the source, and may still once
+    resumed), with a 1 s deadline; not run yet."""
     warm = e.batch()
     warm.write(bytearray(4096), kv)
     assert isinstance(warm.run(), quiesce.Completed)
     t.signal(signal.SIGSTOP)
     b = e.batch(deadline=1.0)
     b.write(bytearray([5]) * (64 * MiB), kv)
-    out = b.run()
+    return b
+
+
+def completion_unknown(e, t, kv):
+    """A ``stalled_batch`` run: CompletionUnknown after its deadline; the
+    target is left stopped."""
+    out = stalled_batch(e, t, kv).run()
     assert isinstance(out, quiesce.CompletionUnknown), out
     return out
 
@@ -510,12 +515,7 @@ def test_a_run_interrupted_by_ctrl_c_keeps_its_outcome(native_peer, eng, monkeyp
     monkeypatch.setenv("QUIESCE_LOCAL", "auto")
     t = native_peer(kv=64 * MiB)
     kv = eng.open(t.address, "kv")
-    warm = eng.batch()
-    warm.write(bytearray(4096), kv)
-    assert isinstance(warm.run(), quiesce.Completed)
-    t.signal(signal.SIGSTOP)
-    b = eng.batch(deadline=1.0)
-    b.write(bytearray([5]) * (64 * MiB), kv)
+    b = stalled_batch(eng, t, kv)
     assert b.outcome is None
     th = threading.Timer(0.5, _thread.interrupt_main)
     th.start()
