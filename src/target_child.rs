@@ -6,8 +6,9 @@ use std::io::{BufRead, BufReader, Lines, Write};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use quiesce_runtime::process;
 use quiesce_transports::Token;
 
 /// A `quiesce target` child process, killed on drop.
@@ -139,42 +140,9 @@ impl TargetChild {
             return Err(std::io::Error::last_os_error());
         }
         if sig == libc::SIGSTOP {
-            self.wait_stopped(Duration::from_secs(10))?;
+            process::wait_stopped(self.child.id(), Duration::from_secs(10))?;
         }
         Ok(())
-    }
-
-    /// Waits until every thread of the process is in the stopped state (but
-    /// io_uring's kernel workers, "iou-*").
-    fn wait_stopped(&self, within: Duration) -> std::io::Result<()> {
-        let deadline = Instant::now() + within;
-        loop {
-            let mut states = Vec::new();
-            for t in std::fs::read_dir(format!("/proc/{}/task", self.pid()))? {
-                // A thread that ended since the listing has no stat.
-                if let Ok(stat) = std::fs::read_to_string(t?.path().join("stat")) {
-                    // "tid (comm) STATE ...": comm may hold spaces and ')'.
-                    let (comm, rest) = stat
-                        .split_once('(')
-                        .and_then(|(_, r)| r.rsplit_once(')'))
-                        .unwrap_or(("", ""));
-                    // io_uring's kernel workers run no code of the process.
-                    if !comm.starts_with("iou-") {
-                        states.push(rest.split_whitespace().next().unwrap_or("?").to_owned());
-                    }
-                }
-            }
-            if !states.is_empty() && states.iter().all(|s| s == "T" || s == "t") {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("target {} did not stop: {states:?}", self.pid()),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
     }
 }
 

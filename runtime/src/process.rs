@@ -17,6 +17,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use crate::buf::{IoBuf, IoBufMut};
 
@@ -39,15 +40,60 @@ enum Identity {
 fn stat(pid: u32) -> Option<(char, u64)> {
     // Bytes: the command is whatever the process named itself, UTF-8 or not.
     let raw = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
-    // After the command, which is in parentheses and may hold anything.
-    let after = raw.iter().rposition(|&b| b == b')')? + 2;
-    let rest = std::str::from_utf8(raw.get(after..)?).ok()?;
+    parse_stat(&raw).map(|(_, state, started)| (state, started))
+}
+
+/// The command, state and start time in a `/proc/…/stat` line.
+fn parse_stat(raw: &[u8]) -> Option<(&[u8], char, u64)> {
+    // The command is in parentheses and may hold anything, ')' included.
+    let open = raw.iter().position(|&b| b == b'(')?;
+    let close = raw.iter().rposition(|&b| b == b')')?;
+    let rest = std::str::from_utf8(raw.get(close + 2..)?).ok()?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // state is field 3 of the whole line, starttime field 22.
     Some((
+        raw.get(open + 1..close)?,
         fields.first()?.chars().next()?,
         fields.get(19)?.parse().ok()?,
     ))
+}
+
+/// Waits up to `within` until every thread of process `pid` is stopped
+/// (SIGSTOP). The kernel wakes one thread for a stop signal and that one
+/// stops the rest, so kill(2) returns while others may still run code.
+/// io_uring's kernel workers (`iou-*`) run none of the process's code and
+/// are not waited for.
+pub fn wait_stopped(pid: u32, within: Duration) -> io::Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let (mut threads, mut running) = (0, Vec::new());
+        for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+            // A thread that ended since the listing has no stat.
+            let Ok(raw) = std::fs::read(t?.path().join("stat")) else {
+                continue;
+            };
+            match parse_stat(&raw) {
+                Some((comm, _, _)) if comm.starts_with(b"iou-") => {}
+                Some((_, state, _)) => {
+                    threads += 1;
+                    if !matches!(state, 'T' | 't') {
+                        running.push(state);
+                    }
+                }
+                None => continue,
+            }
+        }
+        if threads > 0 && running.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("process {pid} did not stop: threads in states {running:?}"),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 impl PeerProcess {
@@ -216,6 +262,24 @@ mod tests {
         let (n, r) = me.read_into(8, &mut dst, 16);
         assert_eq!(n, 0);
         assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EFAULT));
+    }
+
+    /// A stopped process is seen stopped; a running one times out.
+    #[test]
+    fn wait_stopped_waits_for_every_thread_to_stop() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let running = wait_stopped(pid, Duration::from_millis(20));
+        // SAFETY: kill(2) takes no pointers.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let stopped = wait_stopped(pid, Duration::from_secs(10));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(running.unwrap_err().kind(), io::ErrorKind::TimedOut);
+        stopped.unwrap();
     }
 
     /// `comm` is whatever bytes the process set: not UTF-8 must not make

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use quiesce_runtime::shard::{channel, Sender, Shards};
 use quiesce_transports::wire::{
@@ -114,34 +114,9 @@ impl TargetProcess {
         // SAFETY: kill(2) takes no pointers.
         assert_eq!(unsafe { libc::kill(self.pid(), sig) }, 0);
         if sig == libc::SIGSTOP {
-            wait_stopped(self.pid());
+            quiesce_runtime::process::wait_stopped(self.pid() as u32, Duration::from_secs(10))
+                .unwrap();
         }
-    }
-}
-
-/// Waits (up to 10 s) until every thread of `pid` is in the stopped state
-/// (but io_uring's kernel workers, "iou-*", which run no code of it).
-pub fn wait_stopped(pid: i32) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let states: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .unwrap()
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
-            // "tid (comm) STATE ...": comm may hold spaces and ')'.
-            .filter_map(|s| {
-                let (head, tail) = s.split_once('(')?.1.rsplit_once(')')?;
-                let state = tail.split_whitespace().next()?.to_owned();
-                (!head.starts_with("iou-")).then_some(state)
-            })
-            .collect();
-        if !states.is_empty() && states.iter().all(|s| s == "T" || s == "t") {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "process {pid} did not stop: {states:?}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
