@@ -13,7 +13,10 @@ binding, for the calls vLLM's and SGLang's connectors make. What differs is
 what the codes promise: ``-1`` means nothing touches your memory any more
 (Mooncake returns -1 while other transfers of the batch still read your
 sources and write the target), and ``-2`` means completion is unknown and the
-memory stays pinned until ``wait_for_quiescence()`` returns 0.
+memory stays pinned until ``wait_for_quiescence()`` returns 0. The target's
+side of a failed write is confirmed too, unless the target stopped answering
+before it confirmed the fence: then bytes already sent may still land in its
+range until it revokes the range (``unregister_memory`` there does).
 """
 
 from quiesce._native import TransferEngine, TransferOpcode

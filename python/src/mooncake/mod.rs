@@ -42,7 +42,10 @@ const STATUS_WAIT: Duration = Duration::MAX;
 /// Mooncake's `TransferEngine`, whose codes keep quiesce's contract.
 ///
 /// `0`: completed. `-1`: failed, and nothing touches the caller's memory any
-/// more (sources and destinations may be reused at once). `-2`: completion
+/// more (its sources, and a read's destinations, may be reused at once; a
+/// write whose target did not confirm the fence — it stopped answering —
+/// may still land bytes in the *target's* range until the target revokes it,
+/// e.g. by `unregister_memory` there). `-2`: completion
 /// unknown (a target stopped answering while the batch was being cut): the
 /// memory stays pinned — do not free or reuse it until
 /// `wait_for_quiescence()` returns 0. Callers that test `ret == 0` (vLLM) or
