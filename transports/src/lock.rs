@@ -1,5 +1,7 @@
-//! A FIFO async mutex for one thread's tasks (no data inside: it orders
-//! critical sections such as "send one frame"), and the gate built on it
+//! An async mutex for one thread's tasks (no data inside: it orders
+//! critical sections such as "send one frame"; not fair: a release wakes
+//! every waiter and whichever polls first, or a newcomer, takes it — nothing
+//! relies on the order, only on one holder at a time), and the gate built on it
 //! that serialises setting something up — a connection, a queue pair.
 
 use std::cell::{Cell, RefCell};
