@@ -407,3 +407,28 @@ def test_a_managed_buffer_another_registration_lies_in_is_not_freed(local):
     # Taken back: now it frees.
     assert e.unregister_memory(buf + 4096) == 0
     assert e.free_managed_buffer(buf, MiB) == 0
+
+
+def test_an_engine_dropped_with_a_batch_it_could_not_drain_warns(peer_factory, local, monkeypatch):
+    """An engine dropped while a stopped target on this host still holds a
+    loan of an async batch (the target will write the destination itself
+    once it resumes) cannot drain it, and Mooncake's API has no close()
+    whose code could say -2: the drop must say so where Python sees it. It
+    said so only in a log line, and the caller, told nothing, could reuse the
+    destination."""
+    import gc
+
+    import pytest
+
+    target, a, e, _ = stopped_target(peer_factory, local, monkeypatch, 6)
+    # Past the mailbox's slots (whose bytes the initiator copies itself):
+    # the target writes this destination.
+    dst = local.buffer(MiB)
+    try:
+        assert e.batch_transfer_async_read(target.session, [dst], [a], [MiB]) != 0
+        time.sleep(0.5)  # its request goes out, lending dst, on the engine's thread
+        with pytest.warns(RuntimeWarning, match="could not drain"):
+            del e
+            gc.collect()
+    finally:
+        target.signal(signal.SIGCONT)

@@ -433,9 +433,28 @@ impl Drop for Node {
                 // Something may still touch the managed buffers: never free them.
                 tracing::error!("{e}; leaking the managed buffers rather than free memory in use");
                 std::mem::forget(std::mem::take(&mut self.managed));
+                warn_undrained();
             }
         }
     }
+}
+
+/// Tells Python, with a `RuntimeWarning`, that a drop-in engine was dropped
+/// with transfers its stop could not drain: Mooncake's API has no close()
+/// whose code could say -2, and a log line alone is easy to miss. Nothing at
+/// interpreter shutdown (no Python to tell). A warning that the filters turn
+/// into an error is reported as unraisable: a drop cannot raise.
+fn warn_undrained() {
+    const MSG: &std::ffi::CStr = c"quiesce: a TransferEngine was dropped with transfers it could \
+        not drain: the memory they used may still be read or written by a peer (one stopped \
+        on this host); never free or reuse it. Read every batch's status and wait for \
+        wait_for_quiescence() to return 0 before dropping an engine.";
+    pyo3::Python::try_attach(|py| {
+        let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+        if let Err(e) = pyo3::PyErr::warn(py, &category, MSG, 1) {
+            e.write_unraisable(py, None);
+        }
+    });
 }
 
 /// Most distinct reasons a failed batch's warning names.
