@@ -124,7 +124,10 @@ pub(crate) fn bytes_of<B: IoBuf>(p: &Part<B>) -> &[u8] {
 pub(crate) struct Erased {
     ptr: *mut u8,
     len: usize,
-    _part: Box<dyn std::any::Any>,
+    /// The part's hold on its buffer: the part's own `Rc`, its type erased
+    /// by unsizing — no allocation per read, where a boxed part took one
+    /// (a `Part` is its `Rc` and a range, and has no `Drop` of its own).
+    _buf: Rc<dyn std::any::Any>,
 }
 
 impl Erased {
@@ -133,7 +136,7 @@ impl Erased {
         Erased {
             ptr,
             len,
-            _part: Box::new(part),
+            _buf: part.inner,
         }
     }
 
@@ -144,13 +147,13 @@ impl Erased {
     /// Copies `src` to `at` in the destination (the range is asserted).
     pub(crate) fn copy_in(&mut self, at: usize, src: &[u8]) {
         assert!(at.checked_add(src.len()).is_some_and(|e| e <= self.len));
-        // SAFETY: `at..at + src.len()` lies in the part (asserted), which the
-        // boxed part keeps alive; this `Erased` is its only writer.
+        // SAFETY: `at..at + src.len()` lies in the part (asserted), whose
+        // buffer `_buf` keeps alive; this `Erased` is its only writer.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len()) };
     }
 }
 
-// SAFETY: points into the part's allocation, which the boxed part keeps alive.
+// SAFETY: points into the part's allocation, which `_buf` keeps alive.
 unsafe impl IoBuf for Erased {
     fn stable_ptr(&self) -> *const u8 {
         self.ptr
