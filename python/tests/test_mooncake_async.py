@@ -426,9 +426,37 @@ def test_an_engine_dropped_with_a_batch_it_could_not_drain_warns(peer_factory, l
     dst = local.buffer(MiB)
     try:
         assert e.batch_transfer_async_read(target.session, [dst], [a], [MiB]) != 0
-        time.sleep(0.5)  # its request goes out, lending dst, on the engine's thread
+        time.sleep(2)  # its request goes out, lending dst, on the engine's thread
         with pytest.warns(RuntimeWarning, match="could not drain"):
             del e
             gc.collect()
+    finally:
+        target.signal(signal.SIGCONT)
+
+
+def test_an_engine_dropped_undrained_while_an_exception_unwinds_keeps_that_exception(
+    peer_factory, local, monkeypatch
+):
+    """The same undrained drop, made while an exception leaves the code
+    that held the engine's last reference (a temporary on the interpreter's
+    stack, dropped with the exception already set): the warning must not
+    take that exception's place. Issued with it pending, it did."""
+    import pytest
+
+    target, a, e, _ = stopped_target(peer_factory, local, monkeypatch, 6)
+    dst = local.buffer(MiB)
+    held = [e]
+    del e
+
+    def lent():
+        e = held.pop()
+        assert e.batch_transfer_async_read(target.session, [dst], [a], [MiB]) != 0
+        time.sleep(2)  # its request goes out, lending dst, on the engine's thread
+        return e
+
+    try:
+        with pytest.warns(RuntimeWarning, match="could not drain"):
+            with pytest.raises(ZeroDivisionError):
+                (lent(), 1 / 0)
     finally:
         target.signal(signal.SIGCONT)

@@ -441,19 +441,43 @@ impl Drop for Node {
 
 /// Tells Python, with a `RuntimeWarning`, that a drop-in engine was dropped
 /// with transfers its stop could not drain: Mooncake's API has no close()
-/// whose code could say -2, and a log line alone is easy to miss. Nothing at
-/// interpreter shutdown (no Python to tell). A warning that the filters turn
-/// into an error is reported as unraisable: a drop cannot raise.
+/// whose code could say -2, and a log line alone is easy to miss. A warning
+/// that the filters turn into an error is reported as unraisable: a drop
+/// cannot raise.
+///
+/// The drop may run while an exception unwinds (the engine a temporary on
+/// the interpreter's stack, freed with the exception already set): that
+/// exception is set aside around the warning and put back, or the warning
+/// machinery would run with it pending and the unwinding would go on with
+/// none (`..._while_an_exception_unwinds_keeps_that_exception`: the
+/// interpreter crashed).
 fn warn_undrained() {
+    use std::ptr::null_mut;
+
     const MSG: &std::ffi::CStr = c"quiesce: a TransferEngine was dropped with transfers it could \
         not drain: the memory they used may still be read or written by a peer (one stopped \
         on this host); never free or reuse it. Read every batch's status and wait for \
         wait_for_quiescence() to return 0 before dropping an engine.";
     pyo3::Python::try_attach(|py| {
+        let (mut kind, mut value, mut trace) = (null_mut(), null_mut(), null_mut());
+        // SAFETY: attached (`py`); moves the pending exception, if any, into
+        // these three owned references (null when there is none) and clears
+        // it. The older API on purpose: present on every version this builds
+        // for, where its successor needs 3.12.
+        #[allow(deprecated)]
+        unsafe {
+            pyo3::ffi::PyErr_Fetch(&mut kind, &mut value, &mut trace)
+        };
         let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
         if let Err(e) = pyo3::PyErr::warn(py, &category, MSG, 1) {
             e.write_unraisable(py, None);
         }
+        // SAFETY: attached; hands the three references taken above back as
+        // the pending exception (none if they are null), as they were.
+        #[allow(deprecated)]
+        unsafe {
+            pyo3::ffi::PyErr_Restore(kind, value, trace)
+        };
     });
 }
 
