@@ -171,6 +171,17 @@ def local():
     return Local()
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler, for tests that interrupt the main
+    thread (``_thread.interrupt_main``): Python does not install it when it
+    starts with SIGINT ignored — as a background job of a non-interactive
+    shell does — and then the interrupt does nothing."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 def seed_round(e, target, probe, src, small, big, length):
     """One round of the seed scenario through the Mooncake drop-in: [4 KiB to
     ``small``, which the target withdrew, ``length`` bytes to ``big``] must

@@ -366,7 +366,7 @@ def test_a_tickets_wait_racing_a_sweep_gets_the_outcome(native_peer, eng, monkey
         assert eng.pending() == []
 
 
-def test_a_wait_interrupted_by_ctrl_c_keeps_the_outcome(native_peer, eng, monkeypatch):
+def test_a_wait_interrupted_by_ctrl_c_keeps_the_outcome(native_peer, eng, monkeypatch, python_sigint):
     """Ctrl-C while a CompletionUnknown's wait() blocks: the wait goes on
     until the batch drained (the engine's wait cannot be cut), and the
     KeyboardInterrupt comes as it returns — before the Python side kept the
@@ -504,7 +504,7 @@ def test_a_forked_child_is_refused_even_with_the_engine_lock_held_at_the_fork(na
     )
 
 
-def test_a_run_interrupted_by_ctrl_c_keeps_its_outcome(native_peer, eng, monkeypatch):
+def test_a_run_interrupted_by_ctrl_c_keeps_its_outcome(native_peer, eng, monkeypatch, python_sigint):
     """Ctrl-C while run() blocks: the run goes on to its outcome (it cannot
     be cut), and the KeyboardInterrupt comes as it returns — before the
     caller got the outcome. A CompletionUnknown lost so is the only handle
