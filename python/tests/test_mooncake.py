@@ -496,16 +496,19 @@ region = bytearray(4096)
 import ctypes
 reg = ctypes.addressof((ctypes.c_char * 4096).from_buffer(region))
 assert e.register_memory(reg, 4096) == 0
+# The parent's own session answers every call below in the parent (checked
+# after the child), so each -1 or 0 in the child is the fork's refusal.
+me = f"127.0.0.1:{e.get_rpc_port()}"
 pid = os.fork()
 if pid == 0:
     # The engine's thread is the parent's: nothing here serves this call.
-    code = e.transfer_sync_write("127.0.0.1:1", buf, 0x1000, 8)
+    code = e.transfer_sync_write(me, buf, reg, 8)
     # Taking memory back waits for nothing the parent's engine would send.
     t0 = time.monotonic()
     codes = (code, e.unregister_memory(reg), e.free_managed_buffer(buf, 4096))
     # Every other call answers its failure too, before taking any lock a
     # parent's thread may have held at the fork.
-    codes += (e.send_probe("127.0.0.1:1"), e.get_first_buffer_address("127.0.0.1:1"))
+    codes += (e.send_probe(me), e.get_first_buffer_address(me))
     for call in (lambda: e.read_bytes_from_buffer(buf, 8), lambda: e.wait_for_quiescence(1.0)):
         try:
             codes += (call(),)
@@ -517,7 +520,10 @@ if pid == 0:
     sys.exit(0 if ok else 3)  # an interpreter exit drops the engine
 _, status = os.waitpid(pid, 0)
 assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-# The parent's engine is untouched.
+# The parent's engine is untouched, and answers what the child could not.
+assert e.send_probe(me) == 0
+assert e.get_first_buffer_address(me) != 0
+assert e.transfer_sync_write(me, buf, reg, 8) == 0
 assert e.transfer_sync_write("127.0.0.1:1", buf, 0x1000, 8) == -1
 assert e.free_managed_buffer(buf, 4096) == 0
 assert e.unregister_memory(reg) == 0
