@@ -142,3 +142,39 @@ fn a_refused_proof_is_a_warning_and_its_connection_is_no_protocol_break() {
     assert!(refused[0].contains("peer=127.0.0.1:"), "{}", refused[0]);
     assert!(!err.contains("broke the protocol"), "{err}");
 }
+
+/// An initiator on the target's host ends as it should (its writes
+/// answered, its engine shut down or dropped, its process carrying on): a
+/// dropped engine closes its end of the mailbox's doorbell before the
+/// target reads the socket's end. A normal close, logged as one: it was a
+/// warning of a protocol break at every such peer's end.
+#[test]
+fn a_local_initiator_that_ends_is_no_protocol_break() {
+    use quiesce::transports::{AlignedBuf, Engine, EngineConfig, LocalMode};
+
+    let t = target();
+    let (addr, token) = (t.0.addr, t.0.tokens["kv"]);
+    for shut_down in [true, false] {
+        quiesce::Runtime::new().unwrap().block_on(async {
+            let e = Engine::bind(EngineConfig {
+                local: LocalMode::Required,
+                ..EngineConfig::default()
+            })
+            .unwrap();
+            let peer = e.connect(addr).await.unwrap();
+            let kv = peer.open("kv", token).await.unwrap();
+            assert!(peer.is_local(), "a target on this host is attached");
+            for _ in 0..3 {
+                let (res, _) = kv.write(0, AlignedBuf::new(4096), 1).await;
+                assert_eq!(res.unwrap(), 4096);
+            }
+            if shut_down {
+                e.shutdown();
+            }
+        });
+    }
+    // The target sees the closes before it is stopped.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let err = stop(t);
+    assert!(!err.contains("broke the protocol"), "{err}");
+}

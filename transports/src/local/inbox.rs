@@ -136,9 +136,13 @@ impl ServedConn<'_> {
         };
         let mb = &inbox.mb;
         if mb.gone() {
-            return Err(Closed::Protocol(
-                "the initiator closed its end of the mailbox's doorbell".into(),
-            ));
+            // How an initiator's engine ends, dropped or its process gone:
+            // its doorbell's end may close before its socket does. Nothing
+            // more is served either way; a normal end, not a protocol break.
+            return Err(Closed::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the initiator closed its end of the mailbox's doorbell",
+            )));
         }
         let (start, end) = (inbox.served.get(), mb.submitted());
         let waiting = end.wrapping_sub(start);
