@@ -4,9 +4,10 @@
 //!
 //! States:
 //! * `Ready` — requests are posted.
-//! * `Failed` — a completion failed; the NIC moved the QP to the error state
-//!   and every posted request will come back flushed. Queued requests are
-//!   failed without being posted.
+//! * `Failed` — a completion failed, or a flush came while the link was
+//!   `Ready` (something else moved the QP: the device's asynchronous fatal
+//!   error); the QP is in the error state and every posted request will
+//!   come back flushed. Queued requests are failed without being posted.
 //! * `Fenced` — moved to the error state by a fence or an abort; as above.
 //!
 //! A link that is not `Ready` is never used again: the peer builds a new one
@@ -24,7 +25,8 @@ use crate::error::TransferError;
 pub(crate) enum LinkState {
     /// Invariant: the QP is in RTS and posts go out.
     Ready,
-    /// Invariant: the QP is in the error state because a completion failed.
+    /// Invariant: the QP is in the error state because a completion failed
+    /// or flushed unasked, or the control connection ended.
     Failed,
     /// Invariant: the QP was moved to the error state by a fence or abort.
     Fenced,

@@ -317,6 +317,17 @@ impl RdmaPeer {
         self.inner.tcp.strand_control();
     }
 
+    /// Moves the current link's queue pair to the error state behind the
+    /// link's back, as the device's asynchronous fatal error would: what is
+    /// posted on it comes back flushed, with no error of its own. For
+    /// tests; nothing else needs it.
+    #[doc(hidden)]
+    pub fn break_queue_pair(&self) {
+        if let Some(l) = self.inner.link.borrow().as_ref() {
+            let _ = l.qp.set_error();
+        }
+    }
+
     /// Fences `batch`: the local queue pair to the error state (nothing more
     /// leaves, posted requests flush), then the target's (nothing more
     /// lands); resolves once the target confirmed.

@@ -401,7 +401,17 @@ impl Reaper {
         self.stats.completed += u64::from(done.requests);
         let error = match wc.status {
             WC_SUCCESS => None,
-            WC_WR_FLUSH_ERR => Some(link.flushed_error(slot.batch, true)),
+            WC_WR_FLUSH_ERR => {
+                // A flush on a link still `Ready`: something other than
+                // this side's fence or a failed completion (the device's
+                // asynchronous fatal error) moved its queue pair to the
+                // error state. It serves nothing more: the next transfer
+                // builds a new one.
+                if link.state() == LinkState::Ready {
+                    link.state.set(LinkState::Failed);
+                }
+                Some(link.flushed_error(slot.batch, true))
+            }
             st => {
                 if link.state() == LinkState::Ready {
                     link.state.set(LinkState::Failed);

@@ -434,3 +434,33 @@ fn a_transfer_cut_between_doorbells_reports_what_landed() {
         });
     }
 }
+
+/// A queue pair moved to the error state by something other than this
+/// side's fence or a failed completion (the device's asynchronous fatal
+/// error, say) returns every request posted on it flushed, none with an
+/// error of its own. Each transfer on it must fail, and the next one build
+/// a new queue pair: the link stayed `Ready` on flushes alone, and every
+/// later transfer to the peer was posted on the dead queue pair and failed.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_queue_pair_that_only_flushes_is_rebuilt() {
+    Runtime::new().unwrap().block_on(async {
+        let p = ro_and_kv().await;
+        let mut l = p.region.lease(0..4096).unwrap();
+        fill(&mut l, 1);
+        let (r, l) = p.kv_r.write(0, l, 1).await;
+        assert_eq!(r.unwrap(), 4096);
+        p.peer.break_queue_pair();
+        let (r, l) = p.kv_r.write(0, l, 2).await;
+        assert!(
+            r.is_err(),
+            "a write on a queue pair in the error state: {r:?}"
+        );
+        let (r, l) = p.kv_r.write(0, l, 3).await;
+        assert_eq!(r.unwrap(), 4096, "the next write builds a new queue pair");
+        let (r, _l) = p.kv_r.read(0, 4096, l, 4).await;
+        assert_eq!(r.unwrap(), 4096);
+        let s = p.init.stats();
+        assert_eq!((s.in_flight, s.posted), (0, s.completed));
+    });
+}
