@@ -27,7 +27,9 @@ pub struct EngineConfig {
     /// hello and prove a first token (target).
     pub handshake_timeout: Duration,
     /// An authenticated connection that sends nothing for this long is
-    /// closed (target); the initiator reconnects when it next needs it.
+    /// closed (target); the initiator reconnects when it next needs it. Not
+    /// between frames on a connection that serves an RDMA queue pair (its
+    /// traffic is one-sided): TCP keep-alive finds a peer gone there.
     pub idle_timeout: Option<Duration>,
     /// Connections that have not authenticated yet; a new one evicts the
     /// oldest (target).

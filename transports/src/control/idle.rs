@@ -21,12 +21,30 @@ use crate::control::server::Closed;
 /// and the timer fires at most about once per limit.
 pub(crate) struct IdleLimit {
     limit: Option<Duration>,
+    /// Silence between frames is no sign of idleness: the connection
+    /// serves a queue pair, whose one-sided traffic the target never sees
+    /// ([`lift_between_frames`](Self::lift_between_frames)).
+    between_frames_lifted: bool,
     timer: Option<Sleep>,
 }
 
 impl IdleLimit {
     pub(crate) fn new(limit: Option<Duration>) -> IdleLimit {
-        IdleLimit { limit, timer: None }
+        IdleLimit {
+            limit,
+            between_frames_lifted: false,
+            timer: None,
+        }
+    }
+
+    /// From now on a wait for the next frame has no limit; receives and
+    /// sends inside a frame keep theirs. For a connection serving an RDMA
+    /// queue pair: its initiator's transfers are all on the queue pair,
+    /// and a control connection closed for its silence took that queue
+    /// pair, and every transfer in flight on it, down. (TCP keep-alive,
+    /// which the caller turns on, finds a peer gone without a FIN.)
+    pub(crate) fn lift_between_frames(&mut self) {
+        self.between_frames_lifted = true;
     }
 
     /// Reads the next frame with `f`, or closes the connection once the
@@ -35,7 +53,7 @@ impl IdleLimit {
         &mut self,
         f: impl Future<Output = std::io::Result<T>>,
     ) -> Result<T, Closed> {
-        let Some(d) = self.limit else {
+        let Some(d) = self.limit.filter(|_| !self.between_frames_lifted) else {
             return f.await.map_err(Closed::Io);
         };
         let due = Instant::now() + d;

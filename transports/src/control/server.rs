@@ -512,6 +512,19 @@ impl ServedConn<'_> {
         }
     }
 
+    /// The connection now serves a queue pair: its silence between frames
+    /// is no longer idleness (`IdleLimit::lift_between_frames`), and TCP
+    /// keep-alive — probes after half the stall limit (else the idle
+    /// limit) — finds its peer if it goes without a FIN.
+    fn serves_a_queue_pair(&mut self) {
+        let c = &self.engine.config;
+        if let Err(e) = self.s.set_keepalive(c.stall_timeout.or(c.idle_timeout)) {
+            tracing::warn!(error = %e, "cannot turn TCP keep-alive on; the idle limit stays");
+            return;
+        }
+        self.idle.lift_between_frames();
+    }
+
     /// Sets up (or, for `qpn == 0`, only reports keys of) an RDMA queue pair.
     async fn qp_connect(&mut self, h: &Header) -> Result<(), Closed> {
         let req = self
@@ -569,6 +582,9 @@ impl ServedConn<'_> {
                     (!seg.inner.grants.revoked_since(epoch)).then_some(id)
                 }));
             }
+        }
+        if answer.qp.qpn != 0 {
+            self.serves_a_queue_pair();
         }
         let payload = match answer.encode() {
             Ok(p) => p,

@@ -464,3 +464,47 @@ fn a_queue_pair_that_only_flushes_is_rebuilt() {
         assert_eq!((s.in_flight, s.posted), (0, s.completed));
     });
 }
+
+/// A control connection whose initiator's traffic is all on its queue pair
+/// sends the target no frame: that is no idleness. The target closed it at
+/// its idle limit (600 s by default), took the queue pair down with it, and
+/// the writes in flight failed `ConnectionLost` on a healthy link. Writes
+/// that run past several idle limits now all succeed on one queue pair.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn a_connection_whose_traffic_is_on_its_queue_pair_is_not_idle() {
+    use quiesce_transports::EngineConfig;
+
+    Runtime::new().unwrap().block_on(async {
+        let limit = Duration::from_millis(300);
+        let target = RdmaEngine::bind(RdmaConfig {
+            control: EngineConfig {
+                idle_timeout: Some(limit),
+                ..EngineConfig::default()
+            },
+            ..RdmaConfig::default()
+        })
+        .unwrap();
+        let kv = target
+            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
+            .unwrap();
+        let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+        let region = Region::new(1 << 20);
+        let _local = init.register_region(&region).unwrap();
+        let peer = init.connect(target.local_addr()).await.unwrap();
+        let remote = peer.open("kv", kv.token()).await.unwrap();
+        let mut l = region.lease(0..4096).unwrap();
+        let t0 = Instant::now();
+        let mut writes = 0u64;
+        while t0.elapsed() < 5 * limit {
+            fill(&mut l, writes as u8);
+            let (r, back) = remote.write(0, l, writes).await;
+            l = back;
+            assert_eq!(r.unwrap(), 4096, "write {writes} after {:?}", t0.elapsed());
+            writes += 1;
+            sleep(Duration::from_millis(5)).await;
+        }
+        let accepted = target.control().stats().accepted;
+        assert_eq!(accepted, 1, "{writes} writes needed {accepted} connections");
+    });
+}
