@@ -586,6 +586,9 @@ impl ServedConn<'_> {
         if answer.qp.qpn != 0 {
             self.serves_a_queue_pair();
         }
+        if crate::rdma::served::stalled_qp_accept() {
+            quiesce_runtime::time::sleep(std::time::Duration::from_secs(3600)).await;
+        }
         let payload = match answer.encode() {
             Ok(p) => p,
             Err(e) => return Err(reject(self.s, h, Status::BadFrame, e.to_string()).await),

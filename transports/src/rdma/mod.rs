@@ -36,7 +36,7 @@ mod verbs;
 pub use engine::{LocalMemory, RdmaConfig, RdmaEngine};
 pub use peer::{after_next_qp_accept, AfterAccept, RdmaPeer, RdmaSegment};
 pub use reaper::RdmaStats;
-pub use served::fail_next_served_resets;
+pub use served::{fail_next_served_resets, stall_next_qp_accepts};
 pub use verbs::{device_names, fail_next_deregistrations, QpEndpoint};
 
 /// Why the RDMA engine cannot start, or a verbs call failed.

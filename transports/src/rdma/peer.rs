@@ -164,9 +164,12 @@ impl RdmaPeer {
             // handed out only to a grant proven since (the one just proven).
             let conn = self.inner.tcp.control().await?;
             let accept = conn
-                .qp_connect(QpConnect {
-                    qp: QpWire::default(),
-                })
+                .qp_connect(
+                    QpConnect {
+                        qp: QpWire::default(),
+                    },
+                    self.inner.tcp.connect_timeout(),
+                )
                 .await?;
             check_status(accept.status, self.addr())?;
             self.inner
@@ -224,7 +227,8 @@ impl RdmaPeer {
             .new_qp(&node.pd)
             .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
         let local = node.endpoint(&qp);
-        let accept = conn.qp_connect(QpConnect { qp: local }).await?;
+        let limit = self.inner.tcp.connect_timeout();
+        let accept = conn.qp_connect(QpConnect { qp: local }, limit).await?;
         match AFTER_ACCEPT.with(Cell::take) {
             Some(AfterAccept::CloseControl) => {
                 conn.close_now("a test fault: closed after QpAccept");

@@ -103,6 +103,27 @@ fn failing_served_reset() -> bool {
     })
 }
 
+thread_local! {
+    static STALLED_QP_ACCEPTS: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Makes this thread's target leave its next `n` answers to a `QpConnect`
+/// unsent for an hour, as a frozen target process would: a fault for tests
+/// of what an initiator waiting for one does. Never call it outside a test.
+#[doc(hidden)]
+pub fn stall_next_qp_accepts(n: u32) {
+    STALLED_QP_ACCEPTS.with(|f| f.set(n));
+}
+
+/// Whether this answer is one [`stall_next_qp_accepts`] holds back.
+pub(crate) fn stalled_qp_accept() -> bool {
+    STALLED_QP_ACCEPTS.with(|f| {
+        let n = f.get();
+        f.set(n.saturating_sub(1));
+        n > 0
+    })
+}
+
 /// What [`Node::kill_keys`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum KeysKilled {

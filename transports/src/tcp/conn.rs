@@ -363,8 +363,30 @@ impl Conn {
     }
 
     /// Sends an RDMA queue pair (or asks for keys only); returns the
-    /// target's queue pair and the keys of the segments proven here.
-    pub(crate) async fn qp_connect(&self, req: QpConnect) -> Result<QpAccept, TransferError> {
+    /// target's queue pair and the keys of the segments proven here. A
+    /// target that does not answer within `limit` (a frozen process, whose
+    /// kernel still acks) gets the connection killed, and the call fails
+    /// as `ConnectionLost` instead of waiting for good: it runs outside any
+    /// batch (an open), or holds every transfer to the peer behind it (a
+    /// link's set-up). The control connection carries no bulk, so nothing
+    /// but the target's silence delays the answer.
+    pub(crate) async fn qp_connect(
+        &self,
+        req: QpConnect,
+        limit: std::time::Duration,
+    ) -> Result<QpAccept, TransferError> {
+        match timeout(limit, self.qp_connect_unbounded(req)).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.kill("no QpAccept within the connect timeout");
+                Err(TransferError::ConnectionLost(format!(
+                    "no answer to a queue pair exchange within {limit:?}"
+                )))
+            }
+        }
+    }
+
+    async fn qp_connect_unbounded(&self, req: QpConnect) -> Result<QpAccept, TransferError> {
         let payload = req.encode();
         let result = slot();
         // Queued under the send lock, as `auth`'s.

@@ -284,3 +284,55 @@ fn a_handle_opened_before_a_revoke_never_posts_with_a_key_of_the_newer_grant() {
         assert_eq!((s.in_flight, s.posted), (0, s.completed));
     });
 }
+
+/// A target that proves the token, then never answers the keys-only
+/// `QpConnect` that follows (a frozen process, whose kernel still acks):
+/// the open waited for good — it runs outside any batch, so no deadline
+/// ends it. It now fails within the connect timeout, and so does a link's
+/// set-up stalled the same way, which every transfer to the peer waits
+/// behind; the next ones reconnect and work.
+#[test]
+#[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
+fn an_unanswered_queue_pair_exchange_fails_within_the_connect_timeout() {
+    use quiesce_runtime::time::timeout;
+    use quiesce_transports::rdma::stall_next_qp_accepts;
+    use quiesce_transports::EngineConfig;
+
+    Runtime::new().unwrap().block_on(async {
+        let (target, kv) = kv_target(1 << 20);
+        let init = RdmaEngine::bind(RdmaConfig {
+            control: EngineConfig {
+                connect_timeout: Duration::from_secs(1),
+                ..EngineConfig::default()
+            },
+            ..RdmaConfig::default()
+        })
+        .unwrap();
+        let region = Region::new(1 << 20);
+        let _local = init.register_region(&region).unwrap();
+        let peer = init.connect(target.local_addr()).await.unwrap();
+        let wait = Duration::from_secs(20);
+
+        stall_next_qp_accepts(1);
+        let t0 = Instant::now();
+        let r = timeout(wait, peer.open("kv", kv.token()))
+            .await
+            .expect("the open waited for an answer for good");
+        assert!(
+            matches!(r, Err(TransferError::ConnectionLost(_))),
+            "{:?}",
+            r.err()
+        );
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+
+        let remote = peer.open("kv", kv.token()).await.unwrap();
+        stall_next_qp_accepts(1);
+        let (r, l) = timeout(wait, remote.write(0, region.lease(0..4096).unwrap(), 1))
+            .await
+            .expect("the write waited for its link for good");
+        assert!(r.is_err(), "{r:?}");
+        let remote = peer.open("kv", kv.token()).await.unwrap();
+        let (r, _l) = remote.write(0, l, 2).await;
+        assert_eq!(r.unwrap(), 4096);
+    });
+}
