@@ -35,6 +35,7 @@
 
 pub mod buf;
 mod builder;
+mod closer;
 mod context;
 mod crowding;
 pub mod driver;

@@ -24,7 +24,10 @@
 //! maker can still change.
 
 use std::io;
+use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use crate::closer::close_elsewhere;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU64;
 
@@ -234,7 +237,19 @@ pub const QUIET_MOST: usize = 1024;
 /// `SIGPIPE`).
 #[derive(Debug)]
 pub struct Doorbell {
-    fd: OwnedFd,
+    /// Closed on the closer thread when the doorbell drops (`Drop`).
+    fd: ManuallyDrop<OwnedFd>,
+}
+
+impl Drop for Doorbell {
+    /// Closes the end off this thread (`crate::closer`): its last close
+    /// closes the files still queued in it, which the other process may
+    /// have sent to block whoever closes them.
+    fn drop(&mut self) {
+        // SAFETY: `drop` runs once, and nothing uses `self.fd` after it.
+        let fd = unsafe { ManuallyDrop::take(&mut self.fd) };
+        close_elsewhere(fd);
+    }
 }
 
 impl Doorbell {
@@ -250,7 +265,7 @@ impl Doorbell {
         // SAFETY: socketpair returned two new descriptors nothing else owns.
         let (mine, theirs) =
             unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        Ok((Doorbell { fd: mine }, theirs))
+        Ok((Doorbell::own(mine), theirs))
     }
 
     /// Takes `fd`, the end of a doorbell another process made, if it is a
@@ -300,7 +315,13 @@ impl Doorbell {
         if !ok {
             return Err(refuse());
         }
-        Ok(Doorbell { fd })
+        Ok(Doorbell::own(fd))
+    }
+
+    fn own(fd: OwnedFd) -> Doorbell {
+        Doorbell {
+            fd: ManuallyDrop::new(fd),
+        }
     }
 
     /// Rings the other end: its reactor wakes. A full socket is ringing
@@ -324,19 +345,41 @@ impl Doorbell {
     /// one does not, which loses nothing: a doorbell only wakes its owner,
     /// whose work is in the mailbox, looked at after every arm. `false` once the
     /// other end is gone — it will never ring again, and this end stays
-    /// readable: stop watching it.
+    /// readable: stop watching it — or sent ancillary data, which no ring
+    /// does: files (`SCM_RIGHTS`) are taken and closed off this thread
+    /// (a receive without room for them would close them here, and the last
+    /// close of some files blocks: a TCP socket lingering over bytes it
+    /// cannot send), and the doorbell is done with.
     pub fn quiet(&self) -> bool {
         let mut buf = [0u8; 64];
+        // Room for the most files one message carries (SCM_MAX_FD, 253),
+        // after what else a socket option the maker can set adds (its
+        // credentials, pidfd or security label): taken, not truncated.
+        let mut control = [0u64; 1024];
         for _ in 0..QUIET_MOST / buf.len() {
-            // SAFETY: receives at most 64 bytes into a live array.
+            let mut iov = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            };
+            // SAFETY: a zeroed msghdr is a valid, empty one.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = std::mem::size_of_val(&control) as _;
+            // SAFETY: receives at most 64 bytes and 8 KiB of ancillary data
+            // into the live buffers `msg` points at.
             let n = unsafe {
-                libc::recv(
+                libc::recvmsg(
                     self.fd.as_raw_fd(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    libc::MSG_DONTWAIT,
+                    &mut msg,
+                    libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
                 )
             };
+            if n >= 0 && (msg.msg_controllen > 0 || msg.msg_flags & libc::MSG_CTRUNC != 0) {
+                close_passed_files(&msg);
+                return false;
+            }
             match n {
                 0 => return false,
                 n if n == buf.len() as isize => continue,
@@ -356,6 +399,36 @@ impl Doorbell {
     /// The fd to watch: readable while the doorbell rings.
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
+    }
+}
+
+/// `SCM_PIDFD` (Linux 6.5): a pidfd of the sender, for a socket with
+/// `SO_PASSPIDFD`.
+const SCM_PIDFD: libc::c_int = 4;
+
+/// Hands the files `msg` brought (`SCM_RIGHTS`, `SCM_PIDFD`), now this
+/// process's, to the closer thread.
+fn close_passed_files(msg: &libc::msghdr) {
+    // SAFETY: recvmsg filled `msg`: its control buffer holds
+    // `msg_controllen` bytes of the kernel's well-formed headers, which
+    // CMSG_FIRSTHDR and CMSG_NXTHDR walk without leaving it; each data
+    // part holds `cmsg_len` minus its header's length in bytes.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(msg);
+        while !c.is_null() {
+            let files = matches!((*c).cmsg_type, libc::SCM_RIGHTS | SCM_PIDFD);
+            if (*c).cmsg_level == libc::SOL_SOCKET && files {
+                let data = libc::CMSG_DATA(c);
+                let bytes = (*c).cmsg_len as usize - (data as usize - c as usize);
+                for i in 0..bytes / std::mem::size_of::<libc::c_int>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
+                    // SAFETY: the kernel installed `fd` in this process for
+                    // this receive; nothing else owns it.
+                    close_elsewhere(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(msg, c);
+        }
     }
 }
 
@@ -433,8 +506,13 @@ mod tests {
         // SAFETY: pipe2 returned two new descriptors.
         let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         assert!(Doorbell::open(r).is_err() && Doorbell::open(w).is_err());
-        // Its other end gone: quieting says so (and ringing raises nothing).
+        // Its other end gone (closed on the closer thread, so soon after
+        // the drop): quieting says so (and ringing raises nothing).
         drop(mine);
+        let t0 = std::time::Instant::now();
+        while !readable(&other) && t0.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         other.ring();
         assert!(!other.quiet());
     }

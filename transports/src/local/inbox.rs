@@ -141,7 +141,7 @@ impl ServedConn<'_> {
             // more is served either way; a normal end, not a protocol break.
             return Err(Closed::Io(std::io::Error::new(
                 std::io::ErrorKind::ConnectionAborted,
-                "the initiator closed its end of the mailbox's doorbell",
+                "the initiator's doorbell is gone (its end closed, or files sent through it)",
             )));
         }
         let (start, end) = (inbox.served.get(), mb.submitted());

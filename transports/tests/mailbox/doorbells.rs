@@ -146,6 +146,130 @@ fn closed_doorbells_neither_signal_nor_keep_the_target_waking() {
     others_are_served(&target, kv.token);
 }
 
+/// A loopback TCP connection whose last close blocks its closer for
+/// `linger`: its peer (returned, to keep open) never reads, so its send
+/// queue holds bytes it cannot send, and `SO_LINGER` makes close wait.
+fn lingering_socket(linger: Duration) -> (std::net::TcpStream, std::net::TcpStream) {
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut stuck = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (reader, _) = listener.accept().unwrap();
+    stuck.set_nonblocking(true).unwrap();
+    let chunk = vec![7u8; 64 << 10];
+    while stuck.write(&chunk).is_ok() {}
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: linger.as_secs() as libc::c_int,
+    };
+    // SAFETY: sets an option from a live linger struct of the given size.
+    let r = unsafe {
+        libc::setsockopt(
+            stuck.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(r, 0);
+    (stuck, reader)
+}
+
+/// Bytes waiting in the socket `fd`.
+fn queued(fd: i32) -> libc::c_int {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int into a live one.
+    assert_eq!(unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) }, 0);
+    n
+}
+
+/// Sends one ring byte through `bell` with `file` attached (`SCM_RIGHTS`).
+fn ring_with_a_file(bell: i32, file: i32) {
+    let mut byte = [1u8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: a zeroed msghdr is valid; every pointer set below is live
+    // for the sendmsg, and the one cmsg fits in `control`.
+    let sent = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), file);
+        libc::sendmsg(bell, &msg, libc::MSG_NOSIGNAL)
+    };
+    assert_eq!(sent, 1, "{}", std::io::Error::last_os_error());
+}
+
+/// A doorbell is an `AF_UNIX` socket, which carries files too. An
+/// initiator that rang with a file attached (`SCM_RIGHTS`) had the target's
+/// drain close it on the reactor, as a receive without room for files
+/// does — and the last close of a TCP socket lingering over bytes it
+/// cannot send blocks for the linger time: every peer of the shard waited
+/// (on epoll for all of it; on io_uring until the next completion's task
+/// work cut the wait short). Files that come through a doorbell are now
+/// closed off the reactor, and the connection that sent them is closed; so
+/// are files still queued in a doorbell when the connection ends.
+#[test]
+fn a_file_sent_through_a_doorbell_does_not_hold_the_target() {
+    let target = ShardTarget::start(EngineConfig::default(), &[("kv", 1 << 20, RW)]);
+    let kv = target.seg("kv").clone();
+    let served = |case: &str| {
+        let res = another_peer_writes(target.addr, kv.token)
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("{case}: the target's reactor is held"));
+        assert_eq!(res.unwrap(), 512, "{case}");
+    };
+
+    // A ring with a file: drained at once.
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let hand = HandMailbox::offer(&mut c);
+    let (stuck, _reader) = lingering_socket(Duration::from_secs(60));
+    ring_with_a_file(hand.to_target.fd(), stuck.as_raw_fd());
+    drop(stuck);
+    // Until the target took the ring (and the file).
+    let t0 = Instant::now();
+    while queued(hand.named[0].as_raw_fd()) > 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    served("a ring with a file");
+    let mut b = [0u8; 64];
+    assert!(
+        matches!(c.s.read(&mut b), Ok(0)),
+        "the connection that sent a file stayed open"
+    );
+    drop(hand);
+
+    // A file queued in the doorbell the target rings, which it never
+    // reads: closed with the target's end when the connection ends.
+    let mut c = RawClient::connect(target.addr);
+    assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
+    let hand = HandMailbox::offer(&mut c);
+    let (stuck, _reader2) = lingering_socket(Duration::from_secs(60));
+    let to_initiator = hand.to_initiator.as_ref().unwrap();
+    ring_with_a_file(to_initiator.fd(), stuck.as_raw_fd());
+    drop(stuck);
+    let HandMailbox {
+        named: [_target_end, initiator_end],
+        ..
+    } = hand;
+    drop(initiator_end); // the target's copy is the last
+    drop(c);
+    served("a file queued at the end");
+    others_are_served(&target, kv.token);
+}
+
 /// CPU time (s) each target shard thread of the process used so far, by
 /// thread id.
 fn shard_cpu() -> std::collections::HashMap<String, f64> {
