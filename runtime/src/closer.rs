@@ -6,18 +6,22 @@
 //! sockets. A reactor that closes a file another process could have shaped
 //! (a doorbell, or a file that came through one) hands it to
 //! [`close_elsewhere`] instead: one thread per process closes them, in
-//! order. (In a forked child that thread does not exist, and what is handed
-//! over stays open until the child exits: a leak, never a hang.)
+//! order. A forked child of the process that started that thread has none
+//! of it, and closes on the calling thread (its queue's lock may have been
+//! held at the fork; a child runs no reactor that serves peers).
 
 use std::os::fd::OwnedFd;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::OnceLock;
 
-/// The closer thread's queue; `None` if the thread could not start.
-static CLOSER: OnceLock<Option<Sender<OwnedFd>>> = OnceLock::new();
+use crate::fork::Lineage;
+
+/// The closer thread's queue and the process it runs in; `None` if the
+/// thread could not start.
+static CLOSER: OnceLock<Option<(Sender<OwnedFd>, Lineage)>> = OnceLock::new();
 
 /// Closes `fd` on the closer thread, started on first use (on this thread
-/// only if that thread could not start).
+/// if that thread could not start, or in a forked child).
 pub(crate) fn close_elsewhere(fd: OwnedFd) {
     let closer = CLOSER.get_or_init(|| {
         let (tx, rx) = channel::<OwnedFd>();
@@ -28,38 +32,61 @@ pub(crate) fn close_elsewhere(fd: OwnedFd) {
                 tracing::warn!(error = %e, "no closer thread: files shared with other processes close on the reactor")
             })
             .ok()
-            .map(|_| tx)
+            .map(|_| (tx, Lineage::here()))
     });
     match closer {
-        Some(tx) => {
+        Some((tx, here)) if !here.forked() => {
             if let Err(back) = tx.send(fd) {
                 drop(back.0);
             }
         }
-        None => drop(fd),
+        _ => drop(fd),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn a_handed_over_file_is_closed_on_another_thread() {
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
-        // SAFETY: into_raw_fd gives up ownership of a live fd.
-        let fd = unsafe { OwnedFd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(a)) };
-        let raw = fd.as_raw_fd();
-        close_elsewhere(fd);
+        close_elsewhere(OwnedFd::from(a));
         // Its peer reads end-of-file once it is closed.
         b.set_read_timeout(Some(std::time::Duration::from_secs(5)))
             .unwrap();
         let mut buf = [0u8; 1];
-        assert_eq!(
-            std::io::Read::read(&mut &b, &mut buf).unwrap(),
-            0,
-            "fd {raw} still open"
+        assert_eq!(std::io::Read::read(&mut &b, &mut buf).unwrap(), 0);
+    }
+
+    /// A forked child has no closer thread: what it hands over is closed
+    /// at once, not queued for a thread that is not there.
+    #[test]
+    fn a_forked_child_closes_at_once() {
+        let (x, _y) = std::os::unix::net::UnixStream::pair().unwrap();
+        close_elsewhere(OwnedFd::from(x)); // the thread is started
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let a = OwnedFd::from(a);
+        let raw = a.as_raw_fd();
+        // SAFETY: the child makes system calls only (close, fcntl) and
+        // leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            close_elsewhere(a);
+            // SAFETY: F_GETFD on a number: -1 (EBADF) once it is closed.
+            let closed = unsafe { libc::fcntl(raw, libc::F_GETFD) } == -1;
+            // SAFETY: leaves the child without running the parent's atexit.
+            unsafe { libc::_exit(if closed { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child just forked.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child's handed-over file stayed open: {status}"
         );
+        drop(a);
     }
 }
