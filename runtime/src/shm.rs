@@ -79,8 +79,21 @@ impl SharedMemory {
     }
 
     /// Maps `fd`, a file another process shared, if it is sealed against
-    /// changes of size and holds exactly `len` bytes.
+    /// changes of size and holds exactly `len` bytes. A file refused is
+    /// closed off this thread (`crate::closer`): the other process chose
+    /// it, and the last close of some files blocks.
     pub fn open(fd: OwnedFd, len: usize) -> io::Result<SharedMemory> {
+        match SharedMemory::may_map(&fd, len) {
+            Ok(()) => SharedMemory::map(fd, len),
+            Err(e) => {
+                close_elsewhere(fd);
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether `fd` may be mapped as `len` bytes of shared memory.
+    fn may_map(fd: &OwnedFd, len: usize) -> io::Result<()> {
         let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
         if len == 0 || !len.is_multiple_of(8) {
             return Err(invalid(
@@ -101,7 +114,7 @@ impl SharedMemory {
         if st.st_size as u64 != len as u64 {
             return Err(invalid("the shared file has another size than announced"));
         }
-        SharedMemory::map(fd, len)
+        Ok(())
     }
 
     fn map(fd: OwnedFd, len: usize) -> io::Result<SharedMemory> {
@@ -237,7 +250,7 @@ pub const QUIET_MOST: usize = 1024;
 /// `SIGPIPE`).
 #[derive(Debug)]
 pub struct Doorbell {
-    /// Closed on the closer thread when the doorbell drops (`Drop`).
+    /// Closed off the reactor when the doorbell drops (`Drop`).
     fd: ManuallyDrop<OwnedFd>,
 }
 
@@ -270,7 +283,8 @@ impl Doorbell {
 
     /// Takes `fd`, the end of a doorbell another process made, if it is a
     /// connected `AF_UNIX` stream socket (anything else could stay readable
-    /// without ever draining, or not be a doorbell at all).
+    /// without ever draining, or not be a doorbell at all). A file refused
+    /// is closed off this thread, as a doorbell is when it drops.
     pub fn open(fd: OwnedFd) -> io::Result<Doorbell> {
         let refuse = || {
             io::Error::new(
@@ -313,6 +327,8 @@ impl Doorbell {
             && opt(libc::SO_ACCEPTCONN) == Some(0)
             && connected;
         if !ok {
+            // Not this thread's to close: the other process chose the file.
+            close_elsewhere(fd);
             return Err(refuse());
         }
         Ok(Doorbell::own(fd))
@@ -407,7 +423,7 @@ impl Doorbell {
 const SCM_PIDFD: libc::c_int = 4;
 
 /// Hands the files `msg` brought (`SCM_RIGHTS`, `SCM_PIDFD`), now this
-/// process's, to the closer thread.
+/// process's, to closer threads.
 fn close_passed_files(msg: &libc::msghdr) {
     // SAFETY: recvmsg filled `msg`: its control buffer holds
     // `msg_controllen` bytes of the kernel's well-formed headers, which
@@ -506,7 +522,7 @@ mod tests {
         // SAFETY: pipe2 returned two new descriptors.
         let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         assert!(Doorbell::open(r).is_err() && Doorbell::open(w).is_err());
-        // Its other end gone (closed on the closer thread, so soon after
+        // Its other end gone (closed on a closer thread, so soon after
         // the drop): quieting says so (and ringing raises nothing).
         drop(mine);
         let t0 = std::time::Instant::now();

@@ -128,8 +128,23 @@ fn closed_doorbells_neither_signal_nor_keep_the_target_waking() {
     let mut c = RawClient::connect(target.addr);
     assert_eq!(c.auth_status(kv.id, kv.token), Status::Ok);
     let mut hand = HandMailbox::offer(&mut c);
-    // The initiator's own end gone, and it "sleeps": the target rings it.
+    // The initiator's own end gone (closed off this thread: until the
+    // end the target rings hangs up), and it "sleeps": the target rings it.
     hand.to_initiator = None;
+    let hung_up = |fd: i32| {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd; no wait.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 }
+    };
+    let t0 = Instant::now();
+    while !hung_up(hand.named[1].as_raw_fd()) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "the end stayed open");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     hand.mem.word(192).store(1, Ordering::Relaxed);
     let (st, applied) = hand.request(1, kv.id, 0, &pattern(512, 4), 512);
     assert_eq!(
