@@ -518,7 +518,12 @@ impl ServedConn<'_> {
     /// limit) — finds its peer if it goes without a FIN.
     fn serves_a_queue_pair(&mut self) {
         let c = &self.engine.config;
-        if let Err(e) = self.s.set_keepalive(c.stall_timeout.or(c.idle_timeout)) {
+        let nonzero = |d: Option<std::time::Duration>| d.filter(|d| !d.is_zero());
+        // Neither limit set: no idle limit to lift.
+        let Some(probes) = nonzero(c.stall_timeout).or(nonzero(c.idle_timeout)) else {
+            return;
+        };
+        if let Err(e) = self.s.set_keepalive(Some(probes)) {
             tracing::warn!(error = %e, "cannot turn TCP keep-alive on; the idle limit stays");
             return;
         }

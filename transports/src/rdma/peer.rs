@@ -168,7 +168,7 @@ impl RdmaPeer {
                     QpConnect {
                         qp: QpWire::default(),
                     },
-                    self.inner.tcp.connect_timeout(),
+                    self.inner.tcp.stall_timeout(),
                 )
                 .await?;
             check_status(accept.status, self.addr())?;
@@ -227,7 +227,7 @@ impl RdmaPeer {
             .new_qp(&node.pd)
             .map_err(|e| TransferError::ConnectionLost(e.to_string()))?;
         let local = node.endpoint(&qp);
-        let limit = self.inner.tcp.connect_timeout();
+        let limit = self.inner.tcp.stall_timeout();
         let accept = conn.qp_connect(QpConnect { qp: local }, limit).await?;
         match AFTER_ACCEPT.with(Cell::take) {
             Some(AfterAccept::CloseControl) => {

@@ -364,21 +364,26 @@ impl Conn {
 
     /// Sends an RDMA queue pair (or asks for keys only); returns the
     /// target's queue pair and the keys of the segments proven here. A
-    /// target that does not answer within `limit` (a frozen process, whose
-    /// kernel still acks) gets the connection killed, and the call fails
-    /// as `ConnectionLost` instead of waiting for good: it runs outside any
-    /// batch (an open), or holds every transfer to the peer behind it (a
-    /// link's set-up). The control connection carries no bulk, so nothing
-    /// but the target's silence delays the answer.
+    /// target that does not answer within `limit` (the stall limit: a
+    /// frozen process, whose kernel still acks) gets the connection
+    /// killed, and the call fails as `ConnectionLost` instead of waiting
+    /// for good: it runs outside any batch (an open), or holds every
+    /// transfer to the peer behind it (a link's set-up). Not the connect
+    /// timeout: before it answers, the target registers the memory of
+    /// every segment proven on the connection in the connection's
+    /// protection domain, seconds for a large one. `None`: no limit.
     pub(crate) async fn qp_connect(
         &self,
         req: QpConnect,
-        limit: std::time::Duration,
+        limit: Option<std::time::Duration>,
     ) -> Result<QpAccept, TransferError> {
+        let Some(limit) = limit else {
+            return self.qp_connect_unbounded(req).await;
+        };
         match timeout(limit, self.qp_connect_unbounded(req)).await {
             Ok(r) => r,
             Err(_) => {
-                self.kill("no QpAccept within the connect timeout");
+                self.kill("no QpAccept within the stall limit");
                 Err(TransferError::ConnectionLost(format!(
                     "no answer to a queue pair exchange within {limit:?}"
                 )))

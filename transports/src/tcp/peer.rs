@@ -314,6 +314,13 @@ impl Peer {
         self.inner.params.connect_timeout
     }
 
+    /// How long the target may stay silent on a request it must answer
+    /// ([`EngineConfig::stall_timeout`](crate::EngineConfig::stall_timeout);
+    /// `None`: no limit).
+    pub(crate) fn stall_timeout(&self) -> Option<Duration> {
+        self.inner.params.stall_timeout.filter(|d| !d.is_zero())
+    }
+
     /// True if data connection traffic to this peer moves by cross-memory
     /// attach.
     pub fn is_local(&self) -> bool {

@@ -288,12 +288,12 @@ fn a_handle_opened_before_a_revoke_never_posts_with_a_key_of_the_newer_grant() {
 /// A target that proves the token, then never answers the keys-only
 /// `QpConnect` that follows (a frozen process, whose kernel still acks):
 /// the open waited for good — it runs outside any batch, so no deadline
-/// ends it. It now fails within the connect timeout, and so does a link's
+/// ends it. It now fails within the stall limit, and so does a link's
 /// set-up stalled the same way, which every transfer to the peer waits
 /// behind; the next ones reconnect and work.
 #[test]
 #[ignore = "needs an RDMA device: scripts/softroce-vm.sh test"]
-fn an_unanswered_queue_pair_exchange_fails_within_the_connect_timeout() {
+fn an_unanswered_queue_pair_exchange_fails_within_the_stall_limit() {
     use quiesce_runtime::time::timeout;
     use quiesce_transports::rdma::stall_next_qp_accepts;
     use quiesce_transports::EngineConfig;
@@ -302,7 +302,7 @@ fn an_unanswered_queue_pair_exchange_fails_within_the_connect_timeout() {
         let (target, kv) = kv_target(1 << 20);
         let init = RdmaEngine::bind(RdmaConfig {
             control: EngineConfig {
-                connect_timeout: Duration::from_secs(1),
+                stall_timeout: Some(Duration::from_secs(1)),
                 ..EngineConfig::default()
             },
             ..RdmaConfig::default()
