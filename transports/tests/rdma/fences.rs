@@ -477,34 +477,26 @@ fn a_connection_whose_traffic_is_on_its_queue_pair_is_not_idle() {
 
     Runtime::new().unwrap().block_on(async {
         let limit = Duration::from_millis(300);
-        let target = RdmaEngine::bind(RdmaConfig {
+        let p = ro_and_kv_with(RdmaConfig {
             control: EngineConfig {
                 idle_timeout: Some(limit),
                 ..EngineConfig::default()
             },
             ..RdmaConfig::default()
         })
-        .unwrap();
-        let kv = target
-            .register("kv", AlignedBuf::new(1 << 20), Rights::READ | Rights::WRITE)
-            .unwrap();
-        let init = RdmaEngine::bind(RdmaConfig::default()).unwrap();
-        let region = Region::new(1 << 20);
-        let _local = init.register_region(&region).unwrap();
-        let peer = init.connect(target.local_addr()).await.unwrap();
-        let remote = peer.open("kv", kv.token()).await.unwrap();
-        let mut l = region.lease(0..4096).unwrap();
+        .await;
+        let mut l = p.region.lease(0..4096).unwrap();
         let t0 = Instant::now();
         let mut writes = 0u64;
         while t0.elapsed() < 5 * limit {
             fill(&mut l, writes as u8);
-            let (r, back) = remote.write(0, l, writes).await;
+            let (r, back) = p.kv_r.write(0, l, writes).await;
             l = back;
             assert_eq!(r.unwrap(), 4096, "write {writes} after {:?}", t0.elapsed());
             writes += 1;
             sleep(Duration::from_millis(5)).await;
         }
-        let accepted = target.control().stats().accepted;
+        let accepted = p.target.control().stats().accepted;
         assert_eq!(accepted, 1, "{writes} writes needed {accepted} connections");
     });
 }

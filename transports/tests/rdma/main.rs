@@ -179,7 +179,7 @@ fn bad_input_is_refused_before_posting() {
 /// A target with a read-only segment "ro" (8 KiB) and a read-write "kv"
 /// (1 MiB), and an initiator with a 1 MiB region that opened both.
 struct RoKv {
-    _target: RdmaEngine,
+    target: RdmaEngine,
     ro: Segment,
     _kv: Segment,
     init: RdmaEngine,
@@ -191,7 +191,12 @@ struct RoKv {
 }
 
 async fn ro_and_kv() -> RoKv {
-    let target = RdmaEngine::bind(RdmaConfig::default()).unwrap();
+    ro_and_kv_with(RdmaConfig::default()).await
+}
+
+/// [`ro_and_kv`] with the target's engine made from `target_config`.
+async fn ro_and_kv_with(target_config: RdmaConfig) -> RoKv {
+    let target = RdmaEngine::bind(target_config).unwrap();
     let ro = target
         .register("ro", AlignedBuf::new(8192), Rights::READ)
         .unwrap();
@@ -205,7 +210,7 @@ async fn ro_and_kv() -> RoKv {
     let ro_r = peer.open("ro", ro.token()).await.unwrap();
     let kv_r = peer.open("kv", kv.token()).await.unwrap();
     RoKv {
-        _target: target,
+        target,
         ro,
         _kv: kv,
         init,
