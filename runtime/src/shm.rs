@@ -24,12 +24,12 @@
 //! maker can still change.
 
 use std::io;
-use std::mem::ManuallyDrop;
+use std::mem::{ManuallyDrop, MaybeUninit};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-
-use crate::closer::close_elsewhere;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU64;
+
+use crate::closer::close_elsewhere;
 
 use crate::buf::{IoBuf, IoBufMut};
 
@@ -371,7 +371,9 @@ impl Doorbell {
         // Room for the most files one message carries (SCM_MAX_FD, 253),
         // after what else a socket option the maker can set adds (its
         // credentials, pidfd or security label): taken, not truncated.
-        let mut control = [0u64; 1024];
+        // Left uninitialised: the kernel writes it, and only what it wrote
+        // (`msg_controllen`) is read — no 8 KiB to clear on every wake.
+        let mut control = MaybeUninit::<[u64; 1024]>::uninit();
         for _ in 0..QUIET_MOST / buf.len() {
             let mut iov = libc::iovec {
                 iov_base: buf.as_mut_ptr().cast(),
@@ -382,7 +384,7 @@ impl Doorbell {
             msg.msg_iov = &mut iov;
             msg.msg_iovlen = 1;
             msg.msg_control = control.as_mut_ptr().cast();
-            msg.msg_controllen = std::mem::size_of_val(&control) as _;
+            msg.msg_controllen = std::mem::size_of::<[u64; 1024]>() as _;
             // SAFETY: receives at most 64 bytes and 8 KiB of ancillary data
             // into the live buffers `msg` points at.
             let n = unsafe {
