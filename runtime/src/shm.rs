@@ -427,10 +427,7 @@ const SCM_PIDFD: libc::c_int = 4;
 /// Hands the files `msg` brought (`SCM_RIGHTS`, `SCM_PIDFD`), now this
 /// process's, to closer threads.
 fn close_passed_files(msg: &libc::msghdr) {
-    // SAFETY: recvmsg filled `msg`: its control buffer holds
-    // `msg_controllen` bytes of the kernel's well-formed headers, which
-    // CMSG_FIRSTHDR and CMSG_NXTHDR walk without leaving it; each data
-    // part holds `cmsg_len` minus its header's length in bytes.
+    // SAFETY: recvmsg filled `msg`'s control buffer with `msg_controllen` bytes of the kernel's well-formed headers, which CMSG_FIRSTHDR and CMSG_NXTHDR walk without leaving it; each data part holds `cmsg_len` minus its header's length in bytes.
     unsafe {
         let mut c = libc::CMSG_FIRSTHDR(msg);
         while !c.is_null() {
