@@ -84,34 +84,20 @@ mod tests {
 
     /// A loopback TCP socket whose last close lingers `secs` over bytes
     /// it cannot send (its peer, returned, never reads).
-    fn lingering(secs: i32) -> (std::net::TcpStream, std::net::TcpStream) {
+    fn lingering(secs: u64) -> (std::net::TcpStream, std::net::TcpStream) {
         use std::io::Write;
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let mut s = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (peer, _) = l.accept().unwrap();
         s.set_nonblocking(true).unwrap();
         while s.write(&[7u8; 65536]).is_ok() {}
-        let linger = libc::linger {
-            l_onoff: 1,
-            l_linger: secs,
-        };
-        // SAFETY: sets an option from a live linger struct of its size.
-        let r = unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_LINGER,
-                (&linger as *const libc::linger).cast(),
-                std::mem::size_of::<libc::linger>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(r, 0);
+        crate::driver::socket::set_linger(&s, Some(Duration::from_secs(secs))).unwrap();
         (s, peer)
     }
 
     /// Closes that do not return hold neither the caller nor the closes
     /// after them: two files whose close lingers 60 s, then a plain one,
-    /// which is closed at once. (One thread for every close would still be
+    /// which is closed at once. (A single thread for all closes would still be
     /// held by the first.)
     #[test]
     fn a_close_that_blocks_holds_only_its_own_thread() {
