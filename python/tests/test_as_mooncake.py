@@ -76,6 +76,18 @@ def test_what_quiesce_does_not_stand_in_for_is_named():
     assert "ImportError" in out.stderr and "_as_mooncake" in out.stderr, out.stderr
 
 
+def test_the_opcodes_are_module_level_names_too():
+    # Mooncake's pybind11 enum calls export_values(): `mooncake.engine.Write`
+    # and `.Read` are the opcodes themselves, as callers may write them.
+    out = run(
+        "from mooncake.engine import Read, Write, TransferOpcode, TransferEngine\n"
+        "print(Write is TransferOpcode.Write, Read is TransferOpcode.Read,\n"
+        "      int(Write), int(Read), TransferEngine.TransferOpcode.Write == Write)"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "1", "0", "True"]
+
+
 @pytest.fixture
 def mooncake_wheel(tmp_path):
     """A stand-in for Mooncake's installed package, laid out as its wheel

@@ -49,7 +49,9 @@ const STATUS_WAIT: Duration = Duration::MAX;
 /// unknown (a target stopped answering while the batch was being cut): the
 /// memory stays pinned — do not free or reuse it until
 /// `wait_for_quiescence()` returns 0. Callers that test `ret == 0` (vLLM) or
-/// `ret < 0` (SGLang) treat -2 as a failure, as they should.
+/// `ret < 0` (SGLang) treat -2 as a failure, but reuse the memory at once:
+/// `QUIESCE_WAIT_UNKNOWN` makes a call that would answer -2 wait for the
+/// drained outcome first (README).
 #[pyclass(module = "quiesce._native")]
 pub struct TransferEngine {
     node: RwLock<Option<Arc<Node>>>,

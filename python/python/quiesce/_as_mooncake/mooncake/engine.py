@@ -5,7 +5,12 @@ import logging
 
 from quiesce.mooncake import TransferEngine, TransferOpcode
 
-__all__ = ["TransferEngine", "TransferOpcode"]
+# Mooncake's enum exports its values into the module (pybind11's
+# export_values): `mooncake.engine.Write` is `TransferOpcode.Write`.
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+__all__ = ["TransferEngine", "TransferOpcode", "Read", "Write"]
 
 logging.getLogger("quiesce").info(
     "mooncake.engine is quiesce's drop-in (quiesce.mooncake), from %s", __file__
