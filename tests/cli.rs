@@ -52,3 +52,43 @@ fn flags_a_bench_mode_would_ignore_are_refused() {
     }
     assert!(!std::path::Path::new(json).exists());
 }
+
+/// A clean count is evidence only where the count can fail: `demo` with a
+/// write too small for its checks passed (exit 0) although every stale-bytes
+/// round's write finished before the target was stopped (the revoke tested
+/// on none), and it would with an early-return baseline of 0. It must say
+/// which proof was not shown, and fail.
+#[test]
+fn a_demo_whose_checks_tested_nothing_does_not_pass() {
+    let out = Command::new(env!("CARGO_BIN_EXE_quiesce"))
+        .args(["demo", "--size", "4K", "--rounds", "3"])
+        .output()
+        .expect("run quiesce");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = |start: &str| {
+        stdout
+            .lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no {start:?} line: {stdout}"))
+    };
+    let baseline_clean = line("early-return baseline").ends_with("corrupted 0/3");
+    let stale_untested = line("stale bytes (").contains("(6 writes finished before the stop");
+    if !baseline_clean && !stale_untested {
+        // A stall let the 4 KiB writes be caught by both checks this time.
+        eprintln!("both checks were tested at 4 KiB this time: {stdout}");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    if baseline_clean {
+        assert!(
+            stdout.contains("NOT SHOWN: the early-return baseline"),
+            "{stdout}"
+        );
+    }
+    if stale_untested {
+        assert!(
+            stdout.contains("NOT SHOWN: every write with the revoke"),
+            "{stdout}"
+        );
+    }
+}

@@ -89,7 +89,15 @@ fn the_demo_finds_its_target_through_etcd() {
     let Some(etcd) = etcd() else { return };
     let url = etcd.url("demo");
     let out = Command::new(Path::new(env!("CARGO_BIN_EXE_quiesce")))
-        .args(["demo", "--rounds", "3", "--size", "8M", "--directory", &url])
+        .args([
+            "demo",
+            "--rounds",
+            "3",
+            "--size",
+            "64M",
+            "--directory",
+            &url,
+        ])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

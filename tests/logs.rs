@@ -10,7 +10,7 @@ use quiesce::target_child::TargetChild;
 /// INFO, inside its `batch` span.
 fn demo(filter: Option<&str>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_quiesce"));
-    cmd.args(["demo", "--rounds", "1", "--size", "1M"]);
+    cmd.args(["demo", "--rounds", "1", "--size", "64M"]);
     match filter {
         Some(f) => cmd.env("QUIESCE_LOG", f),
         None => cmd.env_remove("QUIESCE_LOG"),
