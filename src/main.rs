@@ -56,8 +56,8 @@ enum Cmd {
         /// measured after the first 1 %).
         #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(2..))]
         batches: u64,
-        /// Connections opened, authenticated and closed.
-        #[arg(long, default_value_t = 10_000)]
+        /// Connections opened, authenticated and closed (at least 1).
+        #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
         connections: u64,
         /// Connections that never finish their handshake, held open (at
         /// least 1).
@@ -105,21 +105,22 @@ enum Cmd {
         /// Comma-separated sizes (suffixes K, M, G).
         #[arg(long, default_value = "4K,64K,1M,64M", value_delimiter = ',', value_parser = parse_size)]
         size: Vec<usize>,
-        /// Iterations per size (default: by size).
-        #[arg(long)]
+        /// Iterations per size (default: by size; at least 1).
+        #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         iters: Option<usize>,
         /// Tasks per batch.
         #[arg(long, default_value_t = 1)]
         batch: usize,
         /// --compare: multiples of the default iterations per case.
-        #[arg(long, default_value_t = 3)]
-        rounds: usize,
+        /// (3 by default).
+        #[arg(long)]
+        rounds: Option<usize>,
         /// Also write the results as JSON.
         #[arg(long)]
         json: Option<std::path::PathBuf>,
-        /// Driver for quiesce (io_uring or epoll).
-        #[arg(long, default_value = "io_uring", value_parser = ["io_uring", "epoll"])]
-        driver: String,
+        /// Driver for quiesce over TCP (io_uring, the default, or epoll).
+        #[arg(long, value_parser = ["io_uring", "epoll"])]
+        driver: Option<String>,
         /// Without --compare: the initiator to run (quiesce = TCP, local =
         /// quiesce's local transport, local-socket = the same with small
         /// requests on the socket rather than the shared-memory mailbox,
@@ -134,14 +135,14 @@ enum Cmd {
         /// --compare: run the target on a thread of this process instead of
         /// its own (every implementation then pays a cross-thread wake-up,
         /// and the allocs column counts the target's allocations too).
-        #[arg(long, requires = "compare")]
+        #[arg(long)]
         same_process: bool,
         /// --compare: skip counting instructions under callgrind.
-        #[arg(long, requires = "compare")]
+        #[arg(long)]
         no_instructions: bool,
         /// --compare: run only these cases (comma-separated, named as the
         /// table names them, e.g. fail_fast_64m,write_1m).
-        #[arg(long, requires = "compare", value_delimiter = ',')]
+        #[arg(long, value_delimiter = ',')]
         cases: Vec<String>,
         /// Find --peer's address here (etcd://host:port[/prefix]) instead of
         /// --connect.
@@ -214,6 +215,62 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         .and_then(|n| n.checked_mul(mul))
         .filter(|&n| n > 0)
         .ok_or_else(|| format!("{s:?} is not a size of at least 1 byte (like 4096, 4K, 64M)"))
+}
+
+/// The `bench` flags that say which mode a run is in, and which of the
+/// others it was given.
+struct BenchFlags<'a> {
+    rdma: bool,
+    compare: bool,
+    initiator: &'a str,
+    busy_poll: bool,
+    spin_us: u64,
+    driver: bool,
+    tcp_congestion: bool,
+    zc_threshold: bool,
+    /// Flags only `--compare` reads, and whether each was given (clap's
+    /// `requires = "compare"` took the flag's default `false` for present).
+    compare_only: [(&'a str, bool); 4],
+}
+
+/// A flag the bench mode `f` would accept and ignore (never: a figure must
+/// measure what its command line says), named with why.
+fn bench_flags_unused(f: &BenchFlags) -> Option<String> {
+    let no = |flag: &str, with: &str| Some(format!("{flag} cannot be used with {with}"));
+    if !f.compare {
+        if let Some((flag, _)) = f.compare_only.iter().find(|(_, given)| *given) {
+            return Some(format!("{flag} can only be used with --compare"));
+        }
+    }
+    if f.rdma {
+        if !matches!(f.initiator, "quiesce" | "direct") {
+            return no(
+                &format!("--impl {}", f.initiator),
+                "--transport rdma (it runs quiesce or direct)",
+            );
+        }
+        let tcp_only = [
+            ("--spin-us", f.spin_us != 0),
+            ("--driver", f.driver),
+            ("--tcp-congestion", f.tcp_congestion),
+            ("--zc-threshold", f.zc_threshold),
+        ];
+        if let Some((flag, _)) = tcp_only.iter().find(|(_, given)| *given) {
+            return no(flag, "--transport rdma (it sets TCP initiators)");
+        }
+    } else if f.busy_poll {
+        return no(
+            "--busy-poll",
+            "--transport tcp (it polls RDMA completion queues)",
+        );
+    }
+    if f.zc_threshold && !f.compare && matches!(f.initiator, "raw" | "tokio") {
+        return no(
+            "--zc-threshold",
+            &format!("--impl {} (it sets quiesce's sends)", f.initiator),
+        );
+    }
+    None
 }
 
 /// `peer`'s address in the directory at `url`.
@@ -303,8 +360,27 @@ fn main() -> ExitCode {
                 },
                 _ => connect,
             };
+            if let Some(why) = bench_flags_unused(&BenchFlags {
+                rdma: transport == "rdma",
+                compare,
+                initiator: &initiator,
+                busy_poll,
+                spin_us,
+                driver: driver.is_some(),
+                tcp_congestion: tcp_congestion.is_some(),
+                zc_threshold: zc_threshold.is_some(),
+                compare_only: [
+                    ("--rounds", rounds.is_some()),
+                    ("--same-process", same_process),
+                    ("--no-instructions", no_instructions),
+                    ("--cases", !cases.is_empty()),
+                ],
+            }) {
+                eprintln!("quiesce: {why}");
+                return ExitCode::from(2);
+            }
             // One of the two (clap checked).
-            let driver = match driver.as_str() {
+            let driver = match driver.as_deref().unwrap_or("io_uring") {
                 "epoll" => quiesce::runtime::DriverKind::Epoll,
                 _ => quiesce::runtime::DriverKind::IoUring,
             };
@@ -319,7 +395,7 @@ fn main() -> ExitCode {
                 sizes: size,
                 iters,
                 batch,
-                rounds: rounds.max(1),
+                rounds: rounds.unwrap_or(3).max(1),
                 json,
                 driver,
                 initiator,

@@ -33,7 +33,9 @@ fn a_zero_size_is_refused() {
 
 /// Flags a mode does not use are refused with it: `bench --scale` ignored
 /// --json (no file written), --driver and --size; `bench --compare` ignored
-/// --connect, --size and --impl.
+/// --connect, --size and --impl; `bench --transport rdma` ran quiesce over
+/// RDMA whatever --impl said, and ignored the TCP initiators' flags;
+/// --busy-poll over TCP and --zc-threshold for raw or tokio did nothing.
 #[test]
 fn flags_a_bench_mode_would_ignore_are_refused() {
     let json = std::env::temp_dir().join(format!("quiesce-cli-{}.json", std::process::id()));
@@ -45,12 +47,51 @@ fn flags_a_bench_mode_would_ignore_are_refused() {
         &["bench", "--compare", "--connect", "127.0.0.1:1"],
         &["bench", "--compare", "--size", "4K"],
         &["bench", "--compare", "--impl", "raw"],
+        &["bench", "--transport", "rdma", "--impl", "raw"],
+        &["bench", "--transport", "rdma", "--impl", "tokio"],
+        &["bench", "--transport", "rdma", "--spin-us", "50"],
+        &["bench", "--transport", "rdma", "--driver", "epoll"],
+        &["bench", "--transport", "rdma", "--tcp-congestion", "reno"],
+        &["bench", "--transport", "rdma", "--zc-threshold", "64K"],
+        &["bench", "--busy-poll", "--connect", "127.0.0.1:1"],
+        &["bench", "--impl", "raw", "--zc-threshold", "64K"],
     ] {
         let (code, err) = quiesce(args);
         assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(err.contains("cannot be used with"), "{args:?}: {err}");
     }
     assert!(!std::path::Path::new(json).exists());
+}
+
+/// Counts of nothing are refused: `bench --iters 0` printed a row of zeros
+/// (and under --compare wrote NaN ratios, no JSON, to --json), `soak
+/// --connections 0` met its goal at NaN bytes per connection; and the flags
+/// only --compare reads were taken without it (clap's `requires` counted
+/// the `--compare` flag's default as given).
+#[test]
+fn counts_of_nothing_and_compare_only_flags_are_refused() {
+    for args in [
+        &["bench", "--iters", "0", "--connect", "127.0.0.1:1"][..],
+        &["soak", "--connections", "0"],
+    ] {
+        let (code, err) = quiesce(args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains("0 is not in 1.."), "{args:?}: {err}");
+    }
+    for flag in [
+        &["--rounds", "2"][..],
+        &["--same-process"],
+        &["--no-instructions"],
+        &["--cases", "write_1m"],
+    ] {
+        let args = [&["bench", "--connect", "127.0.0.1:1"][..], flag].concat();
+        let (code, err) = quiesce(&args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("can only be used with --compare"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 /// A clean count is evidence only where the count can fail: `demo` with a

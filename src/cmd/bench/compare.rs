@@ -323,7 +323,7 @@ pub(super) fn compare(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>>
                 case: case.name(),
                 im: im.name(),
                 s: sums[i].clone(),
-                ratio,
+                ratio: Some(ratio),
                 target_allocs: target_allocs[i].map(|n| n as f64 / total as f64),
                 instructions: None,
                 turns: std::mem::take(&mut turns[i]),
@@ -434,7 +434,7 @@ fn table(rows: &[Row]) -> Result<String, std::fmt::Error> {
         let s = &r.s;
         writeln!(
             t,
-            "{:<14} {:<17} {:>8.1} {:>8.1} {:>8.1} {:>7.2} {:>9.1} {:>7.2} {:>7} {:>8} {:>9} {:>6.2}",
+            "{:<14} {:<17} {:>8.1} {:>8.1} {:>8.1} {:>7.2} {:>9.1} {:>7.2} {:>7} {:>8} {:>9} {:>6}",
             r.case,
             r.im,
             s.min,
@@ -446,7 +446,7 @@ fn table(rows: &[Row]) -> Result<String, std::fmt::Error> {
             opt(r.target_allocs, 2),
             opt(r.instructions, 0),
             opt(s.fence_p50, 0),
-            r.ratio
+            opt(r.ratio, 2)
         )?;
     }
     Ok(t)

@@ -359,8 +359,8 @@ struct Row {
     im: &'static str,
     s: Summary,
     /// Against raw std: p50 latency for 4 KiB cases and fail-fast,
-    /// throughput otherwise.
-    ratio: f64,
+    /// throughput otherwise; none in a single run (nothing compared).
+    ratio: Option<f64>,
     /// Heap allocations per iteration in the target process.
     target_allocs: Option<f64>,
     /// User-space instructions per iteration on the initiator (callgrind).
@@ -513,6 +513,7 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
         quiesce::target_child::allow_any_ptracer();
     }
     let mut client = Client::connect(im, &Endpoint { addr, kv, ro }, &a.setup())?;
+    println!("{} {}s against {addr}", im.name(), a.op);
     println!(
         "{:>10} {:>8} {:>10} {:>12} {:>10} {:>10} {:>11} {:>10} {:>10} {:>11}",
         "#bytes",
@@ -556,7 +557,7 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
             case: case.name(),
             im: im.name(),
             s,
-            ratio: 1.0,
+            ratio: None,
             target_allocs: None,
             instructions: None,
             turns: Vec::new(),
@@ -576,8 +577,8 @@ fn write_json(a: &BenchArgs, rows: &[Row]) -> std::io::Result<()> {
         }
         let _ = write!(
             s,
-            "{{\"name\":\"{}\",\"impl\":\"{}\",\"min_us\":{:.3},\"p50_us\":{:.3},\"p99_us\":{:.3},\"gbps\":{:.4},\"ratio_vs_raw\":{:.4},\"cpu_ms_per_gb\":{:.2},\"allocs_per_op\":{:.2},\"target_allocs_per_op\":{},\"instructions_per_op\":{},\"iters\":{}}}",
-            r.case, r.im, r.s.min, r.s.p50, r.s.p99, r.s.gbps, r.ratio, r.s.cpu_ms_per_gb,
+            "{{\"name\":\"{}\",\"impl\":\"{}\",\"min_us\":{:.3},\"p50_us\":{:.3},\"p99_us\":{:.3},\"gbps\":{:.4},\"ratio_vs_raw\":{},\"cpu_ms_per_gb\":{:.2},\"allocs_per_op\":{:.2},\"target_allocs_per_op\":{},\"instructions_per_op\":{},\"iters\":{}}}",
+            r.case, r.im, r.s.min, r.s.p50, r.s.p99, r.s.gbps, r.ratio.map_or("null".into(), |v| format!("{v:.4}")), r.s.cpu_ms_per_gb,
             r.s.allocs, opt(r.target_allocs), opt(r.instructions), r.s.n
         );
     }
