@@ -133,3 +133,55 @@ fn a_demo_whose_checks_tested_nothing_does_not_pass() {
         );
     }
 }
+
+/// `quiesce target` on epoll switched its stdin's open file description to
+/// non-blocking, and that description is shared with whoever handed it the
+/// stdin (a user's terminal, a parent's pipe): the shell's next read got
+/// EAGAIN. It must leave the description as it found it.
+#[test]
+fn the_target_leaves_the_stdin_it_was_given_as_it_found_it() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::fd::AsRawFd;
+    use std::process::Stdio;
+
+    let (reader, mut writer) = std::io::pipe().expect("pipe");
+    let kept = reader.try_clone().expect("dup"); // the same description
+    let nonblocking = || {
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", kept.as_raw_fd()))
+            .expect("fdinfo");
+        let flags = info
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .expect("flags line");
+        u32::from_str_radix(flags.trim(), 8).expect("octal flags") & 0o4000 != 0
+    };
+    assert!(!nonblocking(), "the pipe starts blocking");
+    for driver in ["epoll", "io_uring"] {
+        let reader = kept.try_clone().expect("dup");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_quiesce"))
+            .args(["target", "--size", "4K"])
+            .env("QUIESCE_DRIVER", driver)
+            .stdin(reader)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the target");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        // Past `listening` the target reads its stdin: a command's answer
+        // says it has adopted it.
+        while !line.starts_with("listening") {
+            line.clear();
+            assert!(out.read_line(&mut line).expect("read") > 0, "target ended");
+        }
+        writer.write_all(b"heap\n").expect("write");
+        line.clear();
+        out.read_line(&mut line).expect("read");
+        assert!(line.starts_with("heap "), "{line}");
+        assert!(
+            !nonblocking(),
+            "{driver}: the target made the shared stdin non-blocking"
+        );
+        child.kill().expect("kill");
+        child.wait().expect("wait");
+    }
+}

@@ -1,7 +1,9 @@
 //! Operations on any file descriptor: pipes, eventfds, files.
 
+use std::fs::OpenOptions;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::context;
@@ -22,7 +24,9 @@ pub struct Fd {
 }
 
 impl Fd {
-    /// Adopts `fd` on the current runtime.
+    /// Adopts `fd` on the current runtime (on epoll a pollable one's open
+    /// file description becomes non-blocking: see
+    /// [`Fd::reopen_for_reading`] for one shared with other processes).
     ///
     /// # Panics
     /// Outside a runtime.
@@ -35,6 +39,39 @@ impl Fd {
             fd: SharedFd::new(fd, context::current()),
             pollable,
         })
+    }
+
+    /// Adopts, for reading, a private open of what `fd` refers to (through
+    /// `/proc/self/fd`): for a descriptor this process shares with others,
+    /// such as its standard input, whose open file description may be a
+    /// user's terminal or a parent's pipe. [`Fd::new`] on epoll switches
+    /// the description it is given to non-blocking, for every process that
+    /// holds it (a shell's next read then fails `EAGAIN`); a private open
+    /// keeps that to this process. What cannot be opened again (a socket)
+    /// is adopted as a duplicate, description shared, as `Fd::new` would.
+    ///
+    /// # Panics
+    /// Outside a runtime.
+    pub fn reopen_for_reading(fd: BorrowedFd<'_>) -> io::Result<Fd> {
+        let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        // Non-blocking to open: a pipe whose writers are gone would wait
+        // for one (then back to blocking: io_uring waits for readiness
+        // itself, and answers EAGAIN on a non-blocking file).
+        let own = match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+        {
+            Ok(file) => {
+                set_nonblocking(&file, false)?;
+                OwnedFd::from(file)
+            }
+            Err(e) => {
+                tracing::debug!("{path}: not opened again ({e}): adopting a duplicate");
+                fd.try_clone_to_owned()?
+            }
+        };
+        Fd::new(own)
     }
 
     fn op<T: Operation>(&self, spec: T) -> Op<T> {

@@ -117,8 +117,9 @@ pub fn run(o: Options) -> Result<(), Box<dyn std::error::Error>> {
         drop(out);
         if watch_stdin {
             use std::os::fd::AsFd;
-            let stdin =
-                quiesce::runtime::fd::Fd::new(std::io::stdin().as_fd().try_clone_to_owned()?)?;
+            // A private open: the description of the stdin it was given is
+            // its parent's too (a terminal, a pipe), and must stay blocking.
+            let stdin = quiesce::runtime::fd::Fd::reopen_for_reading(std::io::stdin().as_fd())?;
             let mut pending = Vec::new();
             loop {
                 let (r, buf) = stdin.read(vec![0u8; 256]).await;
