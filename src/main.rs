@@ -210,11 +210,18 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<usize>()
+    let n = num
+        .parse::<usize>()
         .ok()
         .and_then(|n| n.checked_mul(mul))
         .filter(|&n| n > 0)
-        .ok_or_else(|| format!("{s:?} is not a size of at least 1 byte (like 4096, 4K, 64M)"))
+        .ok_or_else(|| format!("{s:?} is not a size of at least 1 byte (like 4096, 4K, 64M)"))?;
+    // No buffer is larger (Rust's allocation limit): past it, allocating
+    // panicked.
+    if n > isize::MAX as usize {
+        return Err(format!("{s:?} is too large for a buffer"));
+    }
+    Ok(n)
 }
 
 /// The `bench` flags that say which mode a run is in, and which of the

@@ -76,26 +76,40 @@ impl TargetChild {
         let _ = unsafe { libc::prctl(libc::PR_SET_PTRACER, child.id() as libc::c_ulong, 0, 0, 0) };
         let mut tokens = HashMap::new();
         let mut ids = HashMap::new();
-        let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
-        let addr = loop {
-            let line = lines.next().ok_or("the target exited before listening")??;
-            let w: Vec<&str> = line.split_whitespace().collect();
-            match w.as_slice() {
-                ["segment", name, id, _, token] => {
-                    tokens.insert(name.to_string(), token.parse()?);
-                    ids.insert(name.to_string(), id.parse()?);
+        let stdout = child.stdout.take();
+        let listing = stdout.ok_or_else(|| "no stdout".into()).and_then(|out| {
+            let mut lines = BufReader::new(out).lines();
+            let addr = loop {
+                let line = lines.next().ok_or("the target exited before listening")??;
+                let w: Vec<&str> = line.split_whitespace().collect();
+                match w.as_slice() {
+                    ["segment", name, id, _, token] => {
+                        tokens.insert(name.to_string(), token.parse()?);
+                        ids.insert(name.to_string(), id.parse()?);
+                    }
+                    ["listening", addr] => break addr.parse()?,
+                    _ => return Err(format!("unexpected target output {line:?}").into()),
                 }
-                ["listening", addr] => break addr.parse()?,
-                _ => return Err(format!("unexpected target output {line:?}").into()),
+            };
+            Ok::<_, Box<dyn std::error::Error>>((lines, addr))
+        });
+        match listing {
+            Ok((lines, addr)) => Ok(TargetChild {
+                child,
+                lines,
+                addr,
+                tokens,
+                ids,
+            }),
+            Err(e) => {
+                // A bare `Child` neither kills nor reaps on drop: the target
+                // would serve on until it noticed its stdin gone, then stay
+                // a zombie.
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
             }
-        };
-        Ok(TargetChild {
-            child,
-            lines,
-            addr,
-            tokens,
-            ids,
-        })
+        }
     }
 
     /// Revokes the whole segment `name` at the target (its owner's call);
@@ -194,4 +208,40 @@ pub fn allow_any_ptracer() {
             0,
         )
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A launcher whose output is not a target's listing: the spawn fails,
+    /// and the process it started is killed and reaped, not left serving
+    /// (then a zombie) as a bare `Child` dropped on the error was.
+    #[test]
+    fn a_start_that_fails_leaves_no_process() {
+        let pid_file = std::env::temp_dir().join(format!("quiesce-tc-{}", std::process::id()));
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            &format!(
+                "echo $$ > {}; echo garbage; exec sleep 30",
+                pid_file.display()
+            ),
+            "sh",
+        ]);
+        let err = TargetChild::spawn_command(cmd, 4096, false, &[])
+            .err()
+            .expect("garbage is no listing");
+        assert!(
+            err.to_string().contains("unexpected target output"),
+            "{err}"
+        );
+        let pid = std::fs::read_to_string(&pid_file).expect("pid file");
+        let _ = std::fs::remove_file(&pid_file);
+        assert!(
+            !std::path::Path::new(&format!("/proc/{}", pid.trim())).exists(),
+            "the launcher {} lives on",
+            pid.trim()
+        );
+    }
 }

@@ -31,6 +31,26 @@ fn a_zero_size_is_refused() {
     }
 }
 
+/// A size past what any buffer can be panicked (exit 101) where the target
+/// or the bench allocated it, instead of being refused.
+#[test]
+fn a_size_no_buffer_can_have_is_refused() {
+    for args in [
+        &["target", "--size", "9000000000G"][..],
+        &[
+            "bench",
+            "--size",
+            "4K,9000000000G",
+            "--connect",
+            "127.0.0.1:1",
+        ],
+    ] {
+        let (code, err) = quiesce(args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains("too large"), "{args:?}: {err}");
+    }
+}
+
 /// Flags a mode does not use are refused with it: `bench --scale` ignored
 /// --json (no file written), --driver and --size; `bench --compare` ignored
 /// --connect, --size and --impl; `bench --transport rdma` ran quiesce over
