@@ -64,7 +64,7 @@ fn parse_stat(raw: &[u8]) -> Option<(&[u8], char, u64)> {
 /// io_uring's kernel workers (`iou-*`) run none of the process's code and
 /// are not waited for.
 pub fn wait_stopped(pid: u32, within: Duration) -> io::Result<()> {
-    let deadline = Instant::now() + within;
+    let deadline = crate::time::deadline_in(within);
     loop {
         let (mut threads, mut running) = (0, Vec::new());
         for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
@@ -264,7 +264,8 @@ mod tests {
         assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EFAULT));
     }
 
-    /// A stopped process is seen stopped; a running one times out.
+    /// A stopped process is seen stopped, within any limit; a running one
+    /// times out.
     #[test]
     fn wait_stopped_waits_for_every_thread_to_stop() {
         let mut child = std::process::Command::new("sleep")
@@ -276,10 +277,16 @@ mod tests {
         // SAFETY: kill(2) takes no pointers.
         unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
         let stopped = wait_stopped(pid, Duration::from_secs(10));
+        // However long a caller will wait (it panicked on the overflow of
+        // now + Duration::MAX).
+        let forever = std::panic::catch_unwind(|| wait_stopped(pid, Duration::MAX));
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(running.unwrap_err().kind(), io::ErrorKind::TimedOut);
         stopped.unwrap();
+        forever
+            .expect("Duration::MAX is a wait, not a panic")
+            .unwrap();
     }
 
     /// `comm` is whatever bytes the process set: not UTF-8 must not make
