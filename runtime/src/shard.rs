@@ -382,13 +382,15 @@ impl<T> Sender<T> {
     }
 
     fn wake(&self) {
-        if let Some(w) = self
+        // Taken, then woken outside the lock (a wake may write the parked
+        // runtime's eventfd; a waker may do anything).
+        let waker = self
             .chan
             .waker
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+            .take();
+        if let Some(w) = waker {
             w.wake();
         }
     }
@@ -453,7 +455,16 @@ impl<T> Drop for Receiver<T> {
             q.closed = true;
             std::mem::take(&mut q.values)
         };
-        // Outside the lock: a value's drop may send on this channel.
+        // Nothing will wait here again: a sender that lives on must not
+        // keep this task's waker (and its runtime's wake-up fd) alive.
+        let waker = self
+            .chan
+            .waker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        // Outside the locks: a value's drop may send on this channel.
+        drop(waker);
         drop(left);
     }
 }
@@ -496,5 +507,37 @@ mod tests {
         rt.block_on(crate::time::timeout(Duration::from_secs(1), waiting))
             .expect("the raise woke the waiter")
             .unwrap();
+    }
+
+    /// A receiver that goes takes the waker its last wait left: a sender
+    /// that lives on (another shard's) kept it — and through it the gone
+    /// runtime's wake-up eventfd — until the last sender went.
+    #[test]
+    fn a_receiver_that_goes_leaves_no_waker_behind() {
+        struct Counted;
+        impl std::task::Wake for Counted {
+            fn wake(self: std::sync::Arc<Self>) {}
+        }
+        let counted = Arc::new(Counted);
+        let waker = Waker::from(counted.clone());
+        let (tx, mut rx) = channel::<u8>();
+        {
+            let mut wait = std::pin::pin!(rx.recv());
+            let mut cx = std::task::Context::from_waker(&waker);
+            assert!(wait.as_mut().poll(&mut cx).is_pending());
+        }
+        drop(waker);
+        assert_eq!(
+            Arc::strong_count(&counted),
+            2,
+            "the channel holds the wait's waker"
+        );
+        drop(rx);
+        assert_eq!(
+            Arc::strong_count(&counted),
+            1,
+            "the receiver went, its waker stayed"
+        );
+        assert!(tx.send(1).is_err());
     }
 }
