@@ -79,6 +79,8 @@ pub enum JoinError {
 
 struct JoinState<T> {
     output: Option<Result<T, JoinError>>,
+    /// The output was set (it stays so once the handle took it).
+    finished: bool,
     waiter: Option<Waker>,
     aborted: bool,
     /// The task's own waker, to get it polled (and dropped) on abort.
@@ -107,7 +109,7 @@ impl<T> JoinHandle<T> {
 
     /// True once the task has produced its output (or was cancelled).
     pub fn is_finished(&self) -> bool {
-        self.state.borrow().output.is_some()
+        self.state.borrow().finished
     }
 }
 
@@ -152,6 +154,7 @@ impl<T> Harness<T> {
             tracing::error!("a quiesce task panicked");
         }
         st.output = Some(out);
+        st.finished = true;
         st.task_waker = None;
         if let Some(w) = st.waiter.take() {
             drop(st);
@@ -246,6 +249,7 @@ where
 {
     let state = Rc::new(RefCell::new(JoinState {
         output: None,
+        finished: false,
         waiter: None,
         aborted: false,
         task_waker: None,

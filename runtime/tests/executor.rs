@@ -173,6 +173,17 @@ fn join_handle_of_a_finished_task_is_ready() {
     });
 }
 
+/// A finished task stays finished once its output was taken (a poll of
+/// the handle took it, and `is_finished` answered false again).
+#[test]
+fn a_task_whose_output_was_taken_is_still_finished() {
+    rt().block_on(async {
+        let mut h = spawn_local(async { 5 });
+        assert_eq!((&mut h).await.unwrap(), 5);
+        assert!(h.is_finished());
+    });
+}
+
 #[test]
 fn a_yielding_task_runs_once_per_reactor_turn() {
     // A task that yields in a loop must not be re-polled over and over before
