@@ -246,12 +246,15 @@ pub fn tasks_ready() -> bool {
     context::try_with(|cx| cx.is_some_and(|cx| !cx.ready.borrow().is_empty()))
 }
 
-/// How long until the nearest timer is due (`None`: no timer).
+/// How long until the nearest timer is due (`None`: no timer), at most
+/// [`time::LONGEST_WAIT`]: `sleep_until` takes any `Instant`, and a park of
+/// centuries is past what some kernels' io_uring_enter can add to its clock
+/// (it would time out at once, every turn).
 fn until_next_timer(cx: &Context) -> Option<Duration> {
-    cx.timers
-        .borrow_mut()
-        .next_deadline()
-        .map(|d| d.saturating_duration_since(Instant::now()))
+    cx.timers.borrow_mut().next_deadline().map(|d| {
+        d.saturating_duration_since(Instant::now())
+            .min(time::LONGEST_WAIT)
+    })
 }
 
 /// How a spin ended.
