@@ -108,12 +108,12 @@ enum Cmd {
         /// Iterations per size (default: by size; at least 1).
         #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         iters: Option<usize>,
-        /// Tasks per batch.
-        #[arg(long, default_value_t = 1)]
+        /// Tasks per batch (at least 1).
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         batch: usize,
         /// --compare: multiples of the default iterations per case.
-        /// (3 by default).
-        #[arg(long)]
+        /// (3 by default; at least 1).
+        #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         rounds: Option<usize>,
         /// Also write the results as JSON.
         #[arg(long)]
@@ -216,9 +216,9 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         .and_then(|n| n.checked_mul(mul))
         .filter(|&n| n > 0)
         .ok_or_else(|| format!("{s:?} is not a size of at least 1 byte (like 4096, 4K, 64M)"))?;
-    // No buffer is larger (Rust's allocation limit): past it, allocating
-    // panicked.
-    if n > isize::MAX as usize {
+    // No buffer is larger: Rust's allocation limit, less the page the
+    // buffers are aligned to (past it, allocating panicked).
+    if n > (isize::MAX as usize) & !4095 {
         return Err(format!("{s:?} is too large for a buffer"));
     }
     Ok(n)
@@ -357,16 +357,6 @@ fn main() -> ExitCode {
             spin_us,
             tcp_congestion,
         } => {
-            let connect = match (directory, peer) {
-                (Some(url), Some(peer)) => match resolve(&url, &peer) {
-                    Ok(a) => Some(a),
-                    Err(e) => {
-                        eprintln!("quiesce: {e}");
-                        return ExitCode::from(2);
-                    }
-                },
-                _ => connect,
-            };
             if let Some(why) = bench_flags_unused(&BenchFlags {
                 rdma: transport == "rdma",
                 compare,
@@ -386,6 +376,16 @@ fn main() -> ExitCode {
                 eprintln!("quiesce: {why}");
                 return ExitCode::from(2);
             }
+            let connect = match (directory, peer) {
+                (Some(url), Some(peer)) => match resolve(&url, &peer) {
+                    Ok(a) => Some(a),
+                    Err(e) => {
+                        eprintln!("quiesce: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                _ => connect,
+            };
             // One of the two (clap checked).
             let driver = match driver.as_deref().unwrap_or("io_uring") {
                 "epoll" => quiesce::runtime::DriverKind::Epoll,
@@ -402,7 +402,7 @@ fn main() -> ExitCode {
                 sizes: size,
                 iters,
                 batch,
-                rounds: rounds.unwrap_or(3).max(1),
+                rounds: rounds.unwrap_or(3),
                 json,
                 driver,
                 initiator,

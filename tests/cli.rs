@@ -32,15 +32,26 @@ fn a_zero_size_is_refused() {
 }
 
 /// A size past what any buffer can be panicked (exit 101) where the target
-/// or the bench allocated it, instead of being refused.
+/// or the bench allocated it, instead of being refused (a batch of sizes
+/// too; just under isize::MAX, the page alignment pushed it over).
 #[test]
 fn a_size_no_buffer_can_have_is_refused() {
     for args in [
         &["target", "--size", "9000000000G"][..],
+        &["target", "--size", "9223372036854775807"],
         &[
             "bench",
             "--size",
             "4K,9000000000G",
+            "--connect",
+            "127.0.0.1:1",
+        ],
+        &[
+            "bench",
+            "--size",
+            "4G",
+            "--batch",
+            "4294967296",
             "--connect",
             "127.0.0.1:1",
         ],
@@ -84,7 +95,8 @@ fn flags_a_bench_mode_would_ignore_are_refused() {
 }
 
 /// Counts of nothing are refused: `bench --iters 0` printed a row of zeros
-/// (and under --compare wrote NaN ratios, no JSON, to --json), `soak
+/// (and under --compare wrote NaN ratios, no JSON, to --json), `--batch 0`
+/// ran single writes, `--compare --rounds 0` one round, `soak
 /// --connections 0` met its goal at NaN bytes per connection; and the flags
 /// only --compare reads were taken without it (clap's `requires` counted
 /// the `--compare` flag's default as given).
@@ -93,6 +105,8 @@ fn counts_of_nothing_and_compare_only_flags_are_refused() {
     for args in [
         &["bench", "--iters", "0", "--connect", "127.0.0.1:1"][..],
         &["soak", "--connections", "0"],
+        &["bench", "--batch", "0", "--connect", "127.0.0.1:1"],
+        &["bench", "--compare", "--rounds", "0"],
     ] {
         let (code, err) = quiesce(args);
         assert_eq!(code, Some(2), "{args:?}: {err}");
@@ -204,4 +218,34 @@ fn the_target_leaves_the_stdin_it_was_given_as_it_found_it() {
         child.kill().expect("kill");
         child.wait().expect("wait");
     }
+}
+
+/// A regular file as stdin is read from where its shared offset stands (a
+/// script that read its first line before starting the target): it is not
+/// opened again, which would start at 0.
+#[test]
+fn the_target_reads_a_file_on_from_where_it_was_given() {
+    use std::io::{Read, Seek, Write};
+    let path = std::env::temp_dir().join(format!("quiesce-cli-stdin-{}", std::process::id()));
+    std::fs::File::create(&path)
+        .and_then(|mut f| f.write_all(b"skip\nheap\n"))
+        .expect("write the commands");
+    let mut stdin = std::fs::File::open(&path).expect("open");
+    let mut first = [0u8; 5];
+    stdin.read_exact(&mut first).expect("the first line");
+    assert_eq!(stdin.stream_position().unwrap(), 5);
+    let out = Command::new(env!("CARGO_BIN_EXE_quiesce"))
+        .args(["target", "--size", "4K"])
+        .stdin(stdin)
+        .output()
+        .expect("run the target");
+    let _ = std::fs::remove_file(&path);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let replies: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("listening"))
+        .skip(1)
+        .collect();
+    assert_eq!(replies.len(), 1, "{stdout}");
+    assert!(replies[0].starts_with("heap "), "{stdout}");
 }

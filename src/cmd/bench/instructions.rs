@@ -87,7 +87,12 @@ fn total(
         .args(["--token", &t.kv.token.to_string()])
         .args(["--impl", initiator, "--driver", driver, "--op", op])
         .args(["--size", &size.to_string(), "--iters", &iters.to_string()]);
-    if let Some(zc) = setup.zc_threshold {
+    // Only quiesce's initiators send with SEND_ZC (the others refuse the
+    // flag rather than ignore it).
+    if let Some(zc) = setup
+        .zc_threshold
+        .filter(|_| !matches!(im, Impl::Raw | Impl::Tokio))
+    {
         cmd.args(["--zc-threshold", &zc.to_string()]);
     }
     if let Some(name) = &setup.tcp_congestion {

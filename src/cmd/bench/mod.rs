@@ -433,6 +433,17 @@ pub fn run(a: BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
                 .into(),
         );
     }
+    let largest = a.sizes.iter().max().copied().unwrap_or(0);
+    if largest
+        .checked_mul(a.batch)
+        .is_none_or(|n| n > isize::MAX as usize)
+    {
+        return Err(format!(
+            "--batch {} of --size {largest}: too large for a buffer",
+            a.batch
+        )
+        .into());
+    }
     if a.op == "read" && a.batch > 1 {
         return Err("--batch runs writes; --op read measures single reads".into());
     }
@@ -463,7 +474,7 @@ fn single(a: &BenchArgs) -> Result<bool, Box<dyn std::error::Error>> {
     // RDMA without --connect: a `quiesce target --transport rdma` child.
     let child = match (rdma, a.connect) {
         (true, None) => {
-            let size = a.sizes.iter().max().copied().unwrap_or(1 << 20) * a.batch.max(1);
+            let size = a.sizes.iter().max().copied().unwrap_or(1 << 20) * a.batch;
             Some(quiesce::target_child::TargetChild::spawn(
                 &std::env::current_exe()?,
                 size,
