@@ -42,18 +42,33 @@ impl Fd {
     }
 
     /// Adopts, for reading, a private open of what `fd` refers to (through
-    /// `/proc/self/fd`): for a descriptor this process shares with others,
-    /// such as its standard input, whose open file description may be a
-    /// user's terminal or a parent's pipe. [`Fd::new`] on epoll switches
-    /// the description it is given to non-blocking, for every process that
-    /// holds it (a shell's next read then fails `EAGAIN`); a private open
-    /// keeps that to this process. What cannot be opened again (a socket)
-    /// is adopted as a duplicate, description shared, as `Fd::new` would.
+    /// `/proc/self/fd`) where it is a pipe or a terminal: for a descriptor
+    /// this process shares with others, such as its standard input, whose
+    /// open file description may be a user's terminal or a parent's pipe.
+    /// [`Fd::new`] on epoll switches the description it is given to
+    /// non-blocking, for every process that holds it (a shell's next read
+    /// then fails `EAGAIN`); a private open keeps that to this process.
+    /// Anything else is adopted as a duplicate, description shared: a
+    /// regular file keeps its shared offset (and is never switched), as do
+    /// a socket (which cannot be opened again) and `/dev/ptmx` (whose open
+    /// makes a new terminal); so is a terminal this user may not open
+    /// (another user's), with a warning on epoll.
     ///
     /// # Panics
     /// Outside a runtime.
     pub fn reopen_for_reading(fd: BorrowedFd<'_>) -> io::Result<Fd> {
+        use std::os::unix::fs::FileTypeExt;
+        let dup = fd.try_clone_to_owned()?;
+        let kind = std::fs::File::from(dup.try_clone()?)
+            .metadata()?
+            .file_type();
         let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        let reopens = kind.is_fifo()
+            || (kind.is_char_device()
+                && std::fs::read_link(&path).is_ok_and(|p| p != std::path::Path::new("/dev/ptmx")));
+        if !reopens {
+            return Fd::new(dup);
+        }
         // Non-blocking to open: a pipe whose writers are gone would wait
         // for one (then back to blocking: io_uring waits for readiness
         // itself, and answers EAGAIN on a non-blocking file).
@@ -67,8 +82,13 @@ impl Fd {
                 OwnedFd::from(file)
             }
             Err(e) => {
-                tracing::debug!("{path}: not opened again ({e}): adopting a duplicate");
-                fd.try_clone_to_owned()?
+                if current_is_epoll() {
+                    tracing::warn!(
+                        "{path} cannot be opened again ({e}): reading it on epoll makes it \
+                         non-blocking for every process that shares it"
+                    );
+                }
+                dup
             }
         };
         Fd::new(own)
