@@ -10,13 +10,22 @@ use quiesce::target_child::TargetChild;
 /// INFO, inside its `batch` span.
 fn demo(filter: Option<&str>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_quiesce"));
-    cmd.args(["demo", "--rounds", "1", "--size", "64M"]);
+    cmd.args(["demo", "--rounds", "1", "--size", "1M"]);
     match filter {
         Some(f) => cmd.env("QUIESCE_LOG", f),
         None => cmd.env_remove("QUIESCE_LOG"),
     };
     let out = cmd.output().expect("the quiesce binary runs");
-    assert!(out.status.success(), "demo failed: {out:?}");
+    // The demo ran to its verdict, nothing corrupted (its proofs that the
+    // count can fail rest on one round each here: one that did not show,
+    // exit 1 with NOT SHOWN, is no failure of the logs).
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let shown =
+        out.status.success() || (out.status.code() == Some(1) && stdout.contains("NOT SHOWN"));
+    assert!(
+        shown && stdout.contains("corrupted: 0/1"),
+        "demo failed: {out:?}"
+    );
     out
 }
 

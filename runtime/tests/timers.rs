@@ -7,6 +7,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use quiesce_runtime::shard::channel;
 use quiesce_runtime::time::{sleep, sleep_until, timeout, Elapsed};
 use quiesce_runtime::{spawn_local, stats};
 
@@ -158,17 +159,23 @@ fn a_task_waiting_on_a_sleep_of_a_runtime_that_shuts_down_is_woken() {
 /// wait like any other. The io_uring reactor handed the whole span to
 /// io_uring_enter, which adds it to the clock in nanoseconds: past ~292
 /// years that sum leaves ktime's range, and a kernel that does not saturate
-/// it returns ETIME at once, every park (6.18 saturates: this passes there
-/// with or without the reactor's cap). A 100 ms sleep beside such a timer
-/// must take a handful of turns, not hundreds of thousands.
+/// it times out at once, every park. With only that timer armed and the
+/// task woken from another thread 100 ms later, the wait must take a
+/// handful of turns, not hundreds of thousands.
 #[test]
 fn a_deadline_centuries_away_does_not_spin_the_reactor() {
     rt().block_on(async {
         let never = Instant::now() + Duration::from_secs(1000 * 365 * 86_400);
         let far = spawn_local(sleep_until(never));
+        let (tx, mut rx) = channel::<()>();
+        let waker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            tx.send(()).expect("the receiver waits");
+        });
         let before = stats().ticks;
-        sleep(Duration::from_millis(100)).await;
+        rx.recv().await.expect("sent");
         let turns = stats().ticks - before;
+        waker.join().unwrap();
         assert!(turns < 50, "{turns} reactor turns in 100 ms");
         far.abort();
     });
