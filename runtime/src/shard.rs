@@ -330,6 +330,14 @@ struct Chan<T> {
     senders: AtomicUsize,
 }
 
+impl<T> Chan<T> {
+    /// The waiting receiver's waker, taken: the lock is released before
+    /// the caller wakes or drops it.
+    fn take_waker(&self) -> Option<Waker> {
+        self.waker.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
 /// The values in flight, and whether the receiver is gone — one lock, so a
 /// value is either refused or queued before the receiver went (which then
 /// drops it), never queued after.
@@ -384,13 +392,7 @@ impl<T> Sender<T> {
     fn wake(&self) {
         // Taken, then woken outside the lock (a wake may write the parked
         // runtime's eventfd; a waker may do anything).
-        let waker = self
-            .chan
-            .waker
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(w) = waker {
+        if let Some(w) = self.chan.take_waker() {
             w.wake();
         }
     }
@@ -457,12 +459,7 @@ impl<T> Drop for Receiver<T> {
         };
         // Nothing will wait here again: a sender that lives on must not
         // keep this task's waker (and its runtime's wake-up fd) alive.
-        let waker = self
-            .chan
-            .waker
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let waker = self.chan.take_waker();
         // Outside the locks: a value's drop may send on this channel.
         drop(waker);
         drop(left);
