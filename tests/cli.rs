@@ -249,3 +249,41 @@ fn the_target_reads_a_file_on_from_where_it_was_given() {
     assert_eq!(replies.len(), 1, "{stdout}");
     assert!(replies[0].starts_with("heap "), "{stdout}");
 }
+
+/// A target that leads its own session, with no controlling terminal,
+/// reading a terminal as stdin: opening that terminal again made it the
+/// target's controlling terminal (no O_NOCTTY), so its hang-up would
+/// signal the target. Python's `pty` makes the terminal; `setsid` the
+/// session.
+#[test]
+fn the_target_takes_no_controlling_terminal_from_its_stdin() {
+    let script = r#"
+import os, pty, subprocess, sys
+master, slave = pty.openpty()
+p = subprocess.Popen(["setsid", sys.argv[1], "target", "--size", "4K"],
+                     stdin=slave, stdout=subprocess.PIPE, env=dict(os.environ, QUIESCE_DRIVER="epoll"))
+while not p.stdout.readline().startswith(b"listening"):
+    pass
+os.write(master, b"heap\n")
+assert p.stdout.readline().startswith(b"heap "), "no answer"
+with open(f"/proc/{p.pid}/stat") as f:
+    tty_nr = int(f.read().rsplit(")", 1)[1].split()[4])
+p.kill(); p.wait()
+print(tty_nr)
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, env!("CARGO_BIN_EXE_quiesce")])
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout.trim(),
+        "0",
+        "the target took its stdin as its controlling terminal"
+    );
+}

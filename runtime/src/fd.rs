@@ -71,10 +71,11 @@ impl Fd {
         }
         // Non-blocking to open: a pipe whose writers are gone would wait
         // for one (then back to blocking: io_uring waits for readiness
-        // itself, and answers EAGAIN on a non-blocking file).
+        // itself, and answers EAGAIN on a non-blocking file). O_NOCTTY: a
+        // session leader with no controlling terminal would take this one.
         let own = match OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_NONBLOCK)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
             .open(&path)
         {
             Ok(file) => {
